@@ -1,0 +1,5 @@
+import sys
+
+from otbflow.cli import main
+
+sys.exit(main())

@@ -1,0 +1,2 @@
+ESTIMATORS = {"grpo": None, "rloo": None, "opo": None, "otb": None}
+SECTIONS = ("advantages",)

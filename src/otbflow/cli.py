@@ -1,0 +1,117 @@
+"""``otbflow <stage>``: one sub-command per stage module.
+
+Each stage module defines ``SECTIONS`` (the config sections it reads), an ``Args`` dataclass
+(its inputs and outputs; the field docstrings are the help text) and ``run(cfg, args)``.
+Every sub-command takes ``--config FILE`` and trailing ``key.sub=value`` overrides, loaded by
+the same ``otbflow.config.load_config`` that the Snakefile uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import logging
+import sys
+import time
+import typing
+
+from otbflow.config import ConfigError, describe_section, field_docs, load_config
+from otbflow.io import SchemaError
+
+STAGES = {
+    "bootstrap": "build and warm-start the tiny policy (skipped when model.path is set)",
+    "shard": "split the prompts into train shards and an eval set",
+    "rollout": "sample G responses per prompt and score them",
+    "features": "teacher-forced forward pass: log-probs, entropy, sum pi^2, proxy energy, mismatch",
+    "advantages": "baselines and advantages from stored features, plus estimator diagnostics",
+    "train": "DeepSpeed policy update producing the next policy",
+    "evaluate": "greedy and avg@k accuracy of a policy on held-out prompts",
+    "report": "collect metrics of all iterations and plot them",
+}
+TOOLS = {
+    "config": "print the validated config (or every key with its help)",
+    "schema-doc": "print the Parquet schema reference (docs/schema.md)",
+}
+
+
+def _add_args_dataclass(parser: argparse.ArgumentParser, cls: type) -> None:
+    docs = field_docs(cls)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        kind = hints[f.name]
+        if kind is bool:
+            parser.add_argument(flag, dest=f.name, action="store_true", help=docs.get(f.name, ""))
+            continue
+        if typing.get_origin(kind) is typing.Union:  # Optional[X]
+            kind = next(a for a in typing.get_args(kind) if a is not type(None))
+        if typing.get_origin(kind) is list:
+            parser.add_argument(flag, dest=f.name, nargs="+", type=typing.get_args(kind)[0],
+                                required=required, default=None if required else f.default_factory(),
+                                help=docs.get(f.name, ""))
+            continue
+        parser.add_argument(flag, dest=f.name, type=kind, required=required,
+                            default=None if required else f.default, help=docs.get(f.name, ""))
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The full parser of ``command``; the other sub-commands are listed without importing
+    their modules (so ``otbflow rollout`` does not import DeepSpeed)."""
+    parser = argparse.ArgumentParser(prog="otbflow", description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, help_text in STAGES.items():
+        if name != command:
+            sub.add_parser(name, help=help_text)
+            continue
+        mod = importlib.import_module(f"otbflow.{name}")
+        epilog = "config keys read by this stage:\n" + "\n".join(describe_section(s) for s in mod.SECTIONS)
+        p = sub.add_parser(name, help=help_text, description=(mod.__doc__ or help_text).strip(),
+                           epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.add_argument("--config", default=None, help="config YAML (default: config/config.yaml)")
+        _add_args_dataclass(p, mod.Args)
+        p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. rollout.group_size=8")
+    for name, help_text in TOOLS.items():
+        p = sub.add_parser(name, help=help_text)
+        if name == "config":
+            p.add_argument("--config", default=None)
+            p.add_argument("--help-keys", action="store_true", help="list every key with its help")
+            p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    parser = build_parser(argv[0] if argv else None)
+    ns = parser.parse_args(argv)
+    from otbflow.config import DEFAULT_CONFIG, describe_all, to_yaml
+
+    try:
+        if ns.command == "schema-doc":
+            from otbflow.schemas import schema_markdown
+
+            print(schema_markdown())
+            return 0
+        if ns.command == "config":
+            if ns.help_keys:
+                print(describe_all())
+                return 0
+            print(to_yaml(load_config(ns.config or DEFAULT_CONFIG, ns.overrides)), end="")
+            return 0
+        cfg = load_config(ns.config or DEFAULT_CONFIG, ns.overrides)
+        mod = importlib.import_module(f"otbflow.{ns.command}")
+        args = mod.Args(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(mod.Args)})
+        start = time.perf_counter()
+        mod.run(cfg, args)
+        logging.getLogger("otbflow").info("%s finished in %.1f s", ns.command, time.perf_counter() - start)
+        return 0
+    except (ConfigError, SchemaError) as e:
+        print(f"otbflow {ns.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

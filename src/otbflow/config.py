@@ -1,0 +1,353 @@
+"""The one validated configuration shared by Snakemake and every ``otbflow <stage>`` CLI.
+
+The schema is a tree of dataclasses (OmegaConf structured configs). The docstring under each
+field is its documentation: ``otbflow config --help-keys`` prints them, and they are the CLI
+help of every stage. ``load_config`` merges the YAML file and ``key.sub=value`` overrides onto
+the schema, so an unknown key or a wrong type fails at once, then ``validate`` rejects
+impossible values. Every error names the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import hashlib
+import inspect
+import json
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "config" / "config.yaml"
+
+
+class ConfigError(ValueError):
+    """A configuration problem, reported with the offending key."""
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = None
+    """Local HF causal-LM folder to start from (e.g. a downloaded Qwen checkpoint). null: the
+    bootstrap stage builds and warm-starts the built-in tiny character-level GPT-2."""
+    n_layer: int = 4
+    """Tiny model: number of transformer blocks."""
+    n_embd: int = 128
+    """Tiny model: hidden width."""
+    n_head: int = 4
+    """Tiny model: attention heads (must divide n_embd)."""
+    n_positions: int = 128
+    """Tiny model: context length in characters (prompt + response)."""
+    dtype: str = "float32"
+    """Weights dtype when loading the policy for rollout/features/evaluate: float32 | bfloat16."""
+
+
+@dataclass
+class BootstrapConfig:
+    sft_max_steps: int = 1500
+    """Most supervised warm-start steps on the synthetic task."""
+    sft_batch_size: int = 64
+    """Sequences per warm-start step."""
+    sft_lr: float = 3.0e-3
+    """Warm-start AdamW learning rate."""
+    eval_every: int = 50
+    """Check the sampled accuracy on held-out prompts every this many steps."""
+    target_accuracy: float = 0.3
+    """Stop warm-starting once the sampled accuracy (temperature 1) on held-out prompts reaches
+    this. Keeps the initial policy inside the 10-70% band that leaves RL a signal."""
+    n_eval_prompts: int = 64
+    """Held-out prompts used by those accuracy checks (separate from the eval split)."""
+
+
+@dataclass
+class TaskConfig:
+    name: str = "arithmetic"
+    """'arithmetic': the built-in synthetic multi-step arithmetic task with a scratchpad.
+    'dataset': prompts and answers read from `path` (JSONL or Parquet, columns prompt, answer)."""
+    reward: str = "auto"
+    """Reward function, by registry name (see otbflow.rewards). 'auto': 'arithmetic' for the
+    synthetic task, 'math' for datasets."""
+    n_train: int = 512
+    """Synthetic task: number of training prompts."""
+    n_eval: int = 64
+    """Held-out evaluation prompts (synthetic task size, or rows split off a dataset)."""
+    min_terms: int = 2
+    """Synthetic task: fewest operands per problem."""
+    max_terms: int = 5
+    """Synthetic task: most operands per problem (more operands, longer scratchpads)."""
+    max_operand: int = 9
+    """Synthetic task: operands are drawn from 0..max_operand."""
+    path: Optional[str] = None
+    """Dataset task: local JSONL or Parquet file with `prompt` and `answer` columns."""
+    eval_path: Optional[str] = None
+    """Dataset task: optional separate eval file; null splits `n_eval` rows off `path`."""
+    prompt_template: str = "{prompt}"
+    """Dataset task: Python format string applied to each prompt (e.g. a chat/CoT instruction)."""
+
+
+@dataclass
+class ShardConfig:
+    n_shards: int = 2
+    """Number of training-prompt shards; rollout and features run once per shard."""
+
+
+@dataclass
+class RolloutConfig:
+    backend: str = "hf"
+    """Generation engine: 'hf' (transformers, CPU or GPU) | 'vllm' (GPU only, own environment)."""
+    group_size: int = 4
+    """G: responses sampled per prompt (one group)."""
+    prompts_per_iteration: int = 64
+    """Training prompts sampled per iteration, over all shards (cycles through the split)."""
+    temperature: float = 1.0
+    """Sampling temperature; the features stage scales logits by the same value."""
+    top_p: float = 1.0
+    """Nucleus sampling mass, in (0, 1]."""
+    max_new_tokens: int = 48
+    """Most tokens generated per response; longer ones finish with reason 'length'."""
+    batch_size: int = 64
+    """Prompts per generate call."""
+
+
+@dataclass
+class FeaturesConfig:
+    batch_size: int = 32
+    """Sequences per teacher-forced forward pass."""
+    chunk_size: int = 1024
+    """Token positions per output-projection chunk: only chunk_size x V logits are ever held."""
+
+
+@dataclass
+class AdvantagesConfig:
+    estimator: str = "otb"
+    """Estimator used for training, by registry name (see otbflow.advantages.ESTIMATORS)."""
+    compare: list[str] = field(default_factory=lambda: ["grpo", "rloo", "opo", "otb"])
+    """Estimators whose variance diagnostics are computed on the same rollouts for comparison."""
+    std_normalize: bool = True
+    """grpo: divide by the group's unbiased std (+1e-6). false is Dr.GRPO."""
+    handle_zero_tail: bool = True
+    """otb: a unique longest response gets baseline 0 on its lone tail (algorithms.md 1.5)."""
+    baseline_shift: float = 0.0
+    """delta added to every baseline; < 0 is asymmetric REINFORCE's pessimistic shift."""
+
+
+@dataclass
+class TrainConfig:
+    lr: float = 2.0e-4
+    """Peak AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    mini_batch_size: int = 64
+    """Sequences per optimizer step (global, over all ranks)."""
+    micro_batch_size: int = 16
+    """Sequences per forward/backward on one rank (gradient accumulation fills the rest)."""
+    ppo_epochs: int = 1
+    """Passes over the iteration's rollouts."""
+    clip_ratio_low: float = 0.2
+    """PPO clip: ratio lower bound 1 - clip_ratio_low."""
+    clip_ratio_high: float = 0.2
+    """PPO clip: ratio upper bound 1 + clip_ratio_high (0.28 is DAPO clip-higher)."""
+    loss_agg_mode: str = "token-mean"
+    """Loss aggregation: token-mean | seq-mean-token-sum | seq-mean-token-mean."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping threshold (global L2 norm)."""
+    zero_stage: int = 0
+    """DeepSpeed ZeRO stage 0-3."""
+    bf16: bool = False
+    """Train in bf16 (DeepSpeed mixed precision)."""
+
+
+@dataclass
+class EvaluateConfig:
+    n_samples: int = 4
+    """k for avg@k: sampled responses per eval prompt (temperature from `temperature`)."""
+    temperature: float = 1.0
+    """Sampling temperature for avg@k (greedy accuracy is always reported too)."""
+    max_new_tokens: int = 48
+    """Most tokens generated per eval response."""
+
+
+@dataclass
+class Config:
+    seed: int = 0
+    """Global seed: fixes data, sampling, initialisation and training on CPU."""
+    iterations: int = 2
+    """RL iterations K; iteration k+1 samples from the policy trained in iteration k."""
+    results_dir: str = "results"
+    """Where every stage writes (relative to the working directory)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    bootstrap: BootstrapConfig = field(default_factory=BootstrapConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    shard: ShardConfig = field(default_factory=ShardConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    features: FeaturesConfig = field(default_factory=FeaturesConfig)
+    advantages: AdvantagesConfig = field(default_factory=AdvantagesConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+
+
+# ------------------------------------------------------------------------------------------
+# Loading and validation
+# ------------------------------------------------------------------------------------------
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> DictConfig:
+    """Merge ``path`` (default ``config/config.yaml``) and ``key=value`` overrides onto the
+    schema, then validate. Raises ConfigError naming the key on any problem."""
+    schema = OmegaConf.structured(Config)
+    try:
+        layers = [schema]
+        if path is not None:
+            p = Path(path)
+            if not p.is_file():
+                raise ConfigError(f"config file not found: {p}")
+            layers.append(OmegaConf.load(p))
+        if overrides:
+            layers.append(OmegaConf.from_dotlist(list(overrides)))
+        cfg = OmegaConf.merge(*layers)
+    except OmegaConfBaseException as e:
+        raise ConfigError(_describe_omegaconf_error(e)) from None
+    validate(cfg)
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
+def _describe_omegaconf_error(e: OmegaConfBaseException) -> str:
+    key = getattr(e, "full_key", None) or "?"
+    msg = str(e).splitlines()[0]
+    if "ConfigKeyError" in type(e).__name__ or "not in struct" in msg or "Key '" in msg:
+        parent = key.rsplit(".", 1)[0] if "." in key else ""
+        allowed = _allowed_keys(parent)
+        return f"config key '{key}': unknown key. Allowed here: {', '.join(allowed)}"
+    return f"config key '{key}': {msg}"
+
+
+def _allowed_keys(dotted_parent: str) -> list[str]:
+    node: Any = Config()
+    for part in filter(None, dotted_parent.split(".")):
+        node = getattr(node, part, None)
+    return [f.name for f in dataclasses.fields(node)] if dataclasses.is_dataclass(node) else []
+
+
+def _require(ok: bool, key: str, allowed: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"config key '{key}': must be {allowed} (got {value!r})")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Reject impossible values; every message names the key and what is allowed."""
+    from otbflow.advantages import ESTIMATORS
+    from otbflow.rewards import REWARDS
+
+    m, b, t, r = cfg.model, cfg.bootstrap, cfg.task, cfg.rollout
+    _require(cfg.iterations >= 1, "iterations", ">= 1", cfg.iterations)
+    _require(m.dtype in ("float32", "bfloat16"), "model.dtype", "one of float32, bfloat16", m.dtype)
+    for k in ("n_layer", "n_embd", "n_head", "n_positions"):
+        _require(m[k] >= 1, f"model.{k}", ">= 1", m[k])
+    _require(m.n_embd % m.n_head == 0, "model.n_head", "a divisor of model.n_embd", m.n_head)
+    _require(b.sft_max_steps >= 0, "bootstrap.sft_max_steps", ">= 0", b.sft_max_steps)
+    _require(b.sft_batch_size >= 1, "bootstrap.sft_batch_size", ">= 1", b.sft_batch_size)
+    _require(b.sft_lr > 0, "bootstrap.sft_lr", "> 0", b.sft_lr)
+    _require(b.eval_every >= 1, "bootstrap.eval_every", ">= 1", b.eval_every)
+    _require(0 <= b.target_accuracy <= 1, "bootstrap.target_accuracy", "in [0, 1]", b.target_accuracy)
+    _require(b.n_eval_prompts >= 1, "bootstrap.n_eval_prompts", ">= 1", b.n_eval_prompts)
+    _require(t.name in ("arithmetic", "dataset"), "task.name", "one of arithmetic, dataset", t.name)
+    _require(t.reward == "auto" or t.reward in REWARDS, "task.reward",
+             f"'auto' or one of {', '.join(sorted(REWARDS))}", t.reward)
+    _require(t.n_train >= 1, "task.n_train", ">= 1", t.n_train)
+    _require(t.n_eval >= 1, "task.n_eval", ">= 1", t.n_eval)
+    _require(1 <= t.min_terms <= t.max_terms, "task.min_terms", "in [1, task.max_terms]", t.min_terms)
+    _require(t.max_operand >= 1, "task.max_operand", ">= 1", t.max_operand)
+    if t.name == "dataset":
+        _require(t.path is not None, "task.path", "a JSONL or Parquet file when task.name is 'dataset'", t.path)
+    _require("{prompt}" in t.prompt_template, "task.prompt_template", "a format string containing {prompt}",
+             t.prompt_template)
+    _require(cfg.shard.n_shards >= 1, "shard.n_shards", ">= 1", cfg.shard.n_shards)
+    _require(r.backend in ("hf", "vllm"), "rollout.backend", "one of hf, vllm", r.backend)
+    _require(r.group_size >= 1, "rollout.group_size", ">= 1", r.group_size)
+    _require(r.prompts_per_iteration >= 1, "rollout.prompts_per_iteration", ">= 1", r.prompts_per_iteration)
+    _require(r.temperature > 0, "rollout.temperature", "> 0", r.temperature)
+    _require(0 < r.top_p <= 1, "rollout.top_p", "in (0, 1]", r.top_p)
+    _require(r.max_new_tokens >= 1, "rollout.max_new_tokens", ">= 1", r.max_new_tokens)
+    _require(r.batch_size >= 1, "rollout.batch_size", ">= 1", r.batch_size)
+    _require(cfg.features.batch_size >= 1, "features.batch_size", ">= 1", cfg.features.batch_size)
+    _require(cfg.features.chunk_size >= 1, "features.chunk_size", ">= 1", cfg.features.chunk_size)
+    a = cfg.advantages
+    names = ", ".join(sorted(ESTIMATORS))
+    _require(a.estimator in ESTIMATORS, "advantages.estimator", f"one of {names}", a.estimator)
+    for i, name in enumerate(a.compare):
+        _require(name in ESTIMATORS, f"advantages.compare[{i}]", f"one of {names}", name)
+    tr = cfg.train
+    _require(tr.lr > 0, "train.lr", "> 0", tr.lr)
+    _require(tr.weight_decay >= 0, "train.weight_decay", ">= 0", tr.weight_decay)
+    _require(tr.micro_batch_size >= 1, "train.micro_batch_size", ">= 1", tr.micro_batch_size)
+    _require(tr.mini_batch_size >= tr.micro_batch_size and tr.mini_batch_size % tr.micro_batch_size == 0,
+             "train.mini_batch_size", "a multiple of train.micro_batch_size", tr.mini_batch_size)
+    _require(tr.ppo_epochs >= 1, "train.ppo_epochs", ">= 1", tr.ppo_epochs)
+    _require(0 <= tr.clip_ratio_low < 1, "train.clip_ratio_low", "in [0, 1)", tr.clip_ratio_low)
+    _require(tr.clip_ratio_high >= 0, "train.clip_ratio_high", ">= 0", tr.clip_ratio_high)
+    modes = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+    _require(tr.loss_agg_mode in modes, "train.loss_agg_mode", f"one of {', '.join(modes)}", tr.loss_agg_mode)
+    _require(tr.max_grad_norm > 0, "train.max_grad_norm", "> 0", tr.max_grad_norm)
+    _require(tr.zero_stage in (0, 1, 2, 3), "train.zero_stage", "one of 0, 1, 2, 3", tr.zero_stage)
+    e = cfg.evaluate
+    _require(e.n_samples >= 1, "evaluate.n_samples", ">= 1", e.n_samples)
+    _require(e.temperature > 0, "evaluate.temperature", "> 0", e.temperature)
+    _require(e.max_new_tokens >= 1, "evaluate.max_new_tokens", ">= 1", e.max_new_tokens)
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def section_digest(cfg: DictConfig, *keys: str) -> str:
+    """A short stable digest of some config sections, for Snakemake params (rerun triggers)."""
+    data = {k: OmegaConf.to_container(OmegaConf.select(cfg, k), resolve=True) for k in keys}
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ------------------------------------------------------------------------------------------
+# Field docstrings, for --help
+# ------------------------------------------------------------------------------------------
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstrings written under each dataclass field (Python does not keep them itself)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def describe_section(name: str) -> str:
+    """Help text for one config section: each key, its default and its docstring."""
+    cls = type(getattr(Config(), name))
+    defaults = Config().__getattribute__(name)
+    lines = [f"{name}:"]
+    for key, doc in field_docs(cls).items():
+        lines.append(f"  {name}.{key} (default {getattr(defaults, key)!r}): {doc}")
+    return "\n".join(lines)
+
+
+def describe_all() -> str:
+    top = field_docs(Config)
+    lines = [f"{k} (default {getattr(Config(), k)!r}): {v}" for k, v in top.items()]
+    for f in dataclasses.fields(Config):
+        if dataclasses.is_dataclass(getattr(Config(), f.name)):
+            lines.append(describe_section(f.name))
+    return "\n".join(lines)
+
+
+def derive_seed(seed: int, *parts: object) -> int:
+    """A seed for one job (stage, iteration, shard...) derived from the global seed."""
+    key = ":".join(str(p) for p in (seed, *parts))
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "little") & 0x7FFFFFFF

@@ -1,0 +1,128 @@
+"""Safe reads and writes shared by every stage.
+
+- ``write_parquet``: zstd Parquet written to a temporary name in the same folder, then renamed,
+  so a killed job never leaves a file that looks finished. Extra key/value metadata (sampling
+  parameters, versions) is stored in the Parquet footer; ``read_metadata`` reads it back.
+- ``read_table``: reads a Parquet file and checks it against a table schema from
+  ``otbflow.schemas`` before any work starts: missing column, wrong dtype, ragged per-token
+  lists. Errors name the file and the column.
+- ``atomic_dir``: a context manager for folder outputs (HF model folders): write into a
+  temporary sibling, renamed into place on success only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator, Mapping
+
+import polars as pl
+import pyarrow.parquet as pq
+
+from otbflow.schemas import TableSchema
+
+METADATA_KEY = b"otbflow"
+
+
+class SchemaError(ValueError):
+    """A Parquet input does not match the schema a stage needs."""
+
+
+def write_parquet(df: pl.DataFrame, path: str | Path, metadata: Mapping | None = None) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = df.to_arrow()
+    if metadata:
+        meta = dict(table.schema.metadata or {})
+        meta[METADATA_KEY] = json.dumps(metadata, sort_keys=True, default=str).encode()
+        table = table.replace_schema_metadata(meta)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        pq.write_table(table, tmp, compression="zstd")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def read_metadata(path: str | Path) -> dict:
+    meta = pq.read_schema(path).metadata or {}
+    raw = meta.get(METADATA_KEY)
+    return json.loads(raw) if raw else {}
+
+
+def _dtype_ok(actual: pl.DataType, expected: pl.DataType) -> bool:
+    if expected == pl.List:  # any list
+        return isinstance(actual, pl.List)
+    if isinstance(expected, pl.List):
+        return isinstance(actual, pl.List) and _dtype_ok(actual.inner, expected.inner)
+    if expected == pl.Float64:  # any float is accepted where a float is needed
+        return actual in (pl.Float32, pl.Float64)
+    if expected == pl.Int64:
+        return actual in (pl.Int8, pl.Int16, pl.Int32, pl.Int64, pl.UInt8, pl.UInt16, pl.UInt32)
+    return actual == expected
+
+
+def check_schema(df: pl.DataFrame, schema: TableSchema, source: str) -> None:
+    """Raise SchemaError naming ``source`` and the column if ``df`` does not fit ``schema``."""
+    for col, dtype in schema.columns.items():
+        if col not in df.columns:
+            if col in schema.optional:
+                continue
+            raise SchemaError(f"{source}: missing column '{col}' (table '{schema.name}' needs "
+                              f"{', '.join(c for c in schema.columns if c not in schema.optional)})")
+        if not _dtype_ok(df.schema[col], dtype):
+            raise SchemaError(f"{source}: column '{col}' has dtype {df.schema[col]}, expected {dtype}")
+        if df[col].null_count():
+            raise SchemaError(f"{source}: column '{col}' has {df[col].null_count()} null values")
+    for col, length_col in schema.ragged.items():
+        if col not in df.columns:
+            continue
+        lengths = df[col].list.len()
+        expected = df[length_col].list.len() if isinstance(df.schema[length_col], pl.List) else df[length_col]
+        bad = (lengths != expected).arg_true()
+        if len(bad):
+            i = int(bad[0])
+            raise SchemaError(f"{source}: column '{col}' is ragged against '{length_col}': row {i} has "
+                              f"{lengths[i]} entries, expected {expected[i]} ({len(bad)} rows differ)")
+
+
+def read_table(path: str | Path, schema: TableSchema) -> pl.DataFrame:
+    path = Path(path)
+    if not path.is_file():
+        raise SchemaError(f"{path}: input file not found (table '{schema.name}')")
+    try:
+        df = pl.read_parquet(path)
+    except Exception as e:  # a truncated or non-Parquet file
+        raise SchemaError(f"{path}: not a readable Parquet file ({e})") from None
+    check_schema(df, schema, str(path))
+    return df
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary folder; on success it replaces ``path`` in one rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        yield tmp
+        if path.exists():
+            old = path.with_name(f".{path.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+

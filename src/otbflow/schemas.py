@@ -1,0 +1,200 @@
+"""Every Parquet table the pipeline writes: columns, dtypes and meaning.
+
+This module is the single source of truth: stages check their inputs against it
+(``otbflow.io.read_table``) and ``docs/schema.md`` is generated from it
+(``otbflow schema-doc``; a test keeps the two in sync).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import polars as pl
+
+F32L = pl.List(pl.Float32)
+I64L = pl.List(pl.Int64)
+
+
+@dataclass(frozen=True)
+class TableSchema:
+    name: str
+    where: str
+    doc: str
+    columns: dict[str, pl.DataType]
+    meaning: dict[str, str]
+    optional: frozenset[str] = frozenset()
+    ragged: dict[str, str] = field(default_factory=dict)
+    """per-token list column -> the column its length must match."""
+
+    def extend(self, name: str, where: str, doc: str, cols: list[tuple[str, pl.DataType, str]],
+               ragged: dict[str, str] | None = None) -> "TableSchema":
+        columns = dict(self.columns) | {c: t for c, t, _ in cols}
+        meaning = dict(self.meaning) | {c: m for c, _, m in cols}
+        return TableSchema(name, where, doc, columns, meaning, self.optional,
+                           dict(self.ragged) | (ragged or {}))
+
+
+def _table(name, where, doc, cols, optional=(), ragged=None) -> TableSchema:
+    return TableSchema(name, where, doc, {c: t for c, t, _ in cols}, {c: m for c, _, m in cols},
+                       frozenset(optional), ragged or {})
+
+
+PROMPTS = _table(
+    "prompts", "results/data/train/shard_{s}.parquet, results/data/eval.parquet",
+    "Prompts with their verifiable answers, split into train shards and one eval set.",
+    [
+        ("prompt_id", pl.Int64, "stable id of the prompt within its split"),
+        ("prompt", pl.String, "prompt text given to the policy"),
+        ("answer", pl.String, "reference answer the reward checks against"),
+        ("split", pl.String, "'train' or 'eval'"),
+        ("shard", pl.Int64, "shard index (eval: 0)"),
+    ],
+)
+
+ROLLOUTS = _table(
+    "rollouts", "results/iter_{k}/rollout/shard_{s}.parquet",
+    "G sampled responses per prompt, scored. Sampling parameters are in the Parquet metadata "
+    "(`otbflow.io.read_metadata`).",
+    [
+        ("iteration", pl.Int64, "RL iteration k that sampled this response"),
+        ("shard", pl.Int64, "prompt shard"),
+        ("seed", pl.Int64, "seed used for this shard's sampling"),
+        ("prompt_id", pl.Int64, "prompt id (see prompts)"),
+        ("group_id", pl.Int64, "group of the G responses to one prompt; unique within an iteration"),
+        ("sample_idx", pl.Int64, "index of the response within its group, 0..G-1"),
+        ("prompt", pl.String, "prompt text"),
+        ("answer", pl.String, "reference answer"),
+        ("prompt_ids", I64L, "prompt token ids"),
+        ("response_ids", I64L, "sampled response token ids, EOS included when generated"),
+        ("response_text", pl.String, "decoded response (special tokens removed)"),
+        ("rollout_logprobs", F32L, "rollout engine's log-prob of each sampled token, from the "
+                                   "temperature-scaled logits before top-p"),
+        ("response_length", pl.Int64, "number of response tokens"),
+        ("finish_reason", pl.String, "'stop' (EOS) or 'length' (hit max_new_tokens)"),
+        ("reward", pl.Float64, "verifiable outcome reward"),
+    ],
+    ragged={"response_ids": "response_length", "rollout_logprobs": "response_length"},
+)
+
+FEATURES = ROLLOUTS.extend(
+    "features", "results/iter_{k}/features/shard_{s}.parquet",
+    "Rollouts plus one teacher-forced forward pass of the training model (temperature-scaled "
+    "logits, as in the rollout).",
+    [
+        ("logprobs", F32L, "trainer log pi(y_t) of each sampled token (pi_old)"),
+        ("entropy", F32L, "entropy of the trainer's next-token distribution"),
+        ("sum_pi_sq", F32L, "sum_v pi_v^2 of the trainer's distribution, via logsumexp"),
+        ("proxy", F32L, "Logit-Gradient Proxy energy max(0, 1 - 2 pi + sum_pi_sq) = ||e_y - p||^2"),
+        ("log_ratio", F32L, "logprobs - rollout_logprobs (trainer vs rollout engine)"),
+        ("seq_max_k2", pl.Float64, "max over tokens of k2 = (log_ratio)^2 / 2"),
+        ("seq_mean_k3", pl.Float64, "mean over tokens of k3 = exp(log_ratio) - 1 - log_ratio, "
+                                    "an unbiased estimate of KL(rollout || trainer)"),
+        ("log_ppl_abs_diff", pl.Float64, "|mean_t logprobs - mean_t rollout_logprobs|"),
+    ],
+    ragged={c: "response_length" for c in ("logprobs", "entropy", "sum_pi_sq", "proxy", "log_ratio")},
+)
+
+ADVANTAGE_INPUT = _table(
+    "advantage input", "(any table given to otbflow.advantages.compute_advantages)",
+    "The columns estimators read.",
+    [
+        ("group_id", pl.Int64, "prompt group"),
+        ("reward", pl.Float64, "outcome reward"),
+        ("logprobs", F32L, "trainer log-probs of the sampled tokens"),
+        ("sum_pi_sq", F32L, "sum_v pi_v^2"),
+    ],
+    ragged={"sum_pi_sq": "logprobs"},
+)
+
+ADVANTAGES = FEATURES.extend(
+    "advantages", "results/iter_{k}/advantages/advantages.parquet",
+    "Features of all shards plus the training estimator's per-token advantages and baselines.",
+    [
+        ("estimator", pl.String, "estimator name that produced advantages"),
+        ("advantages", F32L, "per-token advantage A_t (0 on masked tokens)"),
+        ("baselines", F32L, "per-token baseline B_t (returns - advantages before masking)"),
+    ],
+    ragged={"advantages": "response_length", "baselines": "response_length"},
+)
+
+COMPARISON = _table(
+    "estimator comparison", "results/iter_{k}/advantages/comparison.parquet",
+    "Variance diagnostics of every estimator in advantages.compare on the same rollouts.",
+    [
+        ("iteration", pl.Int64, "RL iteration"),
+        ("estimator", pl.String, "estimator name"),
+        ("total_power", pl.Float64, "P = mean_i W_i * Abar_i^2 (W_i: summed proxy energy)"),
+        ("expected_a_squared", pl.Float64, "mean_i Abar_i^2"),
+        ("expected_w", pl.Float64, "mean_i W_i"),
+        ("adv_mean", pl.Float64, "mean of per-token advantages over valid tokens"),
+        ("adv_std", pl.Float64, "std of per-token advantages over valid tokens"),
+        ("zero_adv_fraction", pl.Float64, "fraction of valid tokens with |A| < 1e-8"),
+        ("baseline_mean", pl.Float64, "mean per-sequence baseline (token-averaged)"),
+        ("reward_mean", pl.Float64, "mean reward"),
+        ("pessimism", pl.Float64, "reward_mean - baseline_mean (> 0: the baseline is pessimistic)"),
+    ],
+)
+
+TRAIN_METRICS = _table(
+    "train metrics", "results/iter_{k}/train/metrics.parquet",
+    "One row per optimizer step of the policy update.",
+    [
+        ("iteration", pl.Int64, "RL iteration"),
+        ("step", pl.Int64, "optimizer step within the iteration"),
+        ("global_step", pl.Int64, "optimizer step counted over all iterations"),
+        ("loss", pl.Float64, "aggregated policy loss"),
+        ("clip_fraction", pl.Float64, "fraction of valid tokens where the PPO clip was active"),
+        ("grad_norm", pl.Float64, "global gradient L2 norm before clipping"),
+        ("lr", pl.Float64, "learning rate of the step"),
+        ("entropy", pl.Float64, "mean token entropy of the current policy"),
+        ("approx_kl", pl.Float64, "mean k3 estimate of KL(pi_old || pi_theta) over valid tokens"),
+        ("tokens", pl.Int64, "valid response tokens in the step"),
+        ("sequences", pl.Int64, "sequences in the step"),
+        ("step_time_s", pl.Float64, "wall time of the step"),
+    ],
+)
+
+EVAL_SAMPLES = _table(
+    "eval samples", "results/{policy}/eval/samples.parquet",
+    "Every evaluation response: one greedy and evaluate.n_samples sampled per held-out prompt.",
+    [
+        ("policy", pl.String, "evaluated policy: 'bootstrap' or 'iter_{k}'"),
+        ("prompt_id", pl.Int64, "eval prompt id"),
+        ("mode", pl.String, "'greedy' or 'sampled'"),
+        ("sample_idx", pl.Int64, "sample index (0 for greedy)"),
+        ("response_text", pl.String, "decoded response"),
+        ("response_length", pl.Int64, "response tokens"),
+        ("reward", pl.Float64, "reward of the response"),
+    ],
+)
+
+EVAL_SUMMARY = _table(
+    "eval summary", "results/{policy}/eval/summary.parquet",
+    "One row: accuracy and length of one policy on the held-out prompts.",
+    [
+        ("policy", pl.String, "'bootstrap' or 'iter_{k}'"),
+        ("iteration", pl.Int64, "-1 for the initial policy, else the iteration that trained it"),
+        ("greedy_accuracy", pl.Float64, "mean reward of greedy responses"),
+        ("sampled_accuracy", pl.Float64, "avg@k: mean reward over k sampled responses per prompt"),
+        ("k", pl.Int64, "samples per prompt for avg@k"),
+        ("mean_response_length", pl.Float64, "mean sampled response length (tokens)"),
+        ("n_prompts", pl.Int64, "held-out prompts"),
+        ("tokens_generated", pl.Int64, "rollout tokens generated by all iterations up to this policy"),
+    ],
+)
+
+ALL_TABLES = [PROMPTS, ROLLOUTS, FEATURES, ADVANTAGES, COMPARISON, TRAIN_METRICS, EVAL_SAMPLES,
+              EVAL_SUMMARY]
+
+
+def schema_markdown() -> str:
+    out = ["# Parquet tables", "",
+           "Generated from `src/otbflow/schemas.py` by `otbflow schema-doc > docs/schema.md`; "
+           "every stage checks its inputs against these schemas before it starts work. "
+           "Per-token list columns have one entry per response token.", ""]
+    for t in ALL_TABLES:
+        out += [f"## {t.name}", "", f"Path: `{t.where}`", "", t.doc, "",
+                "| column | dtype | meaning |", "| --- | --- | --- |"]
+        out += [f"| `{c}` | `{d}` | {t.meaning[c]} |" for c, d in t.columns.items()]
+        out.append("")
+    return "\n".join(out)

@@ -1,0 +1,70 @@
+"""Shard: split the prompts into a held-out eval set and N training shards.
+
+The synthetic task is generated from the seed; a dataset (``task.name: dataset``) is read from
+``task.path`` (JSONL or Parquet with ``prompt`` and ``answer``), shuffled with the seed, and
+``task.n_eval`` rows are split off unless ``task.eval_path`` gives a separate eval file.
+Training prompt i goes to shard i mod N.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import polars as pl
+from omegaconf import DictConfig
+
+from otbflow import schemas
+from otbflow.config import derive_seed
+from otbflow.io import write_parquet
+from otbflow.tasks import arithmetic_prompts, load_dataset_file
+
+log = logging.getLogger("otbflow.shard")
+SECTIONS = ("task", "shard")
+
+
+@dataclass
+class Args:
+    out_dir: str
+    """Output folder: train/shard_{s}.parquet for each shard, and eval.parquet."""
+
+
+def synthetic_splits(cfg: DictConfig) -> tuple[pl.DataFrame, pl.DataFrame]:
+    t = cfg.task
+    rows = arithmetic_prompts(t.n_train + t.n_eval, derive_seed(cfg.seed, "task"), t.min_terms, t.max_terms,
+                              t.max_operand)
+    df = pl.DataFrame(rows).select("prompt", "answer")
+    return df[t.n_eval:], df[:t.n_eval]
+
+
+def dataset_splits(cfg: DictConfig) -> tuple[pl.DataFrame, pl.DataFrame]:
+    t = cfg.task
+    df = load_dataset_file(t.path).sample(fraction=1.0, shuffle=True, seed=derive_seed(cfg.seed, "task"))
+    df = df.with_columns(pl.col("prompt").map_elements(lambda p: t.prompt_template.format(prompt=p),
+                                                       return_dtype=pl.String))
+    if t.eval_path:
+        ev = load_dataset_file(t.eval_path)
+        ev = ev.with_columns(pl.col("prompt").map_elements(lambda p: t.prompt_template.format(prompt=p),
+                                                           return_dtype=pl.String))
+        return df, ev
+    if df.height <= t.n_eval:
+        raise ValueError(f"{t.path}: {df.height} rows cannot give task.n_eval={t.n_eval} eval rows and "
+                         f"a training split")
+    return df[t.n_eval:], df[:t.n_eval]
+
+
+def run(cfg: DictConfig, args: Args) -> None:
+    train, ev = synthetic_splits(cfg) if cfg.task.name == "arithmetic" else dataset_splits(cfg)
+    n = cfg.shard.n_shards
+    if train.height < n:
+        raise ValueError(f"{train.height} training prompts cannot fill shard.n_shards={n} shards")
+    train = train.with_row_index("prompt_id").with_columns(
+        pl.col("prompt_id").cast(pl.Int64), pl.lit("train").alias("split"),
+        (pl.col("prompt_id").cast(pl.Int64) % n).alias("shard"))
+    ev = ev.with_row_index("prompt_id").with_columns(
+        pl.col("prompt_id").cast(pl.Int64), pl.lit("eval").alias("split"), pl.lit(0, pl.Int64).alias("shard"))
+    cols = list(schemas.PROMPTS.columns)
+    for s in range(n):
+        write_parquet(train.filter(pl.col("shard") == s).select(cols), f"{args.out_dir}/train/shard_{s}.parquet")
+    write_parquet(ev.select(cols), f"{args.out_dir}/eval.parquet")
+    log.info("%d train prompts in %d shards, %d eval prompts", train.height, n, ev.height)
