@@ -1,2 +1,408 @@
-ESTIMATORS = {"grpo": None, "rloo": None, "opo": None, "otb": None}
+"""Advantages: offline baselines and advantages from stored features, plus diagnostics.
+
+Public API::
+
+    compute_advantages(table, estimator, **options) -> table + advantages, baselines
+    diagnostics(table) -> dict of variance-proxy metrics
+    ESTIMATORS  (name -> function); add one with @register("name", needs=(...))
+
+Every estimator works on flat token arrays with per-sequence offsets (``Batch``), accumulates in
+float64 and has no Python loop over groups or tokens. Formulas, edge cases and the choices made
+where the spec leaves room are in docs/estimators.md and ../shared/docs/algorithms.md §1, §2, §6.2.
+
+The stage (``otbflow advantages``) merges the features shards of one iteration, computes
+``advantages.estimator`` for training and the diagnostics of every estimator in
+``advantages.compare`` into a comparison Parquet.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+from omegaconf import DictConfig
+
+from otbflow import schemas
+from otbflow.io import SchemaError, read_table, write_parquet
+
+log = logging.getLogger("otbflow.advantages")
 SECTIONS = ("advantages",)
+EPS_OTB = 1e-8
+EPS_STD = 1e-6
+
+
+@dataclass
+class Args:
+    features: list[str]
+    """Features Parquet files of one iteration (all shards)."""
+    out: str
+    """Output advantages Parquet (table 'advantages'), used by the train stage."""
+    comparison: str
+    """Output Parquet of the diagnostics of every estimator in advantages.compare."""
+    iteration: int = 0
+    """RL iteration k (recorded in the comparison table)."""
+
+
+# ------------------------------------------------------------------------------------------
+# Flat token layout
+# ------------------------------------------------------------------------------------------
+
+
+def _flat(series: pl.Series) -> np.ndarray:
+    """Values of a list column, concatenated (empty lists contribute nothing), as float64."""
+    arr = series.to_arrow()
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks()
+    return np.asarray(arr.flatten().to_numpy(zero_copy_only=False), dtype=np.float64)
+
+
+@dataclass
+class Batch:
+    """One table laid out as flat token arrays. Sequence i owns tokens offsets[i]:offsets[i+1]."""
+
+    reward: np.ndarray  # [S] outcome reward R_i
+    group: np.ndarray  # [S] dense group index 0..n_groups-1
+    n_groups: int
+    lengths: np.ndarray  # [S] tokens per sequence (list length)
+    offsets: np.ndarray  # [S+1]
+    seq: np.ndarray  # [N] sequence index of each token
+    pos: np.ndarray  # [N] absolute position of each token within its sequence
+    mask: np.ndarray  # [N] float 1/0 (loss_mask; 1 where absent)
+    returns: np.ndarray  # [N] G_t: reward-to-go over token_rewards, else R_i
+    table: pl.DataFrame
+
+    @property
+    def valid_len(self) -> np.ndarray:
+        """T_i: number of mask=1 tokens per sequence."""
+        return np.bincount(self.seq, weights=self.mask, minlength=len(self.reward))
+
+    def group_size(self) -> np.ndarray:
+        return np.bincount(self.group, minlength=self.n_groups)
+
+    def seq_to_tokens(self, x: np.ndarray) -> np.ndarray:
+        return x[self.seq]
+
+    def column(self, name: str) -> np.ndarray:
+        return _flat(self.table[name])
+
+    def energy(self) -> np.ndarray:
+        """Per-token Logit-Gradient Proxy w_t = max(0, (1-pi)^2 + (sum_pi_sq - pi^2))."""
+        pi = np.exp(self.column("logprobs"))
+        return np.maximum((1.0 - pi) ** 2 + (self.column("sum_pi_sq") - pi**2), 0.0)
+
+
+def make_batch(table: pl.DataFrame) -> Batch:
+    lengths = table["logprobs"].list.len().to_numpy().astype(np.int64)
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    n_tok = int(offsets[-1])
+    seq = np.repeat(np.arange(len(lengths)), lengths)
+    pos = np.arange(n_tok, dtype=np.int64) - offsets[:-1][seq]
+    _, group = np.unique(table["group_id"].to_numpy(), return_inverse=True)
+    reward = table["reward"].to_numpy().astype(np.float64)
+    mask = _flat(table["loss_mask"].cast(pl.List(pl.Float64))) if "loss_mask" in table.columns else np.ones(n_tok)
+    if "token_rewards" in table.columns:
+        r = _flat(table["token_rewards"]) * mask
+        csum = np.cumsum(r)
+        # reward-to-go: G_t = sum_{k>=t} r_k = (total of the sequence) - (prefix before t)
+        seq_end = csum[offsets[1:] - 1][seq] if n_tok else csum
+        returns = seq_end - csum + r
+    else:
+        returns = reward[seq]
+    return Batch(reward, group.astype(np.int64), int(group.max()) + 1 if len(group) else 0, lengths, offsets,
+                 seq, pos, mask, returns, table)
+
+
+def _segment_sum(values: np.ndarray, index: np.ndarray, size: int) -> np.ndarray:
+    return np.bincount(index, weights=values, minlength=size)
+
+
+def _cumsum_per_seq(b: Batch, x: np.ndarray) -> np.ndarray:
+    """Inclusive cumulative sum of a token array within each sequence."""
+    c = np.cumsum(x)
+    before = np.concatenate([[0.0], c])[b.offsets[:-1]]
+    return c - before[b.seq]
+
+
+# ------------------------------------------------------------------------------------------
+# Registry
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Estimator:
+    name: str
+    fn: Callable[..., tuple[np.ndarray, np.ndarray]]
+    needs: tuple[str, ...]
+    doc: str
+
+
+ESTIMATORS: dict[str, Estimator] = {}
+
+
+def register(name: str, needs: tuple[str, ...] = ()) -> Callable:
+    """Register ``fn(batch, **options) -> (baselines, advantages)`` (flat per-token float64)."""
+
+    def deco(fn: Callable) -> Callable:
+        if name in ESTIMATORS:
+            raise ValueError(f"estimator '{name}' is registered twice")
+        ESTIMATORS[name] = Estimator(name, fn, ("group_id", "reward", "logprobs") + tuple(needs),
+                                     (fn.__doc__ or "").strip().splitlines()[0])
+        return fn
+
+    return deco
+
+
+def _with_seq_baseline(b: Batch, base_seq: np.ndarray, shift: float,
+                       scale_seq: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Broadcast a per-sequence baseline: A_t = (G_t - b_i - shift) / scale_i * m_t."""
+    base = b.seq_to_tokens(base_seq) + shift
+    adv = b.returns - base
+    if scale_seq is not None:
+        adv = adv / b.seq_to_tokens(scale_seq)
+    return base, adv * b.mask
+
+
+def _group_mean(b: Batch, x: np.ndarray) -> np.ndarray:
+    n = b.group_size()
+    return (_segment_sum(x, b.group, b.n_groups) / np.maximum(n, 1))[b.group]
+
+
+@register("none")
+def none(b: Batch, baseline_shift: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """No baseline: the advantage is the return (REINFORCE)."""
+    return _with_seq_baseline(b, np.zeros_like(b.reward), baseline_shift)
+
+
+@register("grpo")
+def grpo(b: Batch, std_normalize: bool = True, baseline_shift: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """Group mean baseline, optionally divided by the unbiased group std + 1e-6 (Dr.GRPO: off)."""
+    n = b.group_size()
+    mean = _group_mean(b, b.reward)
+    mean[n[b.group] == 1] = 0.0  # verl: a singleton has mean 0, std 1
+    if not std_normalize:
+        return _with_seq_baseline(b, mean, baseline_shift)
+    sq = _segment_sum((b.reward - mean) ** 2, b.group, b.n_groups)
+    std = np.sqrt(sq / np.maximum(n - 1, 1))[b.group]
+    std[n[b.group] == 1] = 1.0
+    return _with_seq_baseline(b, mean, baseline_shift, std + EPS_STD)
+
+
+@register("rloo")
+def rloo(b: Batch, baseline_shift: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """Leave-one-out mean of the other rewards of the group; a singleton gets baseline 0."""
+    n = b.group_size()[b.group]
+    total = _segment_sum(b.reward, b.group, b.n_groups)[b.group]
+    base = np.where(n > 1, (total - b.reward) / np.maximum(n - 1, 1), 0.0)
+    return _with_seq_baseline(b, base, baseline_shift)
+
+
+@register("reinforce_pp_baseline")
+def reinforce_pp_baseline(b: Batch, baseline_shift: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """REINFORCE++ with baseline: (R - group mean), whitened over all valid tokens of the batch."""
+    n = b.group_size()
+    mean = _group_mean(b, b.reward)
+    mean[n[b.group] == 1] = 0.0
+    base, adv = _with_seq_baseline(b, mean, baseline_shift)
+    valid = b.mask > 0
+    if valid.sum() > 1:
+        mu = adv[valid].mean()
+        var = adv[valid].var(ddof=1)
+        adv = (adv - mu) / np.sqrt(var + 1e-8) * b.mask
+    return base, adv
+
+
+def _weighted_baseline(b: Batch, weight: np.ndarray, leave_one_out: bool) -> np.ndarray:
+    """Per-sequence sum_j w_j R_j / sum_j w_j over the group (or over j != i). Groups of one
+    get baseline 0; a group whose weights are all 0 falls back to the plain mean."""
+    n = b.group_size()[b.group]
+    num = _segment_sum(weight * b.reward, b.group, b.n_groups)[b.group]
+    den = _segment_sum(weight, b.group, b.n_groups)[b.group]
+    if leave_one_out:
+        num, den = num - weight * b.reward, den - weight
+        mean = np.where(n > 1, (_segment_sum(b.reward, b.group, b.n_groups)[b.group] - b.reward)
+                        / np.maximum(n - 1, 1), 0.0)
+    else:
+        mean = _group_mean(b, b.reward)
+    base = np.where(den > 0, num / np.where(den > 0, den, 1.0), mean)
+    return np.where(n > 1, base, 0.0)
+
+
+@register("opo")
+def opo(b: Batch, baseline_shift: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """OPO: length-weighted group baseline sum_i T_i R_i / sum_i T_i."""
+    return _with_seq_baseline(b, _weighted_baseline(b, b.valid_len, False), baseline_shift)
+
+
+@register("length_power")
+def length_power(b: Batch, exponent: float = 1.0, leave_one_out: bool = False,
+                 baseline_shift: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """Length-power baseline: weights T_i^s (s=0: group mean, s=1: OPO)."""
+    t = b.valid_len
+    weight = np.ones_like(t) if exponent == 0 else np.where(t > 0, np.power(np.maximum(t, 1e-300), exponent), 0.0)
+    return _with_seq_baseline(b, _weighted_baseline(b, weight, leave_one_out), baseline_shift)
+
+
+@register("eob", needs=("grad_sq_norm",))
+def eob(b: Batch, baseline_shift: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """Exact optimal baseline: weights = exact per-sequence squared gradient norms."""
+    n_i = b.table["grad_sq_norm"].to_numpy().astype(np.float64)
+    den = _segment_sum(n_i, b.group, b.n_groups)[b.group]
+    num = _segment_sum(n_i * b.reward, b.group, b.n_groups)[b.group]
+    base = np.where(den >= 1e-10, num / (den + EPS_OTB), _group_mean(b, b.reward))
+    base = np.where(b.group_size()[b.group] > 1, base, 0.0)
+    return _with_seq_baseline(b, base, baseline_shift)
+
+
+def _otb(b: Batch, pos: np.ndarray, length: np.ndarray, handle_zero_tail: bool,
+         baseline_shift: float) -> tuple[np.ndarray, np.ndarray]:
+    """OTB over token positions ``pos`` (absolute, or compacted for TIR). ``length`` is each
+    sequence's length in those positions; sequences of length 0 do not count as group members."""
+    w = b.energy()
+    if "is_weights" in b.table.columns:
+        w = w * _flat(b.table["is_weights"]) ** 2
+    m = b.mask
+    W = _cumsum_per_seq(b, w * m)
+    width = int(pos.max()) + 1 if len(pos) else 1
+    key = b.group[b.seq] * width + pos
+    size = b.n_groups * width
+    num = _segment_sum(m * b.returns * W, key, size)
+    den = _segment_sum(m * W, key, size)
+    base = num[key] / (den[key] + EPS_OTB)
+    n = np.bincount(b.group, weights=(length > 0).astype(np.float64), minlength=b.n_groups)
+    base[n[b.group[b.seq]] <= 1] = 0.0
+    if handle_zero_tail:
+        # A unique longest member of a group (N >= 2) gets baseline 0 from the second-longest
+        # length L2 on: sort each group's lengths, longest first, and compare the top two.
+        order = np.lexsort((-length, b.group))
+        g_sorted, l_sorted = b.group[order], length[order]
+        first = np.ones(len(order), bool)
+        first[1:] = g_sorted[1:] != g_sorted[:-1]
+        top = np.flatnonzero(first)
+        has_second = (top + 1 < len(order)) & (g_sorted[np.minimum(top + 1, len(order) - 1)] == g_sorted[top])
+        longest = np.full(b.n_groups, -1)
+        second = np.full(b.n_groups, -1)
+        longest[g_sorted[top]] = l_sorted[top]
+        second[g_sorted[top[has_second]]] = l_sorted[top[has_second] + 1]
+        unique = (length == longest[b.group]) & (length > second[b.group]) & (n[b.group] >= 2)
+        tail = unique[b.seq] & (pos >= second[b.group][b.seq])
+        base[tail] = 0.0
+    base = base + baseline_shift
+    return base, (b.returns - base) * m
+
+
+@register("otb", needs=("sum_pi_sq",))
+def otb(b: Batch, handle_zero_tail: bool = True, baseline_shift: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """Optimal Token Baseline: per-position energy-weighted mean of the returns still alive."""
+    return _otb(b, b.pos, b.lengths, handle_zero_tail, baseline_shift)
+
+
+@register("otb_tir", needs=("sum_pi_sq",))
+def otb_tir(b: Batch, handle_zero_tail: bool = True, baseline_shift: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """Multi-turn OTB: positions are the compacted index of model tokens (loss_mask = 1)."""
+    compact = np.maximum(_cumsum_per_seq(b, b.mask) - 1, 0).astype(np.int64)
+    return _otb(b, compact, b.valid_len.astype(np.int64), handle_zero_tail, baseline_shift)
+
+
+# ------------------------------------------------------------------------------------------
+# Public API
+# ------------------------------------------------------------------------------------------
+
+
+def _check_input(table: pl.DataFrame, est: Estimator) -> None:
+    for col in est.needs:
+        if col not in table.columns:
+            raise SchemaError(f"estimator '{est.name}' needs column '{col}', which the table lacks")
+    reward = table["reward"].cast(pl.Float64)
+    bad = (~reward.is_finite() | reward.is_null()).arg_true()
+    if len(bad):
+        i = int(bad[0])
+        raise SchemaError(f"non-finite reward {reward[i]} in row {i} (group_id {table['group_id'][i]})")
+    n = table["logprobs"].list.len()
+    for col in ("sum_pi_sq", "loss_mask", "token_rewards", "is_weights"):
+        if col in table.columns:
+            diff = (table[col].list.len() != n).arg_true()
+            if len(diff):
+                i = int(diff[0])
+                raise SchemaError(f"row {i}: '{col}' has {table[col].list.len()[i]} entries but 'logprobs' "
+                                  f"has {n[i]}")
+
+
+def _to_list_column(name: str, flat: np.ndarray, offsets: np.ndarray) -> pl.Series:
+    arr = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(flat.astype(np.float32)))
+    return pl.Series(name, arr)
+
+
+def compute_advantages(table: pl.DataFrame, estimator: str, **options) -> pl.DataFrame:
+    """``table`` plus ``advantages`` and ``baselines`` (list[float32], one entry per token)."""
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"unknown estimator '{estimator}'; registered: {', '.join(sorted(ESTIMATORS))}")
+    est = ESTIMATORS[estimator]
+    _check_input(table, est)
+    b = make_batch(table)
+    base, adv = est.fn(b, **options)
+    return table.with_columns(_to_list_column("advantages", adv, b.offsets),
+                              _to_list_column("baselines", base, b.offsets))
+
+
+def estimator_options(cfg: DictConfig, name: str) -> dict:
+    """The options of ``advantages`` config that estimator ``name`` accepts."""
+    import inspect
+
+    accepted = inspect.signature(ESTIMATORS[name].fn).parameters
+    a = cfg.advantages
+    return {k: a[k] for k in accepted if k != "b" and k in a}
+
+
+def diagnostics(table: pl.DataFrame) -> dict[str, float]:
+    """Variance-proxy metrics (algorithms.md §1.8) and advantage statistics of a table that has
+    ``advantages`` (and ``logprobs``, ``sum_pi_sq`` for the proxy energy)."""
+    b = make_batch(table)
+    adv = _flat(table["advantages"])
+    base = _flat(table["baselines"])
+    m = b.mask
+    t = np.maximum(b.valid_len, 1e-12)
+    abar = _segment_sum(adv * m, b.seq, len(b.reward)) / t
+    w_hat = np.maximum(_segment_sum(b.energy() * m, b.seq, len(b.reward)), 0.0)
+    if "is_weights" in table.columns:
+        rho = _segment_sum(_flat(table["is_weights"]) * m, b.seq, len(b.reward)) / t
+        power = np.mean(rho**2 * abar**2 * w_hat)
+    else:
+        power = np.mean(w_hat * abar**2)
+    valid = m > 0
+    base_seq = _segment_sum(base * m, b.seq, len(b.reward)) / t
+    has_tokens = b.valid_len > 0
+    reward_mean = float(b.reward.mean())
+    baseline_mean = float(base_seq[has_tokens].mean()) if has_tokens.any() else 0.0
+    return {
+        "total_power": float(power),
+        "expected_a_squared": float(np.mean(abar**2)),
+        "expected_w": float(np.mean(w_hat)),
+        "adv_mean": float(adv[valid].mean()) if valid.any() else 0.0,
+        "adv_std": float(adv[valid].std()) if valid.any() else 0.0,
+        "zero_adv_fraction": float(np.mean(np.abs(adv[valid]) < 1e-8)) if valid.any() else 0.0,
+        "baseline_mean": baseline_mean,
+        "reward_mean": reward_mean,
+        "pessimism": reward_mean - baseline_mean,
+    }
+
+
+def run(cfg: DictConfig, args: Args) -> None:
+    table = pl.concat([read_table(p, schemas.FEATURES) for p in args.features], how="vertical")
+    a = cfg.advantages
+    rows = []
+    for name in dict.fromkeys(list(a.compare) + [a.estimator]):
+        out = compute_advantages(table, name, **estimator_options(cfg, name))
+        rows.append({"iteration": args.iteration, "estimator": name, **diagnostics(out)})
+        if name == a.estimator:
+            train = out.with_columns(pl.lit(name).alias("estimator")).select(list(schemas.ADVANTAGES.columns))
+    write_parquet(train, args.out, metadata={"estimator": a.estimator, "options": estimator_options(cfg, a.estimator)})
+    comparison = pl.DataFrame(rows, schema=schemas.COMPARISON.columns)
+    write_parquet(comparison, args.comparison)
+    for r in rows:
+        log.info("%-22s P=%.4g  E[A^2]=%.4g  zero-adv=%.3f  pessimism=%+.4f", r["estimator"], r["total_power"],
+                 r["expected_a_squared"], r["zero_adv_fraction"], r["pessimism"])

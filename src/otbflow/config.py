@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "config" / "config.yaml"
@@ -195,9 +195,11 @@ class Config:
 # ------------------------------------------------------------------------------------------
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> DictConfig:
-    """Merge ``path`` (default ``config/config.yaml``) and ``key=value`` overrides onto the
-    schema, then validate. Raises ConfigError naming the key on any problem."""
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                extra: dict | None = None) -> DictConfig:
+    """Merge ``path`` (a YAML file; None: only the schema defaults), then ``extra`` (a nested
+    or dotted-key dict, e.g. Snakemake's ``config``), then ``key=value`` overrides onto the
+    schema, and validate. Raises ConfigError naming the key on any problem."""
     schema = OmegaConf.structured(Config)
     try:
         layers = [schema]
@@ -206,6 +208,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             if not p.is_file():
                 raise ConfigError(f"config file not found: {p}")
             layers.append(OmegaConf.load(p))
+        if extra:
+            layers.append(OmegaConf.create(nest(extra)))
         if overrides:
             layers.append(OmegaConf.from_dotlist(list(overrides)))
         cfg = OmegaConf.merge(*layers)
@@ -214,6 +218,23 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     validate(cfg)
     OmegaConf.set_readonly(cfg, True)
     return cfg
+
+
+def nest(flat: dict) -> dict:
+    """{'a.b': 1, 'c': {'d': 2}} -> {'a': {'b': 1}, 'c': {'d': 2}} (Snakemake's --config a.b=1)."""
+    out: dict = {}
+    for key, value in flat.items():
+        node = out
+        parts = str(key).split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        if isinstance(value, dict):
+            value = nest(value)
+            if isinstance(node.get(parts[-1]), dict):
+                node[parts[-1]].update(value)
+                continue
+        node[parts[-1]] = value
+    return out
 
 
 def _describe_omegaconf_error(e: OmegaConfBaseException) -> str:
@@ -306,7 +327,10 @@ def to_yaml(cfg: DictConfig) -> str:
 
 def section_digest(cfg: DictConfig, *keys: str) -> str:
     """A short stable digest of some config sections, for Snakemake params (rerun triggers)."""
-    data = {k: OmegaConf.to_container(OmegaConf.select(cfg, k), resolve=True) for k in keys}
+    def plain(v: Any) -> Any:
+        return OmegaConf.to_container(v, resolve=True) if isinstance(v, DictConfig | ListConfig) else v
+
+    data = {k: plain(OmegaConf.select(cfg, k)) for k in keys}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -351,3 +375,35 @@ def derive_seed(seed: int, *parts: object) -> int:
     """A seed for one job (stage, iteration, shard...) derived from the global seed."""
     key = ":".join(str(p) for p in (seed, *parts))
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "little") & 0x7FFFFFFF
+
+
+def json_schema() -> dict:
+    """JSON schema of the config (descriptions and defaults from the dataclasses), written to
+    workflow/schemas/config.schema.yaml for Snakemake's ``validate``."""
+    import typing
+
+    def kind(tp: Any) -> dict:
+        if typing.get_origin(tp) is typing.Union:
+            inner = [a for a in typing.get_args(tp) if a is not type(None)][0]
+            return {"type": [kind(inner)["type"], "null"]}
+        if typing.get_origin(tp) is list:
+            return {"type": "array", "items": kind(typing.get_args(tp)[0])}
+        return {"type": {bool: "boolean", int: "integer", float: "number", str: "string"}[tp]}
+
+    def walk(cls: type, instance: Any) -> dict:
+        hints = typing.get_type_hints(cls)
+        docs = field_docs(cls)
+        props = {}
+        for f in dataclasses.fields(cls):
+            value = getattr(instance, f.name)
+            if dataclasses.is_dataclass(value):
+                props[f.name] = walk(type(value), value)
+                props[f.name]["description"] = f"{f.name} options"
+            else:
+                props[f.name] = kind(hints[f.name]) | {"description": docs.get(f.name, ""), "default": value}
+        return {"type": "object", "additionalProperties": False, "properties": props}
+
+    schema = walk(Config, Config())
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["description"] = "otbflow configuration (generated from src/otbflow/config.py; do not edit)"
+    return schema

@@ -1,0 +1,33 @@
+# otbflow: shard -> rollout -> features -> advantages -> train -> evaluate (-> next iteration) -> report.
+# One rule module per stage in workflow/rules/, helpers in workflow/rules/common.smk.
+# Config: config/config.yaml, validated against the schema in src/otbflow/config.py
+# (workflow/schemas/config.schema.yaml is generated from it). Override any key with
+# `--config key.sub=value`, or layer a partial YAML with `--configfile FILE`.
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+include: "workflow/rules/common.smk"
+
+
+wildcard_constraints:
+    k=r"\d+",
+    s=r"\d+",
+    policy=r"initial|iter_\d+",
+
+
+rule all:
+    input:
+        lambda wildcards: rules.report.output,
+    default_target: True
+
+
+include: "workflow/rules/bootstrap.smk"
+include: "workflow/rules/shard.smk"
+include: "workflow/rules/rollout.smk"
+include: "workflow/rules/features.smk"
+include: "workflow/rules/advantages.smk"
+include: "workflow/rules/train.smk"
+include: "workflow/rules/evaluate.smk"
+include: "workflow/rules/report.smk"

@@ -1,0 +1,118 @@
+"""Report: collect the outputs of every iteration into tables and plots.
+
+Writes ``progress.parquet`` (accuracy of each policy with the tokens generated so far),
+``metrics.parquet`` (all train steps), ``comparison.parquet`` (estimator diagnostics of every
+iteration) and PNG plots of accuracy and reward against iteration and tokens generated, grad
+norm and response length. ``snakemake --report report.html`` embeds the plots with captions.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+from omegaconf import DictConfig
+
+from otbflow import schemas
+from otbflow.io import read_table, write_parquet
+
+log = logging.getLogger("otbflow.report")
+SECTIONS: tuple[str, ...] = ()
+PLOTS = ("accuracy", "reward", "grad_norm", "response_length")
+
+
+@dataclass
+class Args:
+    summaries: list[str]
+    """Eval summary Parquets: the initial policy first, then iteration 0, 1, ..."""
+    metrics: list[str]
+    """Train metrics Parquets of iterations 0, 1, ..."""
+    rollouts: list[str]
+    """Rollout Parquets of every iteration and shard (for token accounting)."""
+    comparisons: list[str]
+    """Estimator comparison Parquets of iterations 0, 1, ..."""
+    out_dir: str
+    """Output folder for the tables and {accuracy,reward,grad_norm,response_length}.png."""
+
+
+def progress_table(summaries: list[str], rollouts: list[str]) -> pl.DataFrame:
+    evals = pl.concat([read_table(p, schemas.EVAL_SUMMARY) for p in summaries]).sort("iteration")
+    cols = ["iteration", "response_length", "reward"]
+    roll = pl.concat([read_table(p, schemas.ROLLOUTS).select(cols) for p in rollouts])
+    per_iter = (roll.group_by("iteration")
+                .agg(pl.col("response_length").sum().alias("tokens"),
+                     pl.col("reward").mean().alias("mean_reward"),
+                     pl.col("response_length").mean().cast(pl.Float64).alias("mean_rollout_length"))
+                .sort("iteration")
+                .with_columns(pl.col("tokens").cum_sum().alias("tokens_generated")))
+    out = evals.join(per_iter.drop("tokens"), on="iteration", how="left").with_columns(
+        pl.col("tokens_generated").fill_null(0),
+        pl.col("mean_reward").fill_null(float("nan")),
+        pl.col("mean_rollout_length").fill_null(float("nan")),
+    )
+    return out.select(list(schemas.PROGRESS.columns))
+
+
+def _plot(path: Path, panels: list[tuple[str, str, list[tuple[str, np.ndarray, np.ndarray]]]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
+    for ax, (xlabel, ylabel, series) in zip(axes[0], panels):
+        for label, x, y in series:
+            ax.plot(x, y, marker="o", markersize=3, label=label)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if len(series) > 1:
+            ax.legend()
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def run(cfg: DictConfig, args: Args) -> None:
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    progress = progress_table(args.summaries, args.rollouts)
+    metrics = pl.concat([read_table(p, schemas.TRAIN_METRICS) for p in args.metrics]).sort("global_step")
+    comparison = pl.concat([read_table(p, schemas.COMPARISON) for p in args.comparisons])
+    write_parquet(progress, out / "progress.parquet")
+    write_parquet(metrics.select(list(schemas.METRICS.columns)), out / "metrics.parquet")
+    write_parquet(comparison, out / "comparison.parquet")
+
+    it = progress["iteration"].to_numpy() + 1  # policy index: 0 = initial, k+1 = after iteration k
+    tok = progress["tokens_generated"].to_numpy()
+    acc = [("greedy", progress["greedy_accuracy"].to_numpy()),
+           (f"avg@{int(progress['k'][0])}", progress["sampled_accuracy"].to_numpy())]
+    _plot(out / "accuracy.png", [
+        ("policy (iterations trained)", "held-out accuracy", [(n, it, y) for n, y in acc]),
+        ("rollout tokens generated", "held-out accuracy", [(n, tok, y) for n, y in acc]),
+    ])
+    trained = progress.filter(pl.col("iteration") >= 0)
+    _plot(out / "reward.png", [
+        ("iteration", "mean rollout reward", [("reward", trained["iteration"].to_numpy(),
+                                               trained["mean_reward"].to_numpy())]),
+        ("rollout tokens generated", "mean rollout reward", [("reward", trained["tokens_generated"].to_numpy(),
+                                                              trained["mean_reward"].to_numpy())]),
+    ])
+    _plot(out / "grad_norm.png", [
+        ("optimizer step", "grad norm (before clipping)", [("grad norm", metrics["global_step"].to_numpy(),
+                                                            metrics["grad_norm"].to_numpy())]),
+    ])
+    _plot(out / "response_length.png", [
+        ("iteration", "mean response length (tokens)", [
+            ("rollout", trained["iteration"].to_numpy(), trained["mean_rollout_length"].to_numpy()),
+            ("eval (sampled)", progress["iteration"].to_numpy(), progress["mean_response_length"].to_numpy())]),
+    ])
+    first, last = progress.row(0, named=True), progress.row(-1, named=True)
+    log.info("accuracy (avg@k) %.3f -> %.3f, greedy %.3f -> %.3f over %d iterations, %d tokens generated",
+             first["sampled_accuracy"], last["sampled_accuracy"], first["greedy_accuracy"],
+             last["greedy_accuracy"], progress.height - 1, last["tokens_generated"])

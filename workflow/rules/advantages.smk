@@ -1,0 +1,23 @@
+rule advantages:
+    input:
+        features=expand(f"{R}/iter_{{{{k}}}}/features/shard_{{s}}.parquet", s=SHARDS),
+    output:
+        advantages=f"{R}/iter_{{k}}/advantages/advantages.parquet",
+        comparison=f"{R}/iter_{{k}}/advantages/comparison.parquet",
+    log:
+        f"{R}/logs/advantages/iter_{{k}}.log",
+    benchmark:
+        f"{R}/benchmarks/advantages/iter_{{k}}.tsv"
+    conda:
+        ENV
+    params:
+        cmd=stage_cmd("advantages"),
+        cfg=digest("advantages"),
+        code=code_version("advantages"),
+    threads: 1
+    resources:
+        mem_mb=4000,
+        runtime=30,
+    shell:
+        "{params.cmd} --features {input.features} --out {output.advantages} "
+        "--comparison {output.comparison} --iteration {wildcards.k} > {log} 2>&1"

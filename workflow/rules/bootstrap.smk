@@ -1,0 +1,20 @@
+rule bootstrap:
+    output:
+        policy=directory(f"{R}/bootstrap/policy"),
+        curve=f"{R}/bootstrap/sft_curve.parquet",
+    log:
+        f"{R}/logs/bootstrap/bootstrap.log",
+    benchmark:
+        f"{R}/benchmarks/bootstrap/bootstrap.tsv"
+    conda:
+        ENV
+    params:
+        cmd=stage_cmd("bootstrap"),
+        cfg=digest("seed", "model", "bootstrap", "task", "rollout.max_new_tokens"),
+        code=code_version("bootstrap"),
+    threads: 2
+    resources:
+        mem_mb=4000,
+        runtime=60,
+    shell:
+        "{params.cmd} --out {output.policy} --metrics {output.curve} > {log} 2>&1"

@@ -1,0 +1,71 @@
+# Helpers shared by the stage modules (validated config, paths, code versions).
+import os
+import sys
+from pathlib import Path
+
+from snakemake.utils import validate
+
+import otbflow
+from otbflow.codeversion import code_version
+from otbflow.config import DEFAULT_CONFIG, load_config, nest, section_digest, to_yaml
+
+# Snakemake's `config` holds what --configfile/--config gave (`--config a.b=1` arrives as a
+# dotted key). It is checked against the JSON schema, then layered over the default YAML and
+# validated by the same loader every `otbflow <stage>` CLI uses.
+validate(nest(dict(config)), workflow.source_path("../schemas/config.schema.yaml"), set_default=False)
+CFG = load_config(DEFAULT_CONFIG, extra=dict(config))
+R = CFG.results_dir
+ITERATIONS = list(range(CFG.iterations))
+SHARDS = list(range(CFG.shard.n_shards))
+ENV = "../../envs/otbflow.yaml"
+
+
+def _write_if_changed(path, text):
+    """The resolved config the jobs read; rewritten only when it changes (no spurious mtimes)."""
+    path = Path(path)
+    if path.is_file() and path.read_text() == text:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+RESOLVED_CONFIG = f"{R}/config.yaml"
+_write_if_changed(RESOLVED_CONFIG, to_yaml(CFG))
+
+# Jobs run the same source tree the Snakefile imported, with this interpreter (or the
+# environment's `python` under --sdm conda).
+_SRC = str(Path(otbflow.__file__).resolve().parents[1])
+_PY = "python" if "conda" in str(workflow.deployment_settings.deployment_method).lower() else sys.executable
+OTBFLOW = f"PYTHONPATH={_SRC}${{PYTHONPATH:+:$PYTHONPATH}} {_PY} -m otbflow"
+
+
+def stage_cmd(stage):
+    """Start of the shell command of one stage: the CLI with the resolved config, told how
+    many threads the job has."""
+    return lambda wildcards, threads: f"OTBFLOW_THREADS={threads} {OTBFLOW} {stage} --config {RESOLVED_CONFIG}"
+
+
+def digest(*sections):
+    """Rerun trigger: changes when any of these config sections changes."""
+    return section_digest(CFG, *sections)
+
+
+def initial_policy():
+    return CFG.model.path if CFG.model.path else f"{R}/bootstrap/policy"
+
+
+def policy_for_iteration(wildcards):
+    """Iteration k samples from the policy that iteration k-1 trained."""
+    k = int(wildcards.k)
+    return initial_policy() if k == 0 else f"{R}/iter_{k - 1}/train/policy"
+
+
+def policy_by_name(wildcards):
+    return initial_policy() if wildcards.policy == "initial" else f"{R}/{wildcards.policy}/train/policy"
+
+
+def policy_iteration(wildcards):
+    return -1 if wildcards.policy == "initial" else int(wildcards.policy.split("_")[1])
+

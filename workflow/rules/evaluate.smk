@@ -1,0 +1,25 @@
+rule evaluate:
+    input:
+        prompts=rules.shard.output.eval,
+        policy=policy_by_name,
+    output:
+        samples=f"{R}/{{policy}}/eval/samples.parquet",
+        summary=f"{R}/{{policy}}/eval/summary.parquet",
+    log:
+        f"{R}/logs/evaluate/{{policy}}.log",
+    benchmark:
+        f"{R}/benchmarks/evaluate/{{policy}}.tsv"
+    conda:
+        ENV
+    params:
+        cmd=stage_cmd("evaluate"),
+        cfg=digest("seed", "evaluate", "task", "model.dtype"),
+        code=code_version("evaluate"),
+        iteration=policy_iteration,
+    threads: 2
+    resources:
+        mem_mb=8000,
+        runtime=60,
+    shell:
+        "{params.cmd} --prompts {input.prompts} --policy {input.policy} --name {wildcards.policy} "
+        "--samples {output.samples} --summary {output.summary} --iteration {params.iteration} > {log} 2>&1"

@@ -1,0 +1,22 @@
+rule features:
+    input:
+        rollouts=rules.rollout.output[0],
+        policy=policy_for_iteration,
+    output:
+        f"{R}/iter_{{k}}/features/shard_{{s}}.parquet",
+    log:
+        f"{R}/logs/features/iter_{{k}}_shard_{{s}}.log",
+    benchmark:
+        f"{R}/benchmarks/features/iter_{{k}}_shard_{{s}}.tsv"
+    conda:
+        ENV
+    params:
+        cmd=stage_cmd("features"),
+        cfg=digest("features", "rollout.temperature", "model.dtype"),
+        code=code_version("features"),
+    threads: 2
+    resources:
+        mem_mb=8000,
+        runtime=60,
+    shell:
+        "{params.cmd} --rollouts {input.rollouts} --policy {input.policy} --out {output} > {log} 2>&1"

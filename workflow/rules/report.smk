@@ -1,0 +1,48 @@
+rule report:
+    input:
+        summaries=[f"{R}/initial/eval/summary.parquet"]
+        + expand(f"{R}/iter_{{k}}/eval/summary.parquet", k=ITERATIONS),
+        metrics=expand(rules.train.output.metrics, k=ITERATIONS),
+        rollouts=expand(rules.rollout.output[0], k=ITERATIONS, s=SHARDS),
+        comparisons=expand(rules.advantages.output.comparison, k=ITERATIONS),
+    output:
+        progress=f"{R}/report/progress.parquet",
+        metrics=f"{R}/report/metrics.parquet",
+        comparison=f"{R}/report/comparison.parquet",
+        accuracy=report(
+            f"{R}/report/accuracy.png",
+            caption="../report/accuracy.rst",
+            category="Learning curves",
+        ),
+        reward=report(
+            f"{R}/report/reward.png",
+            caption="../report/reward.rst",
+            category="Learning curves",
+        ),
+        grad_norm=report(
+            f"{R}/report/grad_norm.png",
+            caption="../report/grad_norm.rst",
+            category="Training",
+        ),
+        response_length=report(
+            f"{R}/report/response_length.png",
+            caption="../report/response_length.rst",
+            category="Training",
+        ),
+    log:
+        f"{R}/logs/report/report.log",
+    benchmark:
+        f"{R}/benchmarks/report/report.tsv"
+    conda:
+        ENV
+    params:
+        cmd=stage_cmd("report"),
+        code=code_version("report"),
+        out_dir=lambda wildcards, output: os.path.dirname(output.progress),
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=15,
+    shell:
+        "{params.cmd} --summaries {input.summaries} --metrics {input.metrics} --rollouts {input.rollouts} "
+        "--comparisons {input.comparisons} --out-dir {params.out_dir} > {log} 2>&1"

@@ -1,0 +1,23 @@
+rule rollout:
+    input:
+        prompts=f"{R}/data/train/shard_{{s}}.parquet",
+        policy=policy_for_iteration,
+    output:
+        f"{R}/iter_{{k}}/rollout/shard_{{s}}.parquet",
+    log:
+        f"{R}/logs/rollout/iter_{{k}}_shard_{{s}}.log",
+    benchmark:
+        f"{R}/benchmarks/rollout/iter_{{k}}_shard_{{s}}.tsv"
+    conda:
+        ENV
+    params:
+        cmd=stage_cmd("rollout"),
+        cfg=digest("seed", "rollout", "task", "model.dtype", "shard"),
+        code=code_version("rollout"),
+    threads: 2
+    resources:
+        mem_mb=8000,
+        runtime=120,
+    shell:
+        "{params.cmd} --prompts {input.prompts} --policy {input.policy} --out {output} "
+        "--iteration {wildcards.k} > {log} 2>&1"

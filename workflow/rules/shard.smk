@@ -1,0 +1,21 @@
+rule shard:
+    output:
+        train=expand(f"{R}/data/train/shard_{{s}}.parquet", s=SHARDS),
+        eval=f"{R}/data/eval.parquet",
+    log:
+        f"{R}/logs/shard/shard.log",
+    benchmark:
+        f"{R}/benchmarks/shard/shard.tsv"
+    conda:
+        ENV
+    params:
+        cmd=stage_cmd("shard"),
+        cfg=digest("seed", "task", "shard"),
+        code=code_version("shard"),
+        out_dir=lambda wildcards, output: os.path.dirname(output.eval),
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=30,
+    shell:
+        "{params.cmd} --out-dir {params.out_dir} > {log} 2>&1"
