@@ -2,7 +2,7 @@
 # One rule module per stage in workflow/rules/, helpers in workflow/rules/common.smk.
 # Config: config/config.yaml, validated against the schema in src/otbflow/config.py
 # (workflow/schemas/config.schema.yaml is generated from it). Override any key with
-# `--config key.sub=value`, or layer a partial YAML with `--configfile FILE`.
+# `--config 'section={key: value}'`, or layer a partial YAML with `--configfile FILE`.
 from snakemake.utils import min_version
 
 min_version("9.0")

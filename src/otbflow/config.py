@@ -221,7 +221,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def nest(flat: dict) -> dict:
-    """{'a.b': 1, 'c': {'d': 2}} -> {'a': {'b': 1}, 'c': {'d': 2}} (Snakemake's --config a.b=1)."""
+    """{'a.b': 1, 'c': {'d': 2}} -> {'a': {'b': 1}, 'c': {'d': 2}}."""
     out: dict = {}
     for key, value in flat.items():
         node = out

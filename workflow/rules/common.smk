@@ -9,11 +9,11 @@ import otbflow
 from otbflow.codeversion import code_version
 from otbflow.config import DEFAULT_CONFIG, load_config, nest, section_digest, to_yaml
 
-# Snakemake's `config` holds what --configfile/--config gave (`--config a.b=1` arrives as a
-# dotted key). It is checked against the JSON schema, then layered over the default YAML and
-# validated by the same loader every `otbflow <stage>` CLI uses.
-validate(nest(dict(config)), workflow.source_path("../schemas/config.schema.yaml"), set_default=False)
+# Snakemake's `config` holds what --configfile/--config gave (`--config 'rollout={group_size: 8}'`,
+# merged section by section). It is layered over the default YAML and validated by the same loader every
+# `otbflow <stage>` CLI uses (errors name the key), then checked against the JSON schema.
 CFG = load_config(DEFAULT_CONFIG, extra=dict(config))
+validate(nest(dict(config)), workflow.source_path("../schemas/config.schema.yaml"), set_default=False)
 R = CFG.results_dir
 ITERATIONS = list(range(CFG.iterations))
 SHARDS = list(range(CFG.shard.n_shards))

@@ -1,0 +1,138 @@
+"""The real Snakemake workflow, end to end, in a temp dir: outputs, caching, bad configs."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from otbflow import schemas
+from otbflow.io import read_table
+
+from conftest import REPO, TINY
+
+SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
+pytestmark = pytest.mark.slow
+
+
+def snakemake(workdir: Path, *args: str, snakefile: Path = REPO / "Snakefile", env=None, check=True):
+    cmd = [SNAKEMAKE, "-s", str(snakefile), "--directory", str(workdir), "--cores", "2",
+           "--configfile", str(TINY), *args]
+    res = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, env=env)
+    if check and res.returncode != 0:
+        raise AssertionError(f"snakemake failed ({res.returncode}):\n{res.stdout[-4000:]}\n{res.stderr[-6000:]}")
+    return res
+
+
+def planned_outputs(dry_run_stdout: str) -> set[str]:
+    """Output files of the jobs a dry-run would execute."""
+    outs = set()
+    for line in dry_run_stdout.splitlines():
+        m = re.match(r"\s+output: (.*)", line)
+        if m:
+            outs |= {p.strip() for p in m.group(1).split(",")}
+    return outs
+
+
+def planned_rules(dry_run_stdout: str) -> set[str]:
+    return set(re.findall(r"^rule (\w+):", dry_run_stdout, flags=re.M)) - {"all"}
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    work = tmp_path_factory.mktemp("workflow")
+    snakemake(work)
+    return work
+
+
+def test_every_output_reads_back_with_polars(run_dir):
+    r = run_dir / "results"
+    for s in range(2):
+        read_table(r / f"data/train/shard_{s}.parquet", schemas.PROMPTS)
+    read_table(r / "data/eval.parquet", schemas.PROMPTS)
+    for k in range(2):
+        for s in range(2):
+            ro = read_table(r / f"iter_{k}/rollout/shard_{s}.parquet", schemas.ROLLOUTS)
+            assert (ro["iteration"] == k).all()
+            fe = read_table(r / f"iter_{k}/features/shard_{s}.parquet", schemas.FEATURES)
+            assert fe.height == ro.height and fe["seq_max_k2"].max() < 1e-6
+        adv = read_table(r / f"iter_{k}/advantages/advantages.parquet", schemas.ADVANTAGES)
+        assert set(adv["estimator"]) == {"otb"}
+        read_table(r / f"iter_{k}/advantages/comparison.parquet", schemas.COMPARISON)
+        m = read_table(r / f"iter_{k}/train/metrics.parquet", schemas.TRAIN_METRICS)
+        assert m.height >= 1 and m["grad_norm"].is_finite().all()
+        assert (r / f"iter_{k}/train/policy/config.json").is_file()
+    for name in ["initial", "iter_0", "iter_1"]:
+        read_table(r / f"{name}/eval/samples.parquet", schemas.EVAL_SAMPLES)
+        s = read_table(r / f"{name}/eval/summary.parquet", schemas.EVAL_SUMMARY)
+        assert 0.0 <= s["sampled_accuracy"][0] <= 1.0
+    progress = read_table(r / "report/progress.parquet", schemas.PROGRESS)
+    assert progress["policy"].to_list() == ["initial", "iter_0", "iter_1"]
+    assert progress["tokens_generated"].to_list()[0] == 0 and progress["tokens_generated"].is_sorted()
+    read_table(r / "report/metrics.parquet", schemas.METRICS)
+    for png in ["accuracy", "reward", "grad_norm", "response_length"]:
+        assert (r / f"report/{png}.png").read_bytes()[:4] == b"\x89PNG"
+    for rule in ["bootstrap", "shard", "rollout", "features", "advantages", "train", "evaluate", "report"]:
+        assert list((r / "logs" / rule).glob("*.log")), f"no log for {rule}"
+
+
+def test_iteration_one_samples_from_iteration_zero_policy(run_dir):
+    r = run_dir / "results"
+    meta = __import__("otbflow.io", fromlist=["read_metadata"]).read_metadata(r / "iter_1/rollout/shard_0.parquet")
+    assert meta["policy"].endswith("iter_0/train/policy")
+
+
+def test_html_report(run_dir):
+    snakemake(run_dir, "--report", "report.html")
+    html = (run_dir / "report.html").read_text(errors="ignore")
+    assert "accuracy.png" in html and "Held-out accuracy" in html
+
+
+def test_nothing_to_do_after_a_complete_run(run_dir):
+    res = snakemake(run_dir, "-n")
+    assert planned_rules(res.stdout) == set(), res.stdout[-2000:]
+
+
+def test_changing_the_estimator_reruns_from_advantages_on(run_dir):
+    res = snakemake(run_dir, "-n", "--config", "advantages={estimator: grpo}")
+    rules = planned_rules(res.stdout)
+    outs = planned_outputs(res.stdout)
+    assert {"advantages", "train", "evaluate", "report"} <= rules
+    assert "bootstrap" not in rules and "shard" not in rules
+    assert not any("iter_0/rollout" in o or "iter_0/features" in o for o in outs), outs
+    assert "results/initial/eval/summary.parquet" not in outs  # the initial policy is unchanged
+    assert any("iter_1/rollout" in o for o in outs)  # iteration 1 samples from a new policy
+
+
+def test_editing_a_stage_source_reruns_that_stage(run_dir, tmp_path):
+    """The Snakefile and the jobs import the source tree they find; edit a copy of it."""
+    repo = tmp_path / "repo"
+    shutil.copytree(REPO, repo, ignore=shutil.ignore_patterns(".venv", ".git", "results", ".snakemake", "__pycache__"))
+    env = dict(__import__("os").environ, PYTHONPATH=str(repo / "src"))
+    res = snakemake(run_dir, "-n", snakefile=repo / "Snakefile", env=env)
+    assert planned_rules(res.stdout) == set(), res.stdout[-3000:]
+    with open(repo / "src/otbflow/advantages.py", "a") as f:
+        f.write("\n# an edit\n")
+    res = snakemake(run_dir, "-n", snakefile=repo / "Snakefile", env=env)
+    rules = planned_rules(res.stdout)
+    outs = planned_outputs(res.stdout)
+    assert "advantages" in rules and "bootstrap" not in rules and "shard" not in rules
+    assert not any("iter_0/rollout" in o or "iter_0/features" in o for o in outs)
+    assert re.search(r"reason: .*[Pp]arams", res.stdout)
+
+
+@pytest.mark.parametrize("override, key", [
+    ("advantages={estimator: foo}", "advantages.estimator"),
+    ("rollout={group_size: 0}", "rollout.group_size"),
+    ("rollout={groupsize: 4}", "rollout.groupsize"),
+])
+def test_bad_config_fails_before_any_job(tmp_path, override, key):
+    res = snakemake(tmp_path, "--config", override, check=False)
+    assert res.returncode != 0
+    assert key in res.stdout + res.stderr
+    assert not (tmp_path / "results").exists() or not any((tmp_path / "results").rglob("*.parquet"))
