@@ -26,6 +26,7 @@ def test_default_config_loads_and_matches_schema_defaults():
     ("train.zero_stage=4", "train.zero_stage", "0, 1, 2, 3"),
     ("train.mini_batch_size=10", "train.mini_batch_size", "multiple"),
     ("advantages.compare=[otb,nope]", "advantages.compare[1]", "otb"),
+    ("train.bf16=true", "train.bf16", "zero_stage >= 1"),
 ])
 def test_impossible_values_name_the_key(override, key, allowed):
     with pytest.raises(ConfigError) as e:

@@ -138,7 +138,7 @@ class AdvantagesConfig:
 @dataclass
 class TrainConfig:
     lr: float = 2.0e-4
-    """Peak AdamW learning rate."""
+    """AdamW learning rate (constant)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     mini_batch_size: int = 64
@@ -315,6 +315,8 @@ def validate(cfg: DictConfig) -> None:
     _require(tr.loss_agg_mode in modes, "train.loss_agg_mode", f"one of {', '.join(modes)}", tr.loss_agg_mode)
     _require(tr.max_grad_norm > 0, "train.max_grad_norm", "> 0", tr.max_grad_norm)
     _require(tr.zero_stage in (0, 1, 2, 3), "train.zero_stage", "one of 0, 1, 2, 3", tr.zero_stage)
+    # DeepSpeed with bf16 and no ZeRO updates bf16 weights in place (no fp32 master): small steps vanish
+    _require(not tr.bf16 or tr.zero_stage >= 1, "train.bf16", "false unless train.zero_stage >= 1", tr.bf16)
     e = cfg.evaluate
     _require(e.n_samples >= 1, "evaluate.n_samples", ">= 1", e.n_samples)
     _require(e.temperature > 0, "evaluate.temperature", "> 0", e.temperature)

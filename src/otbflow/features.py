@@ -56,7 +56,7 @@ def token_stats(logits: torch.Tensor, token_ids: torch.Tensor, temperature: floa
     return {"logprobs": logp, "entropy": entropy, "sum_pi_sq": sum_pi_sq, "proxy": proxy}
 
 
-def _has_logit_postprocessing(model) -> bool:
+def has_logit_postprocessing(model) -> bool:
     """Models whose logits are not just lm_head(hidden) (soft-capping, scaling)."""
     c = model.config
     return bool(getattr(c, "final_logit_softcapping", None) or getattr(c, "logit_scale", None))
@@ -76,7 +76,7 @@ def sequence_token_stats(model, prompt_ids: list[list[int]], response_ids: list[
     pos = torch.tensor([len(p) - 1 + t for p, r in zip(prompt_ids, response_ids) for t in range(len(r))],
                        dtype=torch.long, device=dev)
     targets = torch.tensor([t for r in response_ids for t in r], dtype=torch.long, device=dev)
-    if _has_logit_postprocessing(model):
+    if has_logit_postprocessing(model):
         logits_all = model(input_ids=ids, attention_mask=mask).logits
         project = lambda sl: logits_all[rows[sl], pos[sl]]  # noqa: E731
     else:

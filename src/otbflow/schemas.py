@@ -141,7 +141,6 @@ TRAIN_METRICS = _table(
     [
         ("iteration", pl.Int64, "RL iteration"),
         ("step", pl.Int64, "optimizer step within the iteration"),
-        ("global_step", pl.Int64, "optimizer step counted over all iterations"),
         ("loss", pl.Float64, "aggregated policy loss"),
         ("clip_fraction", pl.Float64, "fraction of valid tokens where the PPO clip was active"),
         ("grad_norm", pl.Float64, "global gradient L2 norm before clipping"),
@@ -194,7 +193,8 @@ PROGRESS = EVAL_SUMMARY.extend(
 
 METRICS = TRAIN_METRICS.extend(
     "metrics", "results/report/metrics.parquet",
-    "Train metrics of every iteration, concatenated.", [],
+    "Train metrics of every iteration, concatenated in order.",
+    [("global_step", pl.Int64, "optimizer step counted over all iterations")],
 )
 
 ALL_TABLES = [PROMPTS, ROLLOUTS, FEATURES, ADVANTAGES, COMPARISON, TRAIN_METRICS, EVAL_SAMPLES,

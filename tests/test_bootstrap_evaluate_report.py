@@ -1,0 +1,86 @@
+import polars as pl
+import pytest
+import torch
+
+from otbflow import bootstrap, evaluate, report, schemas
+from otbflow.io import read_metadata, read_table, write_parquet
+
+from conftest import tiny_config
+
+
+def test_bootstrap_builds_an_offline_hf_folder(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cfg = tiny_config("bootstrap.sft_max_steps=20", "bootstrap.eval_every=10", "bootstrap.target_accuracy=1.0")
+    bootstrap.run(cfg, bootstrap.Args(out=str(tmp_path / "policy"), metrics=str(tmp_path / "curve.parquet")))
+    tok = AutoTokenizer.from_pretrained(tmp_path / "policy", local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "policy", local_files_only=True)
+    ids = tok("12+3=", add_special_tokens=False)["input_ids"]
+    assert len(ids) == 5 and tok.decode(ids) == "12+3="
+    assert model.config.n_layer == cfg.model.n_layer
+    curve = pl.read_parquet(tmp_path / "curve.parquet")
+    assert curve["step"].to_list() == [0, 10, 20]  # target 1.0 not reached: ran to sft_max_steps
+    assert curve["loss"][1] > curve["loss"][2]
+    assert read_metadata(tmp_path / "curve.parquet")["steps"] == 20
+
+
+def test_bootstrap_stops_at_target(tmp_path):
+    cfg = tiny_config("bootstrap.target_accuracy=0.0")
+    bootstrap.run(cfg, bootstrap.Args(out=str(tmp_path / "p"), metrics=str(tmp_path / "c.parquet")))
+    assert pl.read_parquet(tmp_path / "c.parquet")["step"].to_list() == [0]
+
+
+def test_bootstrap_is_reproducible(tmp_path):
+    cfg = tiny_config("bootstrap.sft_max_steps=5", "bootstrap.target_accuracy=1.0")
+    for name in ("a", "b"):
+        bootstrap.run(cfg, bootstrap.Args(out=str(tmp_path / name), metrics=str(tmp_path / f"{name}.parquet")))
+    from safetensors.torch import load_file
+
+    a, b = load_file(tmp_path / "a/model.safetensors"), load_file(tmp_path / "b/model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_evaluate(tmp_path, cfg, tiny_policy, data_dir):
+    args = evaluate.Args(prompts=str(data_dir / "eval.parquet"), policy=str(tiny_policy), name="iter_3",
+                         samples=str(tmp_path / "s.parquet"), summary=str(tmp_path / "m.parquet"), iteration=3)
+    evaluate.run(cfg, args)
+    samples = read_table(tmp_path / "s.parquet", schemas.EVAL_SAMPLES)
+    n = cfg.task.n_eval
+    assert samples.filter(pl.col("mode") == "greedy").height == n
+    assert samples.filter(pl.col("mode") == "sampled").height == n * cfg.evaluate.n_samples
+    summary = read_table(tmp_path / "m.parquet", schemas.EVAL_SUMMARY).row(0, named=True)
+    assert summary["iteration"] == 3 and summary["k"] == cfg.evaluate.n_samples
+    assert summary["sampled_accuracy"] == pytest.approx(samples.filter(pl.col("mode") == "sampled")["reward"].mean())
+    first = samples
+    evaluate.run(cfg, args)
+    assert read_table(tmp_path / "s.parquet", schemas.EVAL_SAMPLES).equals(first)  # fixed seed per policy
+
+
+def test_report_tables_and_token_accounting(tmp_path, rollouts_path):
+    roll = pl.read_parquet(rollouts_path)
+    paths = {}
+    for k in (0, 1):
+        paths[f"r{k}"] = write_parquet(roll.with_columns(pl.lit(k, pl.Int64).alias("iteration")), tmp_path / f"r{k}.parquet")
+        paths[f"m{k}"] = write_parquet(pl.DataFrame({
+            "iteration": [k, k], "step": [0, 1], "loss": [0.1, 0.2],
+            "clip_fraction": [0.0, 0.1], "grad_norm": [1.0, 2.0], "lr": [1e-3, 1e-3], "entropy": [1.0, 1.0],
+            "approx_kl": [0.0, 0.01], "tokens": [10, 10], "sequences": [4, 4], "step_time_s": [0.1, 0.1]},
+            schema=schemas.TRAIN_METRICS.columns), tmp_path / f"m{k}.parquet")
+        paths[f"c{k}"] = write_parquet(pl.DataFrame([{c: (k if c == "iteration" else "otb" if c == "estimator" else 0.5)
+                                                      for c in schemas.COMPARISON.columns}],
+                                                    schema=schemas.COMPARISON.columns), tmp_path / f"c{k}.parquet")
+    for name, it, acc in [("initial", -1, 0.2), ("iter_0", 0, 0.3), ("iter_1", 1, 0.4)]:
+        paths[name] = write_parquet(pl.DataFrame([{
+            "policy": name, "iteration": it, "greedy_accuracy": acc, "sampled_accuracy": acc, "k": 2,
+            "mean_response_length": 10.0, "n_prompts": 8}], schema=schemas.EVAL_SUMMARY.columns), tmp_path / f"{name}.parquet")
+    out = tmp_path / "report"
+    report.run(None, report.Args(summaries=[str(paths[n]) for n in ("iter_1", "initial", "iter_0")],
+                                 metrics=[str(paths["m0"]), str(paths["m1"])], rollouts=[str(paths["r0"]), str(paths["r1"])],
+                                 comparisons=[str(paths["c0"]), str(paths["c1"])], out_dir=str(out)))
+    progress = read_table(out / "progress.parquet", schemas.PROGRESS)
+    per_iter = int(roll["response_length"].sum())
+    assert progress["policy"].to_list() == ["initial", "iter_0", "iter_1"]
+    assert progress["tokens_generated"].to_list() == [0, per_iter, 2 * per_iter]
+    assert read_table(out / "metrics.parquet", schemas.METRICS).height == 4
+    for png in report.PLOTS:
+        assert (out / f"{png}.png").stat().st_size > 1000
