@@ -232,3 +232,124 @@ def test_diagnostics_and_stage(features_path, cfg, tmp_path):
     cmp = read_table(tmp_path / "c.parquet", schemas.COMPARISON)
     assert set(cmp["estimator"]) == set(cfg.advantages.compare) | {cfg.advantages.estimator}
     assert (cmp["iteration"] == 3).all()
+
+
+def ref_otb_general(table, handle_zero_tail=True, tir=False):
+    """OTB with token rewards (reward-to-go), IS weights and, for TIR, compacted positions."""
+    R = table["reward"].to_list()
+    lp = table["logprobs"].to_list()
+    sp = table["sum_pi_sq"].to_list()
+    n = len(R)
+    masks = table["loss_mask"].to_list() if "loss_mask" in table.columns else [[True] * len(x) for x in lp]
+    isw = table["is_weights"].to_list() if "is_weights" in table.columns else [[1.0] * len(x) for x in lp]
+    if "token_rewards" in table.columns:
+        tr = table["token_rewards"].to_list()
+        G = [[sum(tr[i][k] * masks[i][k] for k in range(t, len(lp[i]))) for t in range(len(lp[i]))] for i in range(n)]
+    else:
+        G = [[R[i]] * len(lp[i]) for i in range(n)]
+    # per sequence: positions used (absolute, or the model tokens only) and W along them
+    idx = [[t for t in range(len(lp[i])) if masks[i][t] or not tir] for i in range(n)]
+    W = []
+    for i in range(n):
+        acc, cum = 0.0, []
+        for t in idx[i]:
+            w = max(0.0, 1 - 2 * math.exp(lp[i][t]) + sp[i][t]) * isw[i][t] ** 2
+            acc += w * masks[i][t]
+            cum.append(acc)
+        W.append(cum)
+    L = [len(x) for x in idx]
+    adv = [[0.0] * len(lp[i]) for i in range(n)]
+    for _, members in groups_of(table).items():
+        members = [j for j in members if L[j] > 0] if tir else members
+        alive_n = len([j for j in members if L[j] > 0]) if not tir else len(members)
+        tail_from = {}
+        if handle_zero_tail and len(members) >= 2:
+            lens = sorted((L[j] for j in members), reverse=True)
+            if lens[0] > lens[1]:
+                tail_from[next(j for j in members if L[j] == lens[0])] = lens[1]
+        for i in members:
+            for k, t in enumerate(idx[i]):
+                alive = [j for j in members if L[j] > k]
+                num = sum(W[j][k] * G[j][idx[j][k]] * masks[j][idx[j][k]] for j in alive)
+                den = sum(W[j][k] * masks[j][idx[j][k]] for j in alive)
+                b = num / (den + 1e-8) if alive_n > 1 else 0.0
+                if i in tail_from and k >= tail_from[i]:
+                    b = 0.0
+                adv[i][t] = (G[i][t] - b) * masks[i][t]
+    return adv
+
+
+def with_extras(table, seed, mask=False, token_rewards=False, isw=False):
+    rng = np.random.default_rng(seed)
+    lens = table["logprobs"].list.len().to_list()
+    cols = {}
+    if mask:
+        cols["loss_mask"] = pl.Series([(rng.uniform(size=T) > 0.3).tolist() for T in lens], dtype=pl.List(pl.Boolean))
+    if token_rewards:
+        cols["token_rewards"] = pl.Series([(rng.uniform(size=T) * (rng.uniform(size=T) > 0.8)).tolist() for T in lens],
+                                          dtype=pl.List(pl.Float32))
+    if isw:
+        cols["is_weights"] = pl.Series([rng.uniform(0.5, 2.0, T).tolist() for T in lens], dtype=pl.List(pl.Float32))
+    return table.with_columns(**cols)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_otb_tir_matches_loop(seed):
+    table = with_extras(random_table(seed), seed, mask=True)
+    out = compute_advantages(table, "otb_tir")
+    assert_lists_close(out["advantages"].to_list(), ref_otb_general(table, tir=True))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_otb_with_token_rewards_and_is_weights_matches_loop(seed):
+    table = with_extras(random_table(seed), seed, token_rewards=True, isw=True)
+    out = compute_advantages(table, "otb")
+    assert_lists_close(out["advantages"].to_list(), ref_otb_general(table))
+
+
+def test_token_rewards_give_reward_to_go():
+    t = pl.DataFrame({"group_id": [1], "reward": [0.0], "logprobs": [[-0.1] * 4],
+                      "sum_pi_sq": [[0.9] * 4], "token_rewards": [[0.5, 0.0, 1.0, 0.25]]})
+    assert compute_advantages(t, "none")["advantages"].to_list()[0] == pytest.approx([1.75, 1.25, 1.25, 0.25])
+
+
+def test_loss_mask_zeroes_tool_tokens():
+    table = with_extras(random_table(3), 3, mask=True)
+    for name in ("grpo", "otb", "otb_tir", "opo"):
+        out = compute_advantages(table, name)
+        for adv, m in zip(out["advantages"].to_list(), table["loss_mask"].to_list()):
+            assert all(a == 0.0 for a, keep in zip(adv, m) if not keep)
+
+
+def test_leave_one_out_estimators_are_unbiased():
+    """Exact expectation over every group of N = 3 i.i.d. draws from a 4-way softmax policy.
+
+    Response y has length T_y; the score of a response is d log pi(y) / d theta = e_y - pi.
+    E[(1/N) sum_i A_i (e_{y_i} - pi)] must equal the true gradient sum_y pi(y) r(y) (e_y - pi)
+    for leave-one-out baselines; a self-inclusive mean baseline shrinks it by (N-1)/N."""
+    import itertools
+
+    theta = np.array([0.3, -0.5, 1.0, 0.1])
+    pi = np.exp(theta) / np.exp(theta).sum()
+    r = np.array([1.0, 0.0, 0.5, 2.0])
+    T = [3, 7, 1, 12]
+    N = 3
+    true_grad = sum(pi[y] * r[y] * (np.eye(4)[y] - pi) for y in range(4))
+    outcomes = list(itertools.product(range(4), repeat=N))
+    rows = [{"group_id": g, "reward": r[y], "logprobs": [float(np.log(pi[y]))] * T[y], "sum_pi_sq": [0.5] * T[y]}
+            for g, ys in enumerate(outcomes) for y in ys]
+    table = pl.DataFrame(rows)
+
+    def expected_gradient(name, **opt):
+        adv = [a[0] for a in compute_advantages(table, name, **opt)["advantages"].to_list()]
+        total = np.zeros(4)
+        for g, ys in enumerate(outcomes):
+            p = np.prod([pi[y] for y in ys])
+            total += p * sum(adv[g * N + i] * (np.eye(4)[y] - pi) for i, y in enumerate(ys)) / N
+        return total
+
+    np.testing.assert_allclose(expected_gradient("rloo"), true_grad, atol=1e-6)
+    np.testing.assert_allclose(expected_gradient("length_power", exponent=1.5, leave_one_out=True), true_grad, atol=1e-6)
+    np.testing.assert_allclose(expected_gradient("none"), true_grad, atol=1e-6)
+    # the enumeration is sensitive: a self-inclusive group mean is biased by (N-1)/N
+    np.testing.assert_allclose(expected_gradient("grpo", std_normalize=False), true_grad * (N - 1) / N, atol=1e-6)

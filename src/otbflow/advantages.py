@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable
 
 import numpy as np
@@ -52,12 +53,13 @@ class Args:
 # ------------------------------------------------------------------------------------------
 
 
-def _flat(series: pl.Series) -> np.ndarray:
-    """Values of a list column, concatenated (empty lists contribute nothing), as float64."""
+def _flat(series: pl.Series, dtype=np.float64) -> np.ndarray:
+    """Values of a list column, concatenated (empty lists contribute nothing), as a new
+    (writable) array."""
     arr = series.to_arrow()
     if isinstance(arr, pa.ChunkedArray):
         arr = arr.combine_chunks()
-    return np.asarray(arr.flatten().to_numpy(zero_copy_only=False), dtype=np.float64)
+    return np.array(arr.flatten().to_numpy(zero_copy_only=False), dtype=dtype)
 
 
 @dataclass
@@ -69,30 +71,50 @@ class Batch:
     n_groups: int
     lengths: np.ndarray  # [S] tokens per sequence (list length)
     offsets: np.ndarray  # [S+1]
-    seq: np.ndarray  # [N] sequence index of each token
-    pos: np.ndarray  # [N] absolute position of each token within its sequence
-    mask: np.ndarray  # [N] float 1/0 (loss_mask; 1 where absent)
+    has_mask: bool  # False: no loss_mask column, every token counts (multiplications skipped)
     returns: np.ndarray  # [N] G_t: reward-to-go over token_rewards, else R_i
     table: pl.DataFrame
+
+    @cached_property
+    def mask(self) -> np.ndarray:
+        """[N] float 1/0: the loss_mask, or all ones."""
+        if self.has_mask:
+            return _flat(self.table["loss_mask"].cast(pl.List(pl.Float64)))
+        return np.ones(int(self.offsets[-1]))
+
+    @cached_property
+    def seq(self) -> np.ndarray:
+        """[N] sequence index of each token."""
+        return np.repeat(np.arange(len(self.lengths)), self.lengths)
+
+    @cached_property
+    def pos(self) -> np.ndarray:
+        """[N] absolute position of each token within its sequence."""
+        return np.arange(int(self.offsets[-1]), dtype=np.int64) - np.repeat(self.offsets[:-1], self.lengths)
 
     @property
     def valid_len(self) -> np.ndarray:
         """T_i: number of mask=1 tokens per sequence."""
+        if not self.has_mask:
+            return self.lengths.astype(np.float64)
         return np.bincount(self.seq, weights=self.mask, minlength=len(self.reward))
 
     def group_size(self) -> np.ndarray:
         return np.bincount(self.group, minlength=self.n_groups)
 
     def seq_to_tokens(self, x: np.ndarray) -> np.ndarray:
-        return x[self.seq]
+        return np.repeat(x, self.lengths)
 
     def column(self, name: str) -> np.ndarray:
         return _flat(self.table[name])
 
     def energy(self) -> np.ndarray:
-        """Per-token Logit-Gradient Proxy w_t = max(0, (1-pi)^2 + (sum_pi_sq - pi^2))."""
-        pi = np.exp(self.column("logprobs"))
-        return np.maximum((1.0 - pi) ** 2 + (self.column("sum_pi_sq") - pi**2), 0.0)
+        """Per-token Logit-Gradient Proxy w_t = max(0, 1 - 2 pi + sum_pi_sq), in float64 (where
+        the fp32 cancellation near pi = 1 that algorithms.md §1.2 warns about does not arise)."""
+        w = self.column("sum_pi_sq")
+        w -= 2.0 * np.exp(_flat(self.table["logprobs"], np.float32))  # pi to fp32 precision
+        w += 1.0
+        return np.maximum(w, 0.0, out=w)
 
 
 def make_batch(table: pl.DataFrame) -> Batch:
@@ -100,21 +122,21 @@ def make_batch(table: pl.DataFrame) -> Batch:
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     n_tok = int(offsets[-1])
-    seq = np.repeat(np.arange(len(lengths)), lengths)
-    pos = np.arange(n_tok, dtype=np.int64) - offsets[:-1][seq]
     _, group = np.unique(table["group_id"].to_numpy(), return_inverse=True)
     reward = table["reward"].to_numpy().astype(np.float64)
-    mask = _flat(table["loss_mask"].cast(pl.List(pl.Float64))) if "loss_mask" in table.columns else np.ones(n_tok)
+    has_mask = "loss_mask" in table.columns
     if "token_rewards" in table.columns:
-        r = _flat(table["token_rewards"]) * mask
+        r = _flat(table["token_rewards"])
+        if has_mask:
+            r *= _flat(table["loss_mask"].cast(pl.List(pl.Float64)))
         csum = np.cumsum(r)
         # reward-to-go: G_t = sum_{k>=t} r_k = (total of the sequence) - (prefix before t)
-        seq_end = csum[offsets[1:] - 1][seq] if n_tok else csum
+        seq_end = np.repeat(csum[np.maximum(offsets[1:] - 1, 0)], lengths) if n_tok else csum
         returns = seq_end - csum + r
     else:
-        returns = reward[seq]
+        returns = np.repeat(reward, lengths)
     return Batch(reward, group.astype(np.int64), int(group.max()) + 1 if len(group) else 0, lengths, offsets,
-                 seq, pos, mask, returns, table)
+                 has_mask, returns, table)
 
 
 def _segment_sum(values: np.ndarray, index: np.ndarray, size: int) -> np.ndarray:
@@ -123,9 +145,12 @@ def _segment_sum(values: np.ndarray, index: np.ndarray, size: int) -> np.ndarray
 
 def _cumsum_per_seq(b: Batch, x: np.ndarray) -> np.ndarray:
     """Inclusive cumulative sum of a token array within each sequence."""
-    c = np.cumsum(x)
+    import torch  # lazily: the config loader imports this module for the registry
+
+    c = torch.cumsum(torch.from_numpy(x), 0).numpy()  # float64 like np.cumsum, ~6x faster on CPU
     before = np.concatenate([[0.0], c])[b.offsets[:-1]]
-    return c - before[b.seq]
+    c -= np.repeat(before, b.lengths)
+    return c
 
 
 # ------------------------------------------------------------------------------------------
@@ -163,8 +188,8 @@ def _with_seq_baseline(b: Batch, base_seq: np.ndarray, shift: float,
     base = b.seq_to_tokens(base_seq) + shift
     adv = b.returns - base
     if scale_seq is not None:
-        adv = adv / b.seq_to_tokens(scale_seq)
-    return base, adv * b.mask
+        adv /= b.seq_to_tokens(scale_seq)
+    return base, adv * b.mask if b.has_mask else adv
 
 
 def _group_mean(b: Batch, x: np.ndarray) -> np.ndarray:
@@ -258,26 +283,35 @@ def eob(b: Batch, baseline_shift: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     return _with_seq_baseline(b, base, baseline_shift)
 
 
-def _otb(b: Batch, pos: np.ndarray, length: np.ndarray, handle_zero_tail: bool,
+def _otb(b: Batch, pos: np.ndarray | None, length: np.ndarray, handle_zero_tail: bool,
          baseline_shift: float) -> tuple[np.ndarray, np.ndarray]:
-    """OTB over token positions ``pos`` (absolute, or compacted for TIR). ``length`` is each
-    sequence's length in those positions; sequences of length 0 do not count as group members."""
+    """OTB over token positions ``pos`` (compacted for TIR; None: absolute positions). ``length``
+    is each sequence's length in those positions; sequences of length 0 are not group members.
+
+    The baseline lives on a [group, position] grid: B = sum(m G W) / (sum(m W) + eps), both sums
+    a scatter-add (bincount) over (group, position); each token then reads its grid cell."""
     w = b.energy()
     if "is_weights" in b.table.columns:
-        w = w * _flat(b.table["is_weights"]) ** 2
-    m = b.mask
-    W = _cumsum_per_seq(b, w * m)
-    width = int(pos.max()) + 1 if len(pos) else 1
-    key = b.group[b.seq] * width + pos
+        w *= _flat(b.table["is_weights"]) ** 2
+    masked = b.has_mask
+    W = _cumsum_per_seq(b, w * b.mask if masked else w)
+    width = max(int(length.max()), 1) if len(length) else 1
+    if pos is None:  # key = group * width + (token index - sequence start), in one pass
+        key = np.arange(int(b.offsets[-1]), dtype=np.int64)
+        key -= np.repeat(b.offsets[:-1] - b.group * width, b.lengths)
+    else:
+        key = np.repeat(b.group * width, b.lengths) + pos
     size = b.n_groups * width
-    num = _segment_sum(m * b.returns * W, key, size)
-    den = _segment_sum(m * W, key, size)
-    base = num[key] / (den[key] + EPS_OTB)
+    mW = W * b.mask if masked else W
+    num = np.bincount(key, weights=mW * b.returns, minlength=size)
+    den = np.bincount(key, weights=mW, minlength=size)
+    grid = (num / (den + EPS_OTB)).reshape(b.n_groups, width)
     n = np.bincount(b.group, weights=(length > 0).astype(np.float64), minlength=b.n_groups)
-    base[n[b.group[b.seq]] <= 1] = 0.0
+    grid[n <= 1] = 0.0  # a group of one: no baseline, A = G
     if handle_zero_tail:
-        # A unique longest member of a group (N >= 2) gets baseline 0 from the second-longest
-        # length L2 on: sort each group's lengths, longest first, and compare the top two.
+        # A unique longest member of a group (N >= 2) is alone from the second-longest length
+        # L2 on; its baseline there is 0. Sort each group's lengths, longest first, compare the
+        # top two, and zero the grid cells [L2, width) of those groups.
         order = np.lexsort((-length, b.group))
         g_sorted, l_sorted = b.group[order], length[order]
         first = np.ones(len(order), bool)
@@ -288,17 +322,18 @@ def _otb(b: Batch, pos: np.ndarray, length: np.ndarray, handle_zero_tail: bool,
         second = np.full(b.n_groups, -1)
         longest[g_sorted[top]] = l_sorted[top]
         second[g_sorted[top[has_second]]] = l_sorted[top[has_second] + 1]
-        unique = (length == longest[b.group]) & (length > second[b.group]) & (n[b.group] >= 2)
-        tail = unique[b.seq] & (pos >= second[b.group][b.seq])
-        base[tail] = 0.0
-    base = base + baseline_shift
-    return base, (b.returns - base) * m
+        unique = (longest > second) & (n >= 2)
+        grid[unique[:, None] & (np.arange(width)[None, :] >= second[:, None])] = 0.0
+    base = grid.ravel()[key]
+    base += baseline_shift
+    adv = b.returns - base
+    return base, adv * b.mask if masked else adv
 
 
 @register("otb", needs=("sum_pi_sq",))
 def otb(b: Batch, handle_zero_tail: bool = True, baseline_shift: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """Optimal Token Baseline: per-position energy-weighted mean of the returns still alive."""
-    return _otb(b, b.pos, b.lengths, handle_zero_tail, baseline_shift)
+    return _otb(b, None, b.lengths, handle_zero_tail, baseline_shift)
 
 
 @register("otb_tir", needs=("sum_pi_sq",))
