@@ -75,11 +75,16 @@ def ref_seq_baseline(table, kind, **opt):
                 nn = table["grad_sq_norm"].to_list()
                 den = sum(nn[j] for j in idx)
                 base[i] = 0.0 if n == 1 else (sum(nn[j] * R[j] for j in idx) / (den + 1e-8) if den >= 1e-10 else mean)
-            elif kind == "none":
-                base[i] = 0.0
+            elif kind in ("none", "reinforce_pp_baseline"):
+                base[i] = 0.0 if kind == "none" else (mean if n > 1 else 0.0)
     shift = opt.get("baseline_shift", 0.0)
-    return [[base[i] + shift] * T[i] for i in range(len(R))], \
-           [[(R[i] - base[i] - shift) / scale[i]] * T[i] for i in range(len(R))]
+    adv = [[(R[i] - base[i] - shift) / scale[i]] * T[i] for i in range(len(R))]
+    if kind == "reinforce_pp_baseline":  # whiten over every valid token of the batch
+        flat = [a for row in adv for a in row]
+        mu = sum(flat) / len(flat)
+        var = sum((a - mu) ** 2 for a in flat) / (len(flat) - 1)
+        adv = [[(a - mu) / math.sqrt(var + 1e-8) for a in row] for row in adv]
+    return [[base[i] + shift] * T[i] for i in range(len(R))], adv
 
 
 def ref_otb(table, handle_zero_tail=True, baseline_shift=0.0):
@@ -122,7 +127,7 @@ def assert_lists_close(actual, expected, tol=1e-5):
 
 CASES = [
     ("grpo", {}), ("grpo", {"std_normalize": False}), ("grpo", {"baseline_shift": -0.1}),
-    ("rloo", {}), ("opo", {}), ("none", {}),
+    ("rloo", {}), ("opo", {}), ("none", {}), ("reinforce_pp_baseline", {}),
     ("length_power", {"exponent": 0.0}), ("length_power", {"exponent": 1.58}),
     ("length_power", {"exponent": 2.0, "leave_one_out": True}),
 ]
@@ -353,3 +358,12 @@ def test_leave_one_out_estimators_are_unbiased():
     np.testing.assert_allclose(expected_gradient("none"), true_grad, atol=1e-6)
     # the enumeration is sensitive: a self-inclusive group mean is biased by (N-1)/N
     np.testing.assert_allclose(expected_gradient("grpo", std_normalize=False), true_grad * (N - 1) / N, atol=1e-6)
+
+
+def test_estimator_options_come_from_the_config():
+    from conftest import tiny_config
+
+    cfg = tiny_config("advantages.estimator=length_power", "advantages.exponent=1.5", "advantages.baseline_shift=-0.1")
+    assert advantages.estimator_options(cfg, "length_power") == {"exponent": 1.5, "leave_one_out": False,
+                                                                 "baseline_shift": -0.1}
+    assert advantages.estimator_options(cfg, "otb") == {"handle_zero_tail": True, "baseline_shift": -0.1}

@@ -133,6 +133,10 @@ class AdvantagesConfig:
     """otb: a unique longest response gets baseline 0 on its lone tail (algorithms.md 1.5)."""
     baseline_shift: float = 0.0
     """delta added to every baseline; < 0 is asymmetric REINFORCE's pessimistic shift."""
+    exponent: float = 1.0
+    """length_power: s in the weights T_i^s (0: group mean, 1: OPO; measure it on your model)."""
+    leave_one_out: bool = False
+    """length_power: baseline of response i from the other responses of its group (unbiased)."""
 
 
 @dataclass
