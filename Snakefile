@@ -20,6 +20,7 @@ wildcard_constraints:
 rule all:
     input:
         lambda wildcards: rules.report.output,
+        lambda wildcards: rules.scaling.output,
     default_target: True
 
 
@@ -31,3 +32,4 @@ include: "workflow/rules/advantages.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/report.smk"
+include: "workflow/rules/scaling.smk"

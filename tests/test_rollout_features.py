@@ -84,3 +84,50 @@ def test_features_reject_bad_rollouts(tmp_path, rollouts_path, tiny_policy, cfg)
         features.run(cfg, features.Args(rollouts=str(tmp_path / "bad.parquet"), policy=str(tiny_policy),
                                         out=str(tmp_path / "f.parquet")))
     assert not (tmp_path / "f.parquet").exists()
+
+
+def test_exact_grad_sq_norm_matches_autograd(tiny_policy, rollouts_path):
+    from otbflow.features import exact_grad_sq_norms
+
+    model, tok = load_policy(tiny_policy)
+    df = pl.read_parquet(rollouts_path).head(3)
+    got = exact_grad_sq_norms(model, df["prompt_ids"].to_list(), df["response_ids"].to_list(), 0.8, tok.pad_token_id)
+    for row, value in zip(df.iter_rows(named=True), got):
+        model.zero_grad()
+        ids = torch.tensor([row["prompt_ids"] + row["response_ids"]])
+        p = len(row["prompt_ids"])
+        logits = model(input_ids=ids).logits[0, p - 1:-1] / 0.8
+        torch.log_softmax(logits, -1).gather(-1, torch.tensor(row["response_ids"])[:, None]).sum().backward()
+        expected = sum(float((q.grad.double() ** 2).sum()) for q in model.parameters() if q.grad is not None)
+        assert value == pytest.approx(expected, rel=1e-4)
+        model.zero_grad()
+
+
+def test_features_stage_exact_mode_feeds_eob(tmp_path, rollouts_path, tiny_policy):
+    from conftest import tiny_config
+    from otbflow.advantages import compute_advantages
+
+    cfg = tiny_config("features.exact_grad_norm=true")
+    features.run(cfg, features.Args(rollouts=str(rollouts_path), policy=str(tiny_policy), out=str(tmp_path / "f.parquet")))
+    df = read_table(tmp_path / "f.parquet", schemas.FEATURES)
+    assert "grad_sq_norm" in df.columns and (df.filter(pl.col("response_length") > 0)["grad_sq_norm"] > 0).all()
+    assert "advantages" in compute_advantages(df, "eob").columns
+
+
+def test_mismatch_columns_are_consistent(features_path):
+    df = read_table(features_path, schemas.FEATURES)
+    row = df.row(0, named=True)
+    lr = torch.tensor(row["log_ratio"], dtype=torch.float64)
+    torch.testing.assert_close(torch.tensor(row["k1"], dtype=torch.float64), -lr, atol=1e-7, rtol=0)
+    torch.testing.assert_close(torch.tensor(row["k2"], dtype=torch.float64), 0.5 * lr**2, atol=1e-7, rtol=0)
+    torch.testing.assert_close(torch.tensor(row["k3"], dtype=torch.float64), lr.exp() - 1 - lr, atol=1e-7, rtol=0)
+    assert row["seq_max_k2"] == pytest.approx(max(row["k2"]), abs=1e-12)
+    # a perturbed rollout log-prob shows up in every mismatch statistic
+    from otbflow.features import mismatch_columns
+
+    shifted = df.head(1).with_columns(pl.col("rollout_logprobs").list.eval(pl.element() - 0.1))
+    m = mismatch_columns(shifted.drop("log_ratio", "k1", "k2", "k3")).row(0, named=True)
+    assert m["seq_mean_k1"] == pytest.approx(-0.1, abs=1e-5)
+    assert m["seq_max_k2"] == pytest.approx(0.005, abs=1e-5)
+    assert m["seq_mean_k3"] == pytest.approx(math.exp(0.1) - 1.1, abs=1e-5)
+    assert m["log_ppl_abs_diff"] == pytest.approx(0.1, abs=1e-5)

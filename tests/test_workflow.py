@@ -77,7 +77,10 @@ def test_every_output_reads_back_with_polars(run_dir):
     read_table(r / "report/metrics.parquet", schemas.METRICS)
     for png in ["accuracy", "reward", "grad_norm", "response_length"]:
         assert (r / f"report/{png}.png").read_bytes()[:4] == b"\x89PNG"
-    for rule in ["bootstrap", "shard", "rollout", "features", "advantages", "train", "evaluate", "report"]:
+    seqs = read_table(r / "scaling/sequences.parquet", schemas.SCALING_SEQUENCES)
+    assert seqs.height >= 3 and (seqs["grad_sq_norm"] > 0).all()
+    assert "grad_sq_norm_slope" in pl.read_parquet(r / "scaling/summary.parquet").columns
+    for rule in ["bootstrap", "shard", "rollout", "features", "advantages", "train", "evaluate", "report", "scaling"]:
         assert list((r / "logs" / rule).glob("*.log")), f"no log for {rule}"
 
 

@@ -434,7 +434,8 @@ def run(cfg: DictConfig, args: Args) -> None:
         out = compute_advantages(table, name, **estimator_options(cfg, name))
         rows.append({"iteration": args.iteration, "estimator": name, **diagnostics(out)})
         if name == a.estimator:
-            train = out.with_columns(pl.lit(name).alias("estimator")).select(list(schemas.ADVANTAGES.columns))
+            train = out.with_columns(pl.lit(name).alias("estimator"))
+            train = train.select(schemas.ADVANTAGES.present(train.columns))
     write_parquet(train, args.out, metadata={"estimator": a.estimator, "options": estimator_options(cfg, a.estimator)})
     comparison = pl.DataFrame(rows, schema=schemas.COMPARISON.columns)
     write_parquet(comparison, args.comparison)

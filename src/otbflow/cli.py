@@ -28,6 +28,7 @@ STAGES = {
     "train": "DeepSpeed policy update producing the next policy",
     "evaluate": "greedy and avg@k accuracy of a policy on held-out prompts",
     "report": "collect metrics of all iterations and plot them",
+    "scaling": "exact squared gradient norm vs response length, and the proxy's agreement with it",
 }
 TOOLS = {
     "config": "print the validated config (or every key with its help)",

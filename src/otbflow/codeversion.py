@@ -21,6 +21,7 @@ STAGE_MODULES = {
     "train": ("train", "features"),
     "evaluate": ("evaluate", "rollout"),
     "report": ("report",),
+    "scaling": ("scaling", "features"),
 }
 
 

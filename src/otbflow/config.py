@@ -118,7 +118,10 @@ class FeaturesConfig:
     batch_size: int = 32
     """Sequences per teacher-forced forward pass."""
     chunk_size: int = 1024
-    """Token positions per output-projection chunk: only chunk_size x V logits are ever held."""
+    """Token positions per output-projection chunk: two chunk_size x V fp32 tensors at a time."""
+    exact_grad_norm: bool = False
+    """Also store grad_sq_norm = ||grad_theta sum_t log pi(y_t)||^2, one backward pass per
+    sequence (the exact-gradient oracle for the eob estimator; small models only)."""
 
 
 @dataclass
@@ -176,6 +179,14 @@ class EvaluateConfig:
 
 
 @dataclass
+class ScalingConfig:
+    max_sequences: int = 256
+    """Most responses measured (one backward pass each), spread evenly over the lengths."""
+    bootstrap: int = 1000
+    """Bootstrap resamples for the confidence interval of the fitted slopes."""
+
+
+@dataclass
 class Config:
     seed: int = 0
     """Global seed: fixes data, sampling, initialisation and training on CPU."""
@@ -192,6 +203,7 @@ class Config:
     advantages: AdvantagesConfig = field(default_factory=AdvantagesConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
 
 
 # ------------------------------------------------------------------------------------------
@@ -321,6 +333,8 @@ def validate(cfg: DictConfig) -> None:
     _require(tr.zero_stage in (0, 1, 2, 3), "train.zero_stage", "one of 0, 1, 2, 3", tr.zero_stage)
     # DeepSpeed with bf16 and no ZeRO updates bf16 weights in place (no fp32 master): small steps vanish
     _require(not tr.bf16 or tr.zero_stage >= 1, "train.bf16", "false unless train.zero_stage >= 1", tr.bf16)
+    _require(cfg.scaling.max_sequences >= 3, "scaling.max_sequences", ">= 3", cfg.scaling.max_sequences)
+    _require(cfg.scaling.bootstrap >= 10, "scaling.bootstrap", ">= 10", cfg.scaling.bootstrap)
     e = cfg.evaluate
     _require(e.n_samples >= 1, "evaluate.n_samples", ">= 1", e.n_samples)
     _require(e.temperature > 0, "evaluate.temperature", "> 0", e.temperature)

@@ -6,11 +6,16 @@ Per response token it stores, from the temperature-scaled logits z (the rollout'
 - ``entropy``   -sum_v p_v log p_v
 - ``sum_pi_sq`` sum_v p_v^2 = exp(logsumexp(2z) - 2 logsumexp(z))
 - ``proxy``     max(0, 1 - 2 pi + sum_pi_sq) = ||e_y - p||^2, the Logit-Gradient Proxy energy
-- ``log_ratio`` logprobs - rollout_logprobs, and per sequence max k2, mean k3 and the log-PPL gap.
+- ``log_ratio`` logprobs - rollout_logprobs, k1, k2, k3; per sequence mean k1, max k2, mean k3
+  and the |log-PPL gap| (the mismatch between trainer and rollout engine)
+- with ``features.exact_grad_norm``: ``grad_sq_norm`` = ||grad_theta sum_t log pi(y_t)||^2, one
+  backward pass per sequence (the EOB oracle; small models only)
 
 Memory: the transformer body runs once per batch; the output projection and the statistics run
-over chunks of ``features.chunk_size`` response positions, so at most chunk_size x V logits (and
-their temporaries) are alive at a time, never a vocabulary-sized tensor for every token.
+over chunks of ``features.chunk_size`` response positions. Per chunk only two chunk x V fp32
+tensors are alive (the logits, scaled in place, and their exponentials in a buffer reused across
+chunks), as in a log-prob-only pass; never a vocabulary-sized tensor for every token.
+``benchmarks/bench_features.py`` measures time and peak memory against a log-prob-only pass.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from otbflow.model import load_policy, set_threads
 
 log = logging.getLogger("otbflow.features")
 SECTIONS = ("features", "rollout", "model")
+STAT_COLUMNS = ("logprobs", "entropy", "sum_pi_sq", "proxy")
 
 
 @dataclass
@@ -40,20 +46,45 @@ class Args:
     """Output features Parquet."""
 
 
-def token_stats(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float = 1.0) -> dict[str, torch.Tensor]:
+def token_stats(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float = 1.0, *,
+                inplace: bool = False, buffer: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Per-token statistics of softmax(logits / temperature) at the sampled ``token_ids``.
 
     ``logits`` [..., V], ``token_ids`` [...]. Returns fp32 tensors of shape [...]: ``logprobs``,
-    ``entropy``, ``sum_pi_sq`` (via logsumexp) and ``proxy`` = max(0, 1 - 2 pi + sum_pi_sq).
+    ``entropy``, ``sum_pi_sq`` and ``proxy`` = max(0, 1 - 2 pi + sum_pi_sq).
+
+    With z = logits / temperature, m = max z, e = exp(z - m) and S = sum e:
+    logp = z_y - m - log S, sum_pi_sq = sum e^2 / S^2 (= exp(lse(2z) - 2 lse(z))),
+    entropy = m + log S - sum e z / S. The two sums of products are a vector norm and batched dot
+    products, which allocate nothing of size V.
+
+    Memory: only z and e are vocabulary-sized, as in a log-softmax. ``inplace=True`` lets the
+    function scale an fp32 ``logits`` in place (the features stage owns each chunk's logits);
+    ``buffer`` is a reusable [n, V] fp32 tensor for e (allocation dominates the cost of exp).
     """
-    z = logits.float() / temperature
-    lse = torch.logsumexp(z, dim=-1)
-    logp = z.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1) - lse
-    sum_pi_sq = torch.exp(torch.logsumexp(2.0 * z, dim=-1) - 2.0 * lse)
-    entropy = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+    shape = token_ids.shape
+    z = logits.reshape(-1, logits.shape[-1])
+    if inplace and z.dtype == torch.float32:
+        if temperature != 1.0:
+            z.div_(temperature)
+    else:
+        z = z.float() / temperature
+    y = token_ids.reshape(-1, 1)
+    m = torch.amax(z, dim=-1, keepdim=True)
+    e = torch.empty_like(z) if buffer is None else buffer[: z.shape[0]]
+    torch.sub(z, m, out=e)
+    e.exp_()
+    s = e.sum(-1)
+    log_s = torch.log(s)
+    m = m.squeeze(-1)
+    logp = z.gather(-1, y).squeeze(-1) - m - log_s
+    ez = torch.bmm(e.unsqueeze(1), z.unsqueeze(2)).reshape(-1)
+    sum_pi_sq = torch.linalg.vector_norm(e, dim=-1) ** 2 / (s * s)
+    entropy = m + log_s - ez / s
     pi = logp.exp()
     proxy = ((1.0 - pi) ** 2 + (sum_pi_sq - pi**2)).clamp_min(0.0)
-    return {"logprobs": logp, "entropy": entropy, "sum_pi_sq": sum_pi_sq, "proxy": proxy}
+    return {k: v.reshape(shape) for k, v in
+            (("logprobs", logp), ("entropy", entropy), ("sum_pi_sq", sum_pi_sq), ("proxy", proxy))}
 
 
 def has_logit_postprocessing(model) -> bool:
@@ -62,34 +93,65 @@ def has_logit_postprocessing(model) -> bool:
     return bool(getattr(c, "final_logit_softcapping", None) or getattr(c, "logit_scale", None))
 
 
+def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int,
+         device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Right-padded prompt + response ids and, for each response token t of row i, flattened:
+    ``rows`` = i, ``pos`` = len(prompt_i) - 1 + t (the position predicting it), ``cols`` = t and
+    ``targets`` = the token id. Shared by the features and train stages, so both compute the
+    same log-probs."""
+    seqs = [p + r for p, r in zip(prompt_ids, response_ids)]
+    width = max(len(s) for s in seqs)
+
+    def tensor(values):
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    return {
+        "input_ids": tensor([s + [pad_id] * (width - len(s)) for s in seqs]),
+        "attention_mask": tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs]),
+        "rows": tensor([i for i, r in enumerate(response_ids) for _ in r]),
+        "pos": tensor([len(p) - 1 + t for p, r in zip(prompt_ids, response_ids) for t in range(len(r))]),
+        "cols": tensor([t for r in response_ids for t in range(len(r))]),
+        "targets": tensor([t for r in response_ids for t in r]),
+    }
+
+
+def response_logits_fn(model, batch: dict[str, torch.Tensor]):
+    """A function ``sl -> logits`` of the response tokens ``sl`` (a slice of the flattened
+    tokens): the transformer body runs once here, the output head per call."""
+    rows, pos = batch["rows"], batch["pos"]
+    if has_logit_postprocessing(model):
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        return lambda sl: logits[rows[sl], pos[sl]]
+    hidden = model.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                              use_cache=False).last_hidden_state
+    head = model.get_output_embeddings()
+    return lambda sl: head(hidden[rows[sl], pos[sl]])
+
+
+@torch.no_grad()
+def chunked_token_stats(project, targets: torch.Tensor, temperature: float, chunk_size: int) -> dict[str, torch.Tensor]:
+    """token_stats of the flattened response tokens ``targets``, whose logits ``project(sl)``
+    returns chunk by chunk (see ``response_logits_fn``). Flat fp32 CPU tensors."""
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in STAT_COLUMNS}
+    buffer = None
+    for start in range(0, len(targets), chunk_size):
+        sl = slice(start, start + chunk_size)
+        logits = project(sl)
+        if buffer is None and logits.dtype == torch.float32:
+            buffer = torch.empty((min(chunk_size, len(targets)), logits.shape[-1]), device=logits.device)
+        for k, v in token_stats(logits, targets[sl], temperature, inplace=True, buffer=buffer).items():
+            parts[k].append(v.cpu())
+        del logits
+    return {k: (torch.cat(v) if v else torch.empty(0)) for k, v in parts.items()}
+
+
 @torch.no_grad()
 def sequence_token_stats(model, prompt_ids: list[list[int]], response_ids: list[list[int]],
                          temperature: float, chunk_size: int, pad_id: int) -> list[dict[str, list[float]]]:
-    """token_stats for every response token of a batch of (prompt, response) pairs."""
-    seqs = [p + r for p, r in zip(prompt_ids, response_ids)]
-    width = max(len(s) for s in seqs)
-    dev = model.device
-    ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs], device=dev)
-    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], device=dev)
-    # (row, position predicting the token) for every response token, flattened
-    rows = torch.tensor([i for i, r in enumerate(response_ids) for _ in r], dtype=torch.long, device=dev)
-    pos = torch.tensor([len(p) - 1 + t for p, r in zip(prompt_ids, response_ids) for t in range(len(r))],
-                       dtype=torch.long, device=dev)
-    targets = torch.tensor([t for r in response_ids for t in r], dtype=torch.long, device=dev)
-    if has_logit_postprocessing(model):
-        logits_all = model(input_ids=ids, attention_mask=mask).logits
-        project = lambda sl: logits_all[rows[sl], pos[sl]]  # noqa: E731
-    else:
-        hidden = model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
-        head = model.get_output_embeddings()
-        project = lambda sl: head(hidden[rows[sl], pos[sl]])  # noqa: E731
-    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("logprobs", "entropy", "sum_pi_sq", "proxy")}
-    for start in range(0, len(targets), chunk_size):
-        sl = slice(start, start + chunk_size)
-        stats = token_stats(project(sl), targets[sl], temperature)
-        for k, v in stats.items():
-            parts[k].append(v.cpu())
-    flat = {k: (torch.cat(v) if v else torch.empty(0)) for k, v in parts.items()}
+    """token_stats for every response token of a batch of (prompt, response) pairs, computed
+    over chunks of ``chunk_size`` response tokens; one dict of lists per sequence."""
+    batch = pack(prompt_ids, response_ids, pad_id, model.device)
+    flat = chunked_token_stats(response_logits_fn(model, batch), batch["targets"], temperature, chunk_size)
     out, offset = [], 0
     for r in response_ids:
         out.append({k: v[offset:offset + len(r)].tolist() for k, v in flat.items()})
@@ -97,15 +159,40 @@ def sequence_token_stats(model, prompt_ids: list[list[int]], response_ids: list[
     return out
 
 
+def exact_grad_sq_norms(model, prompt_ids: list[list[int]], response_ids: list[list[int]],
+                        temperature: float, pad_id: int) -> list[float]:
+    """||grad_theta sum_t log pi(y_t)||^2 over all parameters, one backward pass per sequence
+    (the EOB oracle and the length-scaling fit; meant for small models)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = []
+    for p_ids, r_ids in zip(prompt_ids, response_ids):
+        if not r_ids:
+            out.append(0.0)
+            continue
+        batch = pack([p_ids], [r_ids], pad_id, model.device)
+        with torch.enable_grad():
+            logits = response_logits_fn(model, batch)(slice(None)).float() / temperature
+            logp = torch.log_softmax(logits, -1).gather(-1, batch["targets"][:, None]).sum()
+            grads = torch.autograd.grad(logp, params, allow_unused=True)
+        out.append(float(sum((g.double() ** 2).sum() for g in grads if g is not None)))
+    return out
+
+
 def mismatch_columns(df: pl.DataFrame) -> pl.DataFrame:
-    """log_ratio per token; max k2, mean k3 and |log-PPL gap| per sequence."""
-    lr = pl.col("logprobs") - pl.col("rollout_logprobs")  # list arithmetic, element-wise
-    df = df.with_columns(lr.cast(schemas.F32L).alias("log_ratio"))
-    k2 = pl.col("log_ratio").list.eval(0.5 * pl.element().cast(pl.Float64) ** 2)
-    k3 = pl.col("log_ratio").list.eval(pl.element().cast(pl.Float64).exp() - 1.0 - pl.element().cast(pl.Float64))
+    """Trainer vs rollout engine, per token: log_ratio = log pi_trainer - log pi_rollout and
+    k1 = -log_ratio, k2 = log_ratio^2 / 2, k3 = exp(log_ratio) - 1 - log_ratio (log_ratio clamped
+    to +-20 for k3); per sequence: mean k1, max k2, mean k3 and the |log-PPL gap|."""
+    lr = pl.element().cast(pl.Float64)
+    df = df.with_columns((pl.col("logprobs") - pl.col("rollout_logprobs")).cast(schemas.F32L).alias("log_ratio"))
+    df = df.with_columns(
+        pl.col("log_ratio").list.eval(-lr).cast(schemas.F32L).alias("k1"),
+        pl.col("log_ratio").list.eval(0.5 * lr**2).cast(schemas.F32L).alias("k2"),
+        pl.col("log_ratio").list.eval(lr.clip(-20, 20).exp() - 1.0 - lr.clip(-20, 20)).cast(schemas.F32L).alias("k3"),
+    )
     return df.with_columns(
-        k2.list.max().fill_null(0.0).alias("seq_max_k2"),
-        k3.list.mean().fill_null(0.0).alias("seq_mean_k3"),
+        pl.col("k1").list.mean().cast(pl.Float64).fill_null(0.0).alias("seq_mean_k1"),
+        pl.col("k2").list.max().cast(pl.Float64).fill_null(0.0).alias("seq_max_k2"),
+        pl.col("k3").list.mean().cast(pl.Float64).fill_null(0.0).alias("seq_mean_k3"),
         (pl.col("logprobs").list.mean() - pl.col("rollout_logprobs").list.mean()).abs().cast(pl.Float64)
         .fill_null(0.0).alias("log_ppl_abs_diff"),
     )
@@ -121,9 +208,12 @@ def run(cfg: DictConfig, args: Args) -> None:
         part = df[start:start + f.batch_size]
         stats += sequence_token_stats(model, part["prompt_ids"].to_list(), part["response_ids"].to_list(),
                                       cfg.rollout.temperature, f.chunk_size, tok.pad_token_id)
-    df = df.with_columns(*(pl.Series(k, [s[k] for s in stats], dtype=schemas.F32L)
-                           for k in ("logprobs", "entropy", "sum_pi_sq", "proxy")))
-    df = mismatch_columns(df).select(list(schemas.FEATURES.columns))
+    df = df.with_columns(*(pl.Series(k, [s[k] for s in stats], dtype=schemas.F32L) for k in STAT_COLUMNS))
+    if f.exact_grad_norm:
+        df = df.with_columns(pl.Series("grad_sq_norm", exact_grad_sq_norms(
+            model, df["prompt_ids"].to_list(), df["response_ids"].to_list(), cfg.rollout.temperature,
+            tok.pad_token_id), dtype=pl.Float64))
+    df = mismatch_columns(df).select(schemas.FEATURES.present(df.columns))
     write_parquet(df, args.out, metadata={"temperature": cfg.rollout.temperature, "policy": args.policy})
     log.info("%d sequences, %d tokens; mean proxy %.4f, mean k3 %.2e, max k2 %.2e", df.height,
              df["response_length"].sum(), df["proxy"].explode().mean(), df["seq_mean_k3"].mean(),

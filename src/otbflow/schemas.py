@@ -27,11 +27,15 @@ class TableSchema:
     """per-token list column -> the column its length must match."""
 
     def extend(self, name: str, where: str, doc: str, cols: list[tuple[str, pl.DataType, str]],
-               ragged: dict[str, str] | None = None) -> "TableSchema":
+               ragged: dict[str, str] | None = None, optional: tuple[str, ...] = ()) -> "TableSchema":
         columns = dict(self.columns) | {c: t for c, t, _ in cols}
         meaning = dict(self.meaning) | {c: m for c, _, m in cols}
-        return TableSchema(name, where, doc, columns, meaning, self.optional,
+        return TableSchema(name, where, doc, columns, meaning, self.optional | frozenset(optional),
                            dict(self.ragged) | (ragged or {}))
+
+    def present(self, available: list[str]) -> list[str]:
+        """The table's columns in order, optional ones only where ``available``."""
+        return [c for c in self.columns if c not in self.optional or c in available]
 
 
 def _table(name, where, doc, cols, optional=(), ragged=None) -> TableSchema:
@@ -85,13 +89,19 @@ FEATURES = ROLLOUTS.extend(
         ("entropy", F32L, "entropy of the trainer's next-token distribution"),
         ("sum_pi_sq", F32L, "sum_v pi_v^2 of the trainer's distribution, via logsumexp"),
         ("proxy", F32L, "Logit-Gradient Proxy energy max(0, 1 - 2 pi + sum_pi_sq) = ||e_y - p||^2"),
-        ("log_ratio", F32L, "logprobs - rollout_logprobs (trainer vs rollout engine)"),
-        ("seq_max_k2", pl.Float64, "max over tokens of k2 = (log_ratio)^2 / 2"),
-        ("seq_mean_k3", pl.Float64, "mean over tokens of k3 = exp(log_ratio) - 1 - log_ratio, "
-                                    "an unbiased estimate of KL(rollout || trainer)"),
-        ("log_ppl_abs_diff", pl.Float64, "|mean_t logprobs - mean_t rollout_logprobs|"),
+        ("log_ratio", F32L, "log r = logprobs - rollout_logprobs (trainer vs rollout engine)"),
+        ("k1", F32L, "k1 = -log r"),
+        ("k2", F32L, "k2 = (log r)^2 / 2"),
+        ("k3", F32L, "k3 = r - 1 - log r (log r clamped to +-20); E_rollout[k3] = KL(rollout || trainer)"),
+        ("seq_mean_k1", pl.Float64, "mean over tokens of k1"),
+        ("seq_max_k2", pl.Float64, "max over tokens of k2 (TRM's max criterion)"),
+        ("seq_mean_k3", pl.Float64, "mean over tokens of k3 (TRM's average criterion)"),
+        ("log_ppl_abs_diff", pl.Float64, "|mean_t logprobs - mean_t rollout_logprobs| (TRM's PPL gap)"),
+        ("grad_sq_norm", pl.Float64, "optional (features.exact_grad_norm): exact ||grad_theta sum_t log pi(y_t)||^2"),
     ],
-    ragged={c: "response_length" for c in ("logprobs", "entropy", "sum_pi_sq", "proxy", "log_ratio")},
+    ragged={c: "response_length" for c in ("logprobs", "entropy", "sum_pi_sq", "proxy", "log_ratio", "k1", "k2",
+                                           "k3")},
+    optional=("grad_sq_norm",),
 )
 
 ADVANTAGE_INPUT = _table(
@@ -197,8 +207,22 @@ METRICS = TRAIN_METRICS.extend(
     [("global_step", pl.Int64, "optimizer step counted over all iterations")],
 )
 
+SCALING_SEQUENCES = _table(
+    "scaling sequences", "results/scaling/sequences.parquet",
+    "One row per measured response of the length-scaling study (otbflow scaling).",
+    [
+        ("iteration", pl.Int64, "iteration whose rollouts were measured"),
+        ("group_id", pl.Int64, "prompt group"),
+        ("sample_idx", pl.Int64, "response index in the group"),
+        ("response_length", pl.Int64, "T_i, response tokens"),
+        ("reward", pl.Float64, "reward of the response"),
+        ("grad_sq_norm", pl.Float64, "exact ||grad_theta sum_t log pi(y_t)||^2 over all parameters"),
+        ("w_hat", pl.Float64, "summed proxy energy sum_t (1 - 2 pi_t + sum pi^2)"),
+    ],
+)
+
 ALL_TABLES = [PROMPTS, ROLLOUTS, FEATURES, ADVANTAGES, COMPARISON, TRAIN_METRICS, EVAL_SAMPLES,
-              EVAL_SUMMARY, PROGRESS, METRICS]
+              EVAL_SUMMARY, PROGRESS, METRICS, SCALING_SEQUENCES]
 
 
 def schema_markdown() -> str:

@@ -43,7 +43,7 @@ from omegaconf import DictConfig
 
 from otbflow import schemas
 from otbflow.config import derive_seed
-from otbflow.features import has_logit_postprocessing
+from otbflow.features import pack, response_logits_fn
 from otbflow.io import SchemaError, atomic_dir, read_table, write_parquet
 from otbflow.model import set_threads
 
@@ -109,40 +109,15 @@ def aggregate_loss(token_loss: torch.Tensor, mask: torch.Tensor, mode: str, glob
 # ------------------------------------------------------------------------------------------
 
 
-def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int,
-         device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """Right-padded prompt + response ids and, for each response token t of row i, flattened:
-    ``rows`` = i, ``pos`` = len(prompt_i) - 1 + t (the position predicting it), ``cols`` = t and
-    ``targets`` = the token id."""
-    seqs = [p + r for p, r in zip(prompt_ids, response_ids)]
-    width = max(len(s) for s in seqs)
-
-    def tensor(values):
-        return torch.tensor(values, dtype=torch.long, device=device)
-
-    return {
-        "input_ids": tensor([s + [pad_id] * (width - len(s)) for s in seqs]),
-        "attention_mask": tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs]),
-        "rows": tensor([i for i, r in enumerate(response_ids) for _ in r]),
-        "pos": tensor([len(p) - 1 + t for p, r in zip(prompt_ids, response_ids) for t in range(len(r))]),
-        "cols": tensor([t for r in response_ids for t in range(len(r))]),
-        "targets": tensor([t for r in response_ids for t in r]),
-    }
-
-
 def response_token_stats(model, input_ids, attention_mask, rows, pos, targets,
                          temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(log pi(y_t) with gradient, entropy without) of every response token, flattened.
 
-    Same arithmetic as the features stage: the head is applied only at the positions predicting
-    response tokens, then log-softmax of logits / temperature in fp32."""
-    if has_logit_postprocessing(model):
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[rows, pos]
-    else:
-        hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                                  use_cache=False).last_hidden_state
-        logits = model.get_output_embeddings()(hidden[rows, pos])
-    z = logits.float() / temperature
+    Same arithmetic as the features stage (``features.response_logits_fn``): the head is applied
+    only at the positions predicting response tokens, then log-softmax of logits / temperature in
+    fp32."""
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "rows": rows, "pos": pos}
+    z = response_logits_fn(model, batch)(slice(None)).float() / temperature
     lse = torch.logsumexp(z, dim=-1)
     logp = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
     with torch.no_grad():

@@ -1,0 +1,149 @@
+"""Scaling: how the squared gradient norm of a response grows with its length, and how well the
+forward-only Logit-Gradient Proxy tracks it.
+
+The length-power blog's experiment (algorithms.md §2.3) on our policy: for sampled responses
+spanning a wide range of lengths T_i, compute the exact n_i = ||grad_theta sum_t log pi(y_t)||^2
+over all parameters (one backward pass each) and the summed proxy energy
+W_i = sum_t (1 - 2 pi_t + sum pi^2). Fit log n = c + s log T by OLS with a bootstrap confidence
+interval (s ~ 1: uncorrelated token gradients, OPO's assumption; s ~ 2: fully correlated; the
+blog's alpha = s / 2), the same fit for W (which assumes orthogonal token gradients, so its slope
+should be ~1), and the Pearson and Spearman correlations between W_i and n_i. The exponent s is
+what ``advantages.exponent`` of the ``length_power`` estimator should be set to.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+from omegaconf import DictConfig
+
+from otbflow import schemas
+from otbflow.config import derive_seed
+from otbflow.features import exact_grad_sq_norms, sequence_token_stats
+from otbflow.io import read_table, write_parquet
+from otbflow.model import load_policy, set_threads
+
+log = logging.getLogger("otbflow.scaling")
+SECTIONS = ("scaling", "rollout", "model")
+
+
+@dataclass
+class Args:
+    rollouts: list[str]
+    """Rollout Parquets sampled by ``policy`` (e.g. every shard of iteration 0)."""
+    policy: str
+    """HF folder of the policy whose gradients are measured."""
+    out_dir: str
+    """Output folder: sequences.parquet, summary.parquet, summary.json, scaling.png."""
+
+
+def ols(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """(slope, intercept) of the least-squares line y = intercept + slope x."""
+    slope, intercept = np.polyfit(x, y, 1)
+    return float(slope), float(intercept)
+
+
+def bootstrap_slope(x: np.ndarray, y: np.ndarray, n_boot: int, seed: int, level: float = 0.95) -> tuple[float, float]:
+    """Percentile bootstrap confidence interval of the OLS slope, resampling (x, y) pairs."""
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(x), size=(n_boot, len(x)))
+    xs, ys = x[idx], y[idx]
+    xm, ym = xs.mean(1, keepdims=True), ys.mean(1, keepdims=True)
+    den = ((xs - xm) ** 2).sum(1)
+    slopes = ((xs - xm) * (ys - ym)).sum(1)[den > 0] / den[den > 0]
+    lo, hi = np.quantile(slopes, [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi)
+
+
+def spearman(a: np.ndarray, b: np.ndarray) -> float:
+    """Spearman rank correlation (average ranks for ties)."""
+    ra = pl.Series(a).rank("average").to_numpy()
+    rb = pl.Series(b).rank("average").to_numpy()
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def spread_by_length(df: pl.DataFrame, n: int) -> pl.DataFrame:
+    """At most ``n`` rows, evenly spaced over the sorted lengths (keeps the whole range)."""
+    df = df.sort("response_length")
+    if df.height <= n:
+        return df
+    return df[np.unique(np.linspace(0, df.height - 1, n).round().astype(int)).tolist()]
+
+
+def fit_summary(lengths: np.ndarray, grad_sq: np.ndarray, w_hat: np.ndarray, n_boot: int, seed: int) -> dict:
+    logt = np.log(lengths)
+    out = {"n_sequences": int(len(lengths)), "min_length": int(lengths.min()), "max_length": int(lengths.max())}
+    for name, y in (("grad_sq_norm", grad_sq), ("w_hat", w_hat)):
+        keep = y > 0
+        slope, intercept = ols(logt[keep], np.log(y[keep]))
+        lo, hi = bootstrap_slope(logt[keep], np.log(y[keep]), n_boot, seed)
+        out |= {f"{name}_slope": slope, f"{name}_intercept": intercept, f"{name}_slope_ci_low": lo,
+                f"{name}_slope_ci_high": hi}
+    out["alpha_blog"] = out["grad_sq_norm_slope"] / 2
+    out["pearson_w_hat_grad_sq_norm"] = float(np.corrcoef(w_hat, grad_sq)[0, 1])
+    out["spearman_w_hat_grad_sq_norm"] = spearman(w_hat, grad_sq)
+    out["pearson_log"] = float(np.corrcoef(np.log(np.maximum(w_hat, 1e-30)), np.log(np.maximum(grad_sq, 1e-30)))[0, 1])
+    return out
+
+
+def plot(path: Path, lengths: np.ndarray, grad_sq: np.ndarray, w_hat: np.ndarray, s: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    t = np.linspace(lengths.min(), lengths.max(), 50)
+    for ax, y, name, label in ((axes[0], grad_sq, "grad_sq_norm", "exact ||grad log pi(y)||^2"),
+                               (axes[1], w_hat, "w_hat", "proxy energy W = sum_t w_t")):
+        ax.loglog(lengths, y, ".", alpha=0.5)
+        ax.loglog(t, np.exp(s[f"{name}_intercept"]) * t ** s[f"{name}_slope"], "-",
+                  label=f"slope {s[f'{name}_slope']:.2f} [{s[f'{name}_slope_ci_low']:.2f}, {s[f'{name}_slope_ci_high']:.2f}]")
+        ax.set_xlabel("response length T (tokens)")
+        ax.set_ylabel(label)
+        ax.legend()
+    axes[2].loglog(w_hat, grad_sq, ".", alpha=0.5)
+    axes[2].set_xlabel("proxy energy W")
+    axes[2].set_ylabel("exact squared gradient norm")
+    axes[2].set_title(f"Pearson {s['pearson_w_hat_grad_sq_norm']:.2f}, Spearman {s['spearman_w_hat_grad_sq_norm']:.2f}")
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def run(cfg: DictConfig, args: Args) -> None:
+    set_threads()
+    sc = cfg.scaling
+    df = pl.concat([read_table(p, schemas.ROLLOUTS) for p in args.rollouts]).filter(pl.col("response_length") > 0)
+    df = spread_by_length(df, sc.max_sequences)
+    if df.height < 3 or df["response_length"].n_unique() < 2:
+        raise ValueError(f"scaling needs responses of at least two lengths; got {df.height} rows")
+    model, tok = load_policy(args.policy, "float32")
+    prompts, responses = df["prompt_ids"].to_list(), df["response_ids"].to_list()
+    t = cfg.rollout.temperature
+    grad_sq = np.asarray(exact_grad_sq_norms(model, prompts, responses, t, tok.pad_token_id))
+    w_hat = np.asarray([sum(s["proxy"]) for s in
+                        sequence_token_stats(model, prompts, responses, t, cfg.features.chunk_size, tok.pad_token_id)])
+    lengths = df["response_length"].to_numpy().astype(np.float64)
+    summary = fit_summary(lengths, grad_sq, w_hat, sc.bootstrap, derive_seed(cfg.seed, "scaling"))
+    out = Path(args.out_dir)
+    table = df.select("iteration", "group_id", "sample_idx", "response_length", "reward").with_columns(
+        pl.Series("grad_sq_norm", grad_sq), pl.Series("w_hat", w_hat))
+    write_parquet(table, out / "sequences.parquet", metadata={"policy": args.policy})
+    write_parquet(pl.DataFrame([summary]), out / "summary.parquet", metadata={"policy": args.policy})
+    tmp = out / ".summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2))
+    tmp.replace(out / "summary.json")
+    plot(out / "scaling.png", lengths, grad_sq, w_hat, summary)
+    log.info("%d responses, T in [%d, %d]: slope of log ||g||^2 vs log T = %.3f [%.3f, %.3f] (alpha %.3f); "
+             "proxy slope %.3f; Pearson(W, ||g||^2) %.3f, Spearman %.3f", summary["n_sequences"],
+             summary["min_length"], summary["max_length"], summary["grad_sq_norm_slope"],
+             summary["grad_sq_norm_slope_ci_low"], summary["grad_sq_norm_slope_ci_high"], summary["alpha_blog"],
+             summary["w_hat_slope"], summary["pearson_w_hat_grad_sq_norm"], summary["spearman_w_hat_grad_sq_norm"])

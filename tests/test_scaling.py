@@ -1,0 +1,40 @@
+import json
+
+import numpy as np
+import polars as pl
+import pytest
+
+from otbflow import scaling, schemas
+from otbflow.io import read_table
+
+
+def test_fit_recovers_a_known_power_law():
+    rng = np.random.default_rng(0)
+    T = rng.integers(5, 500, 300).astype(float)
+    g = 3.0 * T**1.5 * np.exp(rng.normal(0, 0.3, T.size))
+    w = 0.2 * T * np.exp(rng.normal(0, 0.1, T.size))
+    s = scaling.fit_summary(T, g, w, n_boot=400, seed=1)
+    assert s["grad_sq_norm_slope_ci_low"] < 1.5 < s["grad_sq_norm_slope_ci_high"]
+    assert s["grad_sq_norm_slope_ci_high"] - s["grad_sq_norm_slope_ci_low"] < 0.2
+    assert s["w_hat_slope"] == pytest.approx(1.0, abs=0.05)
+    assert s["alpha_blog"] == pytest.approx(s["grad_sq_norm_slope"] / 2)
+    assert s["spearman_w_hat_grad_sq_norm"] > 0.8
+
+
+def test_spearman_and_spread():
+    assert scaling.spearman(np.array([1.0, 2, 3, 4]), np.array([10.0, 20, 25, 100])) == pytest.approx(1.0)
+    assert scaling.spearman(np.array([1.0, 2, 3]), np.array([3.0, 2, 1])) == pytest.approx(-1.0)
+    df = pl.DataFrame({"response_length": list(range(100))})
+    picked = scaling.spread_by_length(df, 10)["response_length"].to_list()
+    assert len(picked) == 10 and picked[0] == 0 and picked[-1] == 99
+
+
+def test_scaling_stage(tmp_path, cfg, tiny_policy, rollouts_path):
+    scaling.run(cfg, scaling.Args(rollouts=[str(rollouts_path)], policy=str(tiny_policy), out_dir=str(tmp_path)))
+    seqs = read_table(tmp_path / "sequences.parquet", schemas.SCALING_SEQUENCES)
+    assert seqs.height == pl.read_parquet(rollouts_path).filter(pl.col("response_length") > 0).height
+    assert (seqs["grad_sq_norm"] > 0).all()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary == pytest.approx(pl.read_parquet(tmp_path / "summary.parquet").row(0, named=True))
+    assert summary["grad_sq_norm_slope_ci_low"] <= summary["grad_sq_norm_slope"] <= summary["grad_sq_norm_slope_ci_high"]
+    assert (tmp_path / "scaling.png").read_bytes()[:4] == b"\x89PNG"

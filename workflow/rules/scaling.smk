@@ -1,0 +1,30 @@
+rule scaling:
+    input:
+        rollouts=expand(f"{R}/iter_0/rollout/shard_{{s}}.parquet", s=SHARDS),
+        policy=initial_policy(),
+    output:
+        sequences=f"{R}/scaling/sequences.parquet",
+        summary=f"{R}/scaling/summary.parquet",
+        json=f"{R}/scaling/summary.json",
+        plot=report(
+            f"{R}/scaling/scaling.png",
+            caption="../report/scaling.rst",
+            category="Gradient scaling",
+        ),
+    log:
+        f"{R}/logs/scaling/scaling.log",
+    benchmark:
+        f"{R}/benchmarks/scaling/scaling.tsv"
+    conda:
+        ENV
+    params:
+        cmd=stage_cmd("scaling"),
+        cfg=digest("seed", "scaling", "rollout.temperature", "features.chunk_size"),
+        code=code_version("scaling"),
+        out_dir=lambda wildcards, output: os.path.dirname(output.summary),
+    threads: 2
+    resources:
+        mem_mb=8000,
+        runtime=60,
+    shell:
+        "{params.cmd} --rollouts {input.rollouts} --policy {input.policy} --out-dir {params.out_dir} > {log} 2>&1"
