@@ -52,7 +52,7 @@ def reset_peak() -> bool:
 def worker(model_name: str, mode: str, n_seq: int, seq_len: int, prompt_len: int, chunk: int, repeats: int) -> dict:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from otbflow.features import chunked_token_stats, pack, response_logits_fn
+    from otbflow.features import ResponseLogits, chunked_token_stats, pack
 
     torch.manual_seed(0)
     spec = MODELS[model_name]
@@ -74,17 +74,17 @@ def worker(model_name: str, mode: str, n_seq: int, seq_len: int, prompt_len: int
         return out
 
     with torch.no_grad():
-        project = response_logits_fn(model, batch)  # warm-up and page-in
+        project = ResponseLogits(model, batch)  # warm-up and page-in
         head_part(project)
         best = float("inf")
         for _ in range(repeats):
             t0 = time.perf_counter()
-            head_part(response_logits_fn(model, batch))
+            head_part(ResponseLogits(model, batch))
             best = min(best, time.perf_counter() - t0)
         del project
         base_model = rss_kib("VmRSS")
         ok = reset_peak()
-        project = response_logits_fn(model, batch)
+        project = ResponseLogits(model, batch)
         before_head = rss_kib("VmRSS")
         peak_body = rss_kib("VmHWM")
         reset_peak()

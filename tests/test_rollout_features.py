@@ -131,3 +131,29 @@ def test_mismatch_columns_are_consistent(features_path):
     assert m["seq_max_k2"] == pytest.approx(0.005, abs=1e-5)
     assert m["seq_mean_k3"] == pytest.approx(math.exp(0.1) - 1.1, abs=1e-5)
     assert m["log_ppl_abs_diff"] == pytest.approx(0.1, abs=1e-5)
+
+
+@pytest.mark.parametrize("vocab_chunk", [1, 7, 50, 1000])
+def test_streaming_over_the_vocabulary_gives_the_same_stats(vocab_chunk):
+    from otbflow.features import streamed_token_stats
+
+    g = torch.Generator().manual_seed(3)
+    head = torch.nn.Linear(16, 50, bias=True)
+    hidden = torch.randn(9, 16, generator=g) * 3
+    ids = torch.randint(0, 50, (9,), generator=g)
+    with torch.no_grad():
+        expected = token_stats(head(hidden), ids, 0.7)
+        got = streamed_token_stats(hidden, head, ids, 0.7, vocab_chunk)
+    for k in expected:
+        torch.testing.assert_close(got[k], expected[k], atol=2e-5, rtol=1e-5)
+
+
+def test_features_stage_with_vocab_chunks_matches(tmp_path, rollouts_path, tiny_policy, features_path):
+    from conftest import tiny_config
+
+    cfg = tiny_config("features.vocab_chunk_size=10", "features.chunk_size=5")
+    features.run(cfg, features.Args(rollouts=str(rollouts_path), policy=str(tiny_policy), out=str(tmp_path / "f.parquet")))
+    a, b = pl.read_parquet(tmp_path / "f.parquet"), pl.read_parquet(features_path)
+    for col in ("logprobs", "entropy", "sum_pi_sq", "proxy"):
+        diff = (a[col].explode() - b[col].explode()).abs().max()
+        assert diff < 2e-5, (col, diff)

@@ -119,6 +119,9 @@ class FeaturesConfig:
     """Sequences per teacher-forced forward pass."""
     chunk_size: int = 1024
     """Token positions per output-projection chunk: two chunk_size x V fp32 tensors at a time."""
+    vocab_chunk_size: int = 0
+    """0: the output head covers the whole vocabulary per position chunk. > 0: stream it over
+    vocabulary slices of this size (an online softmax) for very large vocabularies."""
     exact_grad_norm: bool = False
     """Also store grad_sq_norm = ||grad_theta sum_t log pi(y_t)||^2, one backward pass per
     sequence (the exact-gradient oracle for the eob estimator; small models only)."""
@@ -313,6 +316,7 @@ def validate(cfg: DictConfig) -> None:
     _require(r.batch_size >= 1, "rollout.batch_size", ">= 1", r.batch_size)
     _require(cfg.features.batch_size >= 1, "features.batch_size", ">= 1", cfg.features.batch_size)
     _require(cfg.features.chunk_size >= 1, "features.chunk_size", ">= 1", cfg.features.chunk_size)
+    _require(cfg.features.vocab_chunk_size >= 0, "features.vocab_chunk_size", ">= 0", cfg.features.vocab_chunk_size)
     a = cfg.advantages
     names = ", ".join(sorted(ESTIMATORS))
     _require(a.estimator in ESTIMATORS, "advantages.estimator", f"one of {names}", a.estimator)

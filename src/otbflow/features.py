@@ -115,43 +115,92 @@ def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int
     }
 
 
-def response_logits_fn(model, batch: dict[str, torch.Tensor]):
-    """A function ``sl -> logits`` of the response tokens ``sl`` (a slice of the flattened
-    tokens): the transformer body runs once here, the output head per call."""
-    rows, pos = batch["rows"], batch["pos"]
-    if has_logit_postprocessing(model):
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-        return lambda sl: logits[rows[sl], pos[sl]]
-    hidden = model.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                              use_cache=False).last_hidden_state
-    head = model.get_output_embeddings()
-    return lambda sl: head(hidden[rows[sl], pos[sl]])
+class ResponseLogits:
+    """Logits of the response tokens of a packed batch, chunk by chunk: ``self(sl)`` for a slice
+    ``sl`` of the flattened tokens. The transformer body runs once, at construction; the output
+    head runs per call. ``head`` is the output projection (None where the model post-processes
+    its logits, e.g. soft-capping: then the full logits are computed once instead)."""
+
+    def __init__(self, model, batch: dict[str, torch.Tensor]):
+        self.rows, self.pos = batch["rows"], batch["pos"]
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
+        if has_logit_postprocessing(model):
+            self.head, self._hidden = None, None
+            self._logits = model(**inputs).logits
+        else:
+            self.head = model.get_output_embeddings()
+            self._hidden = model.base_model(**inputs).last_hidden_state
+
+    def hidden(self, sl: slice) -> torch.Tensor:
+        return self._hidden[self.rows[sl], self.pos[sl]]
+
+    def __call__(self, sl: slice) -> torch.Tensor:
+        if self.head is None:
+            return self._logits[self.rows[sl], self.pos[sl]]
+        return self.head(self.hidden(sl))
+
+
+def streamed_token_stats(hidden: torch.Tensor, head: torch.nn.Linear, token_ids: torch.Tensor, temperature: float,
+                         vocab_chunk: int) -> dict[str, torch.Tensor]:
+    """token_stats with the output head applied over vocabulary slices (an online softmax), so
+    that only n x vocab_chunk logits exist at a time. Same results as token_stats(head(hidden))."""
+    n = hidden.shape[0]
+    dev = hidden.device
+    m = torch.full((n,), float("-inf"), device=dev)
+    s, ez, ee, z_y = (torch.zeros(n, device=dev) for _ in range(4))
+    y = token_ids.reshape(-1)
+    weight, bias = head.weight, head.bias
+    for v0 in range(0, weight.shape[0], vocab_chunk):
+        v1 = min(v0 + vocab_chunk, weight.shape[0])
+        z = torch.nn.functional.linear(hidden, weight[v0:v1], None if bias is None else bias[v0:v1]).float()
+        z /= temperature
+        new_m = torch.maximum(m, torch.amax(z, dim=-1))
+        scale = torch.exp(m - new_m)
+        e = torch.exp(z - new_m[:, None])
+        s = s * scale + e.sum(-1)
+        ez = ez * scale + torch.bmm(e.unsqueeze(1), z.unsqueeze(2)).reshape(-1)
+        ee = ee * scale**2 + torch.linalg.vector_norm(e, dim=-1) ** 2
+        inside = (y >= v0) & (y < v1)
+        z_y[inside] = z[inside.nonzero().squeeze(-1), y[inside] - v0]
+        m = new_m
+    log_s = torch.log(s)
+    logp = z_y - m - log_s
+    sum_pi_sq = ee / (s * s)
+    pi = logp.exp()
+    return {"logprobs": logp, "entropy": m + log_s - ez / s, "sum_pi_sq": sum_pi_sq,
+            "proxy": ((1.0 - pi) ** 2 + (sum_pi_sq - pi**2)).clamp_min(0.0)}
 
 
 @torch.no_grad()
-def chunked_token_stats(project, targets: torch.Tensor, temperature: float, chunk_size: int) -> dict[str, torch.Tensor]:
-    """token_stats of the flattened response tokens ``targets``, whose logits ``project(sl)``
-    returns chunk by chunk (see ``response_logits_fn``). Flat fp32 CPU tensors."""
+def chunked_token_stats(project: ResponseLogits, targets: torch.Tensor, temperature: float, chunk_size: int,
+                        vocab_chunk: int = 0) -> dict[str, torch.Tensor]:
+    """token_stats of the flattened response tokens ``targets`` over chunks of ``chunk_size``
+    positions (and, with ``vocab_chunk`` > 0, of the vocabulary). Flat fp32 CPU tensors."""
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in STAT_COLUMNS}
     buffer = None
     for start in range(0, len(targets), chunk_size):
         sl = slice(start, start + chunk_size)
-        logits = project(sl)
-        if buffer is None and logits.dtype == torch.float32:
-            buffer = torch.empty((min(chunk_size, len(targets)), logits.shape[-1]), device=logits.device)
-        for k, v in token_stats(logits, targets[sl], temperature, inplace=True, buffer=buffer).items():
+        if vocab_chunk > 0 and project.head is not None:
+            stats = streamed_token_stats(project.hidden(sl), project.head, targets[sl], temperature, vocab_chunk)
+        else:
+            logits = project(sl)
+            if buffer is None and logits.dtype == torch.float32:
+                buffer = torch.empty((min(chunk_size, len(targets)), logits.shape[-1]), device=logits.device)
+            stats = token_stats(logits, targets[sl], temperature, inplace=True, buffer=buffer)
+            del logits
+        for k, v in stats.items():
             parts[k].append(v.cpu())
-        del logits
     return {k: (torch.cat(v) if v else torch.empty(0)) for k, v in parts.items()}
 
 
 @torch.no_grad()
 def sequence_token_stats(model, prompt_ids: list[list[int]], response_ids: list[list[int]],
-                         temperature: float, chunk_size: int, pad_id: int) -> list[dict[str, list[float]]]:
+                         temperature: float, chunk_size: int, pad_id: int,
+                         vocab_chunk: int = 0) -> list[dict[str, list[float]]]:
     """token_stats for every response token of a batch of (prompt, response) pairs, computed
     over chunks of ``chunk_size`` response tokens; one dict of lists per sequence."""
     batch = pack(prompt_ids, response_ids, pad_id, model.device)
-    flat = chunked_token_stats(response_logits_fn(model, batch), batch["targets"], temperature, chunk_size)
+    flat = chunked_token_stats(ResponseLogits(model, batch), batch["targets"], temperature, chunk_size, vocab_chunk)
     out, offset = [], 0
     for r in response_ids:
         out.append({k: v[offset:offset + len(r)].tolist() for k, v in flat.items()})
@@ -171,7 +220,7 @@ def exact_grad_sq_norms(model, prompt_ids: list[list[int]], response_ids: list[l
             continue
         batch = pack([p_ids], [r_ids], pad_id, model.device)
         with torch.enable_grad():
-            logits = response_logits_fn(model, batch)(slice(None)).float() / temperature
+            logits = ResponseLogits(model, batch)(slice(None)).float() / temperature
             logp = torch.log_softmax(logits, -1).gather(-1, batch["targets"][:, None]).sum()
             grads = torch.autograd.grad(logp, params, allow_unused=True)
         out.append(float(sum((g.double() ** 2).sum() for g in grads if g is not None)))
@@ -207,7 +256,7 @@ def run(cfg: DictConfig, args: Args) -> None:
     for start in range(0, df.height, f.batch_size):
         part = df[start:start + f.batch_size]
         stats += sequence_token_stats(model, part["prompt_ids"].to_list(), part["response_ids"].to_list(),
-                                      cfg.rollout.temperature, f.chunk_size, tok.pad_token_id)
+                                      cfg.rollout.temperature, f.chunk_size, tok.pad_token_id, f.vocab_chunk_size)
     df = df.with_columns(*(pl.Series(k, [s[k] for s in stats], dtype=schemas.F32L) for k in STAT_COLUMNS))
     if f.exact_grad_norm:
         df = df.with_columns(pl.Series("grad_sq_norm", exact_grad_sq_norms(

@@ -43,7 +43,7 @@ from omegaconf import DictConfig
 
 from otbflow import schemas
 from otbflow.config import derive_seed
-from otbflow.features import pack, response_logits_fn
+from otbflow.features import ResponseLogits, pack
 from otbflow.io import SchemaError, atomic_dir, read_table, write_parquet
 from otbflow.model import set_threads
 
@@ -113,11 +113,11 @@ def response_token_stats(model, input_ids, attention_mask, rows, pos, targets,
                          temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(log pi(y_t) with gradient, entropy without) of every response token, flattened.
 
-    Same arithmetic as the features stage (``features.response_logits_fn``): the head is applied
+    Same arithmetic as the features stage (``features.ResponseLogits``): the head is applied
     only at the positions predicting response tokens, then log-softmax of logits / temperature in
     fp32."""
     batch = {"input_ids": input_ids, "attention_mask": attention_mask, "rows": rows, "pos": pos}
-    z = response_logits_fn(model, batch)(slice(None)).float() / temperature
+    z = ResponseLogits(model, batch)(slice(None)).float() / temperature
     lse = torch.logsumexp(z, dim=-1)
     logp = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
     with torch.no_grad():
