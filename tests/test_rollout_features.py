@@ -21,7 +21,9 @@ def test_rollout_table(rollouts_path, cfg):
     stopped = df.filter(pl.col("finish_reason") == "stop")
     assert all(ids[-1] == 1 for ids in stopped["response_ids"])  # <eos> id 1 closes a stopped response
     meta = read_metadata(rollouts_path)
-    assert meta["sampling"] == {"n": 4, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 24}
+    assert meta["sampling"] == {"n": 4, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 24,
+                                "greedy": False}
+    assert meta["backend"] == "hf" and "transformers_version" in meta
 
 
 def test_generation_is_reproducible(tiny_policy):

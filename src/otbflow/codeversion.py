@@ -15,11 +15,11 @@ SHARED = ("__init__", "__main__", "cli", "config", "io", "schemas", "model", "ta
 STAGE_MODULES = {
     "bootstrap": ("bootstrap", "shard", "rollout"),
     "shard": ("shard",),
-    "rollout": ("rollout",),
+    "rollout": ("rollout", "vllm_engine"),
     "features": ("features",),
     "advantages": ("advantages",),
     "train": ("train", "features"),
-    "evaluate": ("evaluate", "rollout"),
+    "evaluate": ("evaluate", "rollout", "vllm_engine"),
     "report": ("report",),
     "scaling": ("scaling", "features"),
 }

@@ -110,7 +110,11 @@ class RolloutConfig:
     max_new_tokens: int = 48
     """Most tokens generated per response; longer ones finish with reason 'length'."""
     batch_size: int = 64
-    """Prompts per generate call."""
+    """hf backend: prompts per generate call."""
+    tensor_parallel_size: int = 1
+    """vllm backend: GPUs per engine (tensor parallelism); match the rule's GPU count."""
+    gpu_memory_utilization: float = 0.85
+    """vllm backend: fraction of GPU memory for weights and KV cache."""
 
 
 @dataclass
@@ -314,6 +318,9 @@ def validate(cfg: DictConfig) -> None:
     _require(0 < r.top_p <= 1, "rollout.top_p", "in (0, 1]", r.top_p)
     _require(r.max_new_tokens >= 1, "rollout.max_new_tokens", ">= 1", r.max_new_tokens)
     _require(r.batch_size >= 1, "rollout.batch_size", ">= 1", r.batch_size)
+    _require(r.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", ">= 1", r.tensor_parallel_size)
+    _require(0 < r.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "in (0, 1]",
+             r.gpu_memory_utilization)
     _require(cfg.features.batch_size >= 1, "features.batch_size", ">= 1", cfg.features.batch_size)
     _require(cfg.features.chunk_size >= 1, "features.chunk_size", ">= 1", cfg.features.chunk_size)
     _require(cfg.features.vocab_chunk_size >= 0, "features.vocab_chunk_size", ">= 0", cfg.features.vocab_chunk_size)

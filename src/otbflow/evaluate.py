@@ -1,6 +1,6 @@
 """Evaluate: greedy accuracy and sampled avg@k of one policy on the held-out prompts.
 
-Writes every response (samples Parquet) and a one-row summary: greedy accuracy, avg@k (mean
+Generates with ``rollout.backend`` (transformers or vLLM). Writes every response (samples Parquet) and a one-row summary: greedy accuracy, avg@k (mean
 reward over k samples per prompt at ``evaluate.temperature``) and mean sampled response length.
 The seed is fixed per policy name, so the same policy always gets the same samples.
 """
@@ -16,9 +16,9 @@ from omegaconf import DictConfig
 from otbflow import schemas
 from otbflow.config import derive_seed
 from otbflow.io import read_table, write_parquet
-from otbflow.model import load_policy, set_threads
+from otbflow.model import set_threads
 from otbflow.rewards import get_reward, resolve_reward_name
-from otbflow.rollout import hf_generate
+from otbflow.rollout import generate_samples
 
 log = logging.getLogger("otbflow.evaluate")
 SECTIONS = ("evaluate", "task", "model")
@@ -43,15 +43,13 @@ class Args:
 def run(cfg: DictConfig, args: Args) -> None:
     set_threads()
     prompts = read_table(args.prompts, schemas.PROMPTS)
-    model, tok = load_policy(args.policy, cfg.model.dtype)
     e = cfg.evaluate
     reward_fn = get_reward(resolve_reward_name(cfg.task.name, cfg.task.reward))
     texts, answers, ids = prompts["prompt"].to_list(), prompts["answer"].to_list(), prompts["prompt_id"].to_list()
     rows = []
     for mode in ("greedy", "sampled"):
-        samples = hf_generate(model, tok, texts, n=e.n_samples, temperature=e.temperature,
-                              max_new_tokens=e.max_new_tokens, greedy=mode == "greedy",
-                              batch_size=cfg.rollout.batch_size, seed=derive_seed(cfg.seed, "evaluate", args.name))
+        samples, _ = generate_samples(cfg, args.policy, texts, e.n_samples, e.temperature, 1.0, e.max_new_tokens,
+                                      greedy=mode == "greedy", seed=derive_seed(cfg.seed, "evaluate", args.name))
         rows += [{"policy": args.name, "prompt_id": ids[s.prompt_index], "mode": mode, "sample_idx": s.sample_idx,
                   "response_text": s.text, "response_length": len(s.response_ids),
                   "reward": reward_fn(s.text, answers[s.prompt_index])} for s in samples]

@@ -1,8 +1,12 @@
 """Rollout: sample G responses per prompt with the current policy and score them.
 
-Backend 'hf' generates with transformers ``generate`` (CPU or GPU). The rollout log-prob of
-each sampled token is log_softmax(logits / temperature) of the engine's raw logits, i.e. before
-top-p, so that it is directly comparable with the trainer's log-probs in the features stage.
+Backends (``rollout.backend``), both writing the same table:
+
+- 'hf': transformers ``generate`` (CPU or GPU). The rollout log-prob of each sampled token is
+  log_softmax(logits / temperature) of the engine's raw logits, i.e. before top-p, so that it
+  is directly comparable with the trainer's log-probs in the features stage.
+- 'vllm': ``vllm.LLM.generate`` with n samples per prompt on GPUs, in its own environment
+  (envs/vllm.yaml); see otbflow.vllm_engine for which log-probs it returns.
 """
 
 from __future__ import annotations
@@ -87,6 +91,28 @@ def hf_generate(model, tok, prompts: list[str], n: int, temperature: float = 1.0
     return out
 
 
+def generate_samples(cfg: DictConfig, policy: str, prompts: list[str], n: int, temperature: float, top_p: float,
+                     max_new_tokens: int, greedy: bool, seed: int) -> tuple[list[Sample], dict]:
+    """Samples from the configured backend, and metadata describing how they were made."""
+    r = cfg.rollout
+    if r.backend == "vllm":
+        from transformers import AutoTokenizer
+
+        from otbflow import vllm_engine
+
+        tok = AutoTokenizer.from_pretrained(policy, local_files_only=True)
+        return vllm_engine.generate(policy, encode(tok, prompts), tok.eos_token_id, n, temperature, top_p,
+                                    max_new_tokens, greedy, seed, cfg.model.dtype, r.tensor_parallel_size,
+                                    r.gpu_memory_utilization)
+    import transformers
+
+    model, tok = load_policy(policy, cfg.model.dtype)
+    samples = hf_generate(model, tok, prompts, n, temperature, top_p, max_new_tokens, greedy, r.batch_size, seed)
+    return samples, {"transformers_version": transformers.__version__,
+                     "sampling": {"n": n, "temperature": temperature, "top_p": top_p, "top_k": 0,
+                                  "max_new_tokens": max_new_tokens, "greedy": greedy}}
+
+
 def select_prompts(df: pl.DataFrame, iteration: int, per_shard: int) -> pl.DataFrame:
     """The iteration's window of a shard: consecutive rows, cycling through the shard."""
     n = df.height
@@ -94,23 +120,12 @@ def select_prompts(df: pl.DataFrame, iteration: int, per_shard: int) -> pl.DataF
     return df[rows]
 
 
-def run(cfg: DictConfig, args: Args) -> None:
-    set_threads()
-    if cfg.rollout.backend != "hf":
-        raise NotImplementedError("rollout.backend=vllm is not available yet; use 'hf'")
-    prompts = read_table(args.prompts, schemas.PROMPTS)
-    shard = int(prompts["shard"][0]) if prompts.height else 0
-    per_shard = math.ceil(cfg.rollout.prompts_per_iteration / cfg.shard.n_shards)
-    batch = select_prompts(prompts, args.iteration, per_shard)
-    r = cfg.rollout
-    seed = derive_seed(cfg.seed, "rollout", args.iteration, shard)
-    model, tok = load_policy(args.policy, cfg.model.dtype)
-    samples = hf_generate(model, tok, batch["prompt"].to_list(), r.group_size, r.temperature, r.top_p,
-                          r.max_new_tokens, batch_size=r.batch_size, seed=seed)
-    reward_fn = get_reward(resolve_reward_name(cfg.task.name, cfg.task.reward))
+def rollout_table(samples: list[Sample], batch: pl.DataFrame, iteration: int, shard: int, seed: int,
+                  reward_fn) -> pl.DataFrame:
+    """The rollouts table (schemas.ROLLOUTS) of any backend's samples of ``batch``'s prompts."""
     rows = batch.to_dicts()
-    df = pl.DataFrame({
-        "iteration": [args.iteration] * len(samples),
+    return pl.DataFrame({
+        "iteration": [iteration] * len(samples),
         "shard": [shard] * len(samples),
         "seed": [seed] * len(samples),
         "prompt_id": [rows[s.prompt_index]["prompt_id"] for s in samples],
@@ -126,12 +141,22 @@ def run(cfg: DictConfig, args: Args) -> None:
         "finish_reason": [s.finish_reason for s in samples],
         "reward": [reward_fn(s.text, rows[s.prompt_index]["answer"]) for s in samples],
     }, schema=schemas.ROLLOUTS.columns)
-    import transformers
 
-    meta = {"backend": "hf", "policy": str(Path(args.policy)), "iteration": args.iteration, "seed": seed,
-            "sampling": {"n": r.group_size, "temperature": r.temperature, "top_p": r.top_p, "top_k": 0,
-                         "max_new_tokens": r.max_new_tokens},
-            "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}
+
+def run(cfg: DictConfig, args: Args) -> None:
+    set_threads()
+    prompts = read_table(args.prompts, schemas.PROMPTS)
+    shard = int(prompts["shard"][0]) if prompts.height else 0
+    per_shard = math.ceil(cfg.rollout.prompts_per_iteration / cfg.shard.n_shards)
+    batch = select_prompts(prompts, args.iteration, per_shard)
+    r = cfg.rollout
+    seed = derive_seed(cfg.seed, "rollout", args.iteration, shard)
+    samples, engine_meta = generate_samples(cfg, args.policy, batch["prompt"].to_list(), r.group_size, r.temperature,
+                                            r.top_p, r.max_new_tokens, greedy=False, seed=seed)
+    reward_fn = get_reward(resolve_reward_name(cfg.task.name, cfg.task.reward))
+    df = rollout_table(samples, batch, args.iteration, shard, seed, reward_fn)
+    meta = {"backend": r.backend, "policy": str(Path(args.policy)), "iteration": args.iteration, "seed": seed,
+            "torch_version": torch.__version__, **engine_meta}
     write_parquet(df, args.out, metadata=meta)
     log.info("iteration %d shard %d: %d responses, mean reward %.3f, mean length %.1f", args.iteration, shard,
              df.height, df["reward"].mean(), df["response_length"].mean())
