@@ -56,11 +56,17 @@ def test_evaluate(tmp_path, cfg, tiny_policy, data_dir):
     assert read_table(tmp_path / "s.parquet", schemas.EVAL_SAMPLES).equals(first)  # fixed seed per policy
 
 
-def test_report_tables_and_token_accounting(tmp_path, rollouts_path):
+def test_report_tables_and_token_accounting(tmp_path, rollouts_path, features_path, cfg):
     roll = pl.read_parquet(rollouts_path)
+    feats = pl.read_parquet(features_path)
     paths = {}
     for k in (0, 1):
         paths[f"r{k}"] = write_parquet(roll.with_columns(pl.lit(k, pl.Int64).alias("iteration")), tmp_path / f"r{k}.parquet")
+        shifted = feats.with_columns(pl.lit(k, pl.Int64).alias("iteration"))
+        if k == 1:  # iteration 1: the rollout engine disagrees with the trainer on one sequence
+            shifted = shifted.with_columns(pl.when(pl.int_range(pl.len()) == 0).then(1.0).otherwise(pl.col("seq_max_k2"))
+                                           .alias("seq_max_k2"))
+        paths[f"f{k}"] = write_parquet(shifted, tmp_path / f"f{k}.parquet")
         paths[f"m{k}"] = write_parquet(pl.DataFrame({
             "iteration": [k, k], "step": [0, 1], "loss": [0.1, 0.2],
             "clip_fraction": [0.0, 0.1], "grad_norm": [1.0, 2.0], "lr": [1e-3, 1e-3], "entropy": [1.0, 1.0],
@@ -74,13 +80,17 @@ def test_report_tables_and_token_accounting(tmp_path, rollouts_path):
             "policy": name, "iteration": it, "greedy_accuracy": acc, "sampled_accuracy": acc, "k": 2,
             "mean_response_length": 10.0, "n_prompts": 8}], schema=schemas.EVAL_SUMMARY.columns), tmp_path / f"{name}.parquet")
     out = tmp_path / "report"
-    report.run(None, report.Args(summaries=[str(paths[n]) for n in ("iter_1", "initial", "iter_0")],
-                                 metrics=[str(paths["m0"]), str(paths["m1"])], rollouts=[str(paths["r0"]), str(paths["r1"])],
-                                 comparisons=[str(paths["c0"]), str(paths["c1"])], out_dir=str(out)))
+    report.run(cfg, report.Args(summaries=[str(paths[n]) for n in ("iter_1", "initial", "iter_0")],
+                                metrics=[str(paths["m0"]), str(paths["m1"])], rollouts=[str(paths["r0"]), str(paths["r1"])],
+                                comparisons=[str(paths["c0"]), str(paths["c1"])],
+                                features=[str(paths["f0"]), str(paths["f1"])], out_dir=str(out)))
     progress = read_table(out / "progress.parquet", schemas.PROGRESS)
     per_iter = int(roll["response_length"].sum())
     assert progress["policy"].to_list() == ["initial", "iter_0", "iter_1"]
     assert progress["tokens_generated"].to_list() == [0, per_iter, 2 * per_iter]
     assert read_table(out / "metrics.parquet", schemas.METRICS).height == 4
+    mismatch = read_table(out / "mismatch.parquet", schemas.MISMATCH)
+    assert mismatch["trm_acceptance"].to_list() == [1.0, pytest.approx(1 - 1 / feats.height)]
+    assert mismatch["tokens"].to_list() == [int(feats["response_length"].sum())] * 2
     for png in report.PLOTS:
         assert (out / f"{png}.png").stat().st_size > 1000

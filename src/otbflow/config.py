@@ -115,6 +115,10 @@ class RolloutConfig:
     """vllm backend: GPUs per engine (tensor parallelism); match the rule's GPU count."""
     gpu_memory_utilization: float = 0.85
     """vllm backend: fraction of GPU memory for weights and KV cache."""
+    python: Optional[str] = None
+    """Python interpreter of the rollout and evaluate jobs, e.g. a pre-built vLLM virtualenv on
+    clusters without conda (/opt/envs/vllm/bin/python). null: the one running Snakemake (or the
+    conda environment's under --sdm conda)."""
 
 
 @dataclass
@@ -186,6 +190,15 @@ class EvaluateConfig:
 
 
 @dataclass
+class MismatchConfig:
+    max_k2: float = 0.05
+    """TRM max criterion (algorithms.md §3.3): a sequence is accepted while every token has
+    k2 = (log r)^2 / 2 <= max_k2 (0.05: |log r| <= 0.316)."""
+    mean_k3: float = 0.001
+    """TRM average criterion: accepted while the mean token k3 <= mean_k3."""
+
+
+@dataclass
 class ScalingConfig:
     max_sequences: int = 256
     """Most responses measured (one backward pass each), spread evenly over the lengths."""
@@ -211,6 +224,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    mismatch: MismatchConfig = field(default_factory=MismatchConfig)
 
 
 # ------------------------------------------------------------------------------------------
@@ -344,6 +358,8 @@ def validate(cfg: DictConfig) -> None:
     _require(tr.zero_stage in (0, 1, 2, 3), "train.zero_stage", "one of 0, 1, 2, 3", tr.zero_stage)
     # DeepSpeed with bf16 and no ZeRO updates bf16 weights in place (no fp32 master): small steps vanish
     _require(not tr.bf16 or tr.zero_stage >= 1, "train.bf16", "false unless train.zero_stage >= 1", tr.bf16)
+    _require(cfg.mismatch.max_k2 > 0, "mismatch.max_k2", "> 0", cfg.mismatch.max_k2)
+    _require(cfg.mismatch.mean_k3 > 0, "mismatch.mean_k3", "> 0", cfg.mismatch.mean_k3)
     _require(cfg.scaling.max_sequences >= 3, "scaling.max_sequences", ">= 3", cfg.scaling.max_sequences)
     _require(cfg.scaling.bootstrap >= 10, "scaling.bootstrap", ">= 10", cfg.scaling.bootstrap)
     e = cfg.evaluate

@@ -2,8 +2,9 @@
 
 Writes ``progress.parquet`` (accuracy of each policy with the tokens generated so far),
 ``metrics.parquet`` (all train steps), ``comparison.parquet`` (estimator diagnostics of every
-iteration) and PNG plots of accuracy and reward against iteration and tokens generated, grad
-norm and response length. ``snakemake --report report.html`` embeds the plots with captions.
+iteration), ``mismatch.parquet`` (trainer vs rollout engine per iteration) and PNG plots of
+accuracy and reward against iteration and tokens generated, grad norm, response length and the
+mismatch dashboard (log-ratio and k3 distributions, log-PPL gap, TRM acceptance). ``snakemake --report report.html`` embeds the plots with captions.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from otbflow import schemas
 from otbflow.io import read_table, write_parquet
 
 log = logging.getLogger("otbflow.report")
-SECTIONS: tuple[str, ...] = ()
-PLOTS = ("accuracy", "reward", "grad_norm", "response_length")
+SECTIONS = ("mismatch",)
+PLOTS = ("accuracy", "reward", "grad_norm", "response_length", "mismatch")
 
 
 @dataclass
@@ -34,6 +35,8 @@ class Args:
     """Rollout Parquets of every iteration and shard (for token accounting)."""
     comparisons: list[str]
     """Estimator comparison Parquets of iterations 0, 1, ..."""
+    features: list[str]
+    """Features Parquets of every iteration and shard (for the mismatch dashboard)."""
     out_dir: str
     """Output folder for the tables and {accuracy,reward,grad_norm,response_length}.png."""
 
@@ -54,6 +57,57 @@ def progress_table(summaries: list[str], rollouts: list[str]) -> pl.DataFrame:
         pl.col("mean_rollout_length").fill_null(float("nan")),
     )
     return out.select(list(schemas.PROGRESS.columns))
+
+
+def mismatch_table(features: pl.DataFrame, max_k2: float, mean_k3: float) -> pl.DataFrame:
+    tokens = features.select("iteration", "log_ratio", "k3").explode("log_ratio", "k3").drop_nulls()
+    per_token = tokens.group_by("iteration").agg(
+        pl.len().cast(pl.Int64).alias("tokens"),
+        pl.col("log_ratio").cast(pl.Float64).mean().alias("log_ratio_mean"),
+        pl.col("log_ratio").cast(pl.Float64).abs().max().alias("log_ratio_abs_max"),
+        pl.col("k3").cast(pl.Float64).mean().alias("k3_mean"))
+    per_seq = features.group_by("iteration").agg(
+        pl.col("log_ppl_abs_diff").mean().alias("log_ppl_abs_diff_mean"),
+        ((pl.col("seq_max_k2") <= max_k2) & (pl.col("seq_mean_k3") <= mean_k3)).mean().cast(pl.Float64)
+        .alias("trm_acceptance"))
+    return per_token.join(per_seq, on="iteration").sort("iteration").select(list(schemas.MISMATCH.columns))
+
+
+def _plot_mismatch(path: Path, features: pl.DataFrame, table: pl.DataFrame) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(20, 3.6))
+    for k in table["iteration"].to_list():
+        part = features.filter(pl.col("iteration") == k)
+        lr = part["log_ratio"].explode().drop_nulls().to_numpy()
+        k3 = part["k3"].explode().drop_nulls().to_numpy()
+        axes[0].hist(lr, bins=60, histtype="step", log=True, label=f"iteration {k}")
+        axes[1].hist(np.log10(np.maximum(k3, 1e-20)), bins=60, histtype="step", log=True, label=f"iteration {k}")
+    axes[0].set_xlabel("per-token log r = log pi_trainer - log pi_rollout")
+    axes[1].set_xlabel("log10 per-token k3")
+    for ax in axes[:2]:
+        ax.set_ylabel("tokens")
+        ax.legend()
+    it = table["iteration"].to_numpy()
+    axes[2].plot(it, table["log_ppl_abs_diff_mean"].to_numpy(), marker="o")
+    axes[2].set_xlabel("iteration")
+    axes[2].set_ylabel("mean |log-PPL gap|")
+    axes[3].plot(it, table["trm_acceptance"].to_numpy(), marker="o")
+    axes[3].axhline(0.7, color="grey", linestyle="--", label="0.7 (TRM paper's floor)")
+    axes[3].set_ylim(0, 1.05)
+    axes[3].set_xlabel("iteration")
+    axes[3].set_ylabel("TRM acceptance rate")
+    axes[3].legend()
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
 
 
 def _plot(path: Path, panels: list[tuple[str, str, list[tuple[str, np.ndarray, np.ndarray]]]]) -> None:
@@ -88,6 +142,11 @@ def run(cfg: DictConfig, args: Args) -> None:
     write_parquet(progress, out / "progress.parquet")
     write_parquet(metrics.select(list(schemas.METRICS.columns)), out / "metrics.parquet")
     write_parquet(comparison, out / "comparison.parquet")
+    cols = ["iteration", "log_ratio", "k3", "seq_max_k2", "seq_mean_k3", "log_ppl_abs_diff"]
+    features = pl.concat([read_table(p, schemas.FEATURES).select(cols) for p in args.features])
+    mismatch = mismatch_table(features, cfg.mismatch.max_k2, cfg.mismatch.mean_k3)
+    write_parquet(mismatch, out / "mismatch.parquet")
+    _plot_mismatch(out / "mismatch.png", features, mismatch)
 
     it = progress["iteration"].to_numpy() + 1  # policy index: 0 = initial, k+1 = after iteration k
     tok = progress["tokens_generated"].to_numpy()

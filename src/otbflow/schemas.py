@@ -221,8 +221,23 @@ SCALING_SEQUENCES = _table(
     ],
 )
 
+MISMATCH = _table(
+    "mismatch", "results/report/mismatch.parquet",
+    "Trainer vs rollout engine, per iteration (from the features tables): the mismatch dashboard.",
+    [
+        ("iteration", pl.Int64, "RL iteration"),
+        ("tokens", pl.Int64, "response tokens"),
+        ("log_ratio_mean", pl.Float64, "mean per-token log r = log pi_trainer - log pi_rollout"),
+        ("log_ratio_abs_max", pl.Float64, "max |log r| over tokens"),
+        ("k3_mean", pl.Float64, "mean token k3: estimate of KL(rollout || trainer)"),
+        ("log_ppl_abs_diff_mean", pl.Float64, "mean over sequences of the |log-PPL gap| (TRM's PPL gap)"),
+        ("trm_acceptance", pl.Float64, "fraction of sequences with max k2 <= mismatch.max_k2 and mean k3 <= mismatch.mean_k3"),
+    ],
+)
+
 ALL_TABLES = [PROMPTS, ROLLOUTS, FEATURES, ADVANTAGES, COMPARISON, TRAIN_METRICS, EVAL_SAMPLES,
-              EVAL_SUMMARY, PROGRESS, METRICS, SCALING_SEQUENCES]
+              EVAL_SUMMARY, PROGRESS, METRICS, SCALING_SEQUENCES,
+              MISMATCH]
 
 
 def schema_markdown() -> str:

@@ -18,6 +18,8 @@ R = CFG.results_dir
 ITERATIONS = list(range(CFG.iterations))
 SHARDS = list(range(CFG.shard.n_shards))
 ENV = "../../envs/otbflow.yaml"
+# vLLM pins its own torch: rollout and evaluate use its environment when it is the backend.
+GENERATE_ENV = "../../envs/vllm.yaml" if CFG.rollout.backend == "vllm" else ENV
 
 
 def _write_if_changed(path, text):
@@ -41,10 +43,11 @@ _PY = "python" if "conda" in str(workflow.deployment_settings.deployment_method)
 OTBFLOW = f"PYTHONPATH={_SRC}${{PYTHONPATH:+:$PYTHONPATH}} {_PY} -m otbflow"
 
 
-def stage_cmd(stage):
+def stage_cmd(stage, python=None):
     """Start of the shell command of one stage: the CLI with the resolved config, told how
-    many threads the job has."""
-    return lambda wildcards, threads: f"OTBFLOW_THREADS={threads} {OTBFLOW} {stage} --config {RESOLVED_CONFIG}"
+    many threads the job has. ``python`` overrides the interpreter (rollout.python)."""
+    cli = OTBFLOW if python is None else f"PYTHONPATH={_SRC}${{PYTHONPATH:+:$PYTHONPATH}} {python} -m otbflow"
+    return lambda wildcards, threads: f"OTBFLOW_THREADS={threads} {cli} {stage} --config {RESOLVED_CONFIG}"
 
 
 def digest(*sections):

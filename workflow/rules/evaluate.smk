@@ -10,9 +10,9 @@ rule evaluate:
     benchmark:
         f"{R}/benchmarks/evaluate/{{policy}}.tsv"
     conda:
-        ENV
+        GENERATE_ENV
     params:
-        cmd=stage_cmd("evaluate"),
+        cmd=stage_cmd("evaluate", python=CFG.rollout.python),
         cfg=digest("seed", "evaluate", "task", "model.dtype"),
         code=code_version("evaluate"),
         iteration=policy_iteration,

@@ -5,10 +5,12 @@ rule report:
         metrics=expand(rules.train.output.metrics, k=ITERATIONS),
         rollouts=expand(rules.rollout.output[0], k=ITERATIONS, s=SHARDS),
         comparisons=expand(rules.advantages.output.comparison, k=ITERATIONS),
+        features=expand(rules.features.output[0], k=ITERATIONS, s=SHARDS),
     output:
         progress=f"{R}/report/progress.parquet",
         metrics=f"{R}/report/metrics.parquet",
         comparison=f"{R}/report/comparison.parquet",
+        mismatch=f"{R}/report/mismatch.parquet",
         accuracy=report(
             f"{R}/report/accuracy.png",
             caption="../report/accuracy.rst",
@@ -29,6 +31,11 @@ rule report:
             caption="../report/response_length.rst",
             category="Training",
         ),
+        mismatch_plot=report(
+            f"{R}/report/mismatch.png",
+            caption="../report/mismatch.rst",
+            category="Training-inference mismatch",
+        ),
     log:
         f"{R}/logs/report/report.log",
     benchmark:
@@ -37,6 +44,7 @@ rule report:
         ENV
     params:
         cmd=stage_cmd("report"),
+        cfg=digest("mismatch"),
         code=code_version("report"),
         out_dir=lambda wildcards, output: os.path.dirname(output.progress),
     threads: 1
@@ -45,4 +53,4 @@ rule report:
         runtime=15,
     shell:
         "{params.cmd} --summaries {input.summaries} --metrics {input.metrics} --rollouts {input.rollouts} "
-        "--comparisons {input.comparisons} --out-dir {params.out_dir} > {log} 2>&1"
+        "--comparisons {input.comparisons} --features {input.features} --out-dir {params.out_dir} > {log} 2>&1"

@@ -9,9 +9,9 @@ rule rollout:
     benchmark:
         f"{R}/benchmarks/rollout/iter_{{k}}_shard_{{s}}.tsv"
     conda:
-        ENV
+        GENERATE_ENV
     params:
-        cmd=stage_cmd("rollout"),
+        cmd=stage_cmd("rollout", python=CFG.rollout.python),
         cfg=digest("seed", "rollout", "task", "model.dtype", "shard"),
         code=code_version("rollout"),
     threads: 2
