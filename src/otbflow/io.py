@@ -8,6 +8,7 @@
   lists. Errors name the file and the column.
 - ``atomic_dir``: a context manager for folder outputs (HF model folders): write into a
   temporary sibling, renamed into place on success only.
+- ``pyplot`` / ``save_figure``: matplotlib without a display, and PNGs written the same way.
 """
 
 from __future__ import annotations
@@ -126,3 +127,22 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (batch jobs have no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: str | Path, dpi: int = 110) -> None:
+    """Lay out, write to a temporary name, close, rename into place."""
+    path = Path(path)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=dpi)
+    pyplot().close(fig)
+    tmp.replace(path)

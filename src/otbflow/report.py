@@ -18,7 +18,7 @@ import polars as pl
 from omegaconf import DictConfig
 
 from otbflow import schemas
-from otbflow.io import read_table, write_parquet
+from otbflow.io import pyplot, read_table, save_figure, write_parquet
 
 log = logging.getLogger("otbflow.report")
 SECTIONS = ("mismatch",)
@@ -74,11 +74,7 @@ def mismatch_table(features: pl.DataFrame, max_k2: float, mean_k3: float) -> pl.
 
 
 def _plot_mismatch(path: Path, features: pl.DataFrame, table: pl.DataFrame) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 4, figsize=(20, 3.6))
     for k in table["iteration"].to_list():
         part = features.filter(pl.col("iteration") == k)
@@ -103,19 +99,11 @@ def _plot_mismatch(path: Path, features: pl.DataFrame, table: pl.DataFrame) -> N
     axes[3].legend()
     for ax in axes:
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
+    save_figure(fig, path)
 
 
 def _plot(path: Path, panels: list[tuple[str, str, list[tuple[str, np.ndarray, np.ndarray]]]]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
     for ax, (xlabel, ylabel, series) in zip(axes[0], panels):
         for label, x, y in series:
@@ -125,11 +113,7 @@ def _plot(path: Path, panels: list[tuple[str, str, list[tuple[str, np.ndarray, n
         ax.grid(alpha=0.3)
         if len(series) > 1:
             ax.legend()
-    fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
+    save_figure(fig, path)
 
 
 def run(cfg: DictConfig, args: Args) -> None:

@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 from otbflow import schemas
 from otbflow.config import derive_seed
 from otbflow.features import exact_grad_sq_norms, sequence_token_stats
-from otbflow.io import read_table, write_parquet
+from otbflow.io import pyplot, read_table, save_figure, write_parquet
 from otbflow.model import load_policy, set_threads
 
 log = logging.getLogger("otbflow.scaling")
@@ -92,11 +92,7 @@ def fit_summary(lengths: np.ndarray, grad_sq: np.ndarray, w_hat: np.ndarray, n_b
 
 
 def plot(path: Path, lengths: np.ndarray, grad_sq: np.ndarray, w_hat: np.ndarray, s: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     t = np.linspace(lengths.min(), lengths.max(), 50)
     for ax, y, name, label in ((axes[0], grad_sq, "grad_sq_norm", "exact ||grad log pi(y)||^2"),
@@ -111,11 +107,7 @@ def plot(path: Path, lengths: np.ndarray, grad_sq: np.ndarray, w_hat: np.ndarray
     axes[2].set_xlabel("proxy energy W")
     axes[2].set_ylabel("exact squared gradient norm")
     axes[2].set_title(f"Pearson {s['pearson_w_hat_grad_sq_norm']:.2f}, Spearman {s['spearman_w_hat_grad_sq_norm']:.2f}")
-    fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
+    save_figure(fig, path)
 
 
 def run(cfg: DictConfig, args: Args) -> None:
