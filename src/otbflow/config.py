@@ -207,6 +207,55 @@ class ScalingConfig:
 
 
 @dataclass
+class CpuJobResources:
+    mem_mb: int = 2000
+    """Memory of the job in MB (Slurm: --mem)."""
+    runtime: int = 30
+    """Wall time of the first attempt in minutes (Slurm: -t); a retried job gets this times the
+    attempt number."""
+
+
+@dataclass
+class JobResources(CpuJobResources):
+    gpu: int = 0
+    """GPUs per job (Slurm: --gpus=N, or --gpus=MODEL:N when the profile sets gpu_model). 0: CPU."""
+    cpus_per_gpu: int = 8
+    """CPU cores per GPU when gpu > 0 (Slurm: --cpus-per-gpu); CPU jobs get the rule's threads."""
+
+
+@dataclass
+class TrainJobResources(JobResources):
+    tasks: int = 1
+    """Training processes (DeepSpeed ranks). > 1: started with srun inside a Slurm job (Slurm:
+    --ntasks), with torchrun --nproc_per_node elsewhere. With GPUs, one rank per GPU: set gpu = tasks."""
+    nodes: int = 1
+    """Nodes the training job spans (Slurm: --nodes)."""
+    cpus_per_task: int = 2
+    """CPU threads per training process (the rule's threads; Slurm: --cpus-per-task on CPU jobs)."""
+
+
+@dataclass
+class ResourcesConfig:
+    """Portable job resources of the stages, read by the rules; site specifics (partition,
+    account, gpu_model) belong in the slurm/ profile."""
+
+    shard: CpuJobResources = field(default_factory=lambda: CpuJobResources(mem_mb=2000, runtime=30))
+    """The shard job (CPU only)."""
+    rollout: JobResources = field(default_factory=lambda: JobResources(mem_mb=8000, runtime=120))
+    """Each rollout job (one per shard and iteration)."""
+    features: JobResources = field(default_factory=lambda: JobResources(mem_mb=8000, runtime=60))
+    """Each features job (one per shard and iteration)."""
+    advantages: CpuJobResources = field(default_factory=lambda: CpuJobResources(mem_mb=4000, runtime=30))
+    """The advantages job of each iteration (CPU only)."""
+    train: TrainJobResources = field(default_factory=lambda: TrainJobResources(mem_mb=8000, runtime=120))
+    """The training job of each iteration."""
+    evaluate: JobResources = field(default_factory=lambda: JobResources(mem_mb=8000, runtime=60))
+    """Each evaluate job (one per policy)."""
+    report: CpuJobResources = field(default_factory=lambda: CpuJobResources(mem_mb=2000, runtime=15))
+    """The report job (CPU only)."""
+
+
+@dataclass
 class Config:
     seed: int = 0
     """Global seed: fixes data, sampling, initialisation and training on CPU."""
@@ -225,6 +274,7 @@ class Config:
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     mismatch: MismatchConfig = field(default_factory=MismatchConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
 
 
 # ------------------------------------------------------------------------------------------
@@ -362,6 +412,10 @@ def validate(cfg: DictConfig) -> None:
     _require(cfg.mismatch.mean_k3 > 0, "mismatch.mean_k3", "> 0", cfg.mismatch.mean_k3)
     _require(cfg.scaling.max_sequences >= 3, "scaling.max_sequences", ">= 3", cfg.scaling.max_sequences)
     _require(cfg.scaling.bootstrap >= 10, "scaling.bootstrap", ">= 10", cfg.scaling.bootstrap)
+    for stage, res in cfg.resources.items():
+        for key, value in res.items():
+            _require(value >= (0 if key == "gpu" else 1), f"resources.{stage}.{key}", ">= 0" if key == "gpu" else ">= 1",
+                     value)
     e = cfg.evaluate
     _require(e.n_samples >= 1, "evaluate.n_samples", ">= 1", e.n_samples)
     _require(e.temperature > 0, "evaluate.temperature", "> 0", e.temperature)
@@ -388,14 +442,15 @@ def section_digest(cfg: DictConfig, *keys: str) -> str:
 
 def field_docs(cls: type) -> dict[str, str]:
     """The docstrings written under each dataclass field (Python does not keep them itself)."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body  # type: ignore[attr-defined]
     docs: dict[str, str] = {}
-    for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                and isinstance(nxt.value.value, str)):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
+    for klass in reversed([c for c in cls.__mro__ if dataclasses.is_dataclass(c)]):  # inherited fields too
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        body = tree.body[0].body  # type: ignore[attr-defined]
+        for node, nxt in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                    and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                    and isinstance(nxt.value.value, str)):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs
 
 

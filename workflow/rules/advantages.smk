@@ -16,8 +16,8 @@ rule advantages:
         code=code_version("advantages"),
     threads: 1
     resources:
-        mem_mb=4000,
-        runtime=30,
+        mem_mb=CFG.resources.advantages.mem_mb,
+        runtime=runtime(CFG.resources.advantages.runtime),
     shell:
         "{params.cmd} --features {input.features} --out {output.advantages} "
         "--comparison {output.comparison} --iteration {wildcards.k} > {log} 2>&1"

@@ -43,11 +43,37 @@ _PY = "python" if "conda" in str(workflow.deployment_settings.deployment_method)
 OTBFLOW = f"PYTHONPATH={_SRC}${{PYTHONPATH:+:$PYTHONPATH}} {_PY} -m otbflow"
 
 
-def stage_cmd(stage, python=None):
+def stage_cmd(stage, python=None, launcher=""):
     """Start of the shell command of one stage: the CLI with the resolved config, told how
-    many threads the job has. ``python`` overrides the interpreter (rollout.python)."""
-    cli = OTBFLOW if python is None else f"PYTHONPATH={_SRC}${{PYTHONPATH:+:$PYTHONPATH}} {python} -m otbflow"
+    many threads the job has. ``python`` overrides the interpreter (rollout.python);
+    ``launcher`` starts several processes of it (``launch_processes``)."""
+    cli = OTBFLOW if python is None and not launcher else (
+        f"PYTHONPATH={_SRC}${{PYTHONPATH:+:$PYTHONPATH}} {launcher}{python or _PY} -m otbflow")
     return lambda wildcards, threads: f"OTBFLOW_THREADS={threads} {cli} {stage} --config {RESOLVED_CONFIG}"
+
+
+def launch_processes(tasks, cpus_per_task):
+    """Command prefix that starts ``tasks`` copies of a command (nothing for one): srun inside a
+    Slurm job (train.py maps SLURM_PROCID/LOCALID/NTASKS), torchrun on this machine otherwise.
+    Decided when the job runs, so the command (a rerun trigger) is the same under every executor."""
+    if tasks == 1:
+        return ""
+    srun = f"srun --ntasks={tasks} --cpus-per-task={cpus_per_task} --kill-on-bad-exit=1"
+    torchrun = f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node={tasks} --no-python"
+    return f'$(if [ -n "${{SLURM_JOB_ID:-}}" ]; then echo {srun}; else echo {torchrun}; fi) '
+
+
+def runtime(minutes):
+    """Wall time that grows with each retry (the profile's `retries`): minutes x attempt."""
+    return lambda wildcards, attempt: minutes * attempt
+
+
+def task_resources(res):
+    """Slurm task geometry of a multi-process job (plugin resources): `mpi` makes the job run its
+    command itself (it calls srun) with --ntasks; on GPUs one task per GPU."""
+    if res.tasks == 1:
+        return {}
+    return {"mpi": "srun"} | ({"tasks_per_gpu": 1} if res.gpu else {})
 
 
 def digest(*sections):

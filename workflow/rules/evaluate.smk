@@ -18,8 +18,10 @@ rule evaluate:
         iteration=policy_iteration,
     threads: 2
     resources:
-        mem_mb=8000,
-        runtime=60,
+        gpu=CFG.resources.evaluate.gpu,
+        cpus_per_gpu=CFG.resources.evaluate.cpus_per_gpu,
+        mem_mb=CFG.resources.evaluate.mem_mb,
+        runtime=runtime(CFG.resources.evaluate.runtime),
     shell:
         "{params.cmd} --prompts {input.prompts} --policy {input.policy} --name {wildcards.policy} "
         "--samples {output.samples} --summary {output.summary} --iteration {params.iteration} > {log} 2>&1"

@@ -16,7 +16,9 @@ rule features:
         code=code_version("features"),
     threads: 2
     resources:
-        mem_mb=8000,
-        runtime=60,
+        gpu=CFG.resources.features.gpu,
+        cpus_per_gpu=CFG.resources.features.cpus_per_gpu,
+        mem_mb=CFG.resources.features.mem_mb,
+        runtime=runtime(CFG.resources.features.runtime),
     shell:
         "{params.cmd} --rollouts {input.rollouts} --policy {input.policy} --out {output} > {log} 2>&1"

@@ -49,8 +49,8 @@ rule report:
         out_dir=lambda wildcards, output: os.path.dirname(output.progress),
     threads: 1
     resources:
-        mem_mb=2000,
-        runtime=15,
+        mem_mb=CFG.resources.report.mem_mb,
+        runtime=runtime(CFG.resources.report.runtime),
     shell:
         "{params.cmd} --summaries {input.summaries} --metrics {input.metrics} --rollouts {input.rollouts} "
         "--comparisons {input.comparisons} --features {input.features} --out-dir {params.out_dir} > {log} 2>&1"

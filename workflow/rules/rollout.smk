@@ -16,8 +16,10 @@ rule rollout:
         code=code_version("rollout"),
     threads: 2
     resources:
-        mem_mb=8000,
-        runtime=120,
+        gpu=CFG.resources.rollout.gpu,
+        cpus_per_gpu=CFG.resources.rollout.cpus_per_gpu,
+        mem_mb=CFG.resources.rollout.mem_mb,
+        runtime=runtime(CFG.resources.rollout.runtime),
     shell:
         "{params.cmd} --prompts {input.prompts} --policy {input.policy} --out {output} "
         "--iteration {wildcards.k} > {log} 2>&1"

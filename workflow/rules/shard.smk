@@ -15,7 +15,7 @@ rule shard:
         out_dir=lambda wildcards, output: os.path.dirname(output.eval),
     threads: 1
     resources:
-        mem_mb=2000,
-        runtime=30,
+        mem_mb=CFG.resources.shard.mem_mb,
+        runtime=runtime(CFG.resources.shard.runtime),
     shell:
         "{params.cmd} --out-dir {params.out_dir} > {log} 2>&1"
