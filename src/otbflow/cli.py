@@ -33,6 +33,7 @@ STAGES = {
 TOOLS = {
     "config": "print the validated config (or every key with its help)",
     "schema-doc": "print the Parquet schema reference (docs/schema.md)",
+    "submit": "run the workflow on Slurm from a head job (snakemake --workflow-profile slurm)",
 }
 
 
@@ -75,6 +76,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         _add_args_dataclass(p, mod.Args)
         p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. rollout.group_size=8")
     for name, help_text in TOOLS.items():
+        if name == "submit":
+            from otbflow import submit
+
+            p = sub.add_parser(name, help=help_text, description=submit.__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+            submit.add_arguments(p)
+            continue
         p = sub.add_parser(name, help=help_text)
         if name == "config":
             p.add_argument("--config", default=None)
@@ -92,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     from otbflow.config import DEFAULT_CONFIG, describe_all, to_yaml
 
     try:
+        if ns.command == "submit":
+            from otbflow.submit import main as submit_main
+
+            return submit_main(ns)
         if ns.command == "schema-doc":
             from otbflow.schemas import schema_markdown
 
