@@ -36,14 +36,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def snakemake_command(ns: argparse.Namespace) -> list[str]:
-    cmd = [SNAKEMAKE, "--workflow-profile", ns.profile]
+    # the passthrough first: its targets must not follow an option that takes several values
+    cmd = [SNAKEMAKE, *ns.snakemake_args, "--workflow-profile", ns.profile]
     if ns.configfile:
         cmd += ["--configfile", *(str(Path(c).resolve()) for c in ns.configfile)]
     if ns.rerun:
         cmd += ["--forcerun", *ns.rerun]
     if ns.until:
         cmd += ["--until", ns.until]
-    return cmd + ns.snakemake_args
+    return cmd
 
 
 def run_head(cmd: list[str], cwd: str) -> int:
