@@ -67,11 +67,13 @@ def test_report_tables_and_token_accounting(tmp_path, rollouts_path, features_pa
             shifted = shifted.with_columns(pl.when(pl.int_range(pl.len()) == 0).then(1.0).otherwise(pl.col("seq_max_k2"))
                                            .alias("seq_max_k2"))
         paths[f"f{k}"] = write_parquet(shifted, tmp_path / f"f{k}.parquet")
-        paths[f"m{k}"] = write_parquet(pl.DataFrame({
-            "iteration": [k, k], "step": [0, 1], "loss": [0.1, 0.2],
-            "clip_fraction": [0.0, 0.1], "grad_norm": [1.0, 2.0], "lr": [1e-3, 1e-3], "entropy": [1.0, 1.0],
-            "approx_kl": [0.0, 0.01], "tokens": [10, 10], "sequences": [4, 4], "step_time_s": [0.1, 0.1]},
-            schema=schemas.TRAIN_METRICS.columns), tmp_path / f"m{k}.parquet")
+        given = {"iteration": [k, k], "step": [0, 1], "loss": [0.1, 0.2], "clip_fraction": [0.0, 0.1],
+                 "grad_norm": [1.0, 2.0], "lr": [1e-3, 1e-3], "entropy": [1.0, 1.0], "approx_kl": [0.0, 0.01],
+                 "tokens": [10, 10], "sequences": [4, 4], "step_time_s": [0.1, 0.1]}
+        zero = {pl.Float64: 0.0, pl.Int64: 0, pl.Boolean: False, pl.String: ""}
+        paths[f"m{k}"] = write_parquet(pl.DataFrame({c: given.get(c, [zero[t]] * 2) for c, t in
+                                                     schemas.TRAIN_METRICS.columns.items()},
+                                                    schema=schemas.TRAIN_METRICS.columns), tmp_path / f"m{k}.parquet")
         paths[f"c{k}"] = write_parquet(pl.DataFrame([{c: (k if c == "iteration" else "otb" if c == "estimator" else 0.5)
                                                       for c in schemas.COMPARISON.columns}],
                                                     schema=schemas.COMPARISON.columns), tmp_path / f"c{k}.parquet")

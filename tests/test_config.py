@@ -93,3 +93,9 @@ def test_config_command_prints_resolved_yaml():
     res = _otbflow("config", "rollout.group_size=8")
     assert res.returncode == 0
     assert yaml.safe_load(res.stdout)["rollout"]["group_size"] == 8
+
+
+@pytest.mark.parametrize("example", sorted((REPO / "config" / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_example_configs_are_valid(example):
+    cfg = load_config(DEFAULT_CONFIG, extra=yaml.safe_load(example.read_text()))
+    assert cfg.train.bf16 and cfg.train.zero_stage in (2, 3) and cfg.resources.train.gpu >= 1

@@ -1,9 +1,11 @@
-"""The train stage: PPO-clip loss, loss aggregation under gradient accumulation, and an end-to-end
-DeepSpeed update on CPU of a tiny policy (single process)."""
+"""The train stage: losses, loss aggregation under gradient accumulation and over 2 ranks, rollout
+correction (IS, TRM), the KL and entropy terms, non-finite steps, kill -9 and resume, and
+end-to-end DeepSpeed updates on CPU of a tiny policy."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import polars as pl
@@ -12,9 +14,10 @@ import torch
 
 from otbflow import features, schemas
 from otbflow.config import load_config
-from otbflow.io import read_table, write_parquet
+from otbflow.io import SchemaError, read_table, write_parquet
 from otbflow.model import build_char_tokenizer, build_tiny_model
-from otbflow.train import Args, aggregate_loss, policy_logprobs, ppo_clip_loss, run
+from otbflow.train import (Args, aggregate_loss, init_distributed_env, low_var_kl, policy_logprobs, ppo_clip_loss,
+                           reinforce_loss, rollout_is_weights, run, trm_keep)
 
 MODEL = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.n_positions=64"]
 TEMPERATURE = 0.8  # not 1, so that a missing temperature shows
@@ -22,7 +25,8 @@ N_SEQ = 8
 
 
 def make_cfg(*overrides: str):
-    return load_config(None, MODEL + [f"rollout.temperature={TEMPERATURE}", "train.lr=1e-2", *overrides])
+    return load_config(None, MODEL + [f"rollout.temperature={TEMPERATURE}", "train.lr=1e-2", "train.micro_batch_size=4",
+                                      *overrides])
 
 
 @pytest.fixture(autouse=True)
@@ -104,14 +108,15 @@ def sequence_logprobs(model, df) -> torch.Tensor:
 
 
 def full_batch_grad_norm(model, df, mode: str, cfg) -> tuple[float, float]:
-    """(loss, gradient norm) of the whole table as one batch, in plain torch."""
+    """(loss, gradient norm) of the whole table as one batch, in plain torch (first step: r = 1)."""
     model.zero_grad()
     logp, mask = policy_logprobs(model, df["prompt_ids"].to_list(), df["response_ids"].to_list(),
                                  TEMPERATURE, build_char_tokenizer().pad_token_id)
     pad = lambda col: torch.tensor([x + [0.0] * (mask.shape[1] - len(x)) for x in df[col].to_list()])  # noqa: E731
     token_loss, _ = ppo_clip_loss(logp, pad("logprobs"), pad("advantages"), cfg.train.clip_ratio_low,
                                   cfg.train.clip_ratio_high)
-    loss = aggregate_loss(token_loss, mask, mode, int(mask.sum()), int((mask.sum(-1) > 0).sum()))
+    loss = aggregate_loss(token_loss, mask, mode, int(mask.sum()), int((mask.sum(-1) > 0).sum()),
+                          cfg.train.loss_scale_factor or cfg.rollout.max_new_tokens)
     loss.backward()
     norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]))
     return float(loss.detach()), float(norm)
@@ -134,7 +139,10 @@ def test_policy_logprobs_match_features(policy_dir, features_path):
         assert (logp[i, len(stored):] == 0).all()
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_aggregate_loss_accumulation_equals_full_batch(mode):
     torch.manual_seed(0)
     lengths = torch.tensor([3, 7, 1, 0, 5, 8, 2, 6])  # one empty response
@@ -143,16 +151,16 @@ def test_aggregate_loss_accumulation_equals_full_batch(mode):
     x = torch.randn(8, 8)
     tokens, seqs = int(mask.sum()), int((lengths > 0).sum())
 
-    (full_grad,) = torch.autograd.grad(aggregate_loss(w * x, mask, mode, tokens, seqs), w)
+    (full_grad,) = torch.autograd.grad(aggregate_loss(w * x, mask, mode, tokens, seqs, 48.0), w)
     w.grad = None
     total = 0.0
     for rows in ([0, 1, 2], [3, 4], [5, 6, 7]):  # uneven micro-batches, trimmed to their longest response
         width = int(lengths[rows].max())
-        part = aggregate_loss((w * x)[rows, :width], mask[rows, :width], mode, tokens, seqs)
+        part = aggregate_loss((w * x)[rows, :width], mask[rows, :width], mode, tokens, seqs, 48.0)
         part.backward()
         total += float(part.detach())
     torch.testing.assert_close(w.grad, full_grad, atol=1e-5, rtol=0)
-    assert abs(total - float(aggregate_loss(w * x, mask, mode, tokens, seqs).detach())) < 1e-5
+    assert abs(total - float(aggregate_loss(w * x, mask, mode, tokens, seqs, 48.0).detach())) < 1e-5
 
 
 def test_aggregate_loss_values():
@@ -161,6 +169,7 @@ def test_aggregate_loss_values():
     assert float(aggregate_loss(loss, mask, "token-mean", 4, 2)) == pytest.approx(10 / 4)
     assert float(aggregate_loss(loss, mask, "seq-mean-token-sum", 4, 2)) == pytest.approx((6 + 4) / 2)
     assert float(aggregate_loss(loss, mask, "seq-mean-token-mean", 4, 2)) == pytest.approx((2 + 4) / 2, rel=1e-6)
+    assert float(aggregate_loss(loss, mask, "seq-mean-token-sum-norm", 4, 2, 5.0)) == pytest.approx((6 + 4) / 2 / 5)
     with pytest.raises(ValueError, match="loss_agg_mode"):
         aggregate_loss(loss, mask, "token-sum", 4, 2)
 
@@ -221,7 +230,7 @@ def test_run_raises_the_logprob_of_a_rewarded_sequence(policy_dir, features_path
     assert sequence_logprobs(after, df)[0] > sequence_logprobs(before, df)[0] + 1e-3
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("mode", MODES)
 def test_run_gradient_equals_full_batch_gradient(policy_dir, features_path, tmp_path, mode):
     """Micro-batches of 3 (uneven: 3+3+2) accumulate to the full-batch loss and gradient norm."""
     df = write_advantages(features_path, tmp_path / "adv.parquet", random_advantages(features_path))
@@ -251,3 +260,302 @@ def test_run_is_reproducible_with_partial_mini_batches(policy_dir, features_path
     assert m["step"].to_list() == [0, 1, 2, 3] and m["sequences"].to_list() == [6, 2, 6, 2]
     assert m["approx_kl"][1:].max() > 0  # later steps see a policy that moved
     assert m.drop("step_time_s").equals(tables[1].drop("step_time_s"))
+
+
+# ------------------------------------------------------------------------------------------
+# Losses and rollout correction, by hand
+# ------------------------------------------------------------------------------------------
+
+
+def test_dual_clip_caps_the_loss_of_negative_advantages():
+    ratio = torch.tensor([5.0, 2.0, 5.0])
+    adv = torch.tensor([-1.0, -1.0, 1.0])
+    loss, active = ppo_clip_loss(ratio.log(), torch.zeros(3), adv, 0.2, 0.2, clip_ratio_c=3.0)
+    # A < 0, r = 5: max(5, 1.2) = 5 > 3 -> capped at 3 (no gradient); r = 2: 2 < 3, unchanged;
+    # A > 0: the dual clip does not apply (max(-5, -1.2) = -1.2, the ordinary clip)
+    torch.testing.assert_close(loss, torch.tensor([3.0, 2.0, -1.2]))
+    assert active.tolist() == [True, False, True]
+
+
+def test_reinforce_loss_weights_are_stop_gradient():
+    logp = torch.tensor([-1.0, -2.0], requires_grad=True)
+    w = torch.tensor([2.0, 0.5], requires_grad=True)
+    reinforce_loss(logp, torch.tensor([1.0, -1.0]), w).sum().backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([-2.0, 0.5]))  # -A w
+    assert w.grad is None or torch.all(w.grad == 0)
+
+
+def test_rollout_is_weights_token_and_sequence():
+    log_rho = torch.tensor([[0.1, 2.0, 0.0], [0.3, 0.2, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    token = rollout_is_weights(log_rho, mask, "token", 2.0)
+    torch.testing.assert_close(token, torch.tensor([[np.exp(0.1), 2.0, 0.0], [np.exp(0.3), np.exp(0.2), 2.0]],
+                                                   dtype=torch.float32))
+    seq = rollout_is_weights(torch.tensor([[0.1, 0.2, 5.0], [-0.3, -0.2, 0.0]]), mask, "sequence", 2.0)
+    torch.testing.assert_close(seq, torch.tensor([[np.exp(0.3), np.exp(0.3), 0.0], [np.exp(-0.5)] * 3],
+                                                 dtype=torch.float32))
+    torch.testing.assert_close(rollout_is_weights(log_rho, mask, "none", 2.0), mask)
+
+
+def test_low_var_kl_is_k3_and_zero_at_the_reference():
+    logp = torch.tensor([-1.0, -2.0, -0.5])
+    ref = torch.tensor([-1.0, -1.0, -3.0])
+    d = ref - logp
+    torch.testing.assert_close(low_var_kl(logp, ref), torch.exp(d) - d - 1)
+    assert float(low_var_kl(logp, ref)[0]) == 0.0 and (low_var_kl(logp, ref) >= 0).all()
+
+
+def test_trm_keep_needs_both_criteria():
+    keep = trm_keep(np.array([0.01, 0.2, 0.01, 0.01]), np.array([1e-4, 1e-4, 0.01, 1e-3]), 0.05, 0.001)
+    assert keep.tolist() == [1.0, 0.0, 0.0, 1.0]
+
+
+def test_slurm_variables_map_to_torch_distributed(monkeypatch):
+    for k, v in dict(SLURM_PROCID="3", SLURM_LOCALID="1", SLURM_NTASKS="4", SLURM_JOB_ID="20042",
+                     SLURM_JOB_NODELIST="node[7-8]").items():
+        monkeypatch.setenv(k, v)
+    assert init_distributed_env() == (3, 4)
+    assert os.environ["LOCAL_RANK"] == "1" and os.environ["WORLD_SIZE"] == "4"
+    assert os.environ["MASTER_PORT"] == str(20000 + 20042 % 20000) and os.environ["MASTER_ADDR"]
+
+
+# ------------------------------------------------------------------------------------------
+# The stage with rollout correction, extra terms and schedules
+# ------------------------------------------------------------------------------------------
+
+
+def run_stage(policy_dir, features_path, tmp_path, *overrides, adv=None, name="run", **kwargs):
+    """run() on the test features with ``adv`` (default: random advantages); returns (metrics, args)."""
+    if not (tmp_path / "adv.parquet").exists() or adv is not None:
+        write_advantages(features_path, tmp_path / "adv.parquet", adv or random_advantages(features_path))
+    args = Args(advantages=str(tmp_path / "adv.parquet"), policy=str(policy_dir), out=str(tmp_path / name),
+                metrics=str(tmp_path / f"{name}.parquet"), checkpoint_dir=str(tmp_path / f"{name}.ckpt"), **kwargs)
+    run(make_cfg(*overrides), args)
+    return read_table(args.metrics, schemas.TRAIN_METRICS), args
+
+
+def sums(df, col, weights=None):
+    """sum over all rows and tokens of a list column (times a per-token list column)."""
+    vals = df[col].to_list()
+    w = df[weights].to_list() if weights else [[1.0] * len(v) for v in vals]
+    return float(sum(np.dot(a, b) for a, b in zip(vals, w)))
+
+
+def test_trm_masks_sequences_but_keeps_the_pre_mask_normaliser(policy_dir, features_path, tmp_path):
+    df = read_table(features_path, schemas.FEATURES)
+    k2 = float(df["seq_max_k2"].median())
+    accept = trm_keep(df["seq_max_k2"].to_numpy(), df["seq_mean_k3"].to_numpy(), k2, 1e9)
+    assert 0 < accept.sum() < len(accept)
+    adv = random_advantages(features_path)
+    m, _ = run_stage(policy_dir, features_path, tmp_path, "train.trm=true", f"mismatch.max_k2={k2}",
+                     "mismatch.mean_k3=1e9", "train.mini_batch_size=8", adv=adv)
+    row = m.row(0, named=True)
+    tokens = int(df["response_length"].sum())
+    expected = -sum(a * sum(x) for a, x in zip(accept, adv)) / tokens  # first step: r = 1, L = -A
+    assert row["trm_acceptance"] == pytest.approx(accept.mean())
+    assert row["tokens"] == tokens and row["loss"] == pytest.approx(expected, rel=1e-5)
+    assert row["log_ppl_abs_diff"] == pytest.approx(df["log_ppl_abs_diff"].mean(), rel=1e-6)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_truncated_is_weights_scale_the_ppo_loss(policy_dir, features_path, tmp_path, level):
+    df = read_table(features_path, schemas.FEATURES)
+    adv = random_advantages(features_path)
+    log_rho = [np.asarray(a) - np.asarray(b) for a, b in zip(df["logprobs"].to_list(), df["rollout_logprobs"].to_list())]
+    if level == "token":
+        w = [np.minimum(np.exp(x), 1.5) for x in log_rho]
+    else:
+        w = [np.full(len(x), min(np.exp(x.sum()), 1.5)) for x in log_rho]
+    m, _ = run_stage(policy_dir, features_path, tmp_path, f"train.rollout_is={level}", "train.rollout_is_threshold=1.5",
+                     "train.mini_batch_size=8", adv=adv)
+    row = m.row(0, named=True)
+    tokens = int(df["response_length"].sum())
+    assert row["loss"] == pytest.approx(-sum(np.dot(a, x) for a, x in zip(adv, w)) / tokens, rel=1e-5)
+    assert row["is_weight_mean"] == pytest.approx(sum(x.sum() for x in w) / tokens, rel=1e-5)
+    assert row["is_weight_max"] == pytest.approx(max(x.max() for x in w), rel=1e-6)
+
+
+def test_reinforce_loss_on_policy_has_the_ppo_gradient(policy_dir, features_path, tmp_path):
+    df = read_table(features_path, schemas.FEATURES)
+    adv = random_advantages(features_path)
+    ppo, _ = run_stage(policy_dir, features_path, tmp_path, "train.mini_batch_size=8", adv=adv, name="ppo")
+    rf, _ = run_stage(policy_dir, features_path, tmp_path, "train.mini_batch_size=8", "train.loss_type=reinforce",
+                      adv=adv, name="rf")
+    tokens = int(df["response_length"].sum())
+    lp = df["logprobs"].to_list()
+    assert rf["loss"][0] == pytest.approx(-sum(np.dot(a, x) for a, x in zip(adv, lp)) / tokens, rel=1e-5)
+    # at r = 1 both gradients are -sum A grad log pi / tokens
+    assert rf["grad_norm"][0] == pytest.approx(ppo["grad_norm"][0], rel=1e-5)
+
+
+def test_kl_and_entropy_terms(policy_dir, features_path, tmp_path):
+    adv = random_advantages(features_path)
+    base, _ = run_stage(policy_dir, features_path, tmp_path, "train.mini_batch_size=8", adv=adv, name="base")
+    ent, _ = run_stage(policy_dir, features_path, tmp_path, "train.mini_batch_size=8", "train.entropy_coef=1.0",
+                       adv=adv, name="ent")
+    assert ent["loss"][0] == pytest.approx(base["loss"][0] - base["entropy"][0], rel=1e-5)
+    assert abs(ent["grad_norm"][0] - base["grad_norm"][0]) > 1e-4  # the bonus has a gradient
+    with pytest.raises(SchemaError, match="--reference"):
+        run_stage(policy_dir, features_path, tmp_path, "train.kl_coef=0.5", adv=adv, name="noref")
+    kl, _ = run_stage(policy_dir, features_path, tmp_path, "train.mini_batch_size=8", "train.ppo_epochs=3",
+                      "train.kl_coef=0.5", adv=adv, name="kl", reference=str(policy_dir))
+    assert kl["kl_ref"][0] == pytest.approx(0.0, abs=1e-9)  # pi_theta = pi_ref before the first update
+    assert kl["kl_ref"][1] > 0 and kl["kl_ref"][2] > 0
+
+
+def test_variance_proxies_in_the_metrics(policy_dir, features_path, tmp_path):
+    from otbflow.advantages import diagnostics
+
+    adv = random_advantages(features_path)
+    m, _ = run_stage(policy_dir, features_path, tmp_path, "train.mini_batch_size=8", adv=adv)
+    row = m.row(0, named=True)
+    table = read_table(tmp_path / "adv.parquet", schemas.ADVANTAGES)
+    assert row["proxy2_total_power"] == pytest.approx(diagnostics(table)["total_power"], rel=1e-4)
+    assert row["proxy1_signal_strength"] == pytest.approx(row["grad_norm"] ** 2)
+    assert row["proxy3_pure_noise"] == pytest.approx(max(0.0, (row["proxy2_total_power"] - row["grad_norm"] ** 2) / 7))
+    assert row["mean_response_length"] == pytest.approx(table["response_length"].mean())
+
+
+# ------------------------------------------------------------------------------------------
+# Non-finite steps
+# ------------------------------------------------------------------------------------------
+
+
+def nan_advantages(features_path):
+    adv = random_advantages(features_path)
+    adv[0] = [float("nan")] * len(adv[0])
+    return adv
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_a_non_finite_step_is_skipped(policy_dir, features_path, tmp_path, zero_stage):
+    """Row 0's advantages are NaN: the step holding it makes no update, the other one does."""
+    m, args = run_stage(policy_dir, features_path, tmp_path, "train.mini_batch_size=4", "train.micro_batch_size=2",
+                        f"train.zero_stage={zero_stage}", adv=nan_advantages(features_path))
+    assert m["skipped"].sum() == 1 and m.filter(pl.col("skipped"))["event"][0].startswith("skipped")
+    assert m.filter(~pl.col("skipped"))["grad_norm"].is_finite().all()
+    after = load_model(args.out)
+    assert all(torch.isfinite(p).all() for p in after.parameters())
+    assert any(not torch.equal(p, q) for p, q in zip(load_model(policy_dir).parameters(), after.parameters()))
+
+
+def test_consecutive_non_finite_steps_fail_the_job(policy_dir, features_path, tmp_path):
+    overrides = ("train.mini_batch_size=8", "train.ppo_epochs=2")
+    m, args = run_stage(policy_dir, features_path, tmp_path, *overrides, "train.max_consecutive_skips=3",
+                        adv=nan_advantages(features_path))
+    assert m["skipped"].to_list() == [True, True]
+    for p, q in zip(load_model(policy_dir).parameters(), load_model(args.out).parameters()):
+        assert torch.equal(p, q)  # nothing was applied
+    with pytest.raises(RuntimeError, match="2 consecutive optimizer steps"):
+        run_stage(policy_dir, features_path, tmp_path, *overrides, "train.max_consecutive_skips=2", name="fail")
+    assert not (tmp_path / "fail").exists() and not (tmp_path / "fail.parquet").exists()
+
+
+# ------------------------------------------------------------------------------------------
+# LR schedule across iterations
+# ------------------------------------------------------------------------------------------
+
+
+def test_schedule_state_survives_iterations(policy_dir, features_path, tmp_path):
+    """Warm-up over 6 steps spans two iterations of 2 steps: the second resumes at step 2."""
+    overrides = ("train.mini_batch_size=4", "train.micro_batch_size=2", "train.lr_warmup_steps=6")
+    m0, a0 = run_stage(policy_dir, features_path, tmp_path, *overrides, name="it0", state=str(tmp_path / "s0.json"))
+    m1, _ = run_stage(policy_dir, features_path, tmp_path, *overrides, name="it1", prev_state=str(tmp_path / "s0.json"),
+                      state=str(tmp_path / "s1.json"), iteration=1)
+    lrs = m0["lr"].to_list() + m1["lr"].to_list()
+    assert lrs == pytest.approx([1e-2 * k / 6 for k in (1, 2, 3, 4)])
+    import json
+
+    state = json.loads((tmp_path / "s1.json").read_text())
+    assert state["step"] == 4 and len(state["lengths"]) == 4
+
+
+# ------------------------------------------------------------------------------------------
+# Two ranks, and kill -9 then resume (subprocesses: the real CLI)
+# ------------------------------------------------------------------------------------------
+
+
+def cli_run(cfg, policy_dir, tmp_path, name, wait=True):
+    """``otbflow train`` as a subprocess with ``cfg`` as its YAML."""
+    import subprocess
+    import sys
+
+    from omegaconf import OmegaConf
+
+    (tmp_path / "cfg.yaml").write_text(OmegaConf.to_yaml(cfg))
+    cmd = [sys.executable, "-m", "otbflow", "train", "--config", str(tmp_path / "cfg.yaml"),
+           "--advantages", str(tmp_path / "adv.parquet"), "--policy", str(policy_dir),
+           "--out", str(tmp_path / name), "--metrics", str(tmp_path / f"{name}.parquet"),
+           "--checkpoint-dir", str(tmp_path / f"{name}.ckpt")]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    log = open(tmp_path / f"{name}.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    if wait:
+        assert proc.wait(timeout=300) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+    return proc
+
+
+def test_two_ranks_give_the_full_batch_gradient(policy_dir, features_path, tmp_path):
+    """torchrun --nproc_per_node 2 on CPU (gloo), one run per aggregation mode: uneven rank slices
+    (4 + 4 rows of a 9-row mini-batch) and micro-batches (3 + 1)."""
+    import json
+    import subprocess
+    import sys
+
+    from omegaconf import OmegaConf
+
+    from otbflow.io import read_metadata
+
+    df = write_advantages(features_path, tmp_path / "adv.parquet", random_advantages(features_path))
+    jobs, cfgs = [], {}
+    for mode in MODES:
+        cfgs[mode] = make_cfg("train.mini_batch_size=9", "train.micro_batch_size=3", f"train.loss_agg_mode={mode}")
+        (tmp_path / f"{mode}.yaml").write_text(OmegaConf.to_yaml(cfgs[mode]))
+        jobs.append({"config": str(tmp_path / f"{mode}.yaml"), "advantages": str(tmp_path / "adv.parquet"),
+                     "policy": str(policy_dir), "out": str(tmp_path / mode), "metrics": str(tmp_path / f"{mode}.parquet")})
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env["OTBFLOW_THREADS"] = "1"
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          str(Path(__file__).with_name("two_rank_worker.py")), str(tmp_path / "jobs.json")],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    for mode in MODES:
+        assert read_metadata(tmp_path / f"{mode}.parquet")["world_size"] == 2
+        row = read_table(tmp_path / f"{mode}.parquet", schemas.TRAIN_METRICS).row(0, named=True)
+        loss, norm = full_batch_grad_norm(load_model(policy_dir), df, mode, cfgs[mode])
+        assert row["loss"] == pytest.approx(loss, rel=1e-5, abs=1e-7), mode
+        assert row["grad_norm"] == pytest.approx(norm, rel=1e-5), mode
+
+
+def test_kill_9_then_rerun_resumes_to_the_same_weights(policy_dir, features_path, tmp_path):
+    import signal
+    import time
+
+    write_advantages(features_path, tmp_path / "adv.parquet", random_advantages(features_path))
+    cfg = make_cfg("train.mini_batch_size=1", "train.micro_batch_size=1", "train.ppo_epochs=2",
+                   "train.checkpoint_every=1", "train.lr=1e-3", "seed=3")
+    cli_run(cfg, policy_dir, tmp_path, "whole")  # 16 steps, uninterrupted
+
+    proc = cli_run(cfg, policy_dir, tmp_path, "killed", wait=False)
+    latest = tmp_path / "killed.ckpt" / "latest"
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if latest.is_file() and latest.read_text().strip() >= "step_000004":
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.005)
+    assert proc.wait(timeout=60) == -signal.SIGKILL, "the run ended before it could be killed"
+    assert not (tmp_path / "killed").exists() and not (tmp_path / "killed.parquet").exists()
+
+    cli_run(cfg, policy_dir, tmp_path, "killed")  # the rerun: same command
+    log = (tmp_path / "killed.log").read_text()
+    step = int(__import__("re").search(r"resuming from the checkpoint in .* after step (\d+) of 16", log).group(1))
+    assert 4 <= step < 16
+    whole, resumed = load_model(tmp_path / "whole").state_dict(), load_model(tmp_path / "killed").state_dict()
+    for k in whole:
+        assert torch.equal(whole[k], resumed[k]), k
+    a = read_table(tmp_path / "whole.parquet", schemas.TRAIN_METRICS).drop("step_time_s")
+    b = read_table(tmp_path / "killed.parquet", schemas.TRAIN_METRICS).drop("step_time_s")
+    assert a.equals(b)
+    assert not (tmp_path / "killed.ckpt").exists()  # removed once the outputs are written

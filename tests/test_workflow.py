@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -55,6 +56,7 @@ def test_every_output_reads_back_with_polars(run_dir):
     for s in range(2):
         read_table(r / f"data/train/shard_{s}.parquet", schemas.PROMPTS)
     read_table(r / "data/eval.parquet", schemas.PROMPTS)
+    steps = []
     for k in range(2):
         for s in range(2):
             ro = read_table(r / f"iter_{k}/rollout/shard_{s}.parquet", schemas.ROLLOUTS)
@@ -65,8 +67,10 @@ def test_every_output_reads_back_with_polars(run_dir):
         assert set(adv["estimator"]) == {"otb"}
         read_table(r / f"iter_{k}/advantages/comparison.parquet", schemas.COMPARISON)
         m = read_table(r / f"iter_{k}/train/metrics.parquet", schemas.TRAIN_METRICS)
-        assert m.height >= 1 and m["grad_norm"].is_finite().all()
+        assert m.height >= 1 and m["grad_norm"].is_finite().all() and not m["skipped"].any()
         assert (r / f"iter_{k}/train/policy/config.json").is_file()
+        steps.append(json.loads((r / f"iter_{k}/train/schedule.json").read_text())["step"])
+        assert steps[-1] == sum(steps[-2:-1]) + m.height  # the LR schedule continues over iterations
     for name in ["initial", "iter_0", "iter_1"]:
         read_table(r / f"{name}/eval/samples.parquet", schemas.EVAL_SAMPLES)
         s = read_table(r / f"{name}/eval/summary.parquet", schemas.EVAL_SUMMARY)
@@ -80,6 +84,7 @@ def test_every_output_reads_back_with_polars(run_dir):
     seqs = read_table(r / "scaling/sequences.parquet", schemas.SCALING_SEQUENCES)
     assert seqs.height >= 3 and (seqs["grad_sq_norm"] > 0).all()
     assert "grad_sq_norm_slope" in pl.read_parquet(r / "scaling/summary.parquet").columns
+    assert not [p for p in (r / "checkpoints").rglob("*") if p.is_file()]  # removed after each train job
     for rule in ["bootstrap", "shard", "rollout", "features", "advantages", "train", "evaluate", "report", "scaling"]:
         assert list((r / "logs" / rule).glob("*.log")), f"no log for {rule}"
 

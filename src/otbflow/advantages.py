@@ -393,6 +393,23 @@ def estimator_options(cfg: DictConfig, name: str) -> dict:
     return {k: a[k] for k in accepted if k != "b" and k in a}
 
 
+def total_power(w_hat: np.ndarray, abar: np.ndarray, rho_mean: np.ndarray | None = None) -> float:
+    """P = mean_i max(W_i, 0) * Abar_i^2 (algorithms.md §1.8): W_i the summed proxy energy of
+    sequence i, Abar_i its mean advantage; with rollout IS, times (mean_t rho_i,t)^2."""
+    power = np.maximum(w_hat, 0.0) * abar**2
+    if rho_mean is not None:
+        power = power * rho_mean**2
+    return float(np.mean(power)) if len(power) else 0.0
+
+
+def variance_proxies(power: float, grad_norm: float, n_seq: int) -> dict[str, float]:
+    """verl's three variance proxies of one optimizer step: S = grad_norm^2 (signal), P (total
+    power) and V = max(0, (P - S) / (N - 1)) (noise; 0 when N <= 1 or the norm is unknown)."""
+    signal = grad_norm**2 if np.isfinite(grad_norm) else float("nan")
+    noise = max(0.0, (power - signal) / (n_seq - 1)) if n_seq > 1 and np.isfinite(signal) else 0.0
+    return {"proxy1_signal_strength": signal, "proxy2_total_power": power, "proxy3_pure_noise": noise}
+
+
 def diagnostics(table: pl.DataFrame) -> dict[str, float]:
     """Variance-proxy metrics (algorithms.md §1.8) and advantage statistics of a table that has
     ``advantages`` (and ``logprobs``, ``sum_pi_sq`` for the proxy energy)."""
@@ -403,11 +420,9 @@ def diagnostics(table: pl.DataFrame) -> dict[str, float]:
     t = np.maximum(b.valid_len, 1e-12)
     abar = _segment_sum(adv * m, b.seq, len(b.reward)) / t
     w_hat = np.maximum(_segment_sum(b.energy() * m, b.seq, len(b.reward)), 0.0)
-    if "is_weights" in table.columns:
-        rho = _segment_sum(_flat(table["is_weights"]) * m, b.seq, len(b.reward)) / t
-        power = np.mean(rho**2 * abar**2 * w_hat)
-    else:
-        power = np.mean(w_hat * abar**2)
+    rho = (_segment_sum(_flat(table["is_weights"]) * m, b.seq, len(b.reward)) / t
+           if "is_weights" in table.columns else None)
+    power = total_power(w_hat, abar, rho)
     valid = m > 0
     base_seq = _segment_sum(base * m, b.seq, len(b.reward)) / t
     has_tokens = b.valid_len > 0

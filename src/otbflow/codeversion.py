@@ -18,7 +18,7 @@ STAGE_MODULES = {
     "rollout": ("rollout", "vllm_engine"),
     "features": ("features",),
     "advantages": ("advantages",),
-    "train": ("train", "features"),
+    "train": ("train", "features", "lr_schedule", "advantages"),
     "evaluate": ("evaluate", "rollout", "vllm_engine"),
     "report": ("report",),
     "scaling": ("scaling", "features"),

@@ -156,7 +156,7 @@ class AdvantagesConfig:
 @dataclass
 class TrainConfig:
     lr: float = 2.0e-4
-    """AdamW learning rate (constant)."""
+    """AdamW peak learning rate (the schedule's eta0)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     mini_batch_size: int = 64
@@ -165,14 +165,58 @@ class TrainConfig:
     """Sequences per forward/backward on one rank (gradient accumulation fills the rest)."""
     ppo_epochs: int = 1
     """Passes over the iteration's rollouts."""
+    loss_type: str = "ppo_clip"
+    """Policy loss: 'ppo_clip' (ratio pi_theta / pi_old, clipped) | 'reinforce' (-A log pi_theta
+    times a stop-gradient IS weight pi_theta / pi_rollout, truncated as train.rollout_is says)."""
     clip_ratio_low: float = 0.2
     """PPO clip: ratio lower bound 1 - clip_ratio_low."""
     clip_ratio_high: float = 0.2
     """PPO clip: ratio upper bound 1 + clip_ratio_high (0.28 is DAPO clip-higher)."""
+    clip_ratio_c: float = 3.0
+    """PPO dual clip: for A < 0 the token loss is at most -A * clip_ratio_c (> 1; verl's 3.0)."""
     loss_agg_mode: str = "token-mean"
-    """Loss aggregation: token-mean | seq-mean-token-sum | seq-mean-token-mean."""
+    """Loss aggregation over the optimizer step's batch: token-mean | seq-mean-token-sum |
+    seq-mean-token-mean | seq-mean-token-sum-norm (seq-mean-token-sum / loss_scale_factor, Dr.GRPO)."""
+    loss_scale_factor: float = 0.0
+    """seq-mean-token-sum-norm: the constant C. 0: rollout.max_new_tokens."""
+    kl_coef: float = 0.0
+    """Weight of a k3 KL(pi_theta || pi_ref) penalty per token, pi_ref the initial policy. 0: off."""
+    entropy_coef: float = 0.0
+    """Weight of an entropy bonus (subtracted from the loss). 0: off."""
+    rollout_is: str = "none"
+    """Truncated importance weights against the rollout engine: none | token | sequence.
+    ppo_clip: rho = pi_old / pi_rollout from the stored log-probs (decoupled); reinforce:
+    rho = pi_theta / pi_rollout (bypass). Weights min(rho, rollout_is_threshold), stop-gradient."""
+    rollout_is_threshold: float = 2.0
+    """Truncation C of the rollout IS weights."""
+    trm: bool = False
+    """Trust Region Masking: drop whole sequences whose max k2 > mismatch.max_k2 or mean k3 >
+    mismatch.mean_k3 from the loss, normalising by the pre-mask counts (algorithms.md 3.3)."""
+    lr_schedule: str = "constant"
+    """constant | cosine | length_decay (halve the LR every P steps after a surge in mean response
+    length, algorithms.md 4.1). Linear warm-up (lr_warmup_steps) first in each case. The
+    schedule counts optimizer steps over all iterations: each iteration resumes the last one's."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from 0 to lr."""
+    lr_decay_steps: int = 0
+    """cosine: steps from the end of warm-up to the floor. 0: iterations x the first iteration's steps."""
+    lr_min_ratio: float = 0.1
+    """Floor of cosine and length_decay, as a fraction of lr."""
+    length_baseline_steps: int = 50
+    """length_decay: the baseline response length is the mean over the first this many steps."""
+    length_surge_factor: float = 3.0
+    """length_decay: a surge is a step whose mean response length exceeds this x the baseline."""
+    length_surge_patience: int = 1
+    """length_decay: consecutive surging steps needed to trigger (1: the first one)."""
+    length_period_factor: float = 1.8
+    """length_decay: halving period P = round(length_period_factor x surge step)."""
     max_grad_norm: float = 1.0
     """Gradient clipping threshold (global L2 norm)."""
+    max_consecutive_skips: int = 3
+    """A step with a non-finite loss or gradient is skipped (and logged); this many in a row fail the job."""
+    checkpoint_every: int = 5
+    """Save a DeepSpeed checkpoint (weights, optimizer, schedule, data position) every this many
+    optimizer steps, outside the declared outputs; a rerun after a crash resumes from it. 0: never."""
     zero_stage: int = 0
     """DeepSpeed ZeRO stage 0-3."""
     bf16: bool = False
@@ -193,9 +237,10 @@ class EvaluateConfig:
 class MismatchConfig:
     max_k2: float = 0.05
     """TRM max criterion (algorithms.md §3.3): a sequence is accepted while every token has
-    k2 = (log r)^2 / 2 <= max_k2 (0.05: |log r| <= 0.316)."""
+    k2 = (log r)^2 / 2 <= max_k2 (0.05: |log r| <= 0.316). Used by the report's acceptance rate
+    and, with train.trm, to mask sequences in training."""
     mean_k3: float = 0.001
-    """TRM average criterion: accepted while the mean token k3 <= mean_k3."""
+    """TRM average criterion: accepted while the mean token k3 <= mean_k3 (report and train.trm)."""
 
 
 @dataclass
@@ -402,8 +447,27 @@ def validate(cfg: DictConfig) -> None:
     _require(tr.ppo_epochs >= 1, "train.ppo_epochs", ">= 1", tr.ppo_epochs)
     _require(0 <= tr.clip_ratio_low < 1, "train.clip_ratio_low", "in [0, 1)", tr.clip_ratio_low)
     _require(tr.clip_ratio_high >= 0, "train.clip_ratio_high", ">= 0", tr.clip_ratio_high)
-    modes = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+    modes = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
     _require(tr.loss_agg_mode in modes, "train.loss_agg_mode", f"one of {', '.join(modes)}", tr.loss_agg_mode)
+    _require(tr.loss_scale_factor >= 0, "train.loss_scale_factor", ">= 0", tr.loss_scale_factor)
+    _require(tr.loss_type in ("ppo_clip", "reinforce"), "train.loss_type", "one of ppo_clip, reinforce",
+             tr.loss_type)
+    _require(tr.clip_ratio_c > 1, "train.clip_ratio_c", "> 1", tr.clip_ratio_c)
+    _require(tr.kl_coef >= 0, "train.kl_coef", ">= 0", tr.kl_coef)
+    _require(tr.entropy_coef >= 0, "train.entropy_coef", ">= 0", tr.entropy_coef)
+    _require(tr.rollout_is in ("none", "token", "sequence"), "train.rollout_is", "one of none, token, sequence",
+             tr.rollout_is)
+    _require(tr.rollout_is_threshold >= 1, "train.rollout_is_threshold", ">= 1", tr.rollout_is_threshold)
+    schedules = ("constant", "cosine", "length_decay")
+    _require(tr.lr_schedule in schedules, "train.lr_schedule", f"one of {', '.join(schedules)}", tr.lr_schedule)
+    for key in ("lr_warmup_steps", "lr_decay_steps", "checkpoint_every"):
+        _require(tr[key] >= 0, f"train.{key}", ">= 0", tr[key])
+    _require(0 <= tr.lr_min_ratio <= 1, "train.lr_min_ratio", "in [0, 1]", tr.lr_min_ratio)
+    _require(tr.length_baseline_steps >= 1, "train.length_baseline_steps", ">= 1", tr.length_baseline_steps)
+    _require(tr.length_surge_factor > 1, "train.length_surge_factor", "> 1", tr.length_surge_factor)
+    _require(tr.length_surge_patience >= 1, "train.length_surge_patience", ">= 1", tr.length_surge_patience)
+    _require(tr.length_period_factor > 0, "train.length_period_factor", "> 0", tr.length_period_factor)
+    _require(tr.max_consecutive_skips >= 1, "train.max_consecutive_skips", ">= 1", tr.max_consecutive_skips)
     _require(tr.max_grad_norm > 0, "train.max_grad_norm", "> 0", tr.max_grad_norm)
     _require(tr.zero_stage in (0, 1, 2, 3), "train.zero_stage", "one of 0, 1, 2, 3", tr.zero_stage)
     # DeepSpeed with bf16 and no ZeRO updates bf16 weights in place (no fp32 master): small steps vanish

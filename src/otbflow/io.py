@@ -6,6 +6,7 @@
 - ``read_table``: reads a Parquet file and checks it against a table schema from
   ``otbflow.schemas`` before any work starts: missing column, wrong dtype, ragged per-token
   lists. Errors name the file and the column.
+- ``write_json``: small JSON outputs (summaries, schedule state), written the same way.
 - ``atomic_dir``: a context manager for folder outputs (HF model folders): write into a
   temporary sibling, renamed into place on success only.
 - ``pyplot`` / ``save_figure``: matplotlib without a display, and PNGs written the same way.
@@ -50,6 +51,16 @@ def write_parquet(df: pl.DataFrame, path: str | Path, metadata: Mapping | None =
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+    return path
+
+
+def write_json(data, path: str | Path) -> Path:
+    """Indented JSON written to a temporary name and renamed, like write_parquet."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    os.replace(tmp, path)
     return path
 
 

@@ -13,7 +13,6 @@ what ``advantages.exponent`` of the ``length_power`` estimator should be set to.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,7 @@ from omegaconf import DictConfig
 from otbflow import schemas
 from otbflow.config import derive_seed
 from otbflow.features import exact_grad_sq_norms, sequence_token_stats
-from otbflow.io import pyplot, read_table, save_figure, write_parquet
+from otbflow.io import pyplot, read_table, save_figure, write_json, write_parquet
 from otbflow.model import load_policy, set_threads
 
 log = logging.getLogger("otbflow.scaling")
@@ -130,9 +129,7 @@ def run(cfg: DictConfig, args: Args) -> None:
         pl.Series("grad_sq_norm", grad_sq), pl.Series("w_hat", w_hat))
     write_parquet(table, out / "sequences.parquet", metadata={"policy": args.policy})
     write_parquet(pl.DataFrame([summary]), out / "summary.parquet", metadata={"policy": args.policy})
-    tmp = out / ".summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2))
-    tmp.replace(out / "summary.json")
+    write_json(summary, out / "summary.json")
     plot(out / "scaling.png", lengths, grad_sq, w_hat, summary)
     log.info("%d responses, T in [%d, %d]: slope of log ||g||^2 vs log T = %.3f [%.3f, %.3f] (alpha %.3f); "
              "proxy slope %.3f; Pearson(W, ||g||^2) %.3f, Spearman %.3f", summary["n_sequences"],

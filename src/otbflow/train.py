@@ -1,26 +1,49 @@
-"""Train: one PPO-clip policy update with DeepSpeed, from an iteration's advantages.
+"""Train: one policy update with DeepSpeed, from an iteration's advantages.
 
 Input is the advantages table: per response token the sampled id, pi_old's log-prob (the
-``logprobs`` column of the features stage) and the advantage A_t. For ``train.ppo_epochs`` passes
-over the rows, in a seeded shuffled order, each mini-batch of ``train.mini_batch_size`` sequences
-(the last, partial one included) is one optimizer step, accumulated over micro-batches of
-``train.micro_batch_size`` sequences per rank:
+``logprobs`` column of the features stage), the rollout engine's log-prob, the proxy energy and
+the advantage A_t. For ``train.ppo_epochs`` passes over the rows, in a seeded shuffled order,
+each mini-batch of ``train.mini_batch_size`` sequences (the last, partial one included) is one
+optimizer step, accumulated over micro-batches of ``train.micro_batch_size`` sequences per rank.
 
 - log pi_theta(y_t) is computed exactly as the features stage does: the prompt and response are
   right-padded together, and the temperature-scaled logits (``rollout.temperature``) are taken
   at the positions that predict response tokens (len(prompt) - 1 + t).
-- per-token loss L_t = max(-A_t r_t, -A_t clip(r_t, 1 - clip_ratio_low, 1 + clip_ratio_high)),
-  r_t = exp(clamp(log pi_theta - log pi_old, -20, 20))  (no dual clip, no entropy or KL term).
-- ``train.loss_agg_mode`` aggregates L over the whole mini-batch: every micro-batch is divided
-  by the mini-batch's token / sequence count, so accumulating micro-batches (and ranks) gives
-  the gradient of one big batch. An optional ``loss_mask`` list column (1 = train on the token)
-  removes tokens from the loss and from those counts.
+- Policy loss (``train.loss_type``, algorithms.md §6.3-6.4), r_t = exp(clamp(log pi_theta -
+  log pi_old, +-20)):
+  - ``ppo_clip``: L_t = max(-A r, -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high)), and for
+    A < 0 the dual clip L_t = min(L_t, -A clip_ratio_c); times the rollout IS weight w_t.
+  - ``reinforce``: L_t = -A_t log pi_theta(y_t) sg(w_t) (REINFORCE in bypass mode).
+- Rollout correction (``train.rollout_is``): truncated IS weights w = min(rho, C), token- or
+  sequence-level, stop-gradient, rho = pi_old / pi_rollout from the stored log-probs for
+  ppo_clip (decoupled) and pi_theta / pi_rollout for reinforce (bypass); none: w = 1.
+  ``train.trm`` (Trust Region Masking) removes every sequence whose max k2 or mean k3 against
+  the rollout engine exceeds ``mismatch.max_k2`` / ``mismatch.mean_k3`` from the loss while the
+  normalisers keep the pre-mask counts, as the paper's 1/N does (algorithms.md §3.3).
+- Optional terms: ``kl_coef`` x k3 estimate of KL(pi_theta || pi_ref) (verl's low_var_kl, pi_ref
+  the initial policy) and ``- entropy_coef`` x entropy.
+- ``aggregate_loss`` (the one shared aggregation) divides every micro-batch by counts of the
+  whole optimizer step's batch, so accumulating micro-batches and ranks gives the gradient of
+  one big batch. An optional ``loss_mask`` list column (1 = train on the token) removes tokens
+  from the loss and from those counts.
 
-Metrics per optimizer step (table 'train metrics'): the aggregated loss, the fraction of
-clipped tokens, the gradient norm before clipping, the learning rate, the mean entropy and the
-mean k3 estimate of KL(pi_old || pi_theta), both measured during the step's forward passes,
-i.e. before its update. The next policy is written as an HF folder of fp32 weights (with bf16,
-ZeRO's fp32 master weights; bf16 therefore needs zero_stage >= 1) with the input policy's tokenizer.
+Learning rate: ``otbflow.lr_schedule`` (constant, cosine, response-length-triggered decay), its
+state read from the previous iteration (``--prev-state``) and written for the next (``--state``).
+
+Robustness: gradients are clipped at ``max_grad_norm``. A step whose loss or gradient is not
+finite is skipped (no update, logged, ``skipped`` in the metrics; under ZeRO >= 1 DeepSpeed's own
+overflow check skips it); ``max_consecutive_skips`` in a row fail the job. Every
+``checkpoint_every`` steps a DeepSpeed checkpoint (weights, optimizer, data position, schedule,
+RNG, metrics so far) goes to ``--checkpoint-dir``, outside the Snakemake outputs; a rerun with
+the same inputs and config resumes from the latest one and ends with the same weights as an
+uninterrupted run. It is deleted when the stage finishes.
+
+Metrics per optimizer step (table 'train metrics'): loss, clip fraction, grad norm, lr, entropy,
+k3 KL to pi_old (and to pi_ref), IS weight mean/max, TRM acceptance and |log-PPL gap|, tokens and
+sequences, mean response length, verl's variance proxies S, P, V, and skip/LR events.
+
+The next policy is written as an HF folder of fp32 weights (with bf16, ZeRO's fp32 master
+weights; bf16 therefore needs zero_stage >= 1) with the input policy's tokenizer.
 
 Launch: ``otbflow train ...`` as one process, or one process per device under ``torchrun``,
 the ``deepspeed`` launcher (``--no_local_rank``) or Slurm's ``srun`` (the Slurm variables are
@@ -29,27 +52,35 @@ mapped to RANK / LOCAL_RANK / WORLD_SIZE here; DeepSpeed does not do it itself).
 
 from __future__ import annotations
 
+import atexit
+import hashlib
+import json
 import logging
 import math
 import os
+import shutil
 import socket
 import subprocess
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
 import polars as pl
 import torch
 from omegaconf import DictConfig
 
 from otbflow import schemas
-from otbflow.config import derive_seed
+from otbflow.advantages import total_power, variance_proxies
+from otbflow.config import derive_seed, section_digest
 from otbflow.features import ResponseLogits, pack
-from otbflow.io import SchemaError, atomic_dir, read_table, write_parquet
+from otbflow.io import SchemaError, atomic_dir, read_table, write_json, write_parquet
+from otbflow.lr_schedule import LRSchedule
 from otbflow.model import set_threads
 
 log = logging.getLogger("otbflow.train")
-SECTIONS = ("train", "rollout", "model")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+SECTIONS = ("train", "rollout", "mismatch", "model")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 @dataclass
@@ -64,34 +95,82 @@ class Args:
     """Output Parquet with one row per optimizer step (table 'train metrics')."""
     iteration: int = 0
     """RL iteration k (seeds the data order, labels the metrics)."""
+    state: str = ""
+    """Output JSON of the LR schedule's state after this iteration (for the next one's --prev-state)."""
+    prev_state: str = ""
+    """The previous iteration's --state JSON: the LR schedule resumes from it. Empty: a fresh schedule."""
+    reference: str = ""
+    """HF folder of the reference policy of the KL term (train.kl_coef > 0), e.g. the initial policy."""
+    checkpoint_dir: str = ""
+    """Folder of the resumable checkpoints (not an output). Empty: a 'checkpoint' folder beside --out."""
 
 
 # ------------------------------------------------------------------------------------------
-# Loss
+# Losses
 # ------------------------------------------------------------------------------------------
 
 
 def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, clip_low: float,
-                  clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token PPO-clip loss max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)) and the mask of
-    tokens where the clipped term is the larger one (the clip is active: no gradient)."""
+                  clip_high: float, clip_ratio_c: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token PPO-clip loss max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)), with the dual
+    clip min(L, -A clip_ratio_c) for A < 0 when ``clip_ratio_c`` is given; and the mask of tokens
+    where a clip is active (the loss is flat in r there: no gradient)."""
     ratio = torch.exp(torch.clamp(logp - old_logp, -20.0, 20.0))
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    return torch.maximum(unclipped, clipped), clipped > unclipped
+    loss, active = torch.maximum(unclipped, clipped), clipped > unclipped
+    if clip_ratio_c is not None:
+        dual = -adv * clip_ratio_c
+        lower = (adv < 0) & (dual < loss)
+        loss, active = torch.where(lower, dual, loss), active | lower
+    return loss, active
+
+
+def reinforce_loss(logp: torch.Tensor, adv: torch.Tensor, is_weights: torch.Tensor) -> torch.Tensor:
+    """L_t = -A_t log pi_theta(y_t) sg(w_t) (algorithms.md §6.4)."""
+    return -adv * logp * is_weights.detach()
+
+
+def low_var_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k3 estimate of KL(pi_theta || pi_ref) per token: exp(d) - d - 1, d = log pi_ref - log pi_theta,
+    clamped to [-10, 10] (verl's low_var_kl); >= 0, gradient through pi_theta."""
+    d = torch.clamp(ref_logp - logp, -20.0, 20.0)
+    return torch.clamp(torch.exp(d) - d - 1.0, -10.0, 10.0)
+
+
+def rollout_is_weights(log_rho: torch.Tensor, mask: torch.Tensor, level: str, threshold: float) -> torch.Tensor:
+    """Truncated IS weights (algorithms.md §6.5), detached, 0 on padding. ``log_rho`` [B, T] is
+    log pi_x - log pi_rollout per token; ``level``: none (all 1) | token: min(exp(clamp(log rho,
+    +-20)), C) | sequence: min(exp(clamp(sum_t log rho, +-20)), C) broadcast to the sequence."""
+    log_rho = log_rho.detach()
+    m = mask.to(log_rho.dtype)
+    if level == "none":
+        return m.clone()
+    if level == "token":
+        w = torch.exp(torch.clamp(log_rho, -20.0, 20.0))
+    elif level == "sequence":
+        w = torch.exp(torch.clamp((log_rho * m).sum(-1, keepdim=True), -20.0, 20.0)).expand_as(log_rho)
+    else:
+        raise ValueError(f"unknown rollout_is level {level!r}; one of none, token, sequence")
+    return torch.clamp(w, max=threshold) * m
 
 
 def aggregate_loss(token_loss: torch.Tensor, mask: torch.Tensor, mode: str, global_tokens: int,
-                   global_seqs: int) -> torch.Tensor:
-    """This micro-batch's share of the mini-batch loss (algorithms.md §6.3).
+                   global_seqs: int, scale: float = 1.0, seq_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """This micro-batch's share of the optimizer step's loss (algorithms.md §6.3).
 
     ``token_loss`` and ``mask`` are [B, T]. ``global_tokens`` (valid tokens) and ``global_seqs``
-    (sequences with at least one valid token) count the whole mini-batch over all micro-batches
+    (sequences with at least one valid token) count the whole step's batch over all micro-batches
     and ranks, so the shares of all micro-batches add up to the full-batch value:
 
-    - token-mean:          sum_{i,t} m L / global_tokens
-    - seq-mean-token-sum:  sum_i sum_t m L / global_seqs
-    - seq-mean-token-mean: sum_i (sum_t m L / (sum_t m + 1e-8)) / global_seqs
+    - token-mean:              sum_{i,t} m L / global_tokens
+    - seq-mean-token-sum:      sum_i sum_t m L / global_seqs
+    - seq-mean-token-mean:     sum_i (sum_t m L / (T_i + 1e-8)) / global_seqs
+    - seq-mean-token-sum-norm: sum_i sum_t m L / global_seqs / scale   (Dr.GRPO's constant C;
+      the Aug-2026 verl form, which keeps the 1/N_seq)
+
+    T_i is ``seq_tokens`` (default: sum_t m). Masking a sequence out of the loss (TRM) while
+    keeping it in the counts is done by zeroing its ``token_loss`` rows.
     """
     m = mask.to(token_loss.dtype)
     per_seq = (token_loss * m).sum(-1)
@@ -100,8 +179,16 @@ def aggregate_loss(token_loss: torch.Tensor, mask: torch.Tensor, mode: str, glob
     if mode == "seq-mean-token-sum":
         return per_seq.sum() / max(global_seqs, 1)
     if mode == "seq-mean-token-mean":
-        return (per_seq / (m.sum(-1) + 1e-8)).sum() / max(global_seqs, 1)
+        t = m.sum(-1) if seq_tokens is None else seq_tokens
+        return (per_seq / (t + 1e-8)).sum() / max(global_seqs, 1)
+    if mode == "seq-mean-token-sum-norm":
+        return per_seq.sum() / max(global_seqs, 1) / scale
     raise ValueError(f"unknown loss_agg_mode {mode!r}; one of {', '.join(LOSS_AGG_MODES)}")
+
+
+def trm_keep(seq_max_k2: np.ndarray, seq_mean_k3: np.ndarray, max_k2: float, mean_k3: float) -> np.ndarray:
+    """TRM-Max and TRM-Avg together: 1.0 for accepted sequences, 0.0 for masked ones."""
+    return ((seq_max_k2 <= max_k2) & (seq_mean_k3 <= mean_k3)).astype(np.float64)
 
 
 # ------------------------------------------------------------------------------------------
@@ -109,9 +196,10 @@ def aggregate_loss(token_loss: torch.Tensor, mask: torch.Tensor, mode: str, glob
 # ------------------------------------------------------------------------------------------
 
 
-def response_token_stats(model, input_ids, attention_mask, rows, pos, targets,
-                         temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log pi(y_t) with gradient, entropy without) of every response token, flattened.
+def response_token_stats(model, input_ids, attention_mask, rows, pos, targets, temperature: float,
+                         entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log pi(y_t) with gradient, entropy) of every response token, flattened; the entropy
+    carries a gradient only with ``entropy_grad`` (an entropy bonus).
 
     Same arithmetic as the features stage (``features.ResponseLogits``): the head is applied
     only at the positions predicting response tokens, then log-softmax of logits / temperature in
@@ -120,7 +208,7 @@ def response_token_stats(model, input_ids, attention_mask, rows, pos, targets,
     z = ResponseLogits(model, batch)(slice(None)).float() / temperature
     lse = torch.logsumexp(z, dim=-1)
     logp = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-    with torch.no_grad():
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
     return logp, entropy
 
@@ -133,8 +221,9 @@ class ResponseLogprobs(torch.nn.Module):
         super().__init__()
         self.policy = policy
 
-    def forward(self, input_ids, attention_mask, rows, pos, targets, temperature: float):
-        return response_token_stats(self.policy, input_ids, attention_mask, rows, pos, targets, temperature)
+    def forward(self, input_ids, attention_mask, rows, pos, targets, temperature: float, entropy_grad: bool = False):
+        return response_token_stats(self.policy, input_ids, attention_mask, rows, pos, targets, temperature,
+                                    entropy_grad)
 
 
 def to_padded(flat: torch.Tensor, batch: dict[str, torch.Tensor], n_rows: int) -> torch.Tensor:
@@ -270,124 +359,309 @@ def param_grad_norm(module) -> float | None:
 
 
 # ------------------------------------------------------------------------------------------
+# Resumable checkpoints
+# ------------------------------------------------------------------------------------------
+
+
+def fingerprint(cfg: DictConfig, args: Args, world_size: int) -> str:
+    """What a checkpoint belongs to: the inputs (advantages bytes, policy, previous schedule
+    state), the config, the code and the number of ranks."""
+    from otbflow.codeversion import code_version
+
+    h = hashlib.sha256()
+    with open(args.advantages, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    prev = Path(args.prev_state).read_text() if args.prev_state else ""
+    config = section_digest(cfg, "seed", "iterations", "train", "mismatch", "rollout.temperature",
+                            "rollout.max_new_tokens")  # not resources: a retry with more memory resumes
+    h.update(json.dumps([config, str(Path(args.policy).resolve()), prev, args.reference, args.iteration,
+                         world_size, code_version("train")]).encode())
+    return h.hexdigest()[:16]
+
+
+class Checkpoints:
+    """DeepSpeed checkpoints of one train job in ``folder``, which is not a declared output
+    (Snakemake deletes the outputs of a failed job; this survives it). The folder holds one
+    fingerprint: a checkpoint of other inputs or config is wiped, never resumed. Only the latest
+    complete checkpoint is kept (DeepSpeed's ``latest`` names it only once it is written)."""
+
+    def __init__(self, folder: str, fp: str, every: int, rank: int, world_size: int):
+        self.folder, self.fp, self.every, self.rank, self.world_size = Path(folder), fp, every, rank, world_size
+
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            torch.distributed.barrier()
+
+    def load(self, engine) -> dict | None:
+        """The client state of the latest checkpoint after loading it into ``engine``, or None."""
+        stamp = self.folder / "fingerprint"
+        resumable = stamp.is_file() and stamp.read_text() == self.fp and (self.folder / "latest").is_file()
+        self._barrier()
+        if not resumable:
+            if self.rank == 0 and self.every:
+                shutil.rmtree(self.folder, ignore_errors=True)
+                self.folder.mkdir(parents=True)
+                stamp.write_text(self.fp)
+            self._barrier()
+            return None
+        path, client = engine.load_checkpoint(str(self.folder), load_module_strict=True)
+        if path is None:
+            raise RuntimeError(f"{self.folder}: could not load the checkpoint that 'latest' names")
+        return client
+
+    def due(self, steps_done: int, total: int) -> bool:
+        return bool(self.every) and steps_done % self.every == 0 and steps_done < total
+
+    def save(self, engine, steps_done: int, client: dict) -> None:
+        tag = f"step_{steps_done:06d}"
+        engine.save_checkpoint(str(self.folder), tag=tag, client_state=client, save_latest=True)
+        self._barrier()
+        if self.rank == 0:
+            for old in self.folder.glob("step_*"):
+                if old.name != tag:
+                    shutil.rmtree(old, ignore_errors=True)
+
+    def finish(self) -> None:
+        """The stage's outputs are written: the checkpoints are no longer needed."""
+        self._barrier()
+        if self.rank == 0:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------
 # Training loop
 # ------------------------------------------------------------------------------------------
 
 
-def micro_step(engine, data: dict[str, list], rows: list[int], weight: float, cfg: DictConfig, pad_id: int,
-               global_tokens: int, global_seqs: int, world_size: int) -> dict[str, float]:
-    """Forward and backward of one micro-batch; returns its sums for the step's metrics.
-    ``weight`` 0 turns it into a no-op that still runs the collectives (empty rank slice)."""
+SUMS = ("loss", "clipped", "entropy", "k3", "kl_ref", "is_w", "power", "bad")
+
+
+def micro_step(engine, ref_model, data: dict, rows: list[int], weight: float, cfg: DictConfig, pad_id: int,
+               global_tokens: int, global_seqs: int, world_size: int) -> tuple[dict[str, float], float]:
+    """Forward and backward of one micro-batch; returns its sums for the step's metrics and its
+    largest IS weight. ``weight`` 0 turns it into a no-op that still runs the collectives (empty
+    rank slice)."""
     tc = cfg.train
-    responses = [data["response_ids"][i] for i in rows]
-    batch = pack([data["prompt_ids"][i] for i in rows], responses, pad_id, engine.device)
+    dev = engine.device
+    batch = pack([data["prompt_ids"][i] for i in rows], [data["response_ids"][i] for i in rows], pad_id, dev)
     flat_logp, flat_entropy = engine(batch["input_ids"], batch["attention_mask"], batch["rows"], batch["pos"],
-                                     batch["targets"], cfg.rollout.temperature)
+                                     batch["targets"], cfg.rollout.temperature, tc.entropy_coef > 0)
     logp = to_padded(flat_logp, batch, len(rows))
     width = logp.shape[1]
-    old_logp = pad_right([data["logprobs"][i] for i in rows], width, logp.device)
-    adv = pad_right([data["advantages"][i] for i in rows], width, logp.device)
-    mask = pad_right([data["loss_mask"][i] for i in rows], width, logp.device) * weight
 
-    token_loss, clipped = ppo_clip_loss(logp, old_logp, adv, tc.clip_ratio_low, tc.clip_ratio_high)
-    loss = aggregate_loss(token_loss, mask, tc.loss_agg_mode, global_tokens, global_seqs)
+    def column(name: str) -> torch.Tensor:
+        return pad_right([data[name][i] for i in rows], width, dev)
+
+    old_logp, adv = column("logprobs"), column("advantages")
+    mask = column("loss_mask") * weight
+    keep = torch.tensor([[data["keep"][i]] for i in rows], dtype=torch.float32, device=dev)
+    is_base = old_logp if tc.loss_type == "ppo_clip" else logp  # decoupled vs bypass (algorithms.md §6.5)
+    is_w = rollout_is_weights(is_base - column("rollout_logprobs"), mask, tc.rollout_is, tc.rollout_is_threshold)
+    if tc.loss_type == "ppo_clip":
+        token_loss, clipped = ppo_clip_loss(logp, old_logp, adv, tc.clip_ratio_low, tc.clip_ratio_high,
+                                            tc.clip_ratio_c)
+        token_loss = token_loss * is_w
+    else:
+        token_loss, clipped = reinforce_loss(logp, adv, is_w), torch.zeros_like(mask, dtype=torch.bool)
+    entropy = to_padded(flat_entropy, batch, len(rows))
+    if tc.entropy_coef > 0:
+        token_loss = token_loss - tc.entropy_coef * entropy
+    kl_ref = torch.zeros_like(mask)
+    if ref_model is not None:
+        with torch.no_grad():
+            ref_flat, _ = response_token_stats(ref_model, batch["input_ids"], batch["attention_mask"],
+                                               batch["rows"], batch["pos"], batch["targets"], cfg.rollout.temperature)
+        kl_ref = low_var_kl(logp, to_padded(ref_flat, batch, len(rows)))
+        token_loss = token_loss + tc.kl_coef * kl_ref
+    scale = tc.loss_scale_factor or cfg.rollout.max_new_tokens
+    loss = aggregate_loss(token_loss * keep, mask, tc.loss_agg_mode, global_tokens, global_seqs, scale)
     # DeepSpeed averages gradients over ranks, and scale_wrt_gas=False stops it from also
-    # dividing by the accumulation steps: the mini-batch normalisers already did both.
+    # dividing by the accumulation steps: the step-wide normalisers already did both.
     engine.backward(loss * world_size, scale_wrt_gas=False)
 
     with torch.no_grad():
         log_ratio = torch.clamp(logp - old_logp, -20.0, 20.0)
         k3 = torch.exp(log_ratio) - 1.0 - log_ratio  # r - 1 - log r, r = pi_theta / pi_old
-        entropy = to_padded(flat_entropy, batch, len(rows))
-        return {"loss": float(loss.detach()), "clipped": float((clipped * mask).sum()),
-                "entropy": float((entropy * mask).sum()), "k3": float((k3 * mask).sum())}
+        n_tok = mask.sum(-1)
+        t = n_tok.clamp_min(1e-12)
+        w_hat = (column("proxy") * mask).sum(-1)
+        abar = (adv * mask).sum(-1) / t
+        rho = (is_w * mask).sum(-1) / t if tc.rollout_is != "none" else None
+        to_np = lambda x: x.double().cpu().numpy()  # noqa: E731
+        power = total_power(to_np(w_hat), to_np(abar), None if rho is None else to_np(rho)) * len(rows) * weight
+        sums = {"loss": float(loss.detach()), "clipped": float((clipped * mask).sum()),
+                "entropy": float((entropy * mask).sum()), "k3": float((k3 * mask).sum()),
+                "kl_ref": float((kl_ref * mask).sum()), "is_w": float((is_w * mask).sum()), "power": power,
+                "bad": 0.0 if math.isfinite(float(loss.detach())) else 1.0}
+        is_max = float((is_w * mask).max()) if mask.any() else 0.0
+    return sums, is_max
 
 
-def reduce_sum(values: dict[str, float], world_size: int, device) -> dict[str, float]:
+def all_reduce(values: list[float], world_size: int, device, op: str = "sum") -> list[float]:
     if world_size == 1:
         return values
-    t = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(t)
-    return dict(zip(values, t.tolist()))
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM if op == "sum" else torch.distributed.ReduceOp.MAX)
+    return t.tolist()
 
 
-def train_step(engine, data: dict[str, list], mini: list[int], cfg: DictConfig, pad_id: int, rank: int,
-               world_size: int) -> dict[str, float]:
+def grads_finite(module) -> bool:
+    return all(bool(torch.isfinite(p.grad).all()) for p in module.parameters() if p.grad is not None)
+
+
+def train_step(engine, ref_model, data: dict, mini: list[int], cfg: DictConfig, pad_id: int, rank: int,
+               world_size: int, lr: float) -> dict:
     """One optimizer step on the mini-batch ``mini`` (row indices; every rank gets the same list
-    and takes every world_size-th row)."""
+    and takes every world_size-th row) at learning rate ``lr``."""
     tc = cfg.train
+    for group in engine.optimizer.param_groups:
+        group["lr"] = lr
     mask_sums = [sum(data["loss_mask"][i]) for i in mini]
-    global_tokens = int(sum(mask_sums))
+    global_tokens = int(sum(mask_sums))  # pre-TRM counts: masked sequences count, as the paper's 1/N
     global_seqs = sum(1 for s in mask_sums if s > 0)
     local = mini[rank::world_size]
     n_micro = math.ceil(math.ceil(len(mini) / world_size) / tc.micro_batch_size)  # the same on every rank
-    sums = {"loss": 0.0, "clipped": 0.0, "entropy": 0.0, "k3": 0.0}
+    sums = dict.fromkeys(SUMS, 0.0)
+    is_max = 0.0
     norm_before_step = None
     for j in range(n_micro):
         rows = local[j * tc.micro_batch_size:(j + 1) * tc.micro_batch_size]
-        weight = 1.0 if rows else 0.0
         last = j == n_micro - 1
         engine.set_gradient_accumulation_boundary(last)
-        out = micro_step(engine, data, rows or mini[:1], weight, cfg, pad_id, global_tokens, global_seqs,
-                         world_size)
-        sums = {k: sums[k] + out[k] for k in sums}
+        out, mx = micro_step(engine, ref_model, data, rows or mini[:1], 1.0 if rows else 0.0, cfg, pad_id,
+                             global_tokens, global_seqs, world_size)
+        sums = {k: sums[k] + out[k] for k in SUMS}
+        is_max = max(is_max, mx)
         if last:
+            if tc.zero_stage == 0 and not grads_finite(engine.module):
+                sums["bad"] += 1.0
             norm_before_step = param_grad_norm(engine.module)  # fp32 without ZeRO reports no norm
-    engine.step()
-    norm = engine.get_global_grad_norm()
-    norm = float(norm) if norm is not None else norm_before_step
-    sums = reduce_sum(sums, world_size, engine.device)
+    sums = dict(zip(SUMS, all_reduce([sums[k] for k in SUMS], world_size, engine.device)))
+    is_max = all_reduce([is_max], world_size, engine.device, op="max")[0]
+    if sums["bad"] and tc.zero_stage == 0:
+        engine.zero_grad()  # discard the step; ZeRO >= 1 runs its own overflow check in step()
+        skipped, norm = True, float("nan")
+    else:
+        before = engine.skipped_steps
+        engine.step()
+        skipped = engine.skipped_steps > before
+        norm = engine.get_global_grad_norm()
+        norm = float(norm) if norm is not None else norm_before_step
+        norm = float("nan") if norm is None or skipped else norm
     tokens = max(global_tokens, 1)
-    return {"loss": sums["loss"], "clip_fraction": sums["clipped"] / tokens,
-            "grad_norm": float("nan") if norm is None else norm, "lr": float(engine.get_lr()[0]),
-            "entropy": sums["entropy"] / tokens, "approx_kl": sums["k3"] / tokens,
-            "tokens": global_tokens, "sequences": len(mini)}
+    accept = np.asarray([data["accept"][i] for i in mini])
+    return {"loss": sums["loss"], "clip_fraction": sums["clipped"] / tokens, "grad_norm": norm,
+            "lr": float(engine.get_lr()[0]),  # what the optimizer used
+            "entropy": sums["entropy"] / tokens, "approx_kl": sums["k3"] / tokens, "kl_ref": sums["kl_ref"] / tokens,
+            "is_weight_mean": sums["is_w"] / tokens, "is_weight_max": is_max,
+            "trm_acceptance": float(accept.mean()),
+            "log_ppl_abs_diff": float(np.mean([data["log_ppl_abs_diff"][i] for i in mini])),
+            "tokens": global_tokens, "sequences": len(mini),
+            "mean_response_length": float(np.mean([len(data["response_ids"][i]) for i in mini])),
+            **variance_proxies(sums["power"] / len(mini), norm, len(mini)), "skipped": skipped}
 
 
-def load_rows(path: str) -> dict[str, list]:
-    """The columns training uses, as Python lists; loss_mask is all ones when absent."""
+def load_rows(path: str, cfg: DictConfig) -> dict:
+    """The columns training uses, as Python lists and arrays; loss_mask is all ones when
+    absent. ``accept`` is the TRM verdict of each sequence, ``keep`` what the loss uses (all
+    ones unless train.trm)."""
     df = read_table(path, schemas.ADVANTAGES)
-    data = {c: df[c].to_list() for c in ("prompt_ids", "response_ids", "logprobs", "advantages")}
+    data = {c: df[c].to_list() for c in ("prompt_ids", "response_ids", "logprobs", "rollout_logprobs", "advantages",
+                                         "proxy")}
     if "loss_mask" in df.columns:
-        data["loss_mask"] = df["loss_mask"].to_list()
+        data["loss_mask"] = df["loss_mask"].cast(pl.List(pl.Float64)).to_list()
     else:
         data["loss_mask"] = [[1.0] * len(r) for r in data["response_ids"]]
+    data["log_ppl_abs_diff"] = df["log_ppl_abs_diff"].to_list()
+    data["accept"] = trm_keep(df["seq_max_k2"].to_numpy(), df["seq_mean_k3"].to_numpy(), cfg.mismatch.max_k2,
+                              cfg.mismatch.mean_k3)
+    data["keep"] = data["accept"] if cfg.train.trm else np.ones(df.height)
     return data
+
+
+def mini_batches(n: int, tc: DictConfig, seed: int) -> list[list[int]]:
+    """Every optimizer step's row indices: ppo_epochs passes, each in a seeded shuffled order."""
+    order_rng = torch.Generator().manual_seed(seed)
+    plan = []
+    for _ in range(tc.ppo_epochs):
+        order = torch.randperm(n, generator=order_rng).tolist()
+        plan += [order[s:s + tc.mini_batch_size] for s in range(0, n, tc.mini_batch_size)]
+    return plan
+
+
+def _destroy_process_group() -> None:
+    """At exit: NCCL warns about (and may leak) a process group that was never destroyed."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def load_reference(path: str, device):
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32).to(device)
+    ref.eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
 
 
 def run(cfg: DictConfig, args: Args) -> None:
     set_threads()
     tc = cfg.train
-    data = load_rows(args.advantages)
+    data = load_rows(args.advantages, cfg)
     n = len(data["response_ids"])
     if n == 0:
         raise SchemaError(f"{args.advantages}: no rows to train on")
+    if tc.kl_coef > 0 and not args.reference:
+        raise SchemaError("train.kl_coef > 0 needs --reference, the reference policy (e.g. the initial one)")
     rank, world_size = init_distributed_env()
     seed = derive_seed(cfg.seed, "train", args.iteration)
     torch.manual_seed(seed)
     engine = build_engine(args.policy, tc, world_size)
+    atexit.register(_destroy_process_group)
+    ref_model = load_reference(args.reference, engine.device) if tc.kl_coef > 0 else None
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(args.policy, local_files_only=True)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
-    order_rng = torch.Generator().manual_seed(seed)
-    steps_per_epoch = math.ceil(n / tc.mini_batch_size)
-    metrics = []
-    step = 0
-    for epoch in range(tc.ppo_epochs):
-        order = torch.randperm(n, generator=order_rng).tolist()
-        for start in range(0, n, tc.mini_batch_size):
-            t0 = time.perf_counter()
-            m = train_step(engine, data, order[start:start + tc.mini_batch_size], cfg, pad_id, rank, world_size)
-            m = {"iteration": args.iteration, "step": step, **m,
-                 "step_time_s": time.perf_counter() - t0}
-            metrics.append(m)
-            if rank == 0:
-                log.info("epoch %d step %d/%d: loss %.5f grad_norm %.4f lr %.2e clip %.3f kl %.2e entropy %.3f",
-                         epoch, step + 1, tc.ppo_epochs * steps_per_epoch, m["loss"], m["grad_norm"], m["lr"],
-                         m["clip_fraction"], m["approx_kl"], m["entropy"])
-            step += 1
+    plan = mini_batches(n, tc, seed)
+    schedule = LRSchedule.from_dict(tc, json.loads(Path(args.prev_state).read_text()) if args.prev_state else None)
+    schedule.set_horizon(len(plan), cfg.iterations)
+    ckpt = Checkpoints(args.checkpoint_dir or str(Path(args.out).with_name("checkpoint")),
+                       fingerprint(cfg, args, world_size), tc.checkpoint_every, rank, world_size)
+    metrics: list[dict] = []
+    start, skips = 0, 0
+    client = ckpt.load(engine)
+    if client is not None:
+        metrics, start, skips = client["metrics"], client["next_step"], client["consecutive_skips"]
+        schedule = LRSchedule.from_dict(tc, client["schedule"])
+        torch.set_rng_state(client["torch_rng"])
+        if rank == 0:
+            log.warning("resuming from the checkpoint in %s after step %d of %d", ckpt.folder, start, len(plan))
+
+    for i in range(start, len(plan)):
+        t0 = time.perf_counter()
+        m = train_step(engine, ref_model, data, plan[i], cfg, pad_id, rank, world_size, schedule.lr())
+        events = ["skipped: non-finite loss or gradient"] if m["skipped"] else []
+        events += [e for e in [schedule.observe(m["mean_response_length"])] if e]
+        skips = skips + 1 if m["skipped"] else 0
+        metrics.append({"iteration": args.iteration, "step": i, **m, "event": "; ".join(events),
+                        "step_time_s": time.perf_counter() - t0})
+        if rank == 0:
+            for e in events:
+                log.warning("step %d: %s", i, e)
+            log.info("step %d/%d: loss %.5f grad_norm %.4f lr %.2e clip %.3f kl %.2e entropy %.3f trm %.2f",
+                     i + 1, len(plan), m["loss"], m["grad_norm"], m["lr"], m["clip_fraction"], m["approx_kl"],
+                     m["entropy"], m["trm_acceptance"])
+        if skips >= tc.max_consecutive_skips:
+            raise RuntimeError(f"{skips} consecutive optimizer steps had a non-finite loss or gradient (last: step "
+                               f"{i}); stopping (train.max_consecutive_skips={tc.max_consecutive_skips}). The "
+                               f"checkpoint in {ckpt.folder} holds the last good state.")
+        if ckpt.due(i + 1, len(plan)):
+            ckpt.save(engine, i + 1, {"next_step": i + 1, "metrics": metrics, "consecutive_skips": skips,
+                                      "schedule": schedule.to_dict(), "torch_rng": torch.get_rng_state()})
 
     state = full_fp32_state_dict(engine, keep=rank == 0)  # collective: all ranks
     if rank == 0:
@@ -398,7 +672,9 @@ def run(cfg: DictConfig, args: Args) -> None:
         write_parquet(df, args.metrics, metadata={
             "policy": args.policy, "iteration": args.iteration, "world_size": world_size, "seed": seed,
             "deepspeed": dict(deepspeed_config(tc, world_size), version=deepspeed.__version__),
-            "loss_agg_mode": tc.loss_agg_mode, "temperature": cfg.rollout.temperature})
-        log.info("%d steps on %d sequences; next policy in %s", step, n, args.out)
-    if world_size > 1:
-        torch.distributed.barrier()
+            "loss_agg_mode": tc.loss_agg_mode, "temperature": cfg.rollout.temperature,
+            "resumed_at_step": start, "schedule": schedule.to_dict()})
+        if args.state:
+            write_json(schedule.to_dict(), args.state)
+        log.info("%d steps on %d sequences; next policy in %s", len(plan), n, args.out)
+    ckpt.finish()

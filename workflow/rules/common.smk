@@ -81,6 +81,14 @@ def digest(*sections):
     return section_digest(CFG, *sections)
 
 
+def train_digest():
+    """The train rule's config trigger; `iterations` only where it sets the cosine horizon, so
+    that extending a run by more iterations keeps the finished ones."""
+    auto_horizon = CFG.train.lr_schedule == "cosine" and CFG.train.lr_decay_steps == 0
+    sections = ["seed", "train", "mismatch", "rollout.temperature", "rollout.max_new_tokens"]
+    return digest(*sections, *(["iterations"] if auto_horizon else []))
+
+
 def initial_policy():
     return CFG.model.path if CFG.model.path else f"{R}/bootstrap/policy"
 
@@ -89,6 +97,17 @@ def policy_for_iteration(wildcards):
     """Iteration k samples from the policy that iteration k-1 trained."""
     k = int(wildcards.k)
     return initial_policy() if k == 0 else f"{R}/iter_{k - 1}/train/policy"
+
+
+def previous_schedule_state(wildcards):
+    """The LR schedule continues from the previous iteration's train stage (none at k = 0)."""
+    k = int(wildcards.k)
+    return [] if k == 0 else [f"{R}/iter_{k - 1}/train/schedule.json"]
+
+
+def reference_policy(wildcards):
+    """The KL term's reference policy (the initial one), only when train.kl_coef > 0."""
+    return [initial_policy()] if CFG.train.kl_coef > 0 else []
 
 
 def policy_by_name(wildcards):

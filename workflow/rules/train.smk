@@ -2,9 +2,12 @@ rule train:
     input:
         advantages=rules.advantages.output.advantages,
         policy=policy_for_iteration,
+        prev_state=previous_schedule_state,
+        reference=reference_policy,
     output:
         policy=directory(f"{R}/iter_{{k}}/train/policy"),
         metrics=f"{R}/iter_{{k}}/train/metrics.parquet",
+        state=f"{R}/iter_{{k}}/train/schedule.json",
     log:
         f"{R}/logs/train/iter_{{k}}.log",
     benchmark:
@@ -15,8 +18,15 @@ rule train:
         cmd=stage_cmd(
             "train", launcher=launch_processes(CFG.resources.train.tasks, CFG.resources.train.cpus_per_task)
         ),
-        cfg=digest("seed", "train", "rollout.temperature"),
+        cfg=train_digest(),
         code=code_version("train"),
+        # resumable DeepSpeed checkpoints live outside the outputs: a failed job's are kept
+        checkpoint_dir=f"{R}/checkpoints/train/iter_{{k}}",
+        optional=lambda wildcards, input: " ".join(
+            f"--{name.replace('_', '-')} {getattr(input, name)}"
+            for name in ("prev_state", "reference")
+            if getattr(input, name)
+        ),
     threads: CFG.resources.train.cpus_per_task
     resources:
         gpu=CFG.resources.train.gpu,
@@ -28,4 +38,5 @@ rule train:
         **task_resources(CFG.resources.train),
     shell:
         "{params.cmd} --advantages {input.advantages} --policy {input.policy} --out {output.policy} "
-        "--metrics {output.metrics} --iteration {wildcards.k} > {log} 2>&1"
+        "--metrics {output.metrics} --state {output.state} --checkpoint-dir {params.checkpoint_dir} "
+        "--iteration {wildcards.k} {params.optional} > {log} 2>&1"

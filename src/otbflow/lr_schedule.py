@@ -1,0 +1,108 @@
+"""Learning-rate schedules of the train stage, with state that survives RL iterations.
+
+``train.lr_schedule``:
+
+- ``constant``: eta0 = ``train.lr`` after warm-up.
+- ``cosine``: from eta0 down to ``lr_min_ratio`` x eta0 over ``lr_decay_steps`` steps after warm-up
+  (0: ``iterations`` x the number of steps of the first iteration).
+- ``length_decay``: the response-length-triggered decay of "Beyond Precision"
+  (algorithms.md §4.1). The mean response length l_k of every optimizer step's batch (all its
+  sequences, before any TRM masking) is recorded. The baseline is the mean of l over the first
+  ``length_baseline_steps`` steps; the surge step k_s is the first step, after the baseline is
+  complete, that ends a run of ``length_surge_patience`` consecutive steps with
+  l > ``length_surge_factor`` x baseline. From then on
+
+      eta_k = eta0 * max(lr_min_ratio, 2 ** -floor((k - k_s) / P)),   P = round(length_period_factor * k_s)
+
+  i.e. the LR halves every P steps, counted from the surge (the convention algorithms.md
+  recommends; the third-party reproduction counts from the end of warm-up), down to the floor.
+  No surge: the LR stays eta0. The surge and every halving are returned as events, which the
+  train stage logs and writes into its metrics.
+
+Every schedule starts with ``lr_warmup_steps`` of linear warm-up. Steps are counted over all
+iterations: the train stage of iteration k+1 resumes the state that iteration k saved
+(``LRSchedule.state`` as JSON), so a schedule spans the whole run.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from omegaconf import DictConfig
+
+
+@dataclass
+class ScheduleState:
+    step: int = 0
+    """Optimizer steps taken so far, over all iterations (the next step's index)."""
+    lengths: list[float] = field(default_factory=list)
+    """Mean response length of every step so far (length_decay's input)."""
+    surge_step: int | None = None
+    """k_s, the step at which the surge was detected (None: not yet)."""
+    period: int | None = None
+    """P, the halving period in steps."""
+    total_steps: int | None = None
+    """cosine: the decay horizon fixed at the first iteration."""
+
+
+class LRSchedule:
+    def __init__(self, tc: DictConfig, state: ScheduleState | None = None):
+        self.tc = tc
+        self.state = state or ScheduleState()
+
+    @classmethod
+    def from_dict(cls, tc: DictConfig, data: dict | None) -> "LRSchedule":
+        return cls(tc, ScheduleState(**data) if data else None)
+
+    def to_dict(self) -> dict:
+        return asdict(self.state)
+
+    def set_horizon(self, steps_this_iteration: int, iterations: int) -> None:
+        """Fix the cosine horizon once (at the first iteration)."""
+        if self.state.total_steps is None:
+            t = self.tc
+            self.state.total_steps = (t.lr_decay_steps + t.lr_warmup_steps if t.lr_decay_steps
+                                      else max(1, steps_this_iteration * iterations))
+
+    def lr(self) -> float:
+        """The learning rate of the next step (index ``state.step``)."""
+        t, s, k = self.tc, self.state, self.state.step
+        if t.lr_warmup_steps and k < t.lr_warmup_steps:
+            return t.lr * (k + 1) / t.lr_warmup_steps
+        floor = t.lr_min_ratio * t.lr
+        if t.lr_schedule == "cosine":
+            span = max(1, (s.total_steps or 1) - t.lr_warmup_steps)
+            progress = min(1.0, (k - t.lr_warmup_steps) / span)
+            return floor + (t.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        if t.lr_schedule == "length_decay" and s.surge_step is not None:
+            return t.lr * max(t.lr_min_ratio, 2.0 ** -((k - s.surge_step) // s.period))
+        return t.lr
+
+    def observe(self, mean_length: float) -> str:
+        """Record the finished step's mean response length and advance; returns an event
+        description ('' when nothing happened) for the step that was just taken."""
+        t, s = self.tc, self.state
+        k = s.step
+        s.lengths.append(float(mean_length))
+        s.step += 1
+        if t.lr_schedule != "length_decay":
+            return ""
+        if s.surge_step is None:
+            n = t.length_baseline_steps
+            if len(s.lengths) < n + t.length_surge_patience:
+                return ""
+            baseline = sum(s.lengths[:n]) / n
+            recent = s.lengths[-t.length_surge_patience:]
+            if all(x > t.length_surge_factor * baseline for x in recent):
+                s.surge_step = k
+                s.period = max(1, round(t.length_period_factor * k))
+                return (f"length surge at step {k}: mean response length {mean_length:.1f} > "
+                        f"{t.length_surge_factor} x baseline {baseline:.1f}; halving the LR every {s.period} steps "
+                        f"down to {t.lr_min_ratio} x {t.lr:g}")
+            return ""
+        before = (k - s.surge_step) // s.period
+        after = (s.step - s.surge_step) // s.period
+        if after > before and 2.0 ** -before > t.lr_min_ratio:
+            return f"LR halved after step {k}: next lr {self.lr():.3g}"
+        return ""
