@@ -1,0 +1,272 @@
+"""Generation throughput (tokens/s) of each rollout backend on the same model and prompts.
+
+Each (model, backend) runs in a fresh process on the same saved HF folder, the same prompts
+(the synthetic arithmetic task of config/config.yaml) and the same sampling parameters
+(G samples per prompt, temperature 1, top_p 1, ``--max-new-tokens``):
+
+- 'hf' (otbflow.rollout): ``generate_samples`` once, cold, as the rollout stage calls it (model
+  load included: ``stage``), then ``hf_generate`` on the loaded model, one warm-up and the best
+  of ``--repeats`` timed calls (``steady``).
+- 'vllm' (otbflow.vllm_engine): the engine is built from ``engine_kwargs`` once; its build plus
+  the first ``LLM.generate`` is ``stage``, the best of ``--repeats`` later calls ``steady``; the
+  outputs go through ``samples_from_outputs``. Skipped, with the reason, when ``import vllm``
+  fails or there is no CUDA device.
+
+tokens = generated response tokens (up to and including EOS, as the rollouts table counts them);
+tokens/s = tokens / seconds of the generate call (CUDA synchronised). Models:
+
+- tiny: the built-in policy shape (config/config.yaml's model section, character tokenizer);
+- gpt2: a random GPT-2-small-shaped model (12 layers, 768 wide, 12 heads, 50,257-token
+  vocabulary; a word-level tokenizer of that size is built so any token decodes).
+
+Prints JSON. The default (tiny, CPU) runs in well under a minute on 2 cores; on a GPU e.g.
+
+    python benchmarks/bench_rollout.py                                   # tiny, hf (+ vllm if importable)
+    python benchmarks/bench_rollout.py --models tiny,gpt2 --prompts 128 --group-size 8 \\
+        --max-new-tokens 128 --batch-size 128 --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+BACKENDS = ("hf", "vllm")
+GPT2 = {"vocab_size": 50257, "n_layer": 12, "n_embd": 768, "n_head": 12, "n_positions": 1024}
+MODELS = ("tiny", "gpt2")
+
+
+def base_config(overrides: list[str]):
+    from otbflow.config import DEFAULT_CONFIG, load_config
+
+    return load_config(DEFAULT_CONFIG, overrides)
+
+
+def word_tokenizer(vocab_size: int):
+    """The character tokenizer of otbflow.model padded with word tokens '<w{i}>' to vocab_size."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from otbflow.model import CHARS, SPECIAL
+
+    tokens = SPECIAL + list(dict.fromkeys(CHARS))
+    tokens += [f"<w{i}>" for i in range(vocab_size - len(tokens))]
+    tok = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(tokens)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(""), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                   unk_token="<unk>", padding_side="left")
+
+
+def build_policy(name: str, out: Path) -> dict:
+    """Save model ``name`` (random weights, seed 0) with its tokenizer as an HF folder."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from otbflow.model import build_char_tokenizer, build_tiny_model
+
+    if name == "tiny":
+        cfg = base_config([])
+        tok = build_char_tokenizer()
+        model = build_tiny_model(cfg.model, tok, seed=0)
+    elif name == "gpt2":
+        torch.manual_seed(0)
+        tok = word_tokenizer(GPT2["vocab_size"])
+        model = GPT2LMHeadModel(GPT2Config(**GPT2, bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
+                                           pad_token_id=tok.pad_token_id))
+    else:
+        raise ValueError(f"unknown model {name!r}; one of {', '.join(MODELS)}")
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    c = model.config
+    return {"parameters": sum(p.numel() for p in model.parameters()), "vocab": c.vocab_size,
+            "n_layer": c.n_layer, "n_embd": c.n_embd, "n_head": c.n_head, "n_positions": c.n_positions}
+
+
+def prompts_for(n: int) -> list[str]:
+    from otbflow.config import derive_seed
+    from otbflow.tasks import arithmetic_prompts
+
+    cfg = base_config([])
+    t = cfg.task
+    return [r["prompt"] for r in arithmetic_prompts(n, derive_seed(cfg.seed, "bench_rollout"), t.min_terms,
+                                                    t.max_terms, t.max_operand)]
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def counts(samples) -> dict:
+    tokens = sum(len(s.response_ids) for s in samples)
+    return {"sequences": len(samples), "tokens": tokens,
+            "mean_response_length": round(tokens / max(len(samples), 1), 2),
+            "finished_by_length": round(sum(s.finish_reason == "length" for s in samples) / max(len(samples), 1), 3)}
+
+
+def timed(fn) -> tuple[float, object]:
+    sync()
+    t0 = time.perf_counter()
+    out = fn()
+    sync()
+    return time.perf_counter() - t0, out
+
+
+def worker_hf(policy: str, a: argparse.Namespace) -> dict:
+    from otbflow.model import load_policy
+    from otbflow.rollout import generate_samples, hf_generate
+
+    cfg = base_config(["rollout.backend=hf", f"rollout.batch_size={a.batch_size}", f"model.dtype={a.dtype}"])
+    prompts = prompts_for(a.prompts)
+    kw = dict(n=a.group_size, temperature=1.0, top_p=1.0, max_new_tokens=a.max_new_tokens, greedy=False)
+    stage_s, (samples, _) = timed(lambda: generate_samples(cfg, policy, prompts, seed=0, **kw))
+    stage = {"seconds": stage_s, **counts(samples)}
+    model, tok = load_policy(policy, a.dtype)
+    run = lambda seed: hf_generate(model, tok, prompts, batch_size=a.batch_size, seed=seed, **kw)  # noqa: E731
+    run(1)  # warm-up
+    steady = []
+    for r in range(a.repeats):
+        seconds, samples = timed(lambda: run(2 + r))
+        steady.append({"seconds": seconds, **counts(samples)})
+    return {"stage": stage, "steady": steady, "device": str(model.device)}
+
+
+def worker_vllm(policy: str, a: argparse.Namespace) -> dict:
+    import vllm
+    from transformers import AutoTokenizer
+
+    from otbflow import vllm_engine
+    from otbflow.model import encode
+
+    prompts = prompts_for(a.prompts)
+    tok = AutoTokenizer.from_pretrained(policy, local_files_only=True)
+    ids = encode(tok, prompts)
+    requests = [{"prompt_token_ids": x} for x in ids]
+
+    def generate(llm, seed):
+        params = vllm.SamplingParams(**vllm_engine.sampling_kwargs(a.group_size, 1.0, 1.0, a.max_new_tokens,
+                                                                   False, seed))
+        outputs = llm.generate(requests, params, use_tqdm=False)
+        return vllm_engine.samples_from_outputs(outputs, ids, tok.eos_token_id)
+
+    sync()
+    t0 = time.perf_counter()
+    llm = vllm.LLM(**vllm_engine.engine_kwargs(policy, a.dtype, 0, 1, 1.0, a.gpu_memory_utilization))
+    build_s = time.perf_counter() - t0
+    samples = generate(llm, 0)
+    sync()
+    stage = {"seconds": time.perf_counter() - t0, "engine_build_seconds": build_s, **counts(samples)}
+    steady = []
+    for r in range(a.repeats):
+        seconds, samples = timed(lambda: generate(llm, 2 + r))
+        steady.append({"seconds": seconds, **counts(samples)})
+    return {"stage": stage, "steady": steady, "device": "cuda", "vllm_version": vllm.__version__}
+
+
+def vllm_skip_reason() -> str | None:
+    """Why the vllm backend cannot run here (None: it can)."""
+    p = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True)
+    if p.returncode != 0:
+        lines = [x for x in p.stderr.strip().splitlines() if x.strip()]
+        return f"import vllm failed: {lines[-1] if lines else 'exit code %d' % p.returncode}"
+    if not torch.cuda.is_available():
+        return "vllm imports but there is no CUDA device"
+    return None
+
+
+def too_long_reason(policy: Path, n_prompts: int, max_new_tokens: int, n_positions: int) -> str | None:
+    from transformers import AutoTokenizer
+
+    from otbflow.model import encode
+
+    longest = max(len(x) for x in encode(AutoTokenizer.from_pretrained(policy, local_files_only=True), prompts_for(n_prompts)))
+    if longest + max_new_tokens > n_positions:
+        return (f"longest prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) > the model's "
+                f"n_positions ({n_positions})")
+    return None
+
+
+def summarise(run: dict) -> dict:
+    best = min(run["steady"], key=lambda r: r["seconds"])
+    st = run["stage"]
+    out = {"device": run["device"], "tokens_per_s": round(best["tokens"] / best["seconds"], 1),
+           "steady_seconds": round(best["seconds"], 4), "tokens": best["tokens"], "sequences": best["sequences"],
+           "mean_response_length": best["mean_response_length"], "finished_by_length": best["finished_by_length"],
+           "stage_seconds": round(st["seconds"], 4),
+           "stage_tokens_per_s": round(st["tokens"] / st["seconds"], 1),
+           "steady_all_seconds": [round(r["seconds"], 4) for r in run["steady"]]}
+    for k in ("engine_build_seconds", "vllm_version"):
+        if k in run or k in st:
+            out[k] = run.get(k, st.get(k))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="tiny", help=f"comma-separated, of {', '.join(MODELS)}")
+    ap.add_argument("--backends", default=",".join(BACKENDS), help=f"comma-separated, of {', '.join(BACKENDS)}")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--group-size", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--batch-size", type=int, default=64, help="hf backend: prompts per generate call")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="vllm backend")
+    ap.add_argument("--workdir", default=None, help="where the model folders go (default: a temporary folder)")
+    ap.add_argument("--worker", nargs=2, metavar=("POLICY_DIR", "BACKEND"), help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        policy, backend = a.worker
+        res = worker_hf(policy, a) if backend == "hf" else worker_vllm(policy, a)
+        print(json.dumps(res))
+        return
+
+    models = [m for m in a.models.split(",") if m]
+    backends = [b for b in a.backends.split(",") if b]
+    for b in backends:
+        if b not in BACKENDS:
+            ap.error(f"unknown backend {b!r}; one of {', '.join(BACKENDS)}")
+    skip = {"vllm": vllm_skip_reason()} if "vllm" in backends else {}
+    result = {"benchmark": "rollout", "cpus": os.cpu_count(), "torch": torch.__version__,
+              "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+              "prompts": a.prompts, "group_size": a.group_size, "max_new_tokens": a.max_new_tokens,
+              "batch_size": a.batch_size, "dtype": a.dtype, "temperature": 1.0, "top_p": 1.0, "models": {}}
+    tmp = None if a.workdir else tempfile.TemporaryDirectory(prefix="bench_rollout_")
+    root = Path(a.workdir or tmp.name)
+    try:
+        for m in models:
+            folder = root / m
+            t0 = time.perf_counter()
+            entry = {"model": build_policy(m, folder), "build_seconds": round(time.perf_counter() - t0, 2),
+                     "backends": {}}
+            too_long = too_long_reason(folder, a.prompts, a.max_new_tokens, entry["model"]["n_positions"])
+            for b in backends:
+                if too_long or skip.get(b):
+                    entry["backends"][b] = {"skipped": too_long or skip[b]}
+                    continue
+                cmd = [sys.executable, __file__, "--worker", str(folder), b]
+                for flag in ("prompts", "group_size", "max_new_tokens", "batch_size", "dtype", "repeats",
+                             "gpu_memory_utilization"):
+                    cmd += ["--" + flag.replace("_", "-"), str(getattr(a, flag))]
+                p = subprocess.run(cmd, capture_output=True, text=True)
+                if p.returncode != 0:
+                    entry["backends"][b] = {"failed": p.stderr.strip().splitlines()[-20:]}
+                    continue
+                entry["backends"][b] = summarise(json.loads(p.stdout.strip().splitlines()[-1]))
+            result["models"][m] = entry
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
