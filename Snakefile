@@ -21,6 +21,7 @@ rule all:
     input:
         lambda wildcards: rules.report.output,
         lambda wildcards: rules.scaling.output,
+        lambda wildcards: rules.variance.output,
     default_target: True
 
 
@@ -33,3 +34,4 @@ include: "workflow/rules/train.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/scaling.smk"
+include: "workflow/rules/variance.smk"

@@ -84,8 +84,13 @@ def test_every_output_reads_back_with_polars(run_dir):
     seqs = read_table(r / "scaling/sequences.parquet", schemas.SCALING_SEQUENCES)
     assert seqs.height >= 3 and (seqs["grad_sq_norm"] > 0).all()
     assert "grad_sq_norm_slope" in pl.read_parquet(r / "scaling/summary.parquet").columns
+    pool = read_table(r / "variance/pool.parquet", schemas.ROLLOUTS)
+    assert pool.height == 4 * 8 and pool["prompt_id"].n_unique() == 4  # tiny.yaml: 4 prompts x 8
+    study = read_table(r / "variance/summary.parquet", schemas.VARIANCE)
+    assert {"none", "otb", "eob"} <= set(study["estimator"]) and study["trace_cov"].is_finite().all()
     assert not [p for p in (r / "checkpoints").rglob("*") if p.is_file()]  # removed after each train job
-    for rule in ["bootstrap", "shard", "rollout", "features", "advantages", "train", "evaluate", "report", "scaling"]:
+    for rule in ["bootstrap", "shard", "rollout", "features", "advantages", "train", "evaluate", "report", "scaling",
+                 "variance_pool", "variance"]:
         assert list((r / "logs" / rule).glob("*.log")), f"no log for {rule}"
 
 

@@ -29,6 +29,7 @@ STAGES = {
     "evaluate": "greedy and avg@k accuracy of a policy on held-out prompts",
     "report": "collect metrics of all iterations and plot them",
     "scaling": "exact squared gradient norm vs response length, and the proxy's agreement with it",
+    "variance": "offline variance of the policy gradient per estimator, on resampled groups with exact gradients",
 }
 TOOLS = {
     "config": "print the validated config (or every key with its help)",

@@ -22,6 +22,7 @@ STAGE_MODULES = {
     "evaluate": ("evaluate", "rollout", "vllm_engine"),
     "report": ("report",),
     "scaling": ("scaling", "features"),
+    "variance": ("variance", "features", "advantages"),
 }
 
 

@@ -252,6 +252,24 @@ class ScalingConfig:
 
 
 @dataclass
+class VarianceConfig:
+    pool_prompts: int = 16
+    """Prompts of the pool (the first training prompts of shard 0)."""
+    pool_size: int = 32
+    """Responses sampled per pool prompt by the initial policy (the population groups are drawn from)."""
+    group_size: int = 4
+    """N of the resampled groups (drawn with replacement from a prompt's pool)."""
+    resamples: int = 200
+    """Groups drawn per prompt."""
+    sketch_dim: int = 8192
+    """CountSketch buckets for the per-token gradients (relative error of squared norms about
+    sqrt(2 / sketch_dim)); 0: exact gradient vectors (small models only)."""
+    estimators: list[str] = field(default_factory=lambda: ["rloo", "grpo", "opo", "length_power", "otb"])
+    """Estimators compared (with advantages.* options; grpo without std normalisation), beside
+    the no-baseline REINFORCE ('none') and the exact oracle ('eob'), which are always measured."""
+
+
+@dataclass
 class CpuJobResources:
     mem_mb: int = 2000
     """Memory of the job in MB (Slurm: --mem)."""
@@ -318,6 +336,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    variance: VarianceConfig = field(default_factory=VarianceConfig)
     mismatch: MismatchConfig = field(default_factory=MismatchConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
 
@@ -476,6 +495,14 @@ def validate(cfg: DictConfig) -> None:
     _require(cfg.mismatch.mean_k3 > 0, "mismatch.mean_k3", "> 0", cfg.mismatch.mean_k3)
     _require(cfg.scaling.max_sequences >= 3, "scaling.max_sequences", ">= 3", cfg.scaling.max_sequences)
     _require(cfg.scaling.bootstrap >= 10, "scaling.bootstrap", ">= 10", cfg.scaling.bootstrap)
+    va = cfg.variance
+    for key in ("pool_prompts", "resamples"):
+        _require(va[key] >= 1, f"variance.{key}", ">= 1", va[key])
+    _require(va.group_size >= 2, "variance.group_size", ">= 2", va.group_size)
+    _require(va.pool_size >= 2, "variance.pool_size", ">= 2", va.pool_size)
+    _require(va.sketch_dim >= 0, "variance.sketch_dim", ">= 0", va.sketch_dim)
+    for i, name in enumerate(va.estimators):
+        _require(name in ESTIMATORS, f"variance.estimators[{i}]", f"one of {names}", name)
     for stage, res in cfg.resources.items():
         for key, value in res.items():
             _require(value >= (0 if key == "gpu" else 1), f"resources.{stage}.{key}", ">= 0" if key == "gpu" else ">= 1",

@@ -40,6 +40,8 @@ class Args:
     """Output rollouts Parquet."""
     iteration: int = 0
     """RL iteration k (selects which prompts of the shard are used)."""
+    n_prompts: int = 0
+    """Prompts to sample from this shard. 0: rollout.prompts_per_iteration / shard.n_shards."""
 
 
 @dataclass
@@ -147,7 +149,7 @@ def run(cfg: DictConfig, args: Args) -> None:
     set_threads()
     prompts = read_table(args.prompts, schemas.PROMPTS)
     shard = int(prompts["shard"][0]) if prompts.height else 0
-    per_shard = math.ceil(cfg.rollout.prompts_per_iteration / cfg.shard.n_shards)
+    per_shard = args.n_prompts or math.ceil(cfg.rollout.prompts_per_iteration / cfg.shard.n_shards)
     batch = select_prompts(prompts, args.iteration, per_shard)
     r = cfg.rollout
     seed = derive_seed(cfg.seed, "rollout", args.iteration, shard)

@@ -247,9 +247,28 @@ MISMATCH = _table(
     ],
 )
 
+VARIANCE = _table(
+    "variance study", "results/variance/summary.parquet",
+    "Offline variance of the group-averaged policy gradient per estimator (otbflow variance), on "
+    "resampled groups of one pool of responses, with exact per-token gradients (CountSketch-compressed).",
+    [
+        ("estimator", pl.String, "estimator name ('none': REINFORCE, 'eob': the exact oracle)"),
+        ("trace_cov", pl.Float64, "tr Cov of g_hat = (1/N) sum_i sum_t A_it grad log pi over a prompt's "
+                                  "resampled groups, averaged over prompts"),
+        ("trace_cov_se", pl.Float64, "standard error of trace_cov over prompts"),
+        ("signal", pl.Float64, "||E g_hat||^2 per prompt (Monte-Carlo noise removed), averaged over prompts"),
+        ("noise_to_signal", pl.Float64, "trace_cov / signal: scale-free (a self-inclusive baseline shrinks both)"),
+        ("sq_bias", pl.Float64, "||E[g_hat - g_hat of REINFORCE]||^2 on the same groups, minus its Monte-Carlo "
+                                "noise (about 0 for unbiased estimators), averaged over prompts"),
+        ("sq_bias_noise", pl.Float64, "the Monte-Carlo noise subtracted from sq_bias: tr Cov(g_hat - g_hat_none) / resamples"),
+        ("ratio_to_none", pl.Float64, "trace_cov / trace_cov of REINFORCE"),
+        ("reduction_share", pl.Float64, "(V_none - V) / (V_none - V_eob): share of the exact oracle's reduction"),
+    ],
+)
+
 ALL_TABLES = [PROMPTS, ROLLOUTS, FEATURES, ADVANTAGES, COMPARISON, TRAIN_METRICS, EVAL_SAMPLES,
               EVAL_SUMMARY, PROGRESS, METRICS, SCALING_SEQUENCES,
-              MISMATCH]
+              MISMATCH, VARIANCE]
 
 
 def schema_markdown() -> str:

@@ -1,0 +1,240 @@
+"""Variance: the offline variance study of the baselines, on exact gradients.
+
+From one pool of sampled responses (``variance.pool_size`` per prompt, one policy), resample
+many groups of ``variance.group_size`` per prompt and, for every estimator, measure the
+empirical variance of the group-averaged policy gradient
+
+    g_hat = (1/N) sum_{i in group} sum_t A_{i,t} grad_theta log pi(y_{i,t} | c_{i,t}),
+
+the trace of its covariance over the resampled groups of a prompt, averaged over prompts (the
+within-prompt variance that a baseline can remove). No-baseline REINFORCE (``none``) is the
+reference and the exact-gradient oracle ``eob`` (weights n_i = ||grad log pi(y_i)||^2, exact) the
+target: ``reduction_share`` = (V_none - V_e) / (V_none - V_eob) says how much of the oracle's
+reduction an estimator achieves with the forward-only proxy (OTB) or with lengths (OPO,
+length-power). ``sq_bias`` = ||E[g_hat_e - g_hat_none]||^2, estimated on the same resampled
+groups and corrected for their Monte-Carlo noise (``sq_bias_noise``, its expected value for an
+unbiased estimator), shows the O(1/N) bias of the self-inclusive baselines. A self-inclusive
+baseline also shrinks the gradient (by about (N-1)/N), which lowers its variance without making it
+more informative: ``noise_to_signal`` = trace_cov / ||E g_hat||^2 is the scale-free comparison.
+
+The pool stands for the policy: groups are drawn from it with replacement (i.i.d. from the
+empirical distribution), and each prompt's mean score is subtracted from its responses' score
+vectors (spread evenly over their tokens), so that the pool satisfies the score-function
+identity E[grad log pi] = 0 exactly and the leave-one-out estimators are exactly unbiased under
+it; a finite pool would otherwise give every baseline a spurious bias b * mean(grad log pi).
+
+How: one forward pass per response gives every per-token score gradient s_{i,t} (one batched
+backward over the T tokens, all parameters); they are compressed with a CountSketch of
+``variance.sketch_dim`` buckets (random bucket and sign per parameter: inner products and squared
+norms are preserved in expectation, relative error about sqrt(2 / sketch_dim)); 0 keeps the
+exact vectors (small models). The advantages of all resampled groups of an estimator come from
+one ``compute_advantages`` call (each resample is a group), and every g_hat is one sparse product
+of those advantages with the sketched token gradients. ``grpo`` is taken without the std
+normalisation (the group-mean baseline): a study of baselines compares them at the same scale.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import torch
+from omegaconf import DictConfig
+
+from otbflow import schemas
+from otbflow.advantages import compute_advantages, estimator_options
+from otbflow.config import derive_seed
+from otbflow.features import ResponseLogits, pack, sequence_token_stats
+from otbflow.io import pyplot, read_table, save_figure, write_json, write_parquet
+from otbflow.model import load_policy, set_threads
+
+log = logging.getLogger("otbflow.variance")
+SECTIONS = ("variance", "advantages", "rollout", "features")
+
+
+@dataclass
+class Args:
+    rollouts: list[str]
+    """Rollout Parquets of the pool (several responses per prompt, sampled by ``policy``)."""
+    policy: str
+    """HF folder of the policy that sampled the pool (its gradients are measured)."""
+    out_dir: str
+    """Output folder: summary.parquet, summary.json, variance.png."""
+
+
+class CountSketch:
+    """x in R^D -> S x in R^k: coordinate j goes to bucket h(j) with sign s(j)."""
+
+    def __init__(self, dim: int, k: int, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        self.k = k
+        self.bucket = torch.randint(0, k, (dim,), generator=g)
+        self.sign = torch.randint(0, 2, (dim,), generator=g).float() * 2 - 1
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows of ``x`` [n, D] sketched to [n, k]."""
+        return torch.zeros(x.shape[0], self.k, dtype=x.dtype).index_add_(1, self.bucket, x * self.sign)
+
+
+def token_gradients(model, prompt_ids: list[int], response_ids: list[int], temperature: float,
+                    pad_id: int) -> torch.Tensor:
+    """[T, D]: the gradient of each log pi(y_t) w.r.t. every parameter (one batched backward)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    batch = pack([prompt_ids], [response_ids], pad_id, model.device)
+    with torch.enable_grad():
+        z = ResponseLogits(model, batch)(slice(None)).float() / temperature
+        logp = torch.log_softmax(z, -1).gather(-1, batch["targets"][:, None]).squeeze(-1)
+        eye = torch.eye(len(response_ids), device=logp.device)
+        grads = torch.autograd.grad(logp, params, grad_outputs=eye, is_grads_batched=True, allow_unused=True)
+    return torch.cat([(g if g is not None else torch.zeros(len(response_ids), *p.shape)).reshape(len(response_ids), -1)
+                      for g, p in zip(grads, params)], dim=1).detach().cpu()
+
+
+def pool_gradients(model, df: pl.DataFrame, temperature: float, pad_id: int, sketch: CountSketch | None):
+    """(per-token gradients, sketched or exact, stacked [n_tokens, k]; exact per-sequence
+    squared norms ||sum_t s_t||^2 [n_seq])."""
+    rows, norms = [], []
+    for p_ids, r_ids in zip(df["prompt_ids"].to_list(), df["response_ids"].to_list()):
+        if not r_ids:
+            norms.append(0.0)
+            continue
+        s = token_gradients(model, p_ids, r_ids, temperature, pad_id)
+        norms.append(float((s.double().sum(0) ** 2).sum()))
+        rows.append(sketch(s) if sketch is not None else s)
+    return torch.cat(rows) if rows else torch.zeros(0, 1), np.asarray(norms)
+
+
+def center_scores(token_grads: torch.Tensor, pool: pl.DataFrame) -> torch.Tensor:
+    """Subtract each prompt's mean sequence score from its responses (evenly over their tokens),
+    so that the score vectors of every prompt's pool sum to zero. Empty responses have no token
+    to carry a correction: the mean is over the others."""
+    lengths = pool["response_length"].to_numpy()
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    out = token_grads.clone()
+    for rows in pool.with_row_index("row").filter(pl.col("response_length") > 0).group_by("prompt_id").agg("row")["row"]:
+        rows = rows.to_numpy()
+        seq = torch.stack([token_grads[starts[i]:starts[i] + lengths[i]].sum(0) for i in rows])
+        mean = seq.mean(0)
+        for i in rows:
+            out[starts[i]:starts[i] + lengths[i]] -= mean / lengths[i]
+    return out
+
+
+def resample_groups(df: pl.DataFrame, n: int, resamples: int, seed: int) -> pl.DataFrame:
+    """``resamples`` groups of ``n`` pool rows per prompt, drawn with replacement: columns
+    pool_row, prompt_id and group_id (one per resample, numbered prompt by prompt)."""
+    rng = np.random.default_rng(seed)
+    out = {"pool_row": [], "prompt_id": [], "group_id": []}
+    gid = 0
+    for pid, rows in sorted(df.with_row_index("pool_row").group_by("prompt_id").agg("pool_row").iter_rows()):
+        for _ in range(resamples):
+            out["pool_row"] += rng.choice(rows, size=n, replace=True).tolist()
+            out["prompt_id"] += [pid] * n
+            out["group_id"] += [gid] * n
+            gid += 1
+    return pl.DataFrame(out, schema={"pool_row": pl.Int64, "prompt_id": pl.Int64, "group_id": pl.Int64})
+
+
+def group_gradients(advantages: pl.Series, pool_row: np.ndarray, offsets: np.ndarray, group: np.ndarray,
+                    n_groups: int, n: int, token_grads: torch.Tensor) -> torch.Tensor:
+    """[n_groups, k]: g_hat of every resampled group, (1/N) sum_i sum_t A_{i,t} s_{i,t}, as one
+    sparse [groups x pool tokens] product with the pool's token gradients."""
+    lengths = advantages.list.len().to_numpy()
+    adv = np.concatenate([np.asarray(a, dtype=np.float64) for a in advantages.to_list()]) if len(lengths) else []
+    starts = np.repeat(offsets[pool_row], lengths)
+    within = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    cols = torch.from_numpy(starts + within)
+    rows = torch.from_numpy(np.repeat(group, lengths))
+    weights = torch.sparse_coo_tensor(torch.stack([rows, cols]), torch.as_tensor(adv, dtype=torch.float64) / n,
+                                      (n_groups, token_grads.shape[0]), check_invariants=True)
+    return torch.sparse.mm(weights, token_grads.double())
+
+
+def per_prompt_stats(g: torch.Tensor, prompt_of_group: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per prompt: the unbiased trace of the covariance of g_hat over its resamples, and the
+    squared norm of their mean."""
+    traces, sq_means = [], []
+    for pid in np.unique(prompt_of_group):
+        rows = g[torch.from_numpy(np.flatnonzero(prompt_of_group == pid))]
+        mean = rows.mean(0)
+        traces.append(float(((rows - mean) ** 2).sum(1).sum() / max(len(rows) - 1, 1)))
+        sq_means.append(float((mean ** 2).sum()))
+    return np.asarray(traces), np.asarray(sq_means)
+
+
+def study(cfg: DictConfig, pool: pl.DataFrame, token_grads: torch.Tensor, grad_sq_norm: np.ndarray,
+          stats: list[dict[str, list[float]]]) -> pl.DataFrame:
+    """The summary table (one row per estimator) from the pool and its token gradients."""
+    v = cfg.variance
+    pool = pool.with_columns(pl.Series("logprobs", [s["logprobs"] for s in stats], dtype=schemas.F32L),
+                             pl.Series("sum_pi_sq", [s["sum_pi_sq"] for s in stats], dtype=schemas.F32L),
+                             pl.Series("grad_sq_norm", grad_sq_norm, dtype=pl.Float64))
+    lengths = pool["response_length"].to_numpy()
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    groups = resample_groups(pool, v.group_size, v.resamples, derive_seed(cfg.seed, "variance"))
+    table = groups.join(pool.drop("group_id", "prompt_id").with_row_index("pool_row").with_columns(
+        pl.col("pool_row").cast(pl.Int64)), on="pool_row", how="left", maintain_order="left")
+    n_groups = int(groups["group_id"].max()) + 1
+    prompt_of_group = groups.unique("group_id", maintain_order=True)["prompt_id"].to_numpy()
+    rows, reference = [], None
+    for name in dict.fromkeys(["none", *v.estimators, "eob"]):
+        options = estimator_options(cfg, name) | ({"std_normalize": False} if name == "grpo" else {})
+        out = compute_advantages(table, name, **options)
+        g = group_gradients(out["advantages"], table["pool_row"].to_numpy(), offsets, table["group_id"].to_numpy(),
+                            n_groups, v.group_size, token_grads)
+        reference = g if reference is None else reference
+        traces, sq_means = per_prompt_stats(g, prompt_of_group)
+        # E||mean(d)||^2 = ||E d||^2 + tr Cov(d) / R for d = g_hat - g_hat_none on the same groups
+        d_traces, d_sq_means = per_prompt_stats(g - reference, prompt_of_group)
+        noise = d_traces / v.resamples
+        signal = float((sq_means - traces / v.resamples).mean())  # ||E g_hat||^2, noise removed likewise
+        rows.append({"estimator": name, "trace_cov": float(traces.mean()),
+                     "trace_cov_se": float(traces.std(ddof=1) / np.sqrt(len(traces))) if len(traces) > 1 else 0.0,
+                     "signal": signal, "noise_to_signal": float(traces.mean()) / signal if signal > 0 else float("nan"),
+                     "sq_bias": float((d_sq_means - noise).mean()), "sq_bias_noise": float(noise.mean())})
+    v_none, v_eob = rows[0]["trace_cov"], rows[-1]["trace_cov"]
+    for r in rows:
+        r["ratio_to_none"] = r["trace_cov"] / v_none if v_none > 0 else float("nan")
+        r["reduction_share"] = (v_none - r["trace_cov"]) / (v_none - v_eob) if v_none != v_eob else float("nan")
+    return pl.DataFrame(rows, schema=schemas.VARIANCE.columns)
+
+
+def plot(path: Path, summary: pl.DataFrame) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    names = summary["estimator"].to_list()
+    ax.bar(names, summary["trace_cov"].to_numpy(), yerr=summary["trace_cov_se"].to_numpy(), capsize=3,
+           color=["grey" if n in ("none", "eob") else "tab:blue" for n in names])
+    ax.set_ylabel("tr Cov(group-mean gradient)")
+    ax.set_title("within-prompt variance of the policy gradient (grey: REINFORCE and the exact oracle)", fontsize=9)
+    ax.grid(alpha=0.3, axis="y")
+    save_figure(fig, path)
+
+
+def run(cfg: DictConfig, args: Args) -> None:
+    set_threads()
+    v = cfg.variance
+    pool = pl.concat([read_table(p, schemas.ROLLOUTS) for p in args.rollouts])
+    model, tok = load_policy(args.policy, "float32")
+    t = cfg.rollout.temperature
+    stats = sequence_token_stats(model, pool["prompt_ids"].to_list(), pool["response_ids"].to_list(), t,
+                                 cfg.features.chunk_size, tok.pad_token_id)
+    dim = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    sketch = CountSketch(dim, v.sketch_dim, derive_seed(cfg.seed, "variance-sketch")) if v.sketch_dim else None
+    token_grads, grad_sq_norm = pool_gradients(model, pool, t, tok.pad_token_id, sketch)
+    token_grads = center_scores(token_grads, pool)
+    summary = study(cfg, pool, token_grads, grad_sq_norm, stats)
+    out = Path(args.out_dir)
+    meta = {"policy": args.policy, "parameters": dim, "sketch_dim": v.sketch_dim, "group_size": v.group_size,
+            "resamples_per_prompt": v.resamples, "prompts": pool["prompt_id"].n_unique(), "pool_rows": pool.height,
+            "pool_tokens": int(pool["response_length"].sum()), "mean_reward": float(pool["reward"].mean())}
+    write_parquet(summary, out / "summary.parquet", metadata=meta)
+    write_json({"meta": meta, "estimators": summary.to_dicts()}, out / "summary.json")
+    plot(out / "variance.png", summary)
+    for r in summary.iter_rows(named=True):
+        log.info("%-16s tr Cov %.4g (x%.3f of REINFORCE, %.0f%% of the oracle's reduction), noise/signal %.3g, "
+                 "sq bias %.3g (noise %.2g)", r["estimator"], r["trace_cov"], r["ratio_to_none"],
+                 100 * r["reduction_share"], r["noise_to_signal"], r["sq_bias"], r["sq_bias_noise"])

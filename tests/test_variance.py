@@ -1,0 +1,112 @@
+"""The offline variance study: its pieces against plain loops and autograd, and the stage."""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+
+from otbflow import rollout, schemas, variance
+from otbflow.io import read_table, write_parquet
+from otbflow.variance import CountSketch, center_scores, group_gradients, resample_groups, token_gradients
+
+from conftest import tiny_config
+
+
+def test_token_gradients_are_the_per_token_scores(tiny_policy):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_policy, local_files_only=True)
+    prompt, response = [5, 6, 7], [8, 9, 10, 4]
+    s = token_gradients(model, prompt, response, temperature=0.7, pad_id=0)
+    params = list(model.parameters())
+    assert s.shape == (4, sum(p.numel() for p in params))
+    ids = torch.tensor([prompt + response])
+    logp = torch.log_softmax(model(ids).logits[0, 2:6].float() / 0.7, -1)[torch.arange(4), torch.tensor(response)]
+    for t in (0, 3):
+        g = torch.cat([x.reshape(-1) for x in torch.autograd.grad(logp[t], params, retain_graph=True)])
+        torch.testing.assert_close(s[t], g, atol=1e-5, rtol=1e-4)
+
+
+def test_count_sketch_preserves_inner_products():
+    x, y = torch.randn(2, 50_000, dtype=torch.float64)
+    y = 0.5 * x + y
+    sk = CountSketch(50_000, 16_384, seed=0)
+    sx, sy = sk(torch.stack([x, y]))
+    assert float(sx @ sx) == pytest.approx(float(x @ x), rel=0.05)
+    assert float(sx @ sy) == pytest.approx(float(x @ y), rel=0.05)
+
+
+def test_group_gradients_match_a_loop():
+    rng = np.random.default_rng(0)
+    lengths = np.array([3, 1, 4, 2])
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    grads = torch.from_numpy(rng.normal(size=(lengths.sum(), 5)))
+    pool_row = np.array([0, 2, 2, 3, 1, 0])  # 3 groups of 2, a row drawn twice in group 1
+    group = np.array([0, 0, 1, 1, 2, 2])
+    adv = pl.Series([rng.normal(size=lengths[r]).tolist() for r in pool_row], dtype=pl.List(pl.Float64))
+    g = group_gradients(adv, pool_row, offsets, group, 3, 2, grads)
+    for r in range(3):
+        expected = sum(torch.tensor(a, dtype=torch.float64) @ grads[offsets[p]:offsets[p] + lengths[p]]
+                       for p, a, gr in zip(pool_row, adv.to_list(), group) if gr == r) / 2
+        torch.testing.assert_close(g[r], expected)
+
+
+def test_centering_makes_each_prompts_scores_sum_to_zero():
+    pool = pl.DataFrame({"prompt_id": [0, 0, 1, 1, 1], "response_length": [2, 3, 1, 0, 2]})
+    grads = torch.randn(8, 4, dtype=torch.float64)
+    c = center_scores(grads, pool)
+    seq = [c[0:2].sum(0), c[2:5].sum(0), c[5:6].sum(0), c[6:8].sum(0)]
+    torch.testing.assert_close(seq[0] + seq[1], torch.zeros(4, dtype=torch.float64))
+    torch.testing.assert_close(seq[2] + seq[3], torch.zeros(4, dtype=torch.float64))
+    # within a response, every token moves by the same amount
+    torch.testing.assert_close(c[2:5] - grads[2:5], (c[2] - grads[2]).expand(3, 4))
+
+
+def test_resampling_is_seeded_and_per_prompt():
+    pool = pl.DataFrame({"prompt_id": [3, 3, 3, 7, 7]})
+    a, b = resample_groups(pool, 4, 10, seed=1), resample_groups(pool, 4, 10, seed=1)
+    assert a.equals(b) and a.height == 2 * 10 * 4 and a["group_id"].n_unique() == 20
+    rows = a.with_columns(pl.col("pool_row").cast(pl.Int64)).group_by("prompt_id").agg(pl.col("pool_row").unique())
+    assert {k: sorted(v) for k, v in rows.iter_rows()} == {3: [0, 1, 2], 7: [3, 4]}
+
+
+@pytest.fixture(scope="module")
+def pool_path(tmp_path_factory, tiny_policy, data_dir):
+    """8 responses to each of 4 prompts from the tiny policy, with seeded random 0/1 rewards (the
+    untrained policy solves nothing)."""
+    out = tmp_path_factory.mktemp("pool")
+    rollout.run(tiny_config("rollout.group_size=8"), rollout.Args(
+        prompts=str(data_dir / "train" / "shard_0.parquet"), policy=str(tiny_policy), out=str(out / "raw.parquet"),
+        n_prompts=4))
+    df = read_table(out / "raw.parquet", schemas.ROLLOUTS)
+    assert df.height == 32 and df["prompt_id"].n_unique() == 4
+    rewards = np.random.default_rng(0).integers(0, 2, df.height).astype(float)
+    return write_parquet(df.with_columns(pl.Series("reward", rewards)), out / "pool.parquet")
+
+
+def test_variance_stage(pool_path, tiny_policy, tmp_path):
+    cfg = tiny_config("variance.resamples=300")
+    variance.run(cfg, variance.Args(rollouts=[str(pool_path)], policy=str(tiny_policy), out_dir=str(tmp_path)))
+    s = read_table(tmp_path / "summary.parquet", schemas.VARIANCE)
+    assert s["estimator"].to_list() == ["none", "rloo", "grpo", "opo", "length_power", "otb", "eob"]
+    row = {r["estimator"]: r for r in s.iter_rows(named=True)}
+    assert row["none"]["reduction_share"] == 0 and row["eob"]["reduction_share"] == pytest.approx(1.0)
+    assert row["rloo"]["trace_cov"] < row["none"]["trace_cov"]  # a baseline removes variance
+    # leave-one-out is unbiased: its bias is within the Monte-Carlo noise; the group mean is
+    # (N-1)/N x RLOO exactly, so the same noise-to-signal ratio, a shrunk variance and a bias
+    assert abs(row["rloo"]["sq_bias"]) < 3 * row["rloo"]["sq_bias_noise"]
+    assert row["grpo"]["noise_to_signal"] == pytest.approx(row["rloo"]["noise_to_signal"], rel=1e-6)
+    assert row["grpo"]["trace_cov"] == pytest.approx(row["rloo"]["trace_cov"] * (3 / 4) ** 2, rel=1e-6)
+    assert row["grpo"]["sq_bias"] > 3 * row["grpo"]["sq_bias_noise"]
+    assert (tmp_path / "variance.png").read_bytes()[:4] == b"\x89PNG" and (tmp_path / "summary.json").is_file()
+
+
+def test_sketched_and_exact_studies_agree(pool_path, tiny_policy, tmp_path):
+    out = {}
+    for k in (0, 16384):
+        cfg = tiny_config(f"variance.sketch_dim={k}", "variance.resamples=50", "variance.estimators=[otb]")
+        variance.run(cfg, variance.Args(rollouts=[str(pool_path)], policy=str(tiny_policy), out_dir=str(tmp_path / str(k))))
+        out[k] = read_table(tmp_path / str(k) / "summary.parquet", schemas.VARIANCE)
+    np.testing.assert_allclose(out[16384]["trace_cov"].to_numpy(), out[0]["trace_cov"].to_numpy(), rtol=0.05)

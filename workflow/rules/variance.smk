@@ -1,0 +1,58 @@
+rule variance_pool:
+    input:
+        prompts=f"{R}/data/train/shard_0.parquet",
+        policy=initial_policy(),
+    output:
+        f"{R}/variance/pool.parquet",
+    log:
+        f"{R}/logs/variance_pool/variance_pool.log",
+    benchmark:
+        f"{R}/benchmarks/variance_pool/variance_pool.tsv"
+    conda:
+        GENERATE_ENV
+    params:
+        cmd=stage_cmd("rollout", python=CFG.rollout.python),
+        cfg=digest("seed", "rollout", "task", "model.dtype", "shard", "variance.pool_prompts", "variance.pool_size"),
+        code=code_version("rollout"),
+        n_prompts=CFG.variance.pool_prompts,
+        pool_size=CFG.variance.pool_size,
+    threads: 2
+    resources:
+        gpu=CFG.resources.rollout.gpu,
+        cpus_per_gpu=CFG.resources.rollout.cpus_per_gpu,
+        mem_mb=CFG.resources.rollout.mem_mb,
+        runtime=runtime(CFG.resources.rollout.runtime),
+    shell:
+        "{params.cmd} --prompts {input.prompts} --policy {input.policy} --out {output} --n-prompts {params.n_prompts} "
+        "rollout.group_size={params.pool_size} > {log} 2>&1"
+
+
+rule variance:
+    input:
+        pool=rules.variance_pool.output[0],
+        policy=initial_policy(),
+    output:
+        summary=f"{R}/variance/summary.parquet",
+        json=f"{R}/variance/summary.json",
+        plot=report(
+            f"{R}/variance/variance.png",
+            caption="../report/variance.rst",
+            category="Gradient variance",
+        ),
+    log:
+        f"{R}/logs/variance/variance.log",
+    benchmark:
+        f"{R}/benchmarks/variance/variance.tsv"
+    conda:
+        ENV
+    params:
+        cmd=stage_cmd("variance"),
+        cfg=digest("seed", "variance", "advantages", "rollout.temperature", "features.chunk_size"),
+        code=code_version("variance"),
+        out_dir=lambda wildcards, output: os.path.dirname(output.summary),
+    threads: 2
+    resources:
+        mem_mb=8000,
+        runtime=60,
+    shell:
+        "{params.cmd} --rollouts {input.pool} --policy {input.policy} --out-dir {params.out_dir} > {log} 2>&1"
