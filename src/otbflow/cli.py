@@ -30,11 +30,13 @@ STAGES = {
     "report": "collect metrics of all iterations and plot them",
     "scaling": "exact squared gradient norm vs response length, and the proxy's agreement with it",
     "variance": "offline variance of the policy gradient per estimator, on resampled groups with exact gradients",
+    "experiment": "compare the runs x seeds of an experiment (workflow/experiment.smk): summary table and plots",
 }
 TOOLS = {
     "config": "print the validated config (or every key with its help)",
     "schema-doc": "print the Parquet schema reference (docs/schema.md)",
     "submit": "run the workflow on Slurm from a head job (snakemake --workflow-profile slurm)",
+    "experiment-member": "write one experiment member's resolved config (used by workflow/experiment.smk)",
 }
 
 
@@ -85,6 +87,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             submit.add_arguments(p)
             continue
         p = sub.add_parser(name, help=help_text)
+        if name == "experiment-member":
+            for flag in ("--experiment", "--run", "--policy", "--scaling", "--out"):
+                p.add_argument(flag, required=True)
+            p.add_argument("--seed", type=int, required=True)
         if name == "config":
             p.add_argument("--config", default=None)
             p.add_argument("--help-keys", action="store_true", help="list every key with its help")
@@ -105,6 +111,11 @@ def main(argv: list[str] | None = None) -> int:
             from otbflow.submit import main as submit_main
 
             return submit_main(ns)
+        if ns.command == "experiment-member":
+            from otbflow.experiment import write_member_config
+
+            write_member_config(ns.experiment, ns.run, ns.seed, ns.policy, ns.scaling, ns.out)
+            return 0
         if ns.command == "schema-doc":
             from otbflow.schemas import schema_markdown
 

@@ -23,6 +23,7 @@ STAGE_MODULES = {
     "report": ("report",),
     "scaling": ("scaling", "features"),
     "variance": ("variance", "features", "advantages"),
+    "experiment": ("experiment",),
 }
 
 

@@ -87,6 +87,9 @@ class TaskConfig:
     """Dataset task: optional separate eval file; null splits `n_eval` rows off `path`."""
     prompt_template: str = "{prompt}"
     """Dataset task: Python format string applied to each prompt (e.g. a chat/CoT instruction)."""
+    seed: Optional[int] = None
+    """Seed of the prompt set (synthetic problems, dataset shuffle and split). null: the global
+    seed. Experiments fix it so that runs with different seeds see the same prompts."""
 
 
 @dataclass
@@ -562,6 +565,11 @@ def describe_all() -> str:
         if dataclasses.is_dataclass(getattr(Config(), f.name)):
             lines.append(describe_section(f.name))
     return "\n".join(lines)
+
+
+def task_seed(cfg: DictConfig) -> int:
+    """The prompt set's seed: task.seed, or the global seed."""
+    return cfg.seed if cfg.task.seed is None else cfg.task.seed
 
 
 def derive_seed(seed: int, *parts: object) -> int:

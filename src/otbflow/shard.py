@@ -15,7 +15,7 @@ import polars as pl
 from omegaconf import DictConfig
 
 from otbflow import schemas
-from otbflow.config import derive_seed
+from otbflow.config import derive_seed, task_seed
 from otbflow.io import write_parquet
 from otbflow.tasks import arithmetic_prompts, load_dataset_file
 
@@ -31,7 +31,7 @@ class Args:
 
 def synthetic_splits(cfg: DictConfig) -> tuple[pl.DataFrame, pl.DataFrame]:
     t = cfg.task
-    rows = arithmetic_prompts(t.n_train + t.n_eval, derive_seed(cfg.seed, "task"), t.min_terms, t.max_terms,
+    rows = arithmetic_prompts(t.n_train + t.n_eval, derive_seed(task_seed(cfg), "task"), t.min_terms, t.max_terms,
                               t.max_operand)
     df = pl.DataFrame(rows).select("prompt", "answer")
     return df[t.n_eval:], df[:t.n_eval]
@@ -39,7 +39,7 @@ def synthetic_splits(cfg: DictConfig) -> tuple[pl.DataFrame, pl.DataFrame]:
 
 def dataset_splits(cfg: DictConfig) -> tuple[pl.DataFrame, pl.DataFrame]:
     t = cfg.task
-    df = load_dataset_file(t.path).sample(fraction=1.0, shuffle=True, seed=derive_seed(cfg.seed, "task"))
+    df = load_dataset_file(t.path).sample(fraction=1.0, shuffle=True, seed=derive_seed(task_seed(cfg), "task"))
     df = df.with_columns(pl.col("prompt").map_elements(lambda p: t.prompt_template.format(prompt=p),
                                                        return_dtype=pl.String))
     if t.eval_path:

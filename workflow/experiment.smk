@@ -1,0 +1,151 @@
+# An experiment: several runs x seeds of the whole workflow on one shared initial policy and
+# prompt set, compared in one report (src/otbflow/experiment.py explains the layout).
+#   snakemake -s workflow/experiment.smk --configfile config/experiments/otb_vs_grpo.yaml --cores 2
+#   snakemake -s workflow/experiment.smk --configfile ... --report results/otb_vs_grpo/report.html
+# Every member is the default workflow (the root Snakefile) run in its own folder, so each one
+# keeps its own caching: rerun a stage of one member with snakemake --directory on its folder.
+import os
+import sys
+from pathlib import Path
+
+import yaml
+
+import otbflow
+from otbflow.experiment import load_experiment, shared_config
+
+REPO = Path(workflow.basedir).resolve().parent
+EXP = dict(config)
+ROOT = f"results/{EXP.get('experiment', 'experiment')}"
+ENV = "../envs/otbflow.yaml"
+
+
+def _write_if_changed(path, text):
+    path = Path(path)
+    if not (path.is_file() and path.read_text() == text):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+
+
+# The experiment as given, checked (every member's config validated) before any job runs.
+_write_if_changed(f"{ROOT}/experiment.yaml", yaml.safe_dump(EXP, sort_keys=False))
+EXP = load_experiment(f"{ROOT}/experiment.yaml")
+_write_if_changed(f"{ROOT}/shared/shared.yaml", yaml.safe_dump(shared_config(EXP), sort_keys=False))
+RUNS, SEEDS = list(EXP["runs"]), list(EXP["seeds"])
+SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
+_SRC = str(Path(otbflow.__file__).resolve().parents[1])
+OTBFLOW = f"PYTHONPATH={_SRC}${{PYTHONPATH:+:$PYTHONPATH}} {sys.executable} -m otbflow"
+
+
+def inner(directory, configfile, targets, threads):
+    """The default workflow in its own folder (standard input closed, as for any Snakemake run)."""
+    return (f"{SNAKEMAKE} -s {REPO}/Snakefile --directory {directory} --configfile {os.path.abspath(configfile)} "
+            f"--cores {threads} {' '.join(targets)} < /dev/null")
+
+
+wildcard_constraints:
+    run="|".join(RUNS),
+    seed=r"\d+",
+
+
+rule all:
+    input:
+        f"{ROOT}/summary.parquet",
+    default_target: True
+
+
+rule shared:
+    input:
+        cfg=f"{ROOT}/shared/shared.yaml",
+    output:
+        policy=directory(f"{ROOT}/shared/results/bootstrap/policy"),
+        scaling=f"{ROOT}/shared/results/scaling/summary.json",
+        variance=f"{ROOT}/shared/results/variance/summary.parquet",
+        scaling_plot=report(
+            f"{ROOT}/shared/results/scaling/scaling.png",
+            caption="report/scaling.rst",
+            category="Gradient scaling",
+        ),
+        variance_plot=report(
+            f"{ROOT}/shared/results/variance/variance.png",
+            caption="report/variance.rst",
+            category="Gradient variance",
+        ),
+    log:
+        f"{ROOT}/logs/shared.log",
+    conda:
+        ENV
+    params:
+        cmd=lambda wildcards, threads: inner(
+            f"{ROOT}/shared",
+            f"{ROOT}/shared/shared.yaml",
+            ["results/bootstrap/policy", "results/scaling/summary.json", "results/variance/summary.parquet"],
+            threads,
+        ),
+    threads: 2
+    shell:
+        "{params.cmd} > {log} 2>&1"
+
+
+rule member_config:
+    input:
+        experiment=f"{ROOT}/experiment.yaml",
+        policy=rules.shared.output.policy,
+        scaling=rules.shared.output.scaling,
+    output:
+        f"{ROOT}/{{run}}/seed_{{seed}}/member.yaml",
+    log:
+        f"{ROOT}/logs/member_config/{{run}}_seed_{{seed}}.log",
+    conda:
+        ENV
+    shell:
+        "{OTBFLOW} experiment-member --experiment {input.experiment} --run {wildcards.run} --seed {wildcards.seed} "
+        "--policy {input.policy} --scaling {input.scaling} --out {output} > {log} 2>&1"
+
+
+rule member:
+    input:
+        cfg=rules.member_config.output[0],
+    output:
+        progress=f"{ROOT}/{{run}}/seed_{{seed}}/results/report/progress.parquet",
+        metrics=f"{ROOT}/{{run}}/seed_{{seed}}/results/report/metrics.parquet",
+    log:
+        f"{ROOT}/logs/member/{{run}}_seed_{{seed}}.log",
+    conda:
+        ENV
+    params:
+        cmd=lambda wildcards, input, threads: inner(
+            f"{ROOT}/{wildcards.run}/seed_{wildcards.seed}",
+            input.cfg,
+            ["results/report/progress.parquet", "results/report/metrics.parquet"],
+            threads,
+        ),
+    threads: 1
+    resources:
+        mem_mb=8000,
+        runtime=24 * 60,
+    shell:
+        "{params.cmd} > {log} 2>&1"
+
+
+rule experiment_report:
+    input:
+        experiment=f"{ROOT}/experiment.yaml",
+        progress=expand(rules.member.output.progress, run=RUNS, seed=SEEDS),
+        metrics=expand(rules.member.output.metrics, run=RUNS, seed=SEEDS),
+        variance=rules.shared.output.variance,
+    output:
+        summary=report(f"{ROOT}/summary.parquet", caption="report/experiment_summary.rst", category="Experiment"),
+        curves=f"{ROOT}/curves.parquet",
+        metrics=f"{ROOT}/metrics.parquet",
+        accuracy=report(
+            f"{ROOT}/accuracy_vs_tokens.png", caption="report/experiment_accuracy.rst", category="Experiment"
+        ),
+        training=report(f"{ROOT}/training.png", caption="report/experiment_training.rst", category="Experiment"),
+    log:
+        f"{ROOT}/logs/experiment_report.log",
+    conda:
+        ENV
+    shell:
+        "{OTBFLOW} experiment --experiment {input.experiment} --root {ROOT} --out-dir {ROOT} > {log} 2>&1"
