@@ -11,6 +11,7 @@ from pathlib import Path
 import yaml
 
 import otbflow
+from otbflow.codeversion import code_version
 from otbflow.experiment import load_experiment, shared_config
 
 REPO = Path(workflow.basedir).resolve().parent
@@ -99,8 +100,11 @@ rule member_config:
         f"{ROOT}/logs/member_config/{{run}}_seed_{{seed}}.log",
     conda:
         ENV
+    params:
+        cmd=f"{OTBFLOW} experiment-member",
+        code=code_version("experiment"),
     shell:
-        "{OTBFLOW} experiment-member --experiment {input.experiment} --run {wildcards.run} --seed {wildcards.seed} "
+        "{params.cmd} --experiment {input.experiment} --run {wildcards.run} --seed {wildcards.seed} "
         "--policy {input.policy} --scaling {input.scaling} --out {output} > {log} 2>&1"
 
 
@@ -136,7 +140,8 @@ rule experiment_report:
         metrics=expand(rules.member.output.metrics, run=RUNS, seed=SEEDS),
         variance=rules.shared.output.variance,
     output:
-        summary=report(f"{ROOT}/summary.parquet", caption="report/experiment_summary.rst", category="Experiment"),
+        summary=f"{ROOT}/summary.parquet",
+        table=report(f"{ROOT}/summary.tsv", caption="report/experiment_summary.rst", category="Experiment"),
         curves=f"{ROOT}/curves.parquet",
         metrics=f"{ROOT}/metrics.parquet",
         accuracy=report(
@@ -147,5 +152,9 @@ rule experiment_report:
         f"{ROOT}/logs/experiment_report.log",
     conda:
         ENV
+    params:
+        cmd=f"{OTBFLOW} experiment",
+        code=code_version("experiment"),
+        root=lambda wildcards, output: os.path.dirname(output.summary),
     shell:
-        "{OTBFLOW} experiment --experiment {input.experiment} --root {ROOT} --out-dir {ROOT} > {log} 2>&1"
+        "{params.cmd} --experiment {input.experiment} --root {params.root} --out-dir {params.root} > {log} 2>&1"

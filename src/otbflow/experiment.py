@@ -47,7 +47,7 @@ class Args:
     root: str
     """Folder of the experiment's members (results/<experiment>)."""
     out_dir: str
-    """Output folder: summary.parquet, curves.parquet, accuracy_vs_tokens.png, training.png."""
+    """Output folder: summary.parquet (and .tsv), curves.parquet, metrics.parquet, accuracy_vs_tokens.png, training.png."""
 
 
 def _merge(a: dict, b: dict) -> dict:
@@ -165,20 +165,18 @@ def plot_accuracy(path: Path, exp: dict, curves: pl.DataFrame) -> None:
     save_figure(fig, path)
 
 
-def plot_training(path: Path, exp: dict, curves: pl.DataFrame, metrics: pl.DataFrame) -> None:
+def plot_training(path: Path, exp: dict, metrics: pl.DataFrame) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     for name in exp["runs"]:
         m = metrics.filter(pl.col("run") == name).sort("seed", "global_step").partition_by("seed", maintain_order=True)
         steps = min(len(s) for s in m)
         _band(axes[0], np.arange(steps), [s["grad_norm"].to_numpy()[:steps] for s in m], name)
-        c = curves.filter((pl.col("run") == name) & (pl.col("iteration") >= 0)).sort("seed", "iteration")
-        seeds = c.partition_by("seed", maintain_order=True)
-        _band(axes[1], seeds[0]["iteration"].to_numpy(), [s["mean_rollout_length"].to_numpy() for s in seeds], name)
-    axes[0].set_xlabel("optimizer step")
+        _band(axes[1], np.arange(steps), [s["mean_response_length"].to_numpy()[:steps] for s in m], name)
+    for ax in axes:
+        ax.set_xlabel("optimizer step")
     axes[0].set_ylabel("grad norm (before clipping)")
-    axes[1].set_xlabel("iteration")
-    axes[1].set_ylabel("mean rollout response length")
+    axes[1].set_ylabel("mean response length of the step's rollouts")
     for ax in axes:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
@@ -192,8 +190,11 @@ def run(cfg: DictConfig, args: Args) -> None:
     summary = summary_table(exp, curves, metrics)
     write_parquet(summary, out / "summary.parquet", metadata={"experiment": exp["experiment"], "seeds": exp["seeds"]})
     write_parquet(curves, out / "curves.parquet")
+    tsv = out / ".summary.tsv.tmp"
+    summary.write_csv(tsv, separator="\t", float_precision=4)
+    tsv.replace(out / "summary.tsv")  # the same table, rendered in the HTML report
     write_parquet(metrics, out / "metrics.parquet")
     plot_accuracy(out / "accuracy_vs_tokens.png", exp, curves)
-    plot_training(out / "training.png", exp, curves, metrics)
+    plot_training(out / "training.png", exp, metrics)
     with pl.Config(tbl_cols=20, tbl_width_chars=200):
         log.info("%s\n%s", exp["experiment"], summary)
