@@ -57,6 +57,8 @@ def test_tiny_experiment(tmp_path):
     for png in ("accuracy_vs_tokens", "training"):
         assert (root / f"{png}.png").read_bytes()[:4] == b"\x89PNG"
     assert read_table(root / "shared/results/variance/summary.parquet", schemas.VARIANCE).height >= 3
+    assert pl.read_csv(root / "summary.tsv", separator="\t")["run"].to_list() == ["grpo_n4", "length_power_n4"]
+    assert "otb" in pl.read_csv(root / "variance.tsv", separator="\t")["estimator"].to_list()
     experiment(tmp_path, TINY_EXPERIMENT, "--report", "report.html")
     html = (tmp_path / "report.html").read_text(errors="ignore")
     assert "accuracy_vs_tokens.png" in html and "variance.png" in html

@@ -142,6 +142,7 @@ rule experiment_report:
     output:
         summary=f"{ROOT}/summary.parquet",
         table=report(f"{ROOT}/summary.tsv", caption="report/experiment_summary.rst", category="Experiment"),
+        variance=report(f"{ROOT}/variance.tsv", caption="report/variance_table.rst", category="Gradient variance"),
         curves=f"{ROOT}/curves.parquet",
         metrics=f"{ROOT}/metrics.parquet",
         accuracy=report(

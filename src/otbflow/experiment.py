@@ -47,7 +47,8 @@ class Args:
     root: str
     """Folder of the experiment's members (results/<experiment>)."""
     out_dir: str
-    """Output folder: summary.parquet (and .tsv), curves.parquet, metrics.parquet, accuracy_vs_tokens.png, training.png."""
+    """Output folder: summary.parquet (and .tsv), variance.tsv (the shared variance study), curves.parquet,
+    metrics.parquet, accuracy_vs_tokens.png, training.png."""
 
 
 def _merge(a: dict, b: dict) -> dict:
@@ -183,6 +184,12 @@ def plot_training(path: Path, exp: dict, metrics: pl.DataFrame) -> None:
     save_figure(fig, path)
 
 
+def write_tsv(df: pl.DataFrame, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    df.write_csv(tmp, separator="\t", float_precision=4)
+    tmp.replace(path)
+
+
 def run(cfg: DictConfig, args: Args) -> None:
     exp = load_experiment(args.experiment)
     curves, metrics = collect(exp, Path(args.root))
@@ -190,9 +197,9 @@ def run(cfg: DictConfig, args: Args) -> None:
     summary = summary_table(exp, curves, metrics)
     write_parquet(summary, out / "summary.parquet", metadata={"experiment": exp["experiment"], "seeds": exp["seeds"]})
     write_parquet(curves, out / "curves.parquet")
-    tsv = out / ".summary.tsv.tmp"
-    summary.write_csv(tsv, separator="\t", float_precision=4)
-    tsv.replace(out / "summary.tsv")  # the same table, rendered in the HTML report
+    write_tsv(summary, out / "summary.tsv")  # the same table, rendered in the HTML report
+    variance = read_table(Path(args.root) / "shared" / "results" / "variance" / "summary.parquet", schemas.VARIANCE)
+    write_tsv(variance, out / "variance.tsv")
     write_parquet(metrics, out / "metrics.parquet")
     plot_accuracy(out / "accuracy_vs_tokens.png", exp, curves)
     plot_training(out / "training.png", exp, metrics)
