@@ -84,6 +84,12 @@ def test_bad_experiment_fails_before_any_job(tmp_path, change, message):
     path.write_text(yaml.safe_dump(exp))
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         load_experiment(path)
-    res = experiment(tmp_path, path, "-n", check=False)
-    assert res.returncode != 0 and message.split(":")[0].strip("'") in res.stdout + res.stderr
+
+
+def test_bad_experiment_stops_the_workflow_before_any_job(tmp_path):
+    exp = yaml.safe_load(TINY_EXPERIMENT.read_text())
+    exp["runs"]["bad"] = {"advantages": {"estimator": "foo"}}
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(exp))
+    res = experiment(tmp_path, tmp_path / "bad.yaml", check=False)
+    assert res.returncode != 0 and "run 'bad': config key 'advantages.estimator'" in res.stdout + res.stderr
     assert not any((tmp_path / "results").rglob("*.parquet"))
