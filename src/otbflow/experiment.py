@@ -99,8 +99,11 @@ def write_member_config(experiment: str, run: str, seed: int, policy: str, scali
     exp = load_experiment(experiment)
     slope = json.loads(Path(scaling).read_text())["grad_sq_norm_slope"]
     cfg = load_config(DEFAULT_CONFIG, extra=member_config(exp, run, seed, str(Path(policy).resolve()), slope))
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(to_yaml(cfg))
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(to_yaml(cfg))
+    tmp.replace(out)
 
 
 # ------------------------------------------------------------------------------------------
