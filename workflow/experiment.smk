@@ -13,6 +13,7 @@ import yaml
 import otbflow
 from otbflow.codeversion import code_version
 from otbflow.experiment import load_experiment, shared_config
+from otbflow.io import write_text_if_changed
 
 REPO = Path(workflow.basedir).resolve().parent
 EXP = dict(config)
@@ -20,19 +21,10 @@ ROOT = f"results/{EXP.get('experiment', 'experiment')}"
 ENV = "../envs/otbflow.yaml"
 
 
-def _write_if_changed(path, text):
-    path = Path(path)
-    if not (path.is_file() and path.read_text() == text):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(text)
-        tmp.replace(path)
-
-
 # The experiment as given, checked (every member's config validated) before any job runs.
-_write_if_changed(f"{ROOT}/experiment.yaml", yaml.safe_dump(EXP, sort_keys=False))
+write_text_if_changed(f"{ROOT}/experiment.yaml", yaml.safe_dump(EXP, sort_keys=False))
 EXP = load_experiment(f"{ROOT}/experiment.yaml")
-_write_if_changed(f"{ROOT}/shared/shared.yaml", yaml.safe_dump(shared_config(EXP), sort_keys=False))
+write_text_if_changed(f"{ROOT}/shared/shared.yaml", yaml.safe_dump(shared_config(EXP), sort_keys=False))
 RUNS, SEEDS = list(EXP["runs"]), list(EXP["seeds"])
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
 _SRC = str(Path(otbflow.__file__).resolve().parents[1])

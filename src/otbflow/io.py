@@ -64,6 +64,18 @@ def write_json(data, path: str | Path) -> Path:
     return path
 
 
+def write_text_if_changed(path: str | Path, text: str) -> None:
+    """A small text file (a resolved config) rewritten atomically, and only when its content
+    changes, so that Snakemake sees no spurious modification time."""
+    path = Path(path)
+    if path.is_file() and path.read_text() == text:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def read_metadata(path: str | Path) -> dict:
     meta = pq.read_schema(path).metadata or {}
     raw = meta.get(METADATA_KEY)

@@ -8,6 +8,7 @@ from snakemake.utils import validate
 import otbflow
 from otbflow.codeversion import code_version
 from otbflow.config import DEFAULT_CONFIG, load_config, nest, section_digest, to_yaml
+from otbflow.io import write_text_if_changed
 
 # Snakemake's `config` holds what --configfile/--config gave (`--config 'rollout={group_size: 8}'`,
 # merged section by section). It is layered over the default YAML and validated by the same loader every
@@ -22,19 +23,9 @@ ENV = "../../envs/otbflow.yaml"
 GENERATE_ENV = "../../envs/vllm.yaml" if CFG.rollout.backend == "vllm" else ENV
 
 
-def _write_if_changed(path, text):
-    """The resolved config the jobs read; rewritten only when it changes (no spurious mtimes)."""
-    path = Path(path)
-    if path.is_file() and path.read_text() == text:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 RESOLVED_CONFIG = f"{R}/config.yaml"
-_write_if_changed(RESOLVED_CONFIG, to_yaml(CFG))
+# The resolved config the jobs read; rewritten only when it changes (no spurious mtimes).
+write_text_if_changed(RESOLVED_CONFIG, to_yaml(CFG))
 
 # Jobs run the same source tree the Snakefile imported, with this interpreter (or the
 # environment's `python` under --sdm conda).
