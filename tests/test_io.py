@@ -9,8 +9,9 @@ from otbflow.io import SchemaError, atomic_dir, read_metadata, read_table, write
 
 
 def _prompts(n=3):
-    return pl.DataFrame({"prompt_id": list(range(n)), "prompt": ["1+1="] * n, "answer": ["2"] * n,
-                         "split": ["train"] * n, "shard": [0] * n})
+    return pl.DataFrame({"prompt_id": list(range(n)), "prompt": ["1+1="] * n,
+                         "messages": ['[{"role": "user", "content": "1+1="}]'] * n, "answer": ["2"] * n,
+                         "data_source": ["arithmetic"] * n, "split": ["train"] * n, "shard": [0] * n})
 
 
 def test_write_is_atomic_and_keeps_metadata(tmp_path):
@@ -63,3 +64,23 @@ def test_atomic_dir_replaces_only_on_success(tmp_path):
             raise RuntimeError("killed")
     assert (target / "w.bin").read_text() == "v1"
     assert sorted(os.listdir(tmp_path)) == ["model"]
+
+
+def test_progress_logs_about_every_tenth_and_the_end(caplog):
+    import logging
+
+    from otbflow.progress import Progress
+
+    log = logging.getLogger("otbflow.test")
+    with caplog.at_level(logging.INFO, logger="otbflow.test"):
+        p = Progress(log, "rollout", 95, "prompts")
+        for _ in range(95):
+            p.update()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 11  # at 9, 18, ..., 90 of 95 (ten), then at the end
+    assert lines[0].startswith("rollout: 9/95 prompts (9%)") and lines[-1].startswith("rollout: 95/95 prompts (100%)")
+    assert lines[-1].endswith("done") and "s left" in lines[0]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="otbflow.test"):
+        Progress(log, "tiny", 1).update()
+    assert not caplog.records  # a job of one item writes no progress lines

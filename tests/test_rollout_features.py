@@ -7,8 +7,8 @@ import torch
 from otbflow import features, schemas
 from otbflow.features import sequence_token_stats, token_stats
 from otbflow.io import read_metadata, read_table
-from otbflow.model import load_policy
-from otbflow.rollout import hf_generate
+from otbflow.hf_engine import hf_generate
+from otbflow.model import encode, load_policy
 
 
 def test_rollout_table(rollouts_path, cfg):
@@ -28,9 +28,10 @@ def test_rollout_table(rollouts_path, cfg):
 
 def test_generation_is_reproducible(tiny_policy):
     model, tok = load_policy(tiny_policy)
-    a = hf_generate(model, tok, ["1+2=", "3+4+5="], n=3, max_new_tokens=10, seed=7)
-    b = hf_generate(model, tok, ["1+2=", "3+4+5="], n=3, max_new_tokens=10, seed=7)
-    c = hf_generate(model, tok, ["1+2=", "3+4+5="], n=3, max_new_tokens=10, seed=8)
+    ids = encode(tok, ["1+2=", "3+4+5="])
+    a = hf_generate(model, tok, ids, n=3, max_new_tokens=10, seed=7)
+    b = hf_generate(model, tok, ids, n=3, max_new_tokens=10, seed=7)
+    c = hf_generate(model, tok, ids, n=3, max_new_tokens=10, seed=8)
     assert [s.response_ids for s in a] == [s.response_ids for s in b]
     assert [s.response_ids for s in a] != [s.response_ids for s in c]
 
@@ -159,3 +160,23 @@ def test_features_stage_with_vocab_chunks_matches(tmp_path, rollouts_path, tiny_
     for col in ("logprobs", "entropy", "sum_pi_sq", "proxy"):
         diff = (a[col].explode() - b[col].explode()).abs().max()
         assert diff < 2e-5, (col, diff)
+
+
+@pytest.mark.parametrize("level, expected", [
+    # rho = exp(logprobs - rollout_logprobs) = (e^0.5, e^-1) per token, truncated at C = 1.5; the
+    # sequence weight is exp(0.5 - 1) = e^-0.5 on both tokens; the empty row gets no weight
+    ("token", [[1.5, math.exp(-1.0)], []]),
+    ("sequence", [[math.exp(-0.5)] * 2, []]),
+])
+def test_is_weights_hand_computed(level, expected):
+    got = features.is_weights_column(pl.Series([[-1.0, -2.0], []], dtype=schemas.F32L),
+                                     pl.Series([[-1.5, -1.0], []], dtype=schemas.F32L), level, 1.5)
+    assert got.dtype == schemas.F32L and got.name == "is_weights"
+    for g, e in zip(got.to_list(), expected):
+        assert g == pytest.approx(e, rel=1e-6)
+
+
+def test_features_write_is_weights_only_when_rollout_is_is_on(features_path):
+    # the default config (train.rollout_is: none) writes no is_weights; the stage with it on is
+    # held against verl's weights and OTB in test_advantages.py
+    assert "is_weights" not in read_table(features_path, schemas.FEATURES).columns

@@ -1,14 +1,17 @@
 """The tiny workflow through a real one-node Slurm on localhost (slurm/local/slurm-up.sh).
 
-Runs the whole workflow with the slurm/ profile (rollout shards as a job array, a 2-process
-DeepSpeed train step through srun), then `otbflow submit` (a head job that reruns one stage
-with another estimator). Skipped, with the reason, where Slurm cannot be started (not root,
-no apt-get). The daemons are stopped by their PID files if this test started them.
+Runs the README's Slurm commands in a sandbox checkout that holds a copy of the session's tiny
+run: `otbflow submit` (a head job) reruns the workflow from the rollouts on with the slurm/ profile
+(rollout shards as a job array, a 2-process DeepSpeed train step through srun), the README's
+watch commands, a rerun after a config change, `--rerun`, a resubmission with nothing to do, and
+the profile without a head job. Skipped, with the reason, where Slurm cannot be started (not
+root, no apt-get). The daemons are stopped by their PID files if this test started them.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,13 +19,14 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from otbflow import schemas
 from otbflow.io import read_metadata, read_table
 
-from conftest import REPO, TINY
+from conftest import REPO, TINY, make_sandbox, sandbox_env
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.xdist_group("tiny_run")]
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
 LOCAL = REPO / "slurm" / "local"
 LAB = Path(os.environ.get("SLURM_LAB", "/tmp/slurm-lab"))
@@ -58,52 +62,124 @@ def local_slurm():
 
 
 @pytest.fixture(scope="module")
-def slurm_run(local_slurm, tmp_path_factory):
-    """The tiny workflow through Slurm, with 2 training ranks; returns (workdir, its output)."""
-    work = tmp_path_factory.mktemp("slurm_workflow")
-    (work / "test.yaml").write_text(TEST_CONFIG)
-    cmd = [SNAKEMAKE, "-s", str(REPO / "Snakefile"), "--directory", str(work), "--workflow-profile",
-           str(REPO / "slurm"), "--configfile", str(TINY), str(work / "test.yaml"), *TEST_ARGS]
+def slurm_sandbox(local_slurm, tiny_run, tmp_path_factory):
+    """A sandbox checkout holding a copy of the session's tiny run (README command 1) and the
+    user's ``my.yaml`` (config/tiny.yaml plus TEST_CONFIG): the README's Slurm commands run here."""
+    work = make_sandbox(tmp_path_factory.mktemp("slurm"))
+    for name in ("results", ".snakemake"):
+        shutil.copytree(tiny_run / name, work / name, symlinks=True, ignore=shutil.ignore_patterns("locks", "incomplete"))
+    config = yaml.safe_load(TINY.read_text()) | yaml.safe_load(TEST_CONFIG)
+    (work / "my.yaml").write_text(yaml.safe_dump(config))
+    yield work
+    # a failed test must not leave its head job (or the stage jobs) holding the test cluster
+    listed = subprocess.run(["squeue", "-h", "-o", "%i %Z"], capture_output=True, text=True).stdout.split("\n")
+    ours = [line.split()[0] for line in listed if line.strip() and line.split()[-1].startswith(str(work))]
+    if ours:
+        subprocess.run(["scancel", *ours], capture_output=True)
+
+
+def sh(work: Path, command: str, ok=(0,)) -> str:
+    """A README command in the sandbox's shell; returns its output."""
+    res = subprocess.run(command, shell=True, cwd=work, env=sandbox_env(work), capture_output=True, text=True,
+                         stdin=subprocess.DEVNULL, timeout=900)
+    assert res.returncode in ok, f"{command!r} failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    return res.stdout + res.stderr
+
+
+def submit(work: Path, command: str) -> tuple[str, str]:
+    """Run an `otbflow submit` command, wait for its head job; returns (job id, head log)."""
+    import submitit
+
+    out = sh(work, command)
+    job_id = re.search(r"submitted the head job (\d+)", out).group(1)
+    job = submitit.SlurmJob(folder=work / "logs" / "submit" / "%j", job_id=job_id)
+    try:
+        job.result()
+    finally:
+        head_log = Path(job.paths.stdout).read_text() + Path(job.paths.stderr).read_text()
+    return job_id, head_log
+
+
+# The README's Slurm commands (test_docs_commands.HOW marks them SLURM), in the tiny form run here:
+# my.yaml is the test config, the test cluster's partition is `debug`, and TEST_ARGS make the
+# cluster quick. The first submission starts from the copied tiny run and reruns it from the rollouts
+# on (--forcerun rollout: the rollout job array, features, advantages, 2-rank training, evaluation,
+# the report), the others target iteration 0's advantages.
+ADV = "results/iter_0/advantages/advantages.parquet"
+FAST = " ".join(TEST_ARGS)
+README_FORMS = {
+    "otbflow submit --configfile my.yaml --partition long --account my_project":
+        f"otbflow submit --configfile my.yaml --partition debug --account my_project -- --forcerun rollout {FAST}",
+    "squeue --me": "squeue --me",
+    "tail -f logs/submit/4242/4242_0_log.out": "timeout 5 tail -f logs/submit/{job}/{job}_0_log.out",
+    "ls .snakemake/slurm_logs/rule_train/": "ls .snakemake/slurm_logs/rule_train/",
+    "otbflow submit --configfile my.yaml -- --config 'advantages={estimator: grpo}'":
+        f"otbflow submit --configfile my.yaml -- {ADV} --config 'advantages={{estimator: grpo}}' {FAST}",
+    "otbflow submit --configfile my.yaml --rerun advantages":
+        f"otbflow submit --configfile my.yaml --rerun advantages -- {ADV} {FAST}",
+    "otbflow submit --configfile my.yaml": f"otbflow submit --configfile my.yaml -- {ADV} {FAST}",
+    "snakemake --workflow-profile slurm --configfile my.yaml < /dev/null":
+        f"snakemake --workflow-profile slurm --configfile my.yaml -n {FAST} < /dev/null",
+}
+
+
+@pytest.fixture(scope="module")
+def slurm_run(slurm_sandbox):
+    """README step 1 and 2: submit the workflow, watch it; returns (workdir, head log)."""
+    work = slurm_sandbox
     start = time.perf_counter()
-    res = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=900)
-    seconds = time.perf_counter() - start
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-6000:]
-    print(f"tiny workflow through Slurm: {seconds:.0f} s")
-    return work, res.stdout + res.stderr
+    out = sh(work, README_FORMS["otbflow submit --configfile my.yaml --partition long --account my_project"])
+    job = re.search(r"submitted the head job (\d+)", out).group(1)
+    assert re.search(rf"^\s*{job}\s", sh(work, README_FORMS["squeue --me"]), re.M)  # listed while it runs
+    head_log = work / "logs" / "submit" / job / f"{job}_0_log.out"
+    for _ in range(600):  # the head job writes its log once it starts
+        if head_log.is_file():
+            break
+        time.sleep(0.2)
+    sh(work, README_FORMS["tail -f logs/submit/4242/4242_0_log.out"].format(job=job), ok=(0, 124))
+    import submitit
+
+    sub = submitit.SlurmJob(folder=work / "logs" / "submit" / "%j", job_id=job)
+    try:
+        assert sub.result() == 0
+    finally:
+        head_log = Path(sub.paths.stdout).read_text() + Path(sub.paths.stderr).read_text()
+    print(f"tiny workflow from the rollouts on, through Slurm: {time.perf_counter() - start:.0f} s")
+    return work, head_log
 
 
 def test_tiny_workflow_through_slurm(slurm_run):
     work, log = slurm_run
     r = work / "results"
     assert "Submitted array job" in log  # the rollout shards of an iteration: one job array
-    for k in [0]:
-        for s in range(2):
-            ro = read_table(r / f"iter_{k}/rollout/shard_{s}.parquet", schemas.ROLLOUTS)
-            fe = read_table(r / f"iter_{k}/features/shard_{s}.parquet", schemas.FEATURES)
-            assert fe.height == ro.height > 0
-        read_table(r / f"iter_{k}/advantages/advantages.parquet", schemas.ADVANTAGES)
-        metrics = read_table(r / f"iter_{k}/train/metrics.parquet", schemas.TRAIN_METRICS)
-        assert metrics["grad_norm"].is_finite().all()
-        assert read_metadata(r / f"iter_{k}/train/metrics.parquet")["world_size"] == 2  # srun started 2 ranks
+    for s in range(2):
+        ro = read_table(r / f"iter_0/rollout/shard_{s}.parquet", schemas.ROLLOUTS)
+        fe = read_table(r / f"iter_0/features/shard_{s}.parquet", schemas.FEATURES)
+        assert fe.height == ro.height > 0
+    read_table(work / ADV, schemas.ADVANTAGES)
+    metrics = read_table(r / "iter_0/train/metrics.parquet", schemas.TRAIN_METRICS)
+    assert metrics["grad_norm"].is_finite().all()
+    assert read_metadata(r / "iter_0/train/metrics.parquet")["world_size"] == 2  # srun started 2 ranks
     progress = read_table(r / "report/progress.parquet", schemas.PROGRESS)
     assert progress["policy"].to_list() == ["initial", "iter_0"]
-    assert list((work / ".snakemake" / "slurm_logs").rglob("*.log"))  # kept by the profile
+    assert sh(work, README_FORMS["ls .snakemake/slurm_logs/rule_train/"]).strip()  # kept by the profile
 
 
-def test_submit_reruns_one_stage_from_a_head_job(slurm_run, tmp_path):
-    from otbflow import submit
-    from otbflow.cli import build_parser
-
+def test_submit_reruns_what_changed(slurm_run):
+    """README step 3 and 4: a config change and --rerun redo one stage; a resubmission with
+    nothing missing runs nothing; the profile without a head job plans from the same state."""
     work, _ = slurm_run
-    target = "results/iter_0/advantages/advantages.parquet"
-    ns = build_parser("submit").parse_args([
-        "submit", "--rerun", "advantages", "--logs", str(tmp_path / "head"), "--time", "20", "--", target,
-        "--directory", str(work), "--configfile", str(TINY), str(work / "test.yaml"),
-        "--config", "advantages={estimator: grpo}", *TEST_ARGS])
-    job = submit.submit(ns)
-    assert job.result() == 0, Path(job.paths.stdout).read_text()[-3000:]
-    head_log = Path(job.paths.stdout).read_text() + Path(job.paths.stderr).read_text()
-    assert "--forcerun advantages" in head_log and "Job stats" in head_log
-    adv = read_table(work / target, schemas.ADVANTAGES)
-    assert set(adv["estimator"]) == {"grpo"}
-    assert "rule rollout" not in head_log and "rule train" not in head_log  # only the advantages job ran
+    _, log = submit(work, README_FORMS["otbflow submit --configfile my.yaml -- --config 'advantages={estimator: grpo}'"])
+    assert set(read_table(work / ADV, schemas.ADVANTAGES)["estimator"]) == {"grpo"}
+    assert "rule rollout" not in log and "rule train" not in log  # only the advantages job ran
+    _, log = submit(work, README_FORMS["otbflow submit --configfile my.yaml --rerun advantages"])
+    assert "--forcerun advantages" in log and set(read_table(work / ADV, schemas.ADVANTAGES)["estimator"]) == {"otb"}
+    _, log = submit(work, README_FORMS["otbflow submit --configfile my.yaml"])
+    assert "Nothing to be done" in log
+    assert "Nothing to be done" in sh(work, README_FORMS["snakemake --workflow-profile slurm --configfile my.yaml < /dev/null"])
+
+
+def test_every_readme_slurm_command_has_a_form_here():
+    from test_docs_commands import HOW, SLURM
+
+    assert {c for c, how in HOW.items() if how == SLURM} == set(README_FORMS)

@@ -16,8 +16,9 @@ from otbflow import features, schemas
 from otbflow.config import load_config
 from otbflow.io import SchemaError, read_table, write_parquet
 from otbflow.model import build_char_tokenizer, build_tiny_model
-from otbflow.train import (Args, aggregate_loss, init_distributed_env, low_var_kl, policy_logprobs, ppo_clip_loss,
-                           reinforce_loss, rollout_is_weights, run, trm_keep)
+from otbflow.train import (Args, OptimizerStateError, aggregate_loss, init_distributed_env, low_var_kl,
+                           policy_logprobs, ppo_clip_loss, reinforce_loss, response_token_stats, rollout_is_weights,
+                           run, trm_keep)
 
 MODEL = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.n_positions=64"]
 TEMPERATURE = 0.8  # not 1, so that a missing temperature shows
@@ -52,9 +53,23 @@ def policy_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def features_path(policy_dir, tmp_path_factory):
-    """N_SEQ rollouts with random responses of 1-12 tokens, through the real features stage (so
-    `logprobs` is pi_old at the initial weights)."""
+def dropout_policy_dir(tmp_path_factory):
+    """A GPT-2 with every dropout of a released GPT-2 checkpoint at 0.1."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tok = build_char_tokenizer()
+    torch.manual_seed(1)
+    config = GPT2Config(vocab_size=len(tok), n_positions=64, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.1,
+                        embd_pdrop=0.1, attn_pdrop=0.1, summary_first_dropout=0.1, bos_token_id=tok.eos_token_id,
+                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    path = tmp_path_factory.mktemp("dropout_policy") / "policy"
+    GPT2LMHeadModel(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def write_rollouts(path):
+    """N_SEQ rollouts with random responses of 1-12 tokens."""
     rng = np.random.default_rng(0)
     tok = build_char_tokenizer()
     prompts = [f"{a}+{b}=" for a, b in rng.integers(0, 10, size=(N_SEQ, 2))]
@@ -70,8 +85,14 @@ def features_path(policy_dir, tmp_path_factory):
         "response_length": [len(r) for r in responses], "finish_reason": ["length"] * N_SEQ,
         "reward": rng.random(N_SEQ).tolist(),
     }, schema=schemas.ROLLOUTS.columns)
+    write_parquet(rollouts, path)
+
+
+@pytest.fixture(scope="module")
+def features_path(policy_dir, tmp_path_factory):
+    """The rollouts through the real features stage (so `logprobs` is pi_old at the initial weights)."""
     tmp = tmp_path_factory.mktemp("data")
-    write_parquet(rollouts, tmp / "rollouts.parquet")
+    write_rollouts(tmp / "rollouts.parquet")
     out = tmp / "features.parquet"
     features.run(make_cfg(), features.Args(rollouts=str(tmp / "rollouts.parquet"), policy=str(policy_dir),
                                            out=str(out)))
@@ -122,6 +143,15 @@ def full_batch_grad_norm(model, df, mode: str, cfg) -> tuple[float, float]:
     return float(loss.detach()), float(norm)
 
 
+def plain_token_stats(model, prompt: list[int], response: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log pi(y_t) [T], log-softmax [T, V]) of one sequence from the model's full logits: no
+    padding, no chunks, the obvious computation."""
+    ids = torch.tensor([prompt + response])
+    logits = model(input_ids=ids).logits[0, len(prompt) - 1:len(prompt) - 1 + len(response)].float() / TEMPERATURE
+    logp_all = torch.log_softmax(logits, -1)
+    return logp_all[torch.arange(len(response)), torch.tensor(response)], logp_all
+
+
 # ------------------------------------------------------------------------------------------
 # Pure pieces
 # ------------------------------------------------------------------------------------------
@@ -137,6 +167,37 @@ def test_policy_logprobs_match_features(policy_dir, features_path):
     for i, stored in enumerate(df["logprobs"].to_list()):
         torch.testing.assert_close(logp[i, :len(stored)], torch.tensor(stored), atol=1e-5, rtol=0)
         assert (logp[i, len(stored):] == 0).all()
+
+
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_chunked_logprobs_equal_the_full_logits(policy_dir, features_path, entropy_grad):
+    """Chunks of 5 tokens (sequences straddle chunks) under activation checkpointing give the
+    log-probs, entropies and parameter gradients of the full logits, sequence by sequence."""
+    df = read_table(features_path, schemas.FEATURES)
+    prompts, responses = df["prompt_ids"].to_list(), df["response_ids"].to_list()
+    model = load_model(policy_dir)
+    params = list(model.parameters())
+    rng = np.random.default_rng(2)
+    a, b = (torch.tensor(rng.normal(size=int(df["response_length"].sum())), dtype=torch.float32) for _ in range(2))
+
+    logp_ref, ent_ref = [], []
+    for prompt, response in zip(prompts, responses):
+        logp, logp_all = plain_token_stats(model, prompt, response)
+        logp_ref.append(logp)
+        ent_ref.append(-(logp_all.exp() * logp_all).sum(-1))
+    logp_ref, ent_ref = torch.cat(logp_ref), torch.cat(ent_ref)
+    loss_ref = (a * logp_ref).sum() + ((b * ent_ref).sum() if entropy_grad else 0.0)
+    grads_ref = torch.autograd.grad(loss_ref, params)
+
+    batch = features.pack(prompts, responses, build_char_tokenizer().pad_token_id)
+    logp, ent = response_token_stats(model, batch["input_ids"], batch["attention_mask"], batch["rows"], batch["pos"],
+                                     batch["targets"], TEMPERATURE, chunk_size=5, entropy_grad=entropy_grad)
+    torch.testing.assert_close(logp, logp_ref.detach(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent, ent_ref.detach(), atol=1e-5, rtol=0)
+    assert ent.requires_grad == entropy_grad  # logged only: no graph
+    loss = (a * logp).sum() + ((b * ent).sum() if entropy_grad else 0.0)
+    for g, g_ref in zip(torch.autograd.grad(loss, params), grads_ref):
+        torch.testing.assert_close(g, g_ref, atol=1e-5, rtol=1e-5)
 
 
 MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -403,17 +464,43 @@ def test_kl_and_entropy_terms(policy_dir, features_path, tmp_path):
     assert kl["kl_ref"][1] > 0 and kl["kl_ref"][2] > 0
 
 
-def test_variance_proxies_in_the_metrics(policy_dir, features_path, tmp_path):
-    from otbflow.advantages import diagnostics
-
-    adv = random_advantages(features_path)
-    m, _ = run_stage(policy_dir, features_path, tmp_path, "train.mini_batch_size=8", adv=adv)
+@pytest.mark.parametrize("rollout_is,mode", [("none", "seq-mean-token-sum-norm"), ("token", "token-mean")])
+def test_variance_proxies_against_the_spec(policy_dir, features_path, tmp_path, rollout_is, mode):
+    """algorithms.md §1.8, from independent computations: S is the squared norm of the step's
+    gradient taken with plain torch autograd, sequence by sequence; P a loop over sequences of
+    max(W_i, 0) Abar_i^2 (x (mean_t rho_i,t)^2 with rollout IS), W_i = sum_t 1 - 2 pi + sum_v p_v^2
+    from a plain softmax; V = max(0, (P - S) / (N - 1)). Dr.GRPO's constant C = 100 makes S < P,
+    so that V is not 0 in the first case."""
+    df = read_table(features_path, schemas.FEATURES)
+    rng = np.random.default_rng(5)
+    adv = [rng.normal(size=n).tolist() for n in df["response_length"].to_list()]  # varies within a sequence
+    m, _ = run_stage(policy_dir, features_path, tmp_path, "train.mini_batch_size=8", f"train.rollout_is={rollout_is}",
+                     "train.rollout_is_threshold=1.5", f"train.loss_agg_mode={mode}", "train.loss_scale_factor=100",
+                     adv=adv)
     row = m.row(0, named=True)
-    table = read_table(tmp_path / "adv.parquet", schemas.ADVANTAGES)
-    assert row["proxy2_total_power"] == pytest.approx(diagnostics(table)["total_power"], rel=1e-4)
-    assert row["proxy1_signal_strength"] == pytest.approx(row["grad_norm"] ** 2)
-    assert row["proxy3_pure_noise"] == pytest.approx(max(0.0, (row["proxy2_total_power"] - row["grad_norm"] ** 2) / 7))
-    assert row["mean_response_length"] == pytest.approx(table["response_length"].mean())
+
+    model = load_model(policy_dir)
+    norm = int(df["response_length"].sum()) if mode == "token-mean" else len(adv) * 100.0
+    loss, power = torch.zeros(()), []
+    for prompt, response, a, old, rollout in zip(df["prompt_ids"].to_list(), df["response_ids"].to_list(), adv,
+                                                 df["logprobs"].to_list(), df["rollout_logprobs"].to_list()):
+        logp, logp_all = plain_token_stats(model, prompt, response)
+        p = logp_all.exp()
+        rho = [min(np.exp(o - r), 1.5) if rollout_is == "token" else 1.0 for o, r in zip(old, rollout)]
+        loss = loss - sum(float(w) * float(x) * lp for w, x, lp in zip(rho, a, logp)) / norm  # r = 1: L = -w A r
+        with torch.no_grad():
+            pi = logp.exp()
+            w_i = float(sum(1 - 2 * pi[t] + (p[t] ** 2).sum() for t in range(len(response))))
+        abar = sum(a) / len(a)
+        power.append(max(w_i, 0.0) * abar**2 * (np.mean(rho) ** 2 if rollout_is == "token" else 1.0))
+    grads = torch.autograd.grad(loss, [q for q in model.parameters()])
+    s = float(sum((g.double() ** 2).sum() for g in grads))
+    p_ref = float(np.mean(power))
+    assert row["proxy1_signal_strength"] == pytest.approx(s, rel=1e-5)
+    assert row["proxy2_total_power"] == pytest.approx(p_ref, rel=1e-4)
+    assert row["proxy3_pure_noise"] == pytest.approx(max(0.0, (p_ref - s) / (len(adv) - 1)), rel=1e-4, abs=1e-12)
+    assert (row["proxy3_pure_noise"] > 0) == (mode == "seq-mean-token-sum-norm")
+    assert row["mean_response_length"] == pytest.approx(df["response_length"].mean())
 
 
 # ------------------------------------------------------------------------------------------
@@ -471,12 +558,140 @@ def test_schedule_state_survives_iterations(policy_dir, features_path, tmp_path)
 
 
 # ------------------------------------------------------------------------------------------
+# The first ratio of an iteration
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_first_ratio_is_one(dropout_policy_dir, tmp_path, precision):
+    """A GPT-2 with dropout 0.1 everywhere, through the real features and train stages, with other
+    batch shapes in each (features: 5 sequences per pass, chunks of 1024 positions; train: 3
+    sequences per micro-batch, chunks of 7): at the first optimizer step log pi_theta - log pi_old
+    is 0 to 1e-6 on every token. fp32: a few ulp (4.8e-7 measured; the matmuls round differently
+    for other batch shapes); bf16 (ZeRO-1, DeepSpeed's cast; the features stage casts alike): 0,
+    bitwise, on the 2-core CPU VM. Before (train mode, features at model.dtype) this model gave
+    0.10 (dropout) and 1.5e-3 (bf16 training, fp32 features)."""
+    overrides = ["train.mini_batch_size=6", "train.micro_batch_size=3", "features.batch_size=5",
+                 "train.logprob_chunk_size=7"]
+    if precision == "bf16":
+        overrides += ["train.bf16=true", "train.zero_stage=1"]
+    cfg = make_cfg(*overrides)
+    write_rollouts(tmp_path / "rollouts.parquet")
+    feats = tmp_path / "features.parquet"
+    features.run(cfg, features.Args(rollouts=str(tmp_path / "rollouts.parquet"), policy=str(dropout_policy_dir),
+                                    out=str(feats)))
+    write_advantages(feats, tmp_path / "adv.parquet", random_advantages(feats))
+    args = Args(advantages=str(tmp_path / "adv.parquet"), policy=str(dropout_policy_dir), out=str(tmp_path / "next"),
+                metrics=str(tmp_path / "metrics.parquet"), checkpoint_dir=str(tmp_path / "ckpt"))
+    run(cfg, args)
+    m = read_table(args.metrics, schemas.TRAIN_METRICS)
+    # a bf16 discrepancy would be orders of magnitude above 1e-6 (0 measured: bitwise)
+    assert m["max_abs_log_ratio"][0] <= 1e-6 and m["clip_fraction"][0] == 0.0
+    assert m["max_abs_log_ratio"][1] > 1e-3  # the metric is live: the second step sees the updated policy
+
+
+# ------------------------------------------------------------------------------------------
+# The optimizer across iterations
+# ------------------------------------------------------------------------------------------
+
+
+def one_engine_reference(cfg, policy_dir, tables: list[Path]) -> dict[str, torch.Tensor]:
+    """One DeepSpeed engine (one AdamW) stepping over the mini-batches of every table in turn,
+    iteration k's in the train stage's seeded order: the weights one uninterrupted run ends with."""
+    from otbflow.config import derive_seed
+    from otbflow.train import build_engine, full_fp32_state_dict, load_rows, mini_batches, train_step
+
+    init_distributed_env()
+    engine = build_engine(str(policy_dir), cfg.train, 1)
+    pad_id = build_char_tokenizer().pad_token_id
+    for k, table in enumerate(tables):
+        data = load_rows(str(table), cfg)
+        for mini in mini_batches(len(data["response_ids"]), cfg.train, derive_seed(cfg.seed, "train", k)):
+            train_step(engine, None, data, mini, cfg, pad_id, 0, 1, cfg.train.lr)
+    return full_fp32_state_dict(engine, keep=True)
+
+
+@pytest.mark.parametrize("layout", ["zero0_fp32", "zero1_bf16", "zero3_bf16"])
+def test_chained_jobs_continue_one_optimizer(policy_dir, features_path, tmp_path, layout):
+    """Two train jobs chained through the stored optimizer state end with the weights of one
+    engine that steps over both tables: bitwise (fp32, and bf16 with ZeRO-1 and ZeRO-3 on CPU; ZeRO-3
+    also runs the chunked head under its parameter gathering). With train.reset_optimizer the
+    second job starts a fresh AdamW and ends elsewhere."""
+    overrides = ["train.mini_batch_size=4", "train.micro_batch_size=2", "train.lr=1e-3"]
+    if layout != "zero0_fp32":
+        overrides += [f"train.zero_stage={layout[4]}", "train.bf16=true", "train.logprob_chunk_size=7"]
+    cfg = make_cfg(*overrides)
+    tables = [tmp_path / "adv0.parquet", tmp_path / "adv1.parquet"]
+    for seed, table in enumerate(tables, start=1):
+        write_advantages(features_path, table, random_advantages(features_path, seed=seed))
+
+    def job(k, policy, **kwargs):
+        args = Args(advantages=str(tables[k]), policy=str(policy), out=str(tmp_path / f"p{k}"),
+                    metrics=str(tmp_path / f"m{k}.parquet"), checkpoint_dir=str(tmp_path / f"ck{k}"), iteration=k,
+                    state=str(tmp_path / f"s{k}.json"), **kwargs)
+        run(cfg if "prev_optimizer" in kwargs or k == 0 else make_cfg(*overrides, "train.reset_optimizer=true"), args)
+        return load_model(args.out).state_dict()
+
+    job(0, policy_dir, optimizer=str(tmp_path / "opt0"))
+    meta = __import__("json").loads((tmp_path / "opt0" / "meta.json").read_text())
+    assert meta["optimizer_steps"] == 2 and meta["zero_stage"] == cfg.train.zero_stage
+    chained = job(1, tmp_path / "p0", prev_optimizer=str(tmp_path / "opt0"), prev_state=str(tmp_path / "s0.json"))
+    reference = one_engine_reference(cfg, policy_dir, tables)
+    for name, value in reference.items():
+        assert torch.equal(chained[name], value), name
+    fresh = job(1, tmp_path / "p0", prev_state=str(tmp_path / "s0.json"))  # train.reset_optimizer=true
+    assert max(float((fresh[n] - reference[n]).abs().max()) for n in reference) > 1e-4
+
+
+def test_a_stored_optimizer_state_that_does_not_fit_is_refused(policy_dir, features_path, tmp_path):
+    """Another ZeRO stage or bf16 setting, another policy, a folder without meta.json (an unfinished
+    write), or reset_optimizer with a state: a clear error before any training, no outputs."""
+    import shutil
+
+    m, first = run_stage(policy_dir, features_path, tmp_path, "train.mini_batch_size=8", name="first",
+                         optimizer=str(tmp_path / "opt"))
+    opt = str(tmp_path / "opt")
+    cases = [
+        (("train.zero_stage=1",), first.out, opt, r"saved by 1 rank\(s\), ZeRO stage 0, bf16 off; this job runs 1 "
+                                                  r"rank\(s\), ZeRO stage 1, bf16 off.*train.reset_optimizer=true"),
+        (("train.zero_stage=1", "train.bf16=true"), first.out, opt, "ZeRO stage 1, bf16 on"),
+        ((), policy_dir, opt, "belongs to another policy than --policy"),
+        (("train.reset_optimizer=true",), first.out, opt, "drop one of them"),
+    ]
+    shutil.copytree(opt, tmp_path / "half")
+    (tmp_path / "half" / "meta.json").unlink()
+    cases.append(((), first.out, str(tmp_path / "half"), "not a finished optimizer state"))
+    for overrides, policy, prev, message in cases:
+        with pytest.raises(OptimizerStateError, match=message):
+            run_stage(policy, features_path, tmp_path, "train.mini_batch_size=8", *overrides, name="second",
+                      prev_optimizer=prev, optimizer=str(tmp_path / "opt2"))
+        assert not (tmp_path / "second").exists() and not (tmp_path / "opt2").exists()
+        assert not (tmp_path / "second.ckpt").exists()  # refused before any work
+
+
+def test_the_checkpoint_fingerprint_covers_the_optimizer_input(policy_dir, features_path, tmp_path):
+    from otbflow.train import fingerprint
+
+    write_advantages(features_path, tmp_path / "adv.parquet", random_advantages(features_path))
+    cfg = make_cfg()
+    prints = []
+    for name, content in (("a", '{"job_fingerprint": "1"}'), ("b", '{"job_fingerprint": "2"}')):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "meta.json").write_text(content)
+        prints.append(fingerprint(cfg, Args(advantages=str(tmp_path / "adv.parquet"), policy=str(policy_dir), out="o",
+                                            metrics="m", prev_optimizer=str(tmp_path / name)), 1))
+    prints.append(fingerprint(cfg, Args(advantages=str(tmp_path / "adv.parquet"), policy=str(policy_dir), out="o",
+                                        metrics="m"), 1))
+    assert len(set(prints)) == 3
+
+
+# ------------------------------------------------------------------------------------------
 # Two ranks, and kill -9 then resume (subprocesses: the real CLI)
 # ------------------------------------------------------------------------------------------
 
 
-def cli_run(cfg, policy_dir, tmp_path, name, wait=True):
-    """``otbflow train`` as a subprocess with ``cfg`` as its YAML."""
+def cli_run(cfg, policy_dir, tmp_path, name, wait=True, extra=()):
+    """``otbflow train`` as a subprocess with ``cfg`` as its YAML (and ``extra`` arguments)."""
     import subprocess
     import sys
 
@@ -486,7 +701,7 @@ def cli_run(cfg, policy_dir, tmp_path, name, wait=True):
     cmd = [sys.executable, "-m", "otbflow", "train", "--config", str(tmp_path / "cfg.yaml"),
            "--advantages", str(tmp_path / "adv.parquet"), "--policy", str(policy_dir),
            "--out", str(tmp_path / name), "--metrics", str(tmp_path / f"{name}.parquet"),
-           "--checkpoint-dir", str(tmp_path / f"{name}.ckpt")]
+           "--checkpoint-dir", str(tmp_path / f"{name}.ckpt"), *extra]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     log = open(tmp_path / f"{name}.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -513,6 +728,7 @@ def test_two_ranks_give_the_full_batch_gradient(policy_dir, features_path, tmp_p
         (tmp_path / f"{mode}.yaml").write_text(OmegaConf.to_yaml(cfgs[mode]))
         jobs.append({"config": str(tmp_path / f"{mode}.yaml"), "advantages": str(tmp_path / "adv.parquet"),
                      "policy": str(policy_dir), "out": str(tmp_path / mode), "metrics": str(tmp_path / f"{mode}.parquet")})
+    jobs[0]["optimizer"] = str(tmp_path / "opt")  # ZeRO-0 state of 2 ranks
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env["OTBFLOW_THREADS"] = "1"
@@ -526,18 +742,33 @@ def test_two_ranks_give_the_full_batch_gradient(policy_dir, features_path, tmp_p
         loss, norm = full_batch_grad_norm(load_model(policy_dir), df, mode, cfgs[mode])
         assert row["loss"] == pytest.approx(loss, rel=1e-5, abs=1e-7), mode
         assert row["grad_norm"] == pytest.approx(norm, rel=1e-5), mode
+    # a world size that changes between iterations is refused, before any work
+    with pytest.raises(OptimizerStateError, match=r"saved by 2 rank\(s\).*this job runs 1 rank\(s\)"):
+        run(cfgs[MODES[0]], Args(advantages=str(tmp_path / "adv.parquet"), policy=str(tmp_path / MODES[0]),
+                                 out=str(tmp_path / "next"), metrics=str(tmp_path / "next.parquet"),
+                                 prev_optimizer=str(tmp_path / "opt")))
 
 
 def test_kill_9_then_rerun_resumes_to_the_same_weights(policy_dir, features_path, tmp_path):
+    """With an optimizer state carried in from a previous job and one written out: the resumed
+    job ends with the weights and metrics of an uninterrupted one."""
     import signal
     import time
 
     write_advantages(features_path, tmp_path / "adv.parquet", random_advantages(features_path))
     cfg = make_cfg("train.mini_batch_size=1", "train.micro_batch_size=1", "train.ppo_epochs=2",
                    "train.checkpoint_every=1", "train.lr=1e-3", "seed=3")
-    cli_run(cfg, policy_dir, tmp_path, "whole")  # 16 steps, uninterrupted
+    run(make_cfg("train.mini_batch_size=8", "train.lr=1e-3"),
+        Args(advantages=str(tmp_path / "adv.parquet"), policy=str(policy_dir), out=str(tmp_path / "prev"),
+             metrics=str(tmp_path / "prev.parquet"), optimizer=str(tmp_path / "prev.opt")))
+    policy_dir = tmp_path / "prev"
 
-    proc = cli_run(cfg, policy_dir, tmp_path, "killed", wait=False)
+    def io(name):
+        return ("--prev-optimizer", str(tmp_path / "prev.opt"), "--optimizer", str(tmp_path / f"{name}.opt"))
+
+    cli_run(cfg, policy_dir, tmp_path, "whole", extra=io("whole"))  # 16 steps, uninterrupted
+
+    proc = cli_run(cfg, policy_dir, tmp_path, "killed", wait=False, extra=io("killed"))
     latest = tmp_path / "killed.ckpt" / "latest"
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
@@ -547,8 +778,9 @@ def test_kill_9_then_rerun_resumes_to_the_same_weights(policy_dir, features_path
         time.sleep(0.005)
     assert proc.wait(timeout=60) == -signal.SIGKILL, "the run ended before it could be killed"
     assert not (tmp_path / "killed").exists() and not (tmp_path / "killed.parquet").exists()
+    assert not (tmp_path / "killed.opt").exists()
 
-    cli_run(cfg, policy_dir, tmp_path, "killed")  # the rerun: same command
+    cli_run(cfg, policy_dir, tmp_path, "killed", extra=io("killed"))  # the rerun: same command
     log = (tmp_path / "killed.log").read_text()
     step = int(__import__("re").search(r"resuming from the checkpoint in .* after step (\d+) of 16", log).group(1))
     assert 4 <= step < 16
@@ -559,3 +791,4 @@ def test_kill_9_then_rerun_resumes_to_the_same_weights(policy_dir, features_path
     b = read_table(tmp_path / "killed.parquet", schemas.TRAIN_METRICS).drop("step_time_s")
     assert a.equals(b)
     assert not (tmp_path / "killed.ckpt").exists()  # removed once the outputs are written
+    assert (tmp_path / "killed.opt" / "meta.json").is_file() and not list(tmp_path.glob(".*.partial"))

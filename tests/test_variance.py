@@ -9,7 +9,7 @@ import torch
 
 from otbflow import rollout, schemas, variance
 from otbflow.io import read_table, write_parquet
-from otbflow.variance import CountSketch, center_scores, group_gradients, resample_groups, token_gradients
+from otbflow.variance import CountSketch, center_scores, group_gradients, resample_groups, study, token_gradients
 
 from conftest import tiny_config
 
@@ -92,7 +92,6 @@ def test_variance_stage(pool_path, tiny_policy, tmp_path):
     s = read_table(tmp_path / "summary.parquet", schemas.VARIANCE)
     assert s["estimator"].to_list() == ["none", "rloo", "grpo", "opo", "length_power", "otb", "eob"]
     row = {r["estimator"]: r for r in s.iter_rows(named=True)}
-    assert row["none"]["reduction_share"] == 0 and row["eob"]["reduction_share"] == pytest.approx(1.0)
     assert row["rloo"]["trace_cov"] < row["none"]["trace_cov"]  # a baseline removes variance
     # leave-one-out is unbiased: its bias is within the Monte-Carlo noise; the group mean is
     # (N-1)/N x RLOO exactly, so the same noise-to-signal ratio, a shrunk variance and a bias
@@ -110,3 +109,82 @@ def test_sketched_and_exact_studies_agree(pool_path, tiny_policy, tmp_path):
         variance.run(cfg, variance.Args(rollouts=[str(pool_path)], policy=str(tiny_policy), out_dir=str(tmp_path / str(k))))
         out[k] = read_table(tmp_path / str(k) / "summary.parquet", schemas.VARIANCE)
     np.testing.assert_allclose(out[16384]["trace_cov"].to_numpy(), out[0]["trace_cov"].to_numpy(), rtol=0.05)
+
+
+def test_study_equals_an_exact_enumeration_of_all_groups():
+    """A pool of 3 responses to each of 2 prompts with known per-token score vectors. Evaluated on
+    all 3^2 ordered groups of N = 2 (each equally likely under i.i.d. draws), every estimator's
+    trace_cov must be the sample covariance of g_hat = (1/N) sum_i A_i S~_i over those 9 groups,
+    with S~_i = S_i - mean of the prompt's S (the centred sequence score), computed here by loops;
+    EOB's weights are ||S~_i||^2 (not ||S_i||^2)."""
+    import itertools
+
+    rng = np.random.default_rng(4)
+    lengths = [2, 1, 3, 1, 2, 2]
+    prompt = [0, 0, 0, 1, 1, 1]
+    reward = [1.0, 0.0, 0.0, 1.0, 1.0, 0.0]
+    dim = 5
+    grads = torch.from_numpy(rng.normal(size=(sum(lengths), dim)))
+    grads[:6] += 3.0  # prompt 0's scores have a large common mean: centring matters for EOB
+    pool = pl.DataFrame({"prompt_id": prompt, "group_id": prompt, "response_length": lengths, "reward": reward})
+    stats = [{"logprobs": [-0.5] * n, "sum_pi_sq": [0.5] * n} for n in lengths]
+    groups = {"pool_row": [], "prompt_id": [], "group_id": []}
+    for p in (0, 1):
+        for combo in itertools.product([j for j in range(6) if prompt[j] == p], repeat=2):
+            gid = len(groups["group_id"]) // 2
+            groups["pool_row"] += combo
+            groups["prompt_id"] += [p, p]
+            groups["group_id"] += [gid, gid]
+    groups = pl.DataFrame(groups, schema={"pool_row": pl.Int64, "prompt_id": pl.Int64, "group_id": pl.Int64})
+    cfg = tiny_config("variance.estimators=[rloo,grpo,opo]", "variance.sketch_dim=0")
+    got = {r["estimator"]: r for r in study(cfg, pool, grads, stats, groups).iter_rows(named=True)}
+    assert list(got) == ["none", "rloo", "grpo", "opo", "eob"]
+
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    S = np.stack([grads[starts[j]:starts[j] + lengths[j]].sum(0).numpy() for j in range(6)])
+    S_c = S.copy()
+    for p in (0, 1):
+        rows = [j for j in range(6) if prompt[j] == p]
+        S_c[rows] -= S[rows].mean(0)
+    n_c, n_raw = (S_c**2).sum(1), (S**2).sum(1)
+
+    def baseline(name, i, others, members, norms):
+        R = [reward[j] for j in members]
+        if name == "none":
+            return 0.0
+        if name == "rloo":
+            return sum(reward[j] for j in others) / len(others)
+        if name == "grpo":
+            return sum(R) / len(R)
+        if name == "opo":
+            return sum(lengths[j] * reward[j] for j in members) / sum(lengths[j] for j in members)
+        return sum(norms[j] * reward[j] for j in members) / (sum(norms[j] for j in members) + 1e-8)  # eob
+
+    def trace_covs(name, norms=n_c):
+        out = []
+        for p in (0, 1):
+            rows = [j for j in range(6) if prompt[j] == p]
+            g = []
+            for combo in itertools.product(rows, repeat=2):
+                g.append(sum((reward[i] - baseline(name, i, [combo[1 - k]], combo, norms)) * S_c[i]
+                             for k, i in enumerate(combo)) / 2)
+            out.append(np.trace(np.cov(np.array(g), rowvar=False)))
+        return np.array(out)
+
+    ref_none = trace_covs("none")  # (advantages are stored as float32: agreement to 1e-6)
+    for name in got:
+        expected = trace_covs(name)
+        assert got[name]["trace_cov"] == pytest.approx(expected.mean(), rel=1e-6), name
+        diff = expected - ref_none
+        assert got[name]["trace_cov_diff"] == pytest.approx(diff.mean(), rel=1e-6, abs=1e-6), name
+        assert got[name]["trace_cov_diff_se"] == pytest.approx(diff.std(ddof=1) / np.sqrt(2), rel=1e-6, abs=1e-6)
+    # the oracle's weights are the centred norms; the uncentred ones give a different variance
+    assert abs(trace_covs("eob", n_raw).mean() - got["eob"]["trace_cov"]) > 0.01 * got["eob"]["trace_cov"]
+    # REINFORCE analytically: the mean of N i.i.d. draws has covariance Cov(R S~) / N (the
+    # population covariance over the 3 equally likely responses), times 9/8 for the unbiased
+    # sample covariance over the 9 groups
+    analytic = []
+    for p in (0, 1):
+        x = np.array([reward[j] * S_c[j] for j in range(6) if prompt[j] == p])
+        analytic.append(((x - x.mean(0)) ** 2).sum(1).mean() / 2 * 9 / 8)
+    assert got["none"]["trace_cov"] == pytest.approx(np.mean(analytic), rel=1e-6)

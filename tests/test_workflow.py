@@ -18,7 +18,7 @@ from otbflow.io import read_table
 from conftest import REPO, TINY
 
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("tiny_run")]
 
 
 def snakemake(workdir: Path, *args: str, snakefile: Path = REPO / "Snakefile", env=None, check=True):
@@ -45,10 +45,9 @@ def planned_rules(dry_run_stdout: str) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    work = tmp_path_factory.mktemp("workflow")
-    snakemake(work)
-    return work
+def run_dir(tiny_run):
+    """The session's tiny run (README command 1 with config/tiny.yaml; conftest.tiny_run)."""
+    return tiny_run
 
 
 def test_every_output_reads_back_with_polars(run_dir):
@@ -88,10 +87,16 @@ def test_every_output_reads_back_with_polars(run_dir):
     assert pool.height == 4 * 8 and pool["prompt_id"].n_unique() == 4  # tiny.yaml: 4 prompts x 8
     study = read_table(r / "variance/summary.parquet", schemas.VARIANCE)
     assert {"none", "otb", "eob"} <= set(study["estimator"]) and study["trace_cov"].is_finite().all()
-    assert not [p for p in (r / "checkpoints").rglob("*") if p.is_file()]  # removed after each train job
+    assert not (r / "checkpoints").exists()  # removed after each train job, empty folders included
     for rule in ["bootstrap", "shard", "rollout", "features", "advantages", "train", "evaluate", "report", "scaling",
                  "variance_pool", "variance"]:
         assert list((r / "logs" / rule).glob("*.log")), f"no log for {rule}"
+    # the long stages log their progress (items done, rate, time left) while they work
+    for rule, label in [("rollout", "generation (4 per prompt)"), ("evaluate", "greedy generation"),
+                        ("features", "features"), ("scaling", "exact gradient norms"),
+                        ("variance", "per-token gradients")]:
+        text = "".join(p.read_text() for p in (r / "logs" / rule).glob("*.log"))
+        assert re.search(rf"{re.escape(label)}: \d+/\d+ \w+ \(100%\), [\d.e+]+ \w+/s, done", text), (rule, text[-800:])
 
 
 def test_iteration_one_samples_from_iteration_zero_policy(run_dir):
@@ -101,8 +106,7 @@ def test_iteration_one_samples_from_iteration_zero_policy(run_dir):
 
 
 def test_html_report(run_dir):
-    snakemake(run_dir, "--report", "report.html")
-    html = (run_dir / "report.html").read_text(errors="ignore")
+    html = (run_dir / "results" / "report.html").read_text(errors="ignore")  # written by make run
     assert "accuracy.png" in html and "Held-out accuracy" in html
 
 
@@ -117,6 +121,7 @@ def test_changing_the_estimator_reruns_from_advantages_on(run_dir):
     outs = planned_outputs(res.stdout)
     assert {"advantages", "train", "evaluate", "report"} <= rules
     assert "bootstrap" not in rules and "shard" not in rules
+    assert not {"scaling", "variance", "variance_pool"} & rules  # they read neither the estimator nor its rollouts
     assert not any("iter_0/rollout" in o or "iter_0/features" in o for o in outs), outs
     assert "results/initial/eval/summary.parquet" not in outs  # the initial policy is unchanged
     assert any("iter_1/rollout" in o for o in outs)  # iteration 1 samples from a new policy
@@ -125,7 +130,7 @@ def test_changing_the_estimator_reruns_from_advantages_on(run_dir):
 def test_editing_a_stage_source_reruns_that_stage(run_dir, tmp_path):
     """The Snakefile and the jobs import the source tree they find; edit a copy of it."""
     repo = tmp_path / "repo"
-    shutil.copytree(REPO, repo, ignore=shutil.ignore_patterns(".venv", ".git", "results", ".snakemake", "__pycache__"))
+    shutil.copytree(REPO, repo, ignore=shutil.ignore_patterns(".venv*", ".git", "results", ".snakemake", "__pycache__"))
     env = dict(__import__("os").environ, PYTHONPATH=str(repo / "src"))
     res = snakemake(run_dir, "-n", snakefile=repo / "Snakefile", env=env)
     assert planned_rules(res.stdout) == set(), res.stdout[-3000:]
@@ -137,6 +142,14 @@ def test_editing_a_stage_source_reruns_that_stage(run_dir, tmp_path):
     assert "advantages" in rules and "bootstrap" not in rules and "shard" not in rules
     assert not any("iter_0/rollout" in o or "iter_0/features" in o for o in outs)
     assert re.search(r"reason: .*[Pp]arams", res.stdout)
+
+
+def test_an_estimator_option_reruns_the_variance_study_but_not_its_pool(run_dir):
+    res = snakemake(run_dir, "-n", "--config", "advantages={handle_zero_tail: false}")
+    assert "variance" in planned_rules(res.stdout) and "variance_pool" not in planned_rules(res.stdout)
+    # the study compares baselines unshifted and grpo without std: these options do not rerun it
+    res = snakemake(run_dir, "-n", "--config", "advantages={baseline_shift: -0.1, std_normalize: false}")
+    assert "advantages" in planned_rules(res.stdout) and "variance" not in planned_rules(res.stdout)
 
 
 @pytest.mark.parametrize("override, key", [

@@ -133,7 +133,10 @@ rule experiment_report:
         variance=rules.shared.output.variance,
     output:
         summary=f"{ROOT}/summary.parquet",
+        seeds=f"{ROOT}/seeds.parquet",
+        pairs=f"{ROOT}/pairs.parquet",
         table=report(f"{ROOT}/summary.tsv", caption="report/experiment_summary.rst", category="Experiment"),
+        pairs_table=report(f"{ROOT}/pairs.tsv", caption="report/experiment_pairs.rst", category="Experiment"),
         variance=report(f"{ROOT}/variance.tsv", caption="report/variance_table.rst", category="Gradient variance"),
         curves=f"{ROOT}/curves.parquet",
         metrics=f"{ROOT}/metrics.parquet",

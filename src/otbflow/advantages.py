@@ -12,7 +12,9 @@ where the spec leaves room are in docs/estimators.md and ../shared/docs/algorith
 
 The stage (``otbflow advantages``) merges the features shards of one iteration, computes
 ``advantages.estimator`` for training and the diagnostics of every estimator in
-``advantages.compare`` into a comparison Parquet.
+``advantages.compare`` into a comparison Parquet. One rule for the comparison: every estimator
+runs with the ``advantages.*`` options it takes (``baseline_shift`` included; an estimator that
+takes none, reinforce_pp_baseline, runs without), and each row records the shift it used.
 """
 
 from __future__ import annotations
@@ -184,16 +186,43 @@ def register(name: str, needs: tuple[str, ...] = ()) -> Callable:
 
 def _with_seq_baseline(b: Batch, base_seq: np.ndarray, shift: float,
                        scale_seq: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Broadcast a per-sequence baseline: A_t = (G_t - b_i - shift) / scale_i * m_t."""
-    base = b.seq_to_tokens(base_seq) + shift
+    """Broadcast a per-sequence baseline b_i. Without a scale: A_t = (G_t - b_i - shift) m_t and the
+    baseline column is b_i + shift. With a scale s_i (std-normalised GRPO) the shift acts on the
+    normalised scale: A_t = ((G_t - b_i) / s_i - shift) m_t, i.e. the baseline b_i + shift s_i."""
+    base = b.seq_to_tokens(base_seq)
     adv = b.returns - base
-    if scale_seq is not None:
-        adv /= b.seq_to_tokens(scale_seq)
+    if scale_seq is None:
+        if shift:
+            base += shift
+            adv -= shift
+    else:
+        scale = b.seq_to_tokens(scale_seq)
+        adv /= scale
+        if shift:
+            base += shift * scale
+            adv -= shift
     return base, adv * b.mask if b.has_mask else adv
+
+
+def _group_first(b: Batch) -> np.ndarray:
+    """[n_groups] the row index of each group's first sequence."""
+    first = np.full(b.n_groups, len(b.group), dtype=np.int64)
+    np.minimum.at(first, b.group, np.arange(len(b.group)))
+    return first
+
+
+def _group_ref(b: Batch) -> np.ndarray:
+    """[S] the reward of the first row of each sequence's group. Group statistics are taken of
+    R - ref and ref added back, so that an all-equal group gives exactly its reward as every
+    baseline (A = 0, no rounding residue: (0.7 + 0.7 + 0.7) / 3 != 0.7 in floating point)."""
+    return b.reward[_group_first(b)][b.group]
 
 
 def _group_mean(b: Batch, x: np.ndarray) -> np.ndarray:
     n = b.group_size()
+    if x is b.reward:
+        ref = _group_ref(b)
+        return ref + (_segment_sum(x - ref, b.group, b.n_groups) / np.maximum(n, 1))[b.group]
     return (_segment_sum(x, b.group, b.n_groups) / np.maximum(n, 1))[b.group]
 
 
@@ -205,7 +234,11 @@ def none(b: Batch, baseline_shift: float = 0.0) -> tuple[np.ndarray, np.ndarray]
 
 @register("grpo")
 def grpo(b: Batch, std_normalize: bool = True, baseline_shift: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
-    """Group mean baseline, optionally divided by the unbiased group std + 1e-6 (Dr.GRPO: off)."""
+    """Group mean baseline, optionally divided by the unbiased group std + 1e-6 (Dr.GRPO: off).
+
+    With std normalisation the shift is applied on the normalised scale, A = (G - mean) / (std +
+    1e-6) - shift: an all-equal group then gets A = -shift like every other estimator, instead of
+    -shift / 1e-6."""
     n = b.group_size()
     mean = _group_mean(b, b.reward)
     mean[n[b.group] == 1] = 0.0  # verl: a singleton has mean 0, std 1
@@ -221,18 +254,23 @@ def grpo(b: Batch, std_normalize: bool = True, baseline_shift: float = 0.0) -> t
 def rloo(b: Batch, baseline_shift: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """Leave-one-out mean of the other rewards of the group; a singleton gets baseline 0."""
     n = b.group_size()[b.group]
-    total = _segment_sum(b.reward, b.group, b.n_groups)[b.group]
-    base = np.where(n > 1, (total - b.reward) / np.maximum(n - 1, 1), 0.0)
+    ref = _group_ref(b)
+    d = b.reward - ref
+    total = _segment_sum(d, b.group, b.n_groups)[b.group]
+    base = np.where(n > 1, ref + (total - d) / np.maximum(n - 1, 1), 0.0)
     return _with_seq_baseline(b, base, baseline_shift)
 
 
 @register("reinforce_pp_baseline")
-def reinforce_pp_baseline(b: Batch, baseline_shift: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
-    """REINFORCE++ with baseline: (R - group mean), whitened over all valid tokens of the batch."""
+def reinforce_pp_baseline(b: Batch) -> tuple[np.ndarray, np.ndarray]:
+    """REINFORCE++ with baseline: (R - group mean), whitened over all valid tokens of the batch.
+
+    It takes no baseline_shift: the whitening subtracts the batch mean, which removes any constant
+    shift of the baseline."""
     n = b.group_size()
     mean = _group_mean(b, b.reward)
     mean[n[b.group] == 1] = 0.0
-    base, adv = _with_seq_baseline(b, mean, baseline_shift)
+    base, adv = _with_seq_baseline(b, mean, 0.0)
     valid = b.mask > 0
     if valid.sum() > 1:
         mu = adv[valid].mean()
@@ -245,15 +283,16 @@ def _weighted_baseline(b: Batch, weight: np.ndarray, leave_one_out: bool) -> np.
     """Per-sequence sum_j w_j R_j / sum_j w_j over the group (or over j != i). Groups of one
     get baseline 0; a group whose weights are all 0 falls back to the plain mean."""
     n = b.group_size()[b.group]
-    num = _segment_sum(weight * b.reward, b.group, b.n_groups)[b.group]
+    ref = _group_ref(b)
+    d = b.reward - ref
+    num = _segment_sum(weight * d, b.group, b.n_groups)[b.group]
     den = _segment_sum(weight, b.group, b.n_groups)[b.group]
     if leave_one_out:
-        num, den = num - weight * b.reward, den - weight
-        mean = np.where(n > 1, (_segment_sum(b.reward, b.group, b.n_groups)[b.group] - b.reward)
-                        / np.maximum(n - 1, 1), 0.0)
+        num, den = num - weight * d, den - weight
+        mean = np.where(n > 1, (_segment_sum(d, b.group, b.n_groups)[b.group] - d) / np.maximum(n - 1, 1), 0.0)
     else:
-        mean = _group_mean(b, b.reward)
-    base = np.where(den > 0, num / np.where(den > 0, den, 1.0), mean)
+        mean = _segment_sum(d, b.group, b.n_groups)[b.group] / np.maximum(n, 1)
+    base = ref + np.where(den > 0, num / np.where(den > 0, den, 1.0), mean)
     return np.where(n > 1, base, 0.0)
 
 
@@ -274,73 +313,130 @@ def length_power(b: Batch, exponent: float = 1.0, leave_one_out: bool = False,
 
 @register("eob", needs=("grad_sq_norm",))
 def eob(b: Batch, baseline_shift: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
-    """Exact optimal baseline: weights = exact per-sequence squared gradient norms."""
+    """Exact optimal baseline: weights = exact per-sequence squared gradient norms.
+
+    b = sum_i n_i R_i / (sum_i n_i + 1e-8) as algorithms.md §1.9, taken relative to a member's
+    reward (so an all-equal group gets exactly A = 0); the plain mean when sum_i n_i < 1e-10."""
     n_i = b.table["grad_sq_norm"].to_numpy().astype(np.float64)
+    ref = _group_ref(b)
     den = _segment_sum(n_i, b.group, b.n_groups)[b.group]
-    num = _segment_sum(n_i * b.reward, b.group, b.n_groups)[b.group]
-    base = np.where(den >= 1e-10, num / (den + EPS_OTB), _group_mean(b, b.reward))
+    num = _segment_sum(n_i * (b.reward - ref), b.group, b.n_groups)[b.group]
+    base = np.where(den >= 1e-10, ref + num / (den + EPS_OTB), _group_mean(b, b.reward))
     base = np.where(b.group_size()[b.group] > 1, base, 0.0)
     return _with_seq_baseline(b, base, baseline_shift)
 
 
-def _otb(b: Batch, pos: np.ndarray | None, length: np.ndarray, handle_zero_tail: bool,
-         baseline_shift: float) -> tuple[np.ndarray, np.ndarray]:
-    """OTB over token positions ``pos`` (compacted for TIR; None: absolute positions). ``length``
-    is each sequence's length in those positions; sequences of length 0 are not group members.
+def _concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenation of arange(s, s + n) for each (s, n)."""
+    total = int(lengths.sum())
+    return np.repeat(starts - np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths) + np.arange(total)
 
-    The baseline lives on a [group, position] grid: B = sum(m G W) / (sum(m W) + eps), both sums
-    a scatter-add (bincount) over (group, position); each token then reads its grid cell."""
+
+def _zero_tail_sequences(group: np.ndarray, length: np.ndarray, member: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """verl's handle_zero_tail: among the ``member`` sequences of each group of two or more, a
+    unique longest one (by ``length``, ties disable it) gets baseline 0 from the second-longest
+    length L2 on. Returns (those sequences, their L2)."""
+    idx = np.flatnonzero(member)
+    if len(idx) < 2:
+        return idx[:0], idx[:0]
+    order = idx[np.lexsort((-length[idx], group[idx]))]
+    g, ln = group[order], length[order]
+    first = np.ones(len(order), bool)
+    first[1:] = g[1:] != g[:-1]
+    top = np.flatnonzero(first)
+    nxt = np.minimum(top + 1, len(order) - 1)
+    ok = (top + 1 < len(order)) & (g[nxt] == g[top]) & (ln[top] > ln[nxt])
+    return order[top[ok]], ln[nxt[ok]]
+
+
+def _otb(b: Batch, pos: np.ndarray | None, length: np.ndarray, member: np.ndarray, handle_zero_tail: bool,
+         baseline_shift: float) -> tuple[np.ndarray, np.ndarray]:
+    """OTB over token positions ``pos`` (the compacted index for TIR; None: absolute positions).
+    ``length`` is each sequence's number of mask = 1 tokens (verl: mask.sum(-1)); ``member``
+    marks the sequences that count in their group's size (a group of one member gets no baseline)
+    and in the zero-tail comparison.
+
+    The baseline lives on a [group, position] grid, B = sum(m W G) / sum(m W), both sums a
+    scatter-add (bincount) over (group, position); each token then reads its grid cell. The sums
+    are taken relative to a reference return (the group's first reward; with token_rewards, the
+    return of any member alive in the cell), so that an all-equal group gets exactly its return as
+    the baseline (A = 0, no eps residue). A cell with sum(m W) = 0 (every alive member's prefix
+    has zero energy, so their logit gradients are 0) gets the plain mean of its alive returns."""
     w = b.energy()
     if "is_weights" in b.table.columns:
         w *= _flat(b.table["is_weights"]) ** 2
     masked = b.has_mask
     W = _cumsum_per_seq(b, w * b.mask if masked else w)
-    width = max(int(length.max()), 1) if len(length) else 1
+    n_tok = int(b.offsets[-1])
+    width = max(int(b.lengths.max()) if pos is None else int(length.max()), 1) if len(length) else 1
     if pos is None:  # key = group * width + (token index - sequence start), in one pass
-        key = np.arange(int(b.offsets[-1]), dtype=np.int64)
+        key = np.arange(n_tok, dtype=np.int64)
         key -= np.repeat(b.offsets[:-1] - b.group * width, b.lengths)
     else:
         key = np.repeat(b.group * width, b.lengths) + pos
     size = b.n_groups * width
+    G = b.returns
     mW = W * b.mask if masked else W
-    num = np.bincount(key, weights=mW * b.returns, minlength=size)
+    if "token_rewards" in b.table.columns:  # returns vary along a sequence: one alive return per cell
+        ref = np.zeros(size)
+        valid = b.mask > 0
+        ref[key[valid]] = G[valid]  # any alive member's (for repeated cells, whichever is written)
+        dG = G - ref[key]
+    else:  # G = R on every token: the first member's reward, per group
+        first = _group_first(b)
+        dG = b.seq_to_tokens(b.reward - b.reward[first][b.group])
+        ref = np.repeat(b.reward[first], width)
+    num = np.bincount(key, weights=mW * dG, minlength=size)
     den = np.bincount(key, weights=mW, minlength=size)
-    grid = (num / (den + EPS_OTB)).reshape(b.n_groups, width)
-    n = np.bincount(b.group, weights=(length > 0).astype(np.float64), minlength=b.n_groups)
+    grid = ref + num / np.where(den > 0, den, 1.0)
+    zero = (mW == 0) & (b.mask > 0) if masked else W == 0
+    if zero.any():  # cells whose alive members all have zero energy over their prefix: the plain mean
+        cells = np.unique(key[zero])
+        cells = cells[den[cells] <= 0]
+        if len(cells):
+            cnt = np.bincount(key, weights=b.mask if masked else None, minlength=size)
+            alive = np.bincount(key, weights=dG * b.mask if masked else dG, minlength=size)
+            grid[cells] = ref[cells] + alive[cells] / cnt[cells]
+    grid = grid.reshape(b.n_groups, width)
+    n = np.bincount(b.group, weights=member.astype(np.float64), minlength=b.n_groups)
     grid[n <= 1] = 0.0  # a group of one: no baseline, A = G
-    if handle_zero_tail:
-        # A unique longest member of a group (N >= 2) is alone from the second-longest length
-        # L2 on; its baseline there is 0. Sort each group's lengths, longest first, compare the
-        # top two, and zero the grid cells [L2, width) of those groups.
-        order = np.lexsort((-length, b.group))
-        g_sorted, l_sorted = b.group[order], length[order]
-        first = np.ones(len(order), bool)
-        first[1:] = g_sorted[1:] != g_sorted[:-1]
-        top = np.flatnonzero(first)
-        has_second = (top + 1 < len(order)) & (g_sorted[np.minimum(top + 1, len(order) - 1)] == g_sorted[top])
-        longest = np.full(b.n_groups, -1)
-        second = np.full(b.n_groups, -1)
-        longest[g_sorted[top]] = l_sorted[top]
-        second[g_sorted[top[has_second]]] = l_sorted[top[has_second] + 1]
-        unique = (longest > second) & (n >= 2)
-        grid[unique[:, None] & (np.arange(width)[None, :] >= second[:, None])] = 0.0
+    seqs, second = _zero_tail_sequences(b.group, length, member) if handle_zero_tail else ([], [])
+    if len(seqs) and not masked:
+        # without a mask the other members end by L2: the tail is the group's grid cells [L2, width)
+        grid.ravel()[_concat_ranges(b.group[seqs] * width + second, width - second)] = 0.0
     base = grid.ravel()[key]
-    base += baseline_shift
-    adv = b.returns - base
+    if len(seqs) and masked:  # only the longest member's tokens: others may have valid tokens beyond L2
+        if pos is None:  # absolute positions: the contiguous range [L2, list length)
+            base[_concat_ranges(b.offsets[seqs] + second, b.lengths[seqs] - second)] = 0.0
+        else:
+            tok = _concat_ranges(b.offsets[seqs], b.lengths[seqs])
+            base[tok[pos[tok] >= np.repeat(second, b.lengths[seqs])]] = 0.0
+    if baseline_shift:
+        base += baseline_shift
+    adv = G - base
     return base, adv * b.mask if masked else adv
 
 
 @register("otb", needs=("sum_pi_sq",))
 def otb(b: Batch, handle_zero_tail: bool = True, baseline_shift: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
-    """Optimal Token Baseline: per-position energy-weighted mean of the returns still alive."""
-    return _otb(b, None, b.lengths, handle_zero_tail, baseline_shift)
+    """Optimal Token Baseline: per-position energy-weighted mean of the returns still alive.
+
+    As verl's compute_optimal_token_baseline_advantage: lengths and the zero-tail come from the
+    loss_mask (its count of 1s), every row of a group counts as a member (an empty response
+    too), the zero-tail starts at the absolute position L2."""
+    return _otb(b, None, b.valid_len.astype(np.int64), np.ones(len(b.lengths), bool), handle_zero_tail,
+                baseline_shift)
 
 
-@register("otb_tir", needs=("sum_pi_sq",))
+@register("otb_tir", needs=("sum_pi_sq", "loss_mask"))
 def otb_tir(b: Batch, handle_zero_tail: bool = True, baseline_shift: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
-    """Multi-turn OTB: positions are the compacted index of model tokens (loss_mask = 1)."""
+    """Multi-turn OTB: positions are the compacted index of model tokens (loss_mask = 1).
+
+    As verl's compute_multi_turn_optimal_token_baseline_advantage: responses without a model
+    token are not group members; lengths and the zero-tail are counted in model tokens."""
     compact = np.maximum(_cumsum_per_seq(b, b.mask) - 1, 0).astype(np.int64)
-    return _otb(b, compact, b.valid_len.astype(np.int64), handle_zero_tail, baseline_shift)
+    length = b.valid_len.astype(np.int64)
+    return _otb(b, compact, length, length > 0, handle_zero_tail, baseline_shift)
 
 
 # ------------------------------------------------------------------------------------------
@@ -351,7 +447,8 @@ def otb_tir(b: Batch, handle_zero_tail: bool = True, baseline_shift: float = 0.0
 def _check_input(table: pl.DataFrame, est: Estimator) -> None:
     for col in est.needs:
         if col not in table.columns:
-            raise SchemaError(f"estimator '{est.name}' needs column '{col}', which the table lacks")
+            raise SchemaError(f"estimator '{est.name}' needs column '{col}', which the table lacks "
+                              f"({est.name}: {est.doc})")
     reward = table["reward"].cast(pl.Float64)
     bad = (~reward.is_finite() | reward.is_null()).arg_true()
     if len(bad):
@@ -377,6 +474,11 @@ def compute_advantages(table: pl.DataFrame, estimator: str, **options) -> pl.Dat
     if estimator not in ESTIMATORS:
         raise ValueError(f"unknown estimator '{estimator}'; registered: {', '.join(sorted(ESTIMATORS))}")
     est = ESTIMATORS[estimator]
+    accepted = estimator_parameters(estimator)
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ValueError(f"estimator '{estimator}' takes no option {', '.join(map(repr, unknown))}; its options: "
+                         f"{', '.join(accepted) or 'none'}")
     _check_input(table, est)
     b = make_batch(table)
     base, adv = est.fn(b, **options)
@@ -384,13 +486,17 @@ def compute_advantages(table: pl.DataFrame, estimator: str, **options) -> pl.Dat
                               _to_list_column("baselines", base, b.offsets))
 
 
-def estimator_options(cfg: DictConfig, name: str) -> dict:
-    """The options of ``advantages`` config that estimator ``name`` accepts."""
+def estimator_parameters(name: str) -> list[str]:
+    """The keyword options estimator ``name`` takes (e.g. baseline_shift, handle_zero_tail)."""
     import inspect
 
-    accepted = inspect.signature(ESTIMATORS[name].fn).parameters
+    return [k for k in inspect.signature(ESTIMATORS[name].fn).parameters if k != "b"]
+
+
+def estimator_options(cfg: DictConfig, name: str) -> dict:
+    """The options of ``advantages`` config that estimator ``name`` accepts."""
     a = cfg.advantages
-    return {k: a[k] for k in accepted if k != "b" and k in a}
+    return {k: a[k] for k in estimator_parameters(name) if k in a}
 
 
 def total_power(w_hat: np.ndarray, abar: np.ndarray, rho_mean: np.ndarray | None = None) -> float:
@@ -446,8 +552,10 @@ def run(cfg: DictConfig, args: Args) -> None:
     a = cfg.advantages
     rows = []
     for name in dict.fromkeys(list(a.compare) + [a.estimator]):
-        out = compute_advantages(table, name, **estimator_options(cfg, name))
-        rows.append({"iteration": args.iteration, "estimator": name, **diagnostics(out)})
+        options = estimator_options(cfg, name)  # the one rule: the advantages.* options it takes
+        out = compute_advantages(table, name, **options)
+        rows.append({"iteration": args.iteration, "estimator": name,
+                     "baseline_shift": float(options.get("baseline_shift", 0.0)), **diagnostics(out)})
         if name == a.estimator:
             train = out.with_columns(pl.lit(name).alias("estimator"))
             train = train.select(schemas.ADVANTAGES.present(train.columns))
@@ -455,5 +563,5 @@ def run(cfg: DictConfig, args: Args) -> None:
     comparison = pl.DataFrame(rows, schema=schemas.COMPARISON.columns)
     write_parquet(comparison, args.comparison)
     for r in rows:
-        log.info("%-22s P=%.4g  E[A^2]=%.4g  zero-adv=%.3f  pessimism=%+.4f", r["estimator"], r["total_power"],
-                 r["expected_a_squared"], r["zero_adv_fraction"], r["pessimism"])
+        log.info("%-22s delta=%+.3g  P=%.4g  E[A^2]=%.4g  zero-adv=%.3f  pessimism=%+.4f", r["estimator"],
+                 r["baseline_shift"], r["total_power"], r["expected_a_squared"], r["zero_adv_fraction"], r["pessimism"])

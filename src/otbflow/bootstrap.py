@@ -1,4 +1,8 @@
-"""Bootstrap: build the tiny character-level GPT-2 and warm-start it on the synthetic task.
+"""Bootstrap: build a small policy and warm-start it on the synthetic task.
+
+The model is ``model.arch`` (gpt2, llama, qwen2) at the configured size, with ``model.tokenizer``:
+'char', or 'bpe', a byte-level BPE trained on the task's text (problems and scratchpads drawn
+from their own seed, and the chat roles) with a ChatML chat template (``otbflow.model``).
 
 Supervised training on (prompt, scratchpad response) pairs stops as soon as the sampled
 accuracy on held-out problems reaches ``bootstrap.target_accuracy``, which leaves the initial
@@ -19,8 +23,10 @@ import torch
 from omegaconf import DictConfig
 
 from otbflow.config import derive_seed
+from otbflow.generation import render_prompts, stop_token_ids, use_chat
+from otbflow.hf_engine import hf_generate
 from otbflow.io import atomic_dir, write_parquet
-from otbflow.model import build_char_tokenizer, build_tiny_model, encode, set_threads
+from otbflow.model import build_tiny_model, build_tokenizer, encode, set_threads
 from otbflow.rewards import arithmetic_reward
 from otbflow.tasks import arithmetic_prompts, arithmetic_problem, arithmetic_solution
 
@@ -36,7 +42,7 @@ class Args:
     """Output Parquet of the warm-start curve (step, loss, held-out sampled accuracy)."""
 
 
-def sft_batch(tok, rng: random.Random, cfg: DictConfig, exclude: set[str]) -> tuple[torch.Tensor, ...]:
+def sft_batch(tok, rng: random.Random, cfg: DictConfig, exclude: set[str], chat: bool) -> tuple[torch.Tensor, ...]:
     """Right-padded (input_ids, attention_mask, labels) with the loss on response tokens only."""
     t = cfg.task
     seqs, labels = [], []
@@ -44,9 +50,9 @@ def sft_batch(tok, rng: random.Random, cfg: DictConfig, exclude: set[str]) -> tu
         p = arithmetic_problem(rng, t.min_terms, t.max_terms, t.max_operand)
         if p in exclude:
             continue
-        target, _ = arithmetic_solution(p)
-        pi, ri = encode(tok, [p, target])
-        ri = ri + [tok.eos_token_id]
+        target, _ = arithmetic_solution(p, rng, cfg.bootstrap.slip_rate)
+        (pi,) = render_prompts(tok, [p], None, chat, t.system_prompt)
+        ri = encode(tok, [target])[0] + [tok.eos_token_id]
         seqs.append(pi + ri)
         labels.append([-100] * len(pi) + ri)
     width = max(len(s) for s in seqs)
@@ -57,14 +63,30 @@ def sft_batch(tok, rng: random.Random, cfg: DictConfig, exclude: set[str]) -> tu
     return ids, mask, lab
 
 
-def sampled_accuracy(model, tok, problems: list[dict], seed: int, max_new_tokens: int) -> float:
-    from otbflow.rollout import hf_generate
-
+def sampled_accuracy(model, tok, problems: list[dict], seed: int, max_new_tokens: int, chat: bool,
+                     system_prompt: str | None, stops: list[int]) -> float:
     model.eval()
-    samples = hf_generate(model, tok, [p["prompt"] for p in problems], n=1, temperature=1.0,
-                          max_new_tokens=max_new_tokens, seed=seed)
+    ids = render_prompts(tok, [p["prompt"] for p in problems], None, chat, system_prompt)
+    samples = hf_generate(model, tok, ids, n=1, temperature=1.0, max_new_tokens=max_new_tokens, seed=seed,
+                          stop_ids=stops)
     model.train()
     return sum(arithmetic_reward(s.text, problems[s.prompt_index]["answer"]) for s in samples) / len(samples)
+
+
+def generation_stops(tok, model) -> list[int]:
+    """What the rollout will stop on: the tokenizer's eos, then the generation config's eos ids."""
+    eos = model.generation_config.eos_token_id
+    return list(dict.fromkeys(stop_token_ids(tok) + (eos if isinstance(eos, list) else [eos] if eos is not None else [])))
+
+
+def tokenizer_corpus(cfg: DictConfig) -> list[str]:
+    """Text the bpe tokenizer is trained on: problems with their scratchpads (own seed), and the
+    chat roles and system prompt as the template writes them."""
+    t = cfg.task
+    rng = random.Random(derive_seed(cfg.seed, "bootstrap-tokenizer"))
+    problems = [arithmetic_problem(rng, t.min_terms, t.max_terms, t.max_operand) for _ in range(2048)]  # repeats allowed
+    chat = [f"{role}\n" for role in ("system", "user", "assistant")] + ([t.system_prompt] if t.system_prompt else [])
+    return [p + arithmetic_solution(p)[0] for p in problems] + chat * 16
 
 
 def run(cfg: DictConfig, args: Args) -> None:
@@ -73,8 +95,10 @@ def run(cfg: DictConfig, args: Args) -> None:
                          "to a local HF causal-LM folder for task.name=dataset")
     set_threads()
     b, t = cfg.bootstrap, cfg.task
-    tok = build_char_tokenizer()
+    tok = build_tokenizer(cfg.model, tokenizer_corpus(cfg))
     model = build_tiny_model(cfg.model, tok, derive_seed(cfg.seed, "bootstrap-init"))
+    chat = use_chat(cfg, tok)
+    stops = generation_stops(tok, model)
     # Held-out checks use their own problems; training problems avoid them and the eval split's.
     from otbflow.shard import synthetic_splits
 
@@ -87,7 +111,8 @@ def run(cfg: DictConfig, args: Args) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=b.sft_lr, weight_decay=0.0)
     max_new = cfg.rollout.max_new_tokens
     curve = []
-    acc = sampled_accuracy(model, tok, heldout, derive_seed(cfg.seed, "bootstrap-acc", 0), max_new)
+    acc = sampled_accuracy(model, tok, heldout, derive_seed(cfg.seed, "bootstrap-acc", 0), max_new, chat,
+                           t.system_prompt, stops)
     curve.append({"step": 0, "loss": float("nan"), "heldout_accuracy": acc, "time_s": 0.0})
     start = time.perf_counter()
     model.train()
@@ -97,14 +122,15 @@ def run(cfg: DictConfig, args: Args) -> None:
         lr = b.sft_lr * min(1.0, step / 20)  # short linear warm-up
         for g in opt.param_groups:
             g["lr"] = lr
-        ids, mask, lab = sft_batch(tok, rng, cfg, exclude)
+        ids, mask, lab = sft_batch(tok, rng, cfg, exclude, chat)
         loss = model(input_ids=ids, attention_mask=mask, labels=lab).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if step % b.eval_every == 0:
-            acc = sampled_accuracy(model, tok, heldout, derive_seed(cfg.seed, "bootstrap-acc", step), max_new)
+            acc = sampled_accuracy(model, tok, heldout, derive_seed(cfg.seed, "bootstrap-acc", step), max_new, chat,
+                                   t.system_prompt, stops)
             curve.append({"step": step, "loss": loss.item(), "heldout_accuracy": acc,
                           "time_s": time.perf_counter() - start})
             log.info("sft step %d loss %.4f held-out sampled accuracy %.3f", step, loss.item(), acc)
@@ -116,4 +142,6 @@ def run(cfg: DictConfig, args: Args) -> None:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
     write_parquet(pl.DataFrame(curve), args.metrics,
-                  metadata={"target_accuracy": b.target_accuracy, "final_accuracy": acc, "steps": step})
+                  metadata={"target_accuracy": b.target_accuracy, "final_accuracy": acc, "steps": step,
+                            "arch": cfg.model.arch, "tokenizer": cfg.model.tokenizer, "vocab_size": len(tok),
+                            "parameters": sum(p.numel() for p in model.parameters()), "chat": chat})

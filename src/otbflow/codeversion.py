@@ -11,18 +11,19 @@ import hashlib
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent
-SHARED = ("__init__", "__main__", "cli", "config", "io", "schemas", "model", "tasks", "rewards", "codeversion")
+SHARED = ("__init__", "__main__", "cli", "config", "io", "schemas", "model", "tasks", "rewards", "codeversion",
+          "progress")
 STAGE_MODULES = {
-    "bootstrap": ("bootstrap", "shard", "rollout"),
+    "bootstrap": ("bootstrap", "shard", "generation", "hf_engine"),
     "shard": ("shard",),
-    "rollout": ("rollout", "vllm_engine"),
-    "features": ("features",),
+    "rollout": ("rollout", "generation", "hf_engine", "vllm_engine"),
+    "features": ("features", "rollout_is"),
     "advantages": ("advantages",),
-    "train": ("train", "features", "lr_schedule", "advantages"),
-    "evaluate": ("evaluate", "rollout", "vllm_engine"),
+    "train": ("train", "features", "lr_schedule", "advantages", "rollout_is"),
+    "evaluate": ("evaluate", "generation", "hf_engine", "vllm_engine"),
     "report": ("report",),
-    "scaling": ("scaling", "features"),
-    "variance": ("variance", "features", "advantages"),
+    "scaling": ("scaling", "features", "rollout_is"),
+    "variance": ("variance", "features", "advantages", "rollout_is"),
     "experiment": ("experiment",),
 }
 

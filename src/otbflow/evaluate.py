@@ -1,8 +1,10 @@
 """Evaluate: greedy accuracy and sampled avg@k of one policy on the held-out prompts.
 
-Generates with ``rollout.backend`` (transformers or vLLM). Writes every response (samples Parquet) and a one-row summary: greedy accuracy, avg@k (mean
-reward over k samples per prompt at ``evaluate.temperature``) and mean sampled response length.
-The seed is fixed per policy name, so the same policy always gets the same samples.
+Generates with ``rollout.backend`` (transformers or vLLM; one engine for both modes) from the
+prompts rendered as the rollout renders them (``task.chat``). Writes every response (samples
+Parquet) and a one-row summary: greedy accuracy, avg@k (mean reward over k samples per prompt at
+``evaluate.temperature``) and mean sampled response length. The seed is fixed per policy name,
+so the same policy always gets the same samples.
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ from omegaconf import DictConfig
 
 from otbflow import schemas
 from otbflow.config import derive_seed
+from otbflow.generation import Sampling, open_backend, prompt_metadata, render_table
 from otbflow.io import read_table, write_parquet
-from otbflow.model import set_threads
+from otbflow.model import load_tokenizer, set_threads
 from otbflow.rewards import get_reward, resolve_reward_name
-from otbflow.rollout import generate_samples
 
 log = logging.getLogger("otbflow.evaluate")
 SECTIONS = ("evaluate", "task", "model")
@@ -45,16 +47,21 @@ def run(cfg: DictConfig, args: Args) -> None:
     prompts = read_table(args.prompts, schemas.PROMPTS)
     e = cfg.evaluate
     reward_fn = get_reward(resolve_reward_name(cfg.task.name, cfg.task.reward))
-    texts, answers, ids = prompts["prompt"].to_list(), prompts["answer"].to_list(), prompts["prompt_id"].to_list()
-    rows = []
+    answers, ids = prompts["answer"].to_list(), prompts["prompt_id"].to_list()
+    tok = load_tokenizer(args.policy)
+    prompt_ids, chat = render_table(cfg, tok, prompts)
+    backend = open_backend(cfg, args.policy)
+    rows, meta = [], {"backend": cfg.rollout.backend, "policy": args.policy}
     for mode in ("greedy", "sampled"):
-        samples, _ = generate_samples(cfg, args.policy, texts, e.n_samples, e.temperature, 1.0, e.max_new_tokens,
-                                      greedy=mode == "greedy", seed=derive_seed(cfg.seed, "evaluate", args.name))
+        sampling = Sampling(e.n_samples, e.temperature, 1.0, e.max_new_tokens, greedy=mode == "greedy",
+                            seed=derive_seed(cfg.seed, "evaluate", args.name))
+        samples = backend.generate(prompt_ids, sampling)
+        meta[mode] = backend.metadata(sampling)
         rows += [{"policy": args.name, "prompt_id": ids[s.prompt_index], "mode": mode, "sample_idx": s.sample_idx,
                   "response_text": s.text, "response_length": len(s.response_ids),
                   "reward": reward_fn(s.text, answers[s.prompt_index])} for s in samples]
     df = pl.DataFrame(rows, schema=schemas.EVAL_SAMPLES.columns)
-    write_parquet(df, args.samples)
+    write_parquet(df, args.samples, metadata={**meta, **prompt_metadata(cfg, tok, chat, backend.stops)})
     greedy = df.filter(pl.col("mode") == "greedy")
     sampled = df.filter(pl.col("mode") == "sampled")
     summary = pl.DataFrame([{

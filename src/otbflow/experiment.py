@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,11 @@ from otbflow.io import pyplot, read_table, save_figure, write_parquet
 log = logging.getLogger("otbflow.experiment")
 SECTIONS = ()
 KEYS = {"experiment", "seeds", "base", "runs"}
+OPTIONAL_KEYS = {"analysis"}
+ANALYSIS_DEFAULTS = {"reference": None, "target_fraction": 0.9, "pairs": [], "bootstrap": 2000, "confidence": 0.95}
+"""``analysis`` of an experiment file: ``reference`` (a run; default the first), the target avg@k
+= ``target_fraction`` x the reference's final avg@k (mean over seeds), ``pairs`` of runs [a, b]
+compared seed by seed, and the bootstrap resamples and confidence level of every interval."""
 
 
 @dataclass
@@ -62,10 +68,10 @@ def load_experiment(path: str | Path) -> dict:
     """The experiment file, checked: keys, seeds, runs, and every member's config (validated by
     the same loader as any config; errors name the run and the key)."""
     data = yaml.safe_load(Path(path).read_text()) or {}
-    unknown = set(data) - KEYS
+    unknown = set(data) - KEYS - OPTIONAL_KEYS
     if unknown or not KEYS <= set(data):
-        raise ConfigError(f"{path}: an experiment needs exactly the keys {sorted(KEYS)} (unknown: {sorted(unknown)}, "
-                          f"missing: {sorted(KEYS - set(data))})")
+        raise ConfigError(f"{path}: an experiment needs the keys {sorted(KEYS)} and may have {sorted(OPTIONAL_KEYS)} "
+                          f"(unknown: {sorted(unknown)}, missing: {sorted(KEYS - set(data))})")
     if not (isinstance(data["seeds"], list) and data["seeds"] and all(isinstance(s, int) for s in data["seeds"])):
         raise ConfigError(f"{path}: 'seeds' must be a non-empty list of integers (got {data['seeds']!r})")
     if not (isinstance(data["runs"], dict) and data["runs"]):
@@ -76,7 +82,29 @@ def load_experiment(path: str | Path) -> dict:
                 load_config(DEFAULT_CONFIG, extra=member_config(data, name, seed, "/shared/policy", 1.0))
             except ConfigError as e:
                 raise ConfigError(f"{path}: run '{name}': {e}") from None
+    data["analysis"] = analysis_options(path, data)
     return data
+
+
+def analysis_options(path: str | Path, exp: dict) -> dict:
+    """The experiment's ``analysis`` section over its defaults, checked (errors name the key)."""
+    given = exp.get("analysis") or {}
+    if not isinstance(given, dict) or set(given) - set(ANALYSIS_DEFAULTS):
+        raise ConfigError(f"{path}: 'analysis' takes the keys {sorted(ANALYSIS_DEFAULTS)} (got {given!r})")
+    a = ANALYSIS_DEFAULTS | given
+    runs = list(exp.get("runs") or {})
+    a["reference"] = a["reference"] or (runs[0] if runs else None)
+    if a["reference"] not in runs:
+        raise ConfigError(f"{path}: analysis.reference must be one of the runs {runs} (got {a['reference']!r})")
+    if not 0 < float(a["target_fraction"]) <= 1:
+        raise ConfigError(f"{path}: analysis.target_fraction must be in (0, 1] (got {a['target_fraction']!r})")
+    for pair in a["pairs"]:
+        if not (isinstance(pair, list) and len(pair) == 2 and all(r in runs for r in pair) and pair[0] != pair[1]):
+            raise ConfigError(f"{path}: analysis.pairs must list [a, b] pairs of two different runs of {runs} "
+                              f"(got {pair!r})")
+    if int(a["bootstrap"]) < 100 or not 0 < float(a["confidence"]) < 1:
+        raise ConfigError(f"{path}: analysis.bootstrap must be >= 100 and analysis.confidence in (0, 1)")
+    return a
 
 
 def shared_config(exp: dict) -> dict:
@@ -98,6 +126,9 @@ def write_member_config(experiment: str, run: str, seed: int, policy: str, scali
     """The member's resolved config YAML (the exponent read from the shared scaling summary)."""
     exp = load_experiment(experiment)
     slope = json.loads(Path(scaling).read_text())["grad_sq_norm_slope"]
+    if slope is None or not math.isfinite(slope):
+        raise ValueError(f"{scaling}: the shared scaling fit has no slope (all responses of one length?); "
+                         "the length-power exponent cannot be derived from it")
     cfg = load_config(DEFAULT_CONFIG, extra=member_config(exp, run, seed, str(Path(policy).resolve()), slope))
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -123,26 +154,109 @@ def collect(exp: dict, root: Path) -> tuple[pl.DataFrame, pl.DataFrame]:
     return pl.concat(curves), pl.concat(metrics, how="diagonal_relaxed")
 
 
-def summary_table(exp: dict, curves: pl.DataFrame, metrics: pl.DataFrame) -> pl.DataFrame:
+def tokens_to_target(tokens: np.ndarray, accuracy: np.ndarray, target: float) -> float:
+    """Rollout tokens at which an accuracy curve (one point per evaluated policy, in order) first
+    reaches ``target``, linear between evaluations; nan if it never does."""
+    for i, acc in enumerate(accuracy):
+        if acc >= target:
+            if i == 0:
+                return float(tokens[0])
+            frac = (target - accuracy[i - 1]) / (acc - accuracy[i - 1])
+            return float(tokens[i - 1] + frac * (tokens[i] - tokens[i - 1]))
+    return float("nan")
+
+
+def bootstrap_ci(values: np.ndarray, resamples: int, confidence: float, seed: int,
+                 stat=np.mean) -> tuple[float, float]:
+    """Percentile interval of ``stat`` over ``values`` resampled with replacement (nan for fewer
+    than 2 values). With few seeds the interval is rough: it shows the spread, not a guarantee."""
+    values = np.asarray(values, dtype=float)
+    if len(values) < 2:
+        return float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    stats = np.array([stat(values[rng.integers(0, len(values), len(values))]) for _ in range(resamples)])
+    tail = (1 - confidence) / 2
+    return float(np.quantile(stats, tail)), float(np.quantile(stats, 1 - tail))
+
+
+def per_seed_table(exp: dict, curves: pl.DataFrame, metrics: pl.DataFrame) -> pl.DataFrame:
+    """One row per (run, seed): initial and final avg@k and greedy accuracy, tokens generated and
+    trained, tokens to the target, the longest mean response length relative to the initial one,
+    the largest grad norm and the lowest avg@k on the way."""
+    a = exp["analysis"]
     last = curves.filter(pl.col("iteration") == pl.col("iteration").max().over("run", "seed"))
-    first = curves.filter(pl.col("iteration") == -1)
-    trained = metrics.group_by("run", "seed").agg(pl.col("tokens").sum().alias("tokens_trained"),
+    reference = last.filter(pl.col("run") == a["reference"])["sampled_accuracy"].mean()
+    target = float(a["target_fraction"]) * float(reference)
+    trained = metrics.group_by("run", "seed").agg(pl.col("tokens").sum().cast(pl.Float64).alias("tokens_trained"),
                                                   pl.col("grad_norm").max().alias("max_grad_norm"))
-    per_seed = (last.join(first.select("run", "seed", pl.col("sampled_accuracy").alias("initial")), on=["run", "seed"])
-                .join(trained, on=["run", "seed"]))
-    out = per_seed.group_by("run", maintain_order=True).agg(
-        pl.len().alias("seeds"),
-        pl.col("initial").mean().alias("initial_accuracy"),
-        pl.col("sampled_accuracy").mean().alias("final_accuracy"),
-        pl.col("sampled_accuracy").std().fill_null(0.0).alias("final_accuracy_std"),
-        pl.col("greedy_accuracy").mean().alias("final_greedy_accuracy"),
-        pl.col("tokens_generated").mean().alias("tokens_generated"),
-        pl.col("tokens_trained").mean().cast(pl.Float64).alias("tokens_trained"),
-        pl.col("mean_response_length").mean().alias("final_response_length"),
-        pl.col("max_grad_norm").max().alias("max_grad_norm"))
+    rows = []
+    for (run, seed), part in curves.sort("iteration").group_by(["run", "seed"], maintain_order=True):
+        acc = part["sampled_accuracy"].to_numpy()
+        length = part["mean_response_length"].to_numpy()
+        rows.append({"run": run, "seed": seed, "initial_accuracy": acc[0], "final_accuracy": acc[-1],
+                     "final_greedy_accuracy": part["greedy_accuracy"][-1], "min_accuracy": float(acc.min()),
+                     "tokens_generated": float(part["tokens_generated"][-1]), "target_accuracy": target,
+                     "tokens_to_target": tokens_to_target(part["tokens_generated"].to_numpy(), acc, target),
+                     "final_response_length": float(length[-1]),
+                     "max_length_ratio": float(length.max() / max(length[0], 1e-9))})
+    out = pl.DataFrame(rows).join(trained, on=["run", "seed"], how="left")
     order = {r: i for i, r in enumerate(exp["runs"])}
-    out = out.with_columns((pl.col("final_accuracy") - pl.col("initial_accuracy")).alias("accuracy_gain"))
-    return out.sort(pl.col("run").replace_strict(order)).select(list(schemas.EXPERIMENT_SUMMARY.columns))
+    return out.sort(pl.col("run").replace_strict(order), "seed").select(list(schemas.EXPERIMENT_SEEDS.columns))
+
+
+def summary_table(exp: dict, per_seed: pl.DataFrame) -> pl.DataFrame:
+    """One row per run: means over seeds with bootstrap intervals (resampling the seeds)."""
+    a = exp["analysis"]
+    rows = []
+    for i, run in enumerate(exp["runs"]):
+        part = per_seed.filter(pl.col("run") == run)
+        final = part["final_accuracy"].to_numpy()
+        ttt = part["tokens_to_target"].to_numpy()
+        reached = ttt[np.isfinite(ttt)]
+        ci = bootstrap_ci(final, a["bootstrap"], a["confidence"], seed=i)
+        tci = bootstrap_ci(reached, a["bootstrap"], a["confidence"], seed=1000 + i)
+        rows.append({
+            "run": run, "seeds": part.height, "initial_accuracy": float(part["initial_accuracy"].mean()),
+            "final_accuracy": float(final.mean()), "final_accuracy_lo": ci[0], "final_accuracy_hi": ci[1],
+            "final_accuracy_std": float(final.std(ddof=1)) if len(final) > 1 else 0.0,
+            "final_greedy_accuracy": float(part["final_greedy_accuracy"].mean()),
+            "accuracy_gain": float(final.mean() - part["initial_accuracy"].mean()),
+            "target_accuracy": float(part["target_accuracy"][0]), "reached_target": int(len(reached)),
+            "tokens_to_target": float(reached.mean()) if len(reached) else float("nan"),
+            "tokens_to_target_lo": tci[0], "tokens_to_target_hi": tci[1],
+            "tokens_generated": float(part["tokens_generated"].mean()),
+            "tokens_trained": float(part["tokens_trained"].mean()),
+            "final_response_length": float(part["final_response_length"].mean()),
+            "max_length_ratio": float(part["max_length_ratio"].max()),
+            "min_accuracy": float(part["min_accuracy"].min()), "max_grad_norm": float(part["max_grad_norm"].max()),
+        })
+    return pl.DataFrame(rows, schema=schemas.EXPERIMENT_SUMMARY.columns)
+
+
+def paired_table(exp: dict, per_seed: pl.DataFrame) -> pl.DataFrame:
+    """For each analysis pair [a, b], seed by seed: the final avg@k difference a - b, and the ratio
+    of tokens to the target a / b over the seeds where both reached it after some training, as a
+    geometric mean, with bootstrap intervals that resample the seeds (the same seeds for a and b)."""
+    an = exp["analysis"]
+    rows = []
+    for i, (a, b) in enumerate(an["pairs"]):
+        joined = per_seed.filter(pl.col("run") == a).join(per_seed.filter(pl.col("run") == b), on="seed",
+                                                          suffix="_b")
+        diff = (joined["final_accuracy"] - joined["final_accuracy_b"]).to_numpy()
+        # seeds where both reached the target after some training (0 tokens: the initial policy was already
+        # there, and a ratio of it means nothing)
+        reached = [pl.col(c).is_not_nan() & (pl.col(c) > 0) for c in ("tokens_to_target", "tokens_to_target_b")]
+        both = joined.filter(reached[0] & reached[1])  # (polars orders NaN above every number)
+        log_ratio = np.log(both["tokens_to_target"].to_numpy() / np.maximum(both["tokens_to_target_b"].to_numpy(), 1e-9))
+        dci = bootstrap_ci(diff, an["bootstrap"], an["confidence"], seed=2000 + i)
+        rci = bootstrap_ci(log_ratio, an["bootstrap"], an["confidence"], seed=3000 + i)
+        rows.append({"a": a, "b": b, "seeds": joined.height,
+                     "accuracy_diff": float(diff.mean()) if len(diff) else float("nan"),
+                     "accuracy_diff_lo": dci[0], "accuracy_diff_hi": dci[1],
+                     "a_better_seeds": int((diff > 0).sum()), "both_reached": both.height,
+                     "tokens_ratio": float(np.exp(log_ratio.mean())) if len(log_ratio) else float("nan"),
+                     "tokens_ratio_lo": float(np.exp(rci[0])), "tokens_ratio_hi": float(np.exp(rci[1]))})
+    return pl.DataFrame(rows, schema=schemas.EXPERIMENT_PAIRS.columns)
 
 
 def _band(ax, x, ys, label):
@@ -152,7 +266,7 @@ def _band(ax, x, ys, label):
         ax.fill_between(x, ys.min(0), ys.max(0), alpha=0.15, color=line.get_color())
 
 
-def plot_accuracy(path: Path, exp: dict, curves: pl.DataFrame) -> None:
+def plot_accuracy(path: Path, exp: dict, curves: pl.DataFrame, target: float | None = None) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     for name in exp["runs"]:
@@ -161,6 +275,8 @@ def plot_accuracy(path: Path, exp: dict, curves: pl.DataFrame) -> None:
         tokens = np.mean([s["tokens_generated"].to_numpy() for s in seeds], axis=0)
         _band(axes[0], tokens, [s["sampled_accuracy"].to_numpy() for s in seeds], name)
         _band(axes[1], tokens, [s["greedy_accuracy"].to_numpy() for s in seeds], name)
+    if target is not None:
+        axes[0].axhline(target, color="grey", linestyle=":", label=f"target {target:.3f}")
     for ax, name in zip(axes, ("avg@k (sampled)", "greedy")):
         ax.set_xlabel("rollout tokens generated (mean over seeds)")
         ax.set_ylabel(f"held-out accuracy, {name}")
@@ -197,14 +313,20 @@ def run(cfg: DictConfig, args: Args) -> None:
     exp = load_experiment(args.experiment)
     curves, metrics = collect(exp, Path(args.root))
     out = Path(args.out_dir)
-    summary = summary_table(exp, curves, metrics)
-    write_parquet(summary, out / "summary.parquet", metadata={"experiment": exp["experiment"], "seeds": exp["seeds"]})
+    per_seed = per_seed_table(exp, curves, metrics)
+    summary = summary_table(exp, per_seed)
+    pairs = paired_table(exp, per_seed)
+    meta = {"experiment": exp["experiment"], "seeds": exp["seeds"], "analysis": exp["analysis"]}
+    write_parquet(summary, out / "summary.parquet", metadata=meta)
+    write_parquet(per_seed, out / "seeds.parquet", metadata=meta)
+    write_parquet(pairs, out / "pairs.parquet", metadata=meta)
     write_parquet(curves, out / "curves.parquet")
-    write_tsv(summary, out / "summary.tsv")  # the same table, rendered in the HTML report
+    write_tsv(summary, out / "summary.tsv")  # the same tables, rendered in the HTML report
+    write_tsv(pairs, out / "pairs.tsv")
     variance = read_table(Path(args.root) / "shared" / "results" / "variance" / "summary.parquet", schemas.VARIANCE)
     write_tsv(variance, out / "variance.tsv")
     write_parquet(metrics, out / "metrics.parquet")
-    plot_accuracy(out / "accuracy_vs_tokens.png", exp, curves)
+    plot_accuracy(out / "accuracy_vs_tokens.png", exp, curves, float(per_seed["target_accuracy"][0]))
     plot_training(out / "training.png", exp, metrics)
-    with pl.Config(tbl_cols=20, tbl_width_chars=200):
-        log.info("%s\n%s", exp["experiment"], summary)
+    with pl.Config(tbl_cols=30, tbl_width_chars=250):
+        log.info("%s\n%s\n%s", exp["experiment"], summary, pairs)

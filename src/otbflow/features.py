@@ -10,6 +10,13 @@ Per response token it stores, from the temperature-scaled logits z (the rollout'
   and the |log-PPL gap| (the mismatch between trainer and rollout engine)
 - with ``features.exact_grad_norm``: ``grad_sq_norm`` = ||grad_theta sum_t log pi(y_t)||^2, one
   backward pass per sequence (the EOB oracle; small models only)
+- with ``train.rollout_is`` token or sequence: ``is_weights``, the truncated rollout IS weights of
+  rho = pi_old / pi_rollout (``otbflow.rollout_is``, the train stage's definition), which the OTB
+  baseline and the variance-proxy diagnostics weight by (algorithms.md §1.3, §1.8)
+
+Precision: the policy runs at the train stage's precision (fp32, or bf16 with ``train.bf16``, cast
+as DeepSpeed casts it), not ``model.dtype``, and in eval mode as the train stage does, so that
+``logprobs`` is the log pi_old the first optimizer step reproduces.
 
 Memory: the transformer body runs once per batch; the output projection and the statistics run
 over chunks of ``features.chunk_size`` response positions. Per chunk only two chunk x V fp32
@@ -29,10 +36,12 @@ from omegaconf import DictConfig
 
 from otbflow import schemas
 from otbflow.io import read_table, write_parquet
-from otbflow.model import load_policy, set_threads
+from otbflow.model import cast_parameters, load_policy, set_threads, trainer_dtype
+from otbflow.progress import Progress
+from otbflow.rollout_is import rollout_is_weights
 
 log = logging.getLogger("otbflow.features")
-SECTIONS = ("features", "rollout", "model")
+SECTIONS = ("features", "rollout", "train")
 STAT_COLUMNS = ("logprobs", "entropy", "sum_pi_sq", "proxy")
 
 
@@ -209,21 +218,24 @@ def sequence_token_stats(model, prompt_ids: list[list[int]], response_ids: list[
 
 
 def exact_grad_sq_norms(model, prompt_ids: list[list[int]], response_ids: list[list[int]],
-                        temperature: float, pad_id: int) -> list[float]:
+                        temperature: float, pad_id: int, progress: Progress | None = None) -> list[float]:
     """||grad_theta sum_t log pi(y_t)||^2 over all parameters, one backward pass per sequence
-    (the EOB oracle and the length-scaling fit; meant for small models)."""
+    (the EOB oracle and the length-scaling fit; meant for small models). ``progress`` counts the
+    sequences done."""
     params = [p for p in model.parameters() if p.requires_grad]
     out = []
     for p_ids, r_ids in zip(prompt_ids, response_ids):
         if not r_ids:
             out.append(0.0)
-            continue
-        batch = pack([p_ids], [r_ids], pad_id, model.device)
-        with torch.enable_grad():
-            logits = ResponseLogits(model, batch)(slice(None)).float() / temperature
-            logp = torch.log_softmax(logits, -1).gather(-1, batch["targets"][:, None]).sum()
-            grads = torch.autograd.grad(logp, params, allow_unused=True)
-        out.append(float(sum((g.double() ** 2).sum() for g in grads if g is not None)))
+        else:
+            batch = pack([p_ids], [r_ids], pad_id, model.device)
+            with torch.enable_grad():
+                logits = ResponseLogits(model, batch)(slice(None)).float() / temperature
+                logp = torch.log_softmax(logits, -1).gather(-1, batch["targets"][:, None]).sum()
+                grads = torch.autograd.grad(logp, params, allow_unused=True)
+            out.append(float(sum((g.double() ** 2).sum() for g in grads if g is not None)))
+        if progress is not None:
+            progress.update()
     return out
 
 
@@ -247,23 +259,55 @@ def mismatch_columns(df: pl.DataFrame) -> pl.DataFrame:
     )
 
 
+def is_weights_column(logprobs: pl.Series, rollout_logprobs: pl.Series, level: str, threshold: float,
+                      rows_per_batch: int = 256) -> pl.Series:
+    """Per-token ``is_weights``: rollout_is_weights(log pi_old - log pi_rollout) of every row, from
+    the stored fp32 log-probs, padded ``rows_per_batch`` rows at a time (the train stage computes
+    the same weights from the same columns for its decoupled PPO loss)."""
+    out: list[list[float]] = []
+    lp_all, rp_all = logprobs.to_list(), rollout_logprobs.to_list()
+    for start in range(0, len(lp_all), rows_per_batch):
+        lp, rp = lp_all[start:start + rows_per_batch], rp_all[start:start + rows_per_batch]
+        width = max((len(x) for x in lp), default=0)
+        log_rho = torch.zeros(len(lp), width)
+        mask = torch.zeros(len(lp), width)
+        for i, (a, b) in enumerate(zip(lp, rp)):
+            log_rho[i, :len(a)] = torch.tensor(a, dtype=torch.float32) - torch.tensor(b, dtype=torch.float32)
+            mask[i, :len(a)] = 1.0
+        w = rollout_is_weights(log_rho, mask, level, threshold)
+        out += [w[i, :len(a)].tolist() for i, a in enumerate(lp)]
+    return pl.Series("is_weights", out, dtype=schemas.F32L)
+
+
 def run(cfg: DictConfig, args: Args) -> None:
     set_threads()
     df = read_table(args.rollouts, schemas.ROLLOUTS)
-    model, tok = load_policy(args.policy, cfg.model.dtype)
+    # pi_old at the trainer's precision (fp32, or DeepSpeed's bf16 cast with train.bf16), so that
+    # the first PPO ratio of the train stage is 1; model.dtype is the rollout/evaluate dtype
+    model, tok = load_policy(args.policy, "float32")
+    cast_parameters(model, trainer_dtype(cfg.train))
     f = cfg.features
     stats: list[dict[str, list[float]]] = []
+    progress = Progress(log, "features", df.height, "sequences")
     for start in range(0, df.height, f.batch_size):
         part = df[start:start + f.batch_size]
         stats += sequence_token_stats(model, part["prompt_ids"].to_list(), part["response_ids"].to_list(),
                                       cfg.rollout.temperature, f.chunk_size, tok.pad_token_id, f.vocab_chunk_size)
+        progress.update(part.height)
     df = df.with_columns(*(pl.Series(k, [s[k] for s in stats], dtype=schemas.F32L) for k in STAT_COLUMNS))
     if f.exact_grad_norm:
         df = df.with_columns(pl.Series("grad_sq_norm", exact_grad_sq_norms(
             model, df["prompt_ids"].to_list(), df["response_ids"].to_list(), cfg.rollout.temperature,
-            tok.pad_token_id), dtype=pl.Float64))
+            tok.pad_token_id, Progress(log, "exact gradient norms", df.height, "sequences")), dtype=pl.Float64))
+    tc = cfg.train
+    if tc.rollout_is != "none":
+        df = df.with_columns(is_weights_column(df["logprobs"], df["rollout_logprobs"], tc.rollout_is,
+                                               tc.rollout_is_threshold))
     df = mismatch_columns(df).select(schemas.FEATURES.present(df.columns))
-    write_parquet(df, args.out, metadata={"temperature": cfg.rollout.temperature, "policy": args.policy})
+    meta = {"temperature": cfg.rollout.temperature, "policy": args.policy}
+    if tc.rollout_is != "none":
+        meta |= {"rollout_is": tc.rollout_is, "rollout_is_threshold": tc.rollout_is_threshold}
+    write_parquet(df, args.out, metadata=meta)
     log.info("%d sequences, %d tokens; mean proxy %.4f, mean k3 %.2e, max k2 %.2e", df.height,
              df["response_length"].sum(), df["proxy"].explode().mean(), df["seq_mean_k3"].mean(),
              df["seq_max_k2"].max())

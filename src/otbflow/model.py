@@ -1,8 +1,15 @@
-"""Policies: the built-in tiny character-level GPT-2, and loading any local HF causal LM.
+"""Policies: the small models the bootstrap builds, and loading any local HF causal LM.
 
-The tiny tokenizer is a ``tokenizers`` WordLevel model over single characters, wrapped in
-``PreTrainedTokenizerFast`` and saved next to the model, so that ``AutoTokenizer`` and
-``AutoModelForCausalLM`` reload the folder offline like any HF checkpoint.
+Built-in policies (``model.arch`` x ``model.tokenizer``), saved as ordinary HF folders that
+``AutoTokenizer`` and ``AutoModelForCausalLM`` (and vLLM) reload offline:
+
+- architectures: ``gpt2`` (GPT2LMHeadModel), ``llama`` (LlamaForCausalLM, untied output head)
+  and ``qwen2`` (Qwen2ForCausalLM, q/k/v biases and a tied output head, as Qwen2.5-0.5B), with
+  grouped-query attention where ``model.n_kv_head`` < ``model.n_head``;
+- tokenizers: ``char``, a ``tokenizers`` WordLevel model over single characters (no chat
+  template), and ``bpe``, a byte-level BPE trained with the ``tokenizers`` library on the task's
+  text, with Qwen-style ChatML special tokens and chat template: ``<|im_start|>role\\n...<|im_end|>``,
+  eos ``<|im_end|>``, pad ``<|endoftext|>``; the generation config stops on both (as Qwen2.5's).
 """
 
 from __future__ import annotations
@@ -13,8 +20,18 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from otbflow.config import ARCHITECTURES
+
 CHARS = "0123456789+-*/=;#:. abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ\n"
 SPECIAL = ["<pad>", "<eos>", "<unk>"]
+# ChatML, as Qwen2.5's template without its default system message and tool calls.
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+BPE_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 def build_char_tokenizer():
@@ -29,15 +46,62 @@ def build_char_tokenizer():
                                    unk_token="<unk>", padding_side="left")
 
 
+def build_bpe_tokenizer(texts: list[str], vocab_size: int):
+    """A byte-level BPE (GPT-2 pre-tokenisation, any byte string encodes) trained on ``texts``,
+    with the ChatML special tokens and chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=BPE_SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   bos_token=None, unk_token=None, padding_side="left",
+                                   chat_template=CHATML_TEMPLATE)
+
+
+def build_tokenizer(mcfg: DictConfig, texts: list[str]):
+    """``model.tokenizer``: 'char', or 'bpe' trained on ``texts`` (the task's prompts and responses)."""
+    if mcfg.tokenizer == "char":
+        return build_char_tokenizer()
+    return build_bpe_tokenizer(texts, mcfg.vocab_size)
+
+
 def build_tiny_model(mcfg: DictConfig, tokenizer, seed: int):
-    from transformers import GPT2Config, GPT2LMHeadModel
+    """A randomly initialised ``model.arch`` model of the configured size for ``tokenizer``."""
+    from transformers import (GenerationConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
+                              Qwen2Config, Qwen2ForCausalLM)
 
     torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=len(tokenizer), n_positions=mcfg.n_positions, n_embd=mcfg.n_embd,
-                        n_layer=mcfg.n_layer, n_head=mcfg.n_head, bos_token_id=tokenizer.eos_token_id,
-                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return GPT2LMHeadModel(config)
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id
+    arch = mcfg.arch
+    if arch == "gpt2":
+        config = GPT2Config(vocab_size=len(tokenizer), n_positions=mcfg.n_positions, n_embd=mcfg.n_embd,
+                            n_layer=mcfg.n_layer, n_head=mcfg.n_head, bos_token_id=eos, eos_token_id=eos,
+                            pad_token_id=pad, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = GPT2LMHeadModel(config)
+    else:
+        common = dict(vocab_size=len(tokenizer), hidden_size=mcfg.n_embd, intermediate_size=4 * mcfg.n_embd,
+                      num_hidden_layers=mcfg.n_layer, num_attention_heads=mcfg.n_head,
+                      num_key_value_heads=mcfg.n_kv_head or mcfg.n_head,
+                      max_position_embeddings=mcfg.n_positions, bos_token_id=pad, eos_token_id=eos,
+                      pad_token_id=pad, attention_dropout=0.0)
+        if arch == "llama":
+            model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False))
+        elif arch == "qwen2":
+            model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True))
+        else:
+            raise ValueError(f"model.arch: unknown architecture {arch!r}; one of {', '.join(ARCHITECTURES)}")
+    # Stop on every end token the tokenizer has (ChatML: <|im_end|> and <|endoftext|>), as Qwen2.5 does.
+    stops = list(dict.fromkeys(i for i in (eos, pad if tokenizer.chat_template else None) if i is not None))
+    model.generation_config = GenerationConfig(eos_token_id=stops if len(stops) > 1 else stops[0],
+                                               pad_token_id=pad, bos_token_id=model.config.bos_token_id)
+    return model
 
 
 def set_threads() -> None:
@@ -51,21 +115,45 @@ def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def load_policy(path: str | Path, dtype: str = "float32"):
-    """(model in eval mode on the default device, tokenizer) from a local HF folder."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_tokenizer(path: str | Path):
+    """The tokenizer of a local HF folder, left-padding (batched generation), with a pad token
+    (the eos token where the checkpoint has none)."""
+    from transformers import AutoTokenizer
 
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path}: not an HF model folder (no config.json)")
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
+    return tok
+
+
+def load_policy(path: str | Path, dtype: str = "float32"):
+    """(model in eval mode on the default device, tokenizer) from a local HF folder."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: not an HF model folder (no config.json)")
+    tok = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
                                                  dtype=getattr(torch, dtype)).to(device())
     model.eval()
     return model, tok
+
+
+def trainer_dtype(train_cfg: DictConfig) -> torch.dtype:
+    """The precision the train stage computes log pi at: DeepSpeed's bf16 with train.bf16, else
+    fp32. The features stage computes pi_old at it too (model.dtype is for generation)."""
+    return torch.bfloat16 if train_cfg.bf16 else torch.float32
+
+
+def cast_parameters(model, dtype: torch.dtype):
+    """Cast the floating-point parameters, not the buffers (rotary inv_freq stays fp32), as
+    DeepSpeed's bf16 engine casts the module it trains (engine._cast_module_mixed_precision)."""
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    return model
 
 
 def encode(tok, texts: list[str]) -> list[list[int]]:

@@ -1,11 +1,21 @@
 """Verifiable rewards, chosen by name from a registry.
 
 A reward is ``fn(response_text, answer) -> float``. Add one with ``@register("name")``.
+
+``math`` uses math-verify (Hugging Face's verifier, the one TRL and open-r1 score with), as
+verl's ``math_verify`` reward calls it: the reference is parsed as ``\\boxed{answer}`` (LaTeX),
+the response with LaTeX (boxed answers first) and plain-expression extraction, and the two are
+compared by ``verify`` (numbers by value, fractions, sets and intervals, percentages, units in
+``\\text{}`` dropped, symbolic equality). Where math-verify parses nothing on either side, the
+small extractor below (\\boxed, '#### x', the last number; compared by value) decides instead.
+math-verify bounds its parsing and comparison time with ``signal.alarm``, which works in the main
+thread only: elsewhere (a thread pool) it runs without that time limit.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from typing import Callable
 
 RewardFn = Callable[[str, str], float]
@@ -46,7 +56,8 @@ _BOXED = re.compile(r"\\boxed\{")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")
 
 
-def _last_boxed(text: str) -> str | None:
+def last_boxed(text: str) -> str | None:
+    """The content of the last \\boxed{...} in ``text`` (nested braces kept), or None."""
     starts = [m.end() for m in _BOXED.finditer(text)]
     if not starts:
         return None
@@ -61,7 +72,7 @@ def _last_boxed(text: str) -> str | None:
 def extract_math_answer(text: str) -> str | None:
     """The final answer of a GSM8K/MATH-style response: \\boxed{..}, else '#### x', else the
     last number in the text."""
-    boxed = _last_boxed(text)
+    boxed = last_boxed(text)
     if boxed is not None:
         return boxed.strip()
     if "####" in text:
@@ -88,8 +99,7 @@ def _normalise(ans: str) -> str:
         return s
 
 
-@register("math")
-def math_reward(response: str, answer: str) -> float:
+def fallback_math_reward(response: str, answer: str) -> float:
     """1.0 if the extracted final answer equals the reference after normalisation (numbers
     compared by value, commas and $ removed, \\frac{a}{b} read as a/b)."""
     pred = extract_math_answer(response)
@@ -97,3 +107,31 @@ def math_reward(response: str, answer: str) -> float:
         return 0.0
     ref = extract_math_answer(answer) if ("####" in answer or "\\boxed" in answer) else answer
     return float(ref is not None and _normalise(pred) == _normalise(ref))
+
+
+MATH_VERIFY_TIMEOUT_S = 5
+
+
+def _reference_text(answer: str) -> str:
+    """A reference as LaTeX for math-verify: a GSM8K/MATH solution's final answer, boxed."""
+    if "####" in answer:
+        answer = answer.rsplit("####", 1)[1].strip().split("\n")[0].replace(",", "")
+    elif "\\boxed" in answer:
+        answer = last_boxed(answer) or answer
+    return "\\boxed{" + answer.strip() + "}"
+
+
+@register("math")
+def math_reward(response: str, answer: str) -> float:
+    """1.0 if math-verify finds the response's final answer equal to the reference (its parse of
+    the reference as \\boxed{answer}, of the response with LaTeX and expression extraction); the
+    fallback extractor where math-verify parses nothing."""
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+    timeout = MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    gold = parse(_reference_text(answer), extraction_config=[LatexExtractionConfig()], parsing_timeout=timeout)
+    pred = parse(response, extraction_config=[LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()],
+                 parsing_timeout=timeout)
+    if not gold or not pred:
+        return fallback_math_reward(response, answer)
+    return float(verify(gold, pred, timeout_seconds=timeout))

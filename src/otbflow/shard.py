@@ -1,13 +1,16 @@
 """Shard: split the prompts into a held-out eval set and N training shards.
 
 The synthetic task is generated from the seed; a dataset (``task.name: dataset``) is read from
-``task.path`` (JSONL or Parquet with ``prompt`` and ``answer``), shuffled with the seed, and
-``task.n_eval`` rows are split off unless ``task.eval_path`` gives a separate eval file.
-Training prompt i goes to shard i mod N.
+``task.path`` (JSONL or Parquet in a layout of ``task.format``: prompt/answer, verl, GSM8K, MATH;
+see ``otbflow.tasks.load_dataset_file``), shuffled with the seed, and ``task.n_eval`` rows are
+split off unless ``task.eval_path`` gives a separate eval file. Training prompt i goes to shard
+i mod N. Every prompt keeps its raw text and its chat messages (table 'prompts'); the rollout
+renders them for the policy's tokenizer.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 
@@ -33,20 +36,19 @@ def synthetic_splits(cfg: DictConfig) -> tuple[pl.DataFrame, pl.DataFrame]:
     t = cfg.task
     rows = arithmetic_prompts(t.n_train + t.n_eval, derive_seed(task_seed(cfg), "task"), t.min_terms, t.max_terms,
                               t.max_operand)
-    df = pl.DataFrame(rows).select("prompt", "answer")
+    df = pl.DataFrame(rows).select("prompt", "answer").with_columns(
+        pl.col("prompt").map_elements(lambda p: json.dumps([{"role": "user", "content": p}]),
+                                      return_dtype=pl.String).alias("messages"),
+        pl.lit("arithmetic").alias("data_source"))
     return df[t.n_eval:], df[:t.n_eval]
 
 
 def dataset_splits(cfg: DictConfig) -> tuple[pl.DataFrame, pl.DataFrame]:
     t = cfg.task
-    df = load_dataset_file(t.path).sample(fraction=1.0, shuffle=True, seed=derive_seed(task_seed(cfg), "task"))
-    df = df.with_columns(pl.col("prompt").map_elements(lambda p: t.prompt_template.format(prompt=p),
-                                                       return_dtype=pl.String))
+    df = load_dataset_file(t.path, t.format, t.prompt_template)
+    df = df.sample(fraction=1.0, shuffle=True, seed=derive_seed(task_seed(cfg), "task"))
     if t.eval_path:
-        ev = load_dataset_file(t.eval_path)
-        ev = ev.with_columns(pl.col("prompt").map_elements(lambda p: t.prompt_template.format(prompt=p),
-                                                           return_dtype=pl.String))
-        return df, ev
+        return df, load_dataset_file(t.eval_path, t.format, t.prompt_template)
     if df.height <= t.n_eval:
         raise ValueError(f"{t.path}: {df.height} rows cannot give task.n_eval={t.n_eval} eval rows and "
                          f"a training split")

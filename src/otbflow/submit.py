@@ -1,8 +1,9 @@
 """otbflow submit: run the workflow on Slurm from a small, long-running head job.
 
-The head job (1 CPU, 2 GB, submitted with submitit) runs ``snakemake --workflow-profile slurm``
-in this repository; Snakemake then submits every stage as its own Slurm job with the resources
-its rule asks for. Arguments after ``--`` go to Snakemake unchanged.
+The head job (1 CPU, 2 GB, submitted with submitit) runs this repository's Snakefile with
+``--workflow-profile slurm`` in the folder ``otbflow submit`` was called from (its ``results/``
+and ``logs/submit/`` go there); Snakemake then submits every stage as its own Slurm job with the
+resources its rule asks for. Arguments after ``--`` go to Snakemake unchanged.
 
   otbflow submit                                  # the whole workflow
   otbflow submit --rerun advantages -- --config 'advantages={estimator: grpo}'
@@ -35,9 +36,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="passed to snakemake, e.g. -- --config 'advantages={estimator: grpo}' --dry-run")
 
 
+def profile_path(profile: str) -> str:
+    """A profile folder as given (relative to the working folder), else this repository's."""
+    return profile if Path(profile).is_dir() or not (REPO / profile).is_dir() else str(REPO / profile)
+
+
 def snakemake_command(ns: argparse.Namespace) -> list[str]:
     # the passthrough first: its targets must not follow an option that takes several values
-    cmd = [SNAKEMAKE, *ns.snakemake_args, "--workflow-profile", ns.profile]
+    cmd = [SNAKEMAKE, *ns.snakemake_args, "-s", str(REPO / "Snakefile"), "--workflow-profile", profile_path(ns.profile)]
     if ns.configfile:
         cmd += ["--configfile", *(str(Path(c).resolve()) for c in ns.configfile)]
     if ns.rerun:
@@ -62,18 +68,17 @@ def submit(ns: argparse.Namespace):
     """Submit the head job; returns the submitit Job (``job.result()`` waits for it)."""
     import submitit
 
-    logs = REPO / ns.logs
-    executor = submitit.AutoExecutor(folder=logs / "%j", cluster="slurm")
+    executor = submitit.AutoExecutor(folder=Path(ns.logs).resolve() / "%j", cluster="slurm")
     executor.update_parameters(name="otbflow-head", timeout_min=ns.time, cpus_per_task=1, mem_gb=2,
                                slurm_partition=ns.partition, slurm_account=ns.account)
-    return executor.submit(run_head, snakemake_command(ns), str(REPO))
+    return executor.submit(run_head, snakemake_command(ns), os.getcwd())
 
 
 def main(ns: argparse.Namespace) -> int:
     job = submit(ns)
     print(f"submitted the head job {job.job_id}: {' '.join(snakemake_command(ns))}")
     print(f"  head log:    {job.paths.stdout}  (errors: {job.paths.stderr})")
-    print(f"  job logs:    {REPO}/.snakemake/slurm_logs/ and the stage logs under results/logs/")
+    print(f"  job logs:    {os.getcwd()}/.snakemake/slurm_logs/ and the stage logs under results/logs/")
     print(f"  follow it:   tail -f {job.paths.stdout}")
     print(f"  its jobs:    squeue --me   (stop: scancel {job.job_id})")
     return 0

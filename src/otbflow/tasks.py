@@ -1,4 +1,5 @@
-"""Prompt sources: the built-in synthetic arithmetic task and local GSM8K/MATH-style files.
+"""Prompt sources: the built-in synthetic arithmetic task and local datasets in the layouts
+users already have (``task.format``: prompt/answer, verl's RL Parquet, HF GSM8K, MATH).
 
 The synthetic task is multi-step addition/subtraction with a scratchpad, so response length
 grows with the number of operands::
@@ -11,12 +12,14 @@ Everything is generated deterministically from a seed.
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
 import polars as pl
 
 from otbflow.io import SchemaError
+from otbflow.rewards import last_boxed
 
 
 def arithmetic_problem(rng: random.Random, min_terms: int, max_terms: int, max_operand: int) -> str:
@@ -27,8 +30,10 @@ def arithmetic_problem(rng: random.Random, min_terms: int, max_terms: int, max_o
     return "".join(parts) + "="
 
 
-def arithmetic_solution(prompt: str) -> tuple[str, str]:
-    """(scratchpad response, answer) for a prompt like '7+3-5='."""
+def arithmetic_solution(prompt: str, rng: random.Random | None = None, slip_rate: float = 0.0) -> tuple[str, str]:
+    """(scratchpad response, answer) for a prompt like '7+3-5='. With ``slip_rate`` > 0 each step's
+    result is, with that probability, off by 1 or 2 (drawn from ``rng``) and the scratchpad goes on
+    from the slipped value, as a careless solver's would: a consistent but wrong demonstration."""
     expr = prompt.rstrip("=")
     tokens: list[str] = []
     num = ""
@@ -43,6 +48,8 @@ def arithmetic_solution(prompt: str) -> tuple[str, str]:
     steps = []
     for op, b in zip(tokens[1::2], tokens[2::2]):
         new = acc + int(b) if op == "+" else acc - int(b)
+        if slip_rate > 0 and rng.random() < slip_rate:
+            new += rng.choice((-2, -1, 1, 2))
         steps.append(f"{acc}{op}{b}={new};")
         acc = new
     return "".join(steps) + f"#{acc}", str(acc)
@@ -69,18 +76,124 @@ def arithmetic_prompts(n: int, seed: int, min_terms: int, max_terms: int, max_op
     return out
 
 
-def load_dataset_file(path: str | Path) -> pl.DataFrame:
-    """A local JSONL or Parquet file with string columns ``prompt`` and ``answer``."""
+DATASET_FORMATS = ("auto", "prompt_answer", "verl", "gsm8k", "math")
+# The columns each layout needs (verl: `prompt` holds a list of {role, content} messages).
+LAYOUT_COLUMNS = {"prompt_answer": ("prompt", "answer"), "verl": ("prompt", "reward_model"),
+                  "gsm8k": ("question", "answer"), "math": ("problem", "solution")}
+
+
+def read_dataset_file(path: str | Path) -> pl.DataFrame:
+    """A local JSONL or Parquet file, as it is."""
     path = Path(path)
     if not path.is_file():
         raise SchemaError(f"{path}: dataset file not found")
     if path.suffix in (".jsonl", ".json"):
-        df = pl.read_ndjson(path)
-    elif path.suffix == ".parquet":
-        df = pl.read_parquet(path)
-    else:
-        raise SchemaError(f"{path}: unsupported dataset format '{path.suffix}' (use .jsonl or .parquet)")
-    for col in ("prompt", "answer"):
+        return pl.read_ndjson(path)
+    if path.suffix == ".parquet":
+        return pl.read_parquet(path)
+    raise SchemaError(f"{path}: unsupported dataset format '{path.suffix}' (use .jsonl or .parquet)")
+
+
+def detect_format(df: pl.DataFrame, path: str | Path) -> str:
+    """The layout of a dataset from its columns (task.format: auto)."""
+    cols = set(df.columns)
+    if "prompt" in cols and isinstance(df.schema["prompt"], pl.List):
+        return "verl"
+    for name in ("prompt_answer", "gsm8k", "math"):
+        if set(LAYOUT_COLUMNS[name]) <= cols:
+            return name
+    partial = [name for name, need in LAYOUT_COLUMNS.items() if name != "verl" and cols & set(need)]
+    if len(partial) == 1:  # one layout's columns in part: name what it lacks
+        need = LAYOUT_COLUMNS[partial[0]]
+        missing = next(c for c in need if c not in cols)
+        raise SchemaError(f"{path}: missing column '{missing}' (the {partial[0]} layout needs {', '.join(need)})")
+    raise SchemaError(f"{path}: cannot tell the dataset layout from its columns ({', '.join(df.columns)}): "
+                      "expected prompt + answer (prompt_answer), prompt as a list of messages + reward_model "
+                      "(verl), question + answer (gsm8k) or problem + solution (math); set task.format")
+
+
+def _bad_rows(path, column: str, bad: list[int], what: str) -> SchemaError:
+    return SchemaError(f"{path}: column '{column}' row {bad[0]}: {what} ({len(bad)} rows)")
+
+
+def _verl_rows(df: pl.DataFrame, path) -> pl.DataFrame:
+    if not isinstance(df.schema["prompt"], pl.List) or not isinstance(df.schema["prompt"].inner, pl.Struct):
+        raise SchemaError(f"{path}: column 'prompt' has dtype {df.schema['prompt']}; the verl layout needs a "
+                          "list of {role, content} messages")
+    fields = {f.name for f in df.schema["prompt"].inner.fields}
+    for f in ("role", "content"):
+        if f not in fields:
+            raise SchemaError(f"{path}: column 'prompt' messages have no field '{f}' (verl: {{role, content}})")
+    rm = df.schema["reward_model"]
+    if not isinstance(rm, pl.Struct) or "ground_truth" not in {f.name for f in rm.fields}:
+        raise SchemaError(f"{path}: missing column 'reward_model.ground_truth' (verl: reward_model is a struct "
+                          f"with ground_truth; got {rm})")
+    messages = [[{"role": str(m["role"]), "content": str(m["content"])} for m in msgs or []]
+                for msgs in df["prompt"].to_list()]
+    bad = [i for i, msgs in enumerate(messages) if not any(m["role"] == "user" for m in msgs)]
+    if bad:
+        raise _bad_rows(path, "prompt", bad, "no user message")
+    truth = df["reward_model"].struct.field("ground_truth")
+    answers = [json.dumps(v) if isinstance(v, (list, dict)) else str(v) for v in truth.to_list()]
+    bad = [i for i, v in enumerate(truth.to_list()) if v is None]
+    if bad:
+        raise _bad_rows(path, "reward_model.ground_truth", bad, "null")
+    source = (df["data_source"].cast(pl.String).fill_null("verl").to_list() if "data_source" in df.columns
+              else ["verl"] * df.height)
+    return pl.DataFrame({
+        "prompt": [[m for m in msgs if m["role"] == "user"][-1]["content"] for msgs in messages],
+        "messages": [json.dumps(msgs, ensure_ascii=False) for msgs in messages],
+        "answer": answers, "data_source": source}, schema=DATASET_COLUMNS)
+
+
+def _text_rows(prompts: list, answers: list, source: list[str], template: str) -> pl.DataFrame:
+    prompts = [template.format(prompt=str(p)) for p in prompts]
+    return pl.DataFrame({"prompt": prompts,
+                         "messages": [json.dumps([{"role": "user", "content": p}], ensure_ascii=False)
+                                      for p in prompts],
+                         "answer": [str(a) for a in answers], "data_source": source}, schema=DATASET_COLUMNS)
+
+
+DATASET_COLUMNS = {"prompt": pl.String, "messages": pl.String, "answer": pl.String, "data_source": pl.String}
+
+
+def load_dataset_file(path: str | Path, fmt: str = "auto", prompt_template: str = "{prompt}") -> pl.DataFrame:
+    """A local dataset in any layout of ``task.format`` as the columns prompt (text: the prompt
+    after ``prompt_template``, or verl's last user message), messages (JSON list of {role,
+    content}: what a chat template renders), answer (the reference the reward checks) and
+    data_source. GSM8K answers are the text after '####' (commas removed), MATH answers the
+    last \\boxed{} of the solution, verl's reward_model.ground_truth. A missing column or an
+    answer that cannot be found fails naming the file and the column."""
+    df = read_dataset_file(path)
+    fmt = detect_format(df, path) if fmt == "auto" else fmt
+    needed = LAYOUT_COLUMNS[fmt]
+    for col in needed:
         if col not in df.columns:
-            raise SchemaError(f"{path}: missing column '{col}' (a dataset needs prompt and answer)")
-    return df.select(pl.col("prompt").cast(pl.String), pl.col("answer").cast(pl.String))
+            raise SchemaError(f"{path}: missing column '{col}' (the {fmt} layout needs {', '.join(needed)})")
+    for col in needed:
+        nulls = df[col].null_count()
+        if nulls:
+            raise _bad_rows(path, col, df[col].is_null().arg_true().to_list(), "null")
+    source = (df["data_source"].cast(pl.String).fill_null(fmt).to_list() if "data_source" in df.columns
+              else [fmt] * df.height)
+    if fmt == "verl":
+        if prompt_template != "{prompt}":
+            raise SchemaError(f"{path}: task.prompt_template applies to text prompts; this verl file's prompts "
+                              "are chat messages, used as they are (set task.prompt_template to '{prompt}')")
+        return _verl_rows(df, path)
+    if fmt == "prompt_answer":
+        if isinstance(df.schema["prompt"], pl.List):
+            raise SchemaError(f"{path}: column 'prompt' holds lists (messages?): use task.format verl")
+        return _text_rows(df["prompt"].to_list(), df["answer"].to_list(), source, prompt_template)
+    if fmt == "gsm8k":
+        solutions = df["answer"].cast(pl.String).to_list()
+        bad = [i for i, a in enumerate(solutions) if "####" not in a]
+        if bad:
+            raise _bad_rows(path, "answer", bad, "no '#### <answer>' line (GSM8K layout)")
+        answers = [a.rsplit("####", 1)[1].strip().replace(",", "") for a in solutions]
+        return _text_rows(df["question"].to_list(), answers, source, prompt_template)
+    boxed = [last_boxed(str(s)) for s in df["solution"].to_list()]
+    bad = [i for i, b in enumerate(boxed) if b is None]
+    if bad:
+        raise _bad_rows(path, "solution", bad, "no \\boxed{} answer (MATH layout)")
+    return _text_rows(df["problem"].to_list(), [b.strip() for b in boxed], source, prompt_template)

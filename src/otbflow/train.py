@@ -6,9 +6,17 @@ the advantage A_t. For ``train.ppo_epochs`` passes over the rows, in a seeded sh
 each mini-batch of ``train.mini_batch_size`` sequences (the last, partial one included) is one
 optimizer step, accumulated over micro-batches of ``train.micro_batch_size`` sequences per rank.
 
-- log pi_theta(y_t) is computed exactly as the features stage does: the prompt and response are
-  right-padded together, and the temperature-scaled logits (``rollout.temperature``) are taken
-  at the positions that predict response tokens (len(prompt) - 1 + t).
+- log pi_theta(y_t) is computed as the features stage computes pi_old: the prompt and response
+  are right-padded together, the temperature-scaled logits (``rollout.temperature``) are taken at
+  the positions that predict response tokens (len(prompt) - 1 + t), with the same module mode
+  (eval: dropout off, as in the features stage) and precision (fp32, or bf16 with ``train.bf16``,
+  which the features stage then uses too), and the same fp32 arithmetic, so the first ratio of an
+  iteration is 1 (``max_abs_log_ratio`` in the metrics).
+- Memory: the output head and the log-softmax run over chunks of ``train.logprob_chunk_size``
+  response positions, each under activation checkpointing: the graph keeps only the chunk's
+  hidden states and per-token results, and the backward recomputes one chunk's logits at a time;
+  no [tokens x V] tensor exists (``benchmarks/bench_train_memory.py``). The entropy is computed
+  in the same pass, with a gradient only for an entropy bonus.
 - Policy loss (``train.loss_type``, algorithms.md §6.3-6.4), r_t = exp(clamp(log pi_theta -
   log pi_old, +-20)):
   - ``ppo_clip``: L_t = max(-A r, -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high)), and for
@@ -29,6 +37,12 @@ optimizer step, accumulated over micro-batches of ``train.micro_batch_size`` seq
 
 Learning rate: ``otbflow.lr_schedule`` (constant, cosine, response-length-triggered decay), its
 state read from the previous iteration (``--prev-state``) and written for the next (``--state``).
+Optimizer: the AdamW state (moments and step counts, with bf16 also ZeRO's fp32 master weights)
+is written as a DeepSpeed checkpoint (``--optimizer``, ZeRO-sharded as DeepSpeed saves it) and
+loaded by the next iteration (``--prev-optimizer``), so the iterations form one optimizer run;
+``train.reset_optimizer`` starts every iteration from a fresh AdamW instead. The stored state
+must come from the same world size, ZeRO stage and bf16 setting, and from the job that wrote
+``--policy``: anything else is refused before training starts.
 
 Robustness: gradients are clipped at ``max_grad_norm``. A step whose loss or gradient is not
 finite is skipped (no update, logged, ``skipped`` in the metrics; under ZeRO >= 1 DeepSpeed's own
@@ -53,6 +67,7 @@ mapped to RANK / LOCAL_RANK / WORLD_SIZE here; DeepSpeed does not do it itself).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import json
 import logging
@@ -61,6 +76,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,6 +93,7 @@ from otbflow.features import ResponseLogits, pack
 from otbflow.io import SchemaError, atomic_dir, read_table, write_json, write_parquet
 from otbflow.lr_schedule import LRSchedule
 from otbflow.model import set_threads
+from otbflow.rollout_is import rollout_is_weights
 
 log = logging.getLogger("otbflow.train")
 SECTIONS = ("train", "rollout", "mismatch", "model")
@@ -103,6 +120,12 @@ class Args:
     """HF folder of the reference policy of the KL term (train.kl_coef > 0), e.g. the initial policy."""
     checkpoint_dir: str = ""
     """Folder of the resumable checkpoints (not an output). Empty: a 'checkpoint' folder beside --out."""
+    optimizer: str = ""
+    """Output folder of the optimizer state after this iteration (a DeepSpeed checkpoint, for the next
+    one's --prev-optimizer). Empty: not written."""
+    prev_optimizer: str = ""
+    """The previous iteration's --optimizer folder: AdamW resumes from it (same world size, ZeRO stage
+    and bf16). Empty: a fresh optimizer."""
 
 
 # ------------------------------------------------------------------------------------------
@@ -136,23 +159,6 @@ def low_var_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     clamped to [-10, 10] (verl's low_var_kl); >= 0, gradient through pi_theta."""
     d = torch.clamp(ref_logp - logp, -20.0, 20.0)
     return torch.clamp(torch.exp(d) - d - 1.0, -10.0, 10.0)
-
-
-def rollout_is_weights(log_rho: torch.Tensor, mask: torch.Tensor, level: str, threshold: float) -> torch.Tensor:
-    """Truncated IS weights (algorithms.md §6.5), detached, 0 on padding. ``log_rho`` [B, T] is
-    log pi_x - log pi_rollout per token; ``level``: none (all 1) | token: min(exp(clamp(log rho,
-    +-20)), C) | sequence: min(exp(clamp(sum_t log rho, +-20)), C) broadcast to the sequence."""
-    log_rho = log_rho.detach()
-    m = mask.to(log_rho.dtype)
-    if level == "none":
-        return m.clone()
-    if level == "token":
-        w = torch.exp(torch.clamp(log_rho, -20.0, 20.0))
-    elif level == "sequence":
-        w = torch.exp(torch.clamp((log_rho * m).sum(-1, keepdim=True), -20.0, 20.0)).expand_as(log_rho)
-    else:
-        raise ValueError(f"unknown rollout_is level {level!r}; one of none, token, sequence")
-    return torch.clamp(w, max=threshold) * m
 
 
 def aggregate_loss(token_loss: torch.Tensor, mask: torch.Tensor, mode: str, global_tokens: int,
@@ -192,38 +198,80 @@ def trm_keep(seq_max_k2: np.ndarray, seq_mean_k3: np.ndarray, max_k2: float, mea
 
 
 # ------------------------------------------------------------------------------------------
-# Log-probs of the current policy (mirrors otbflow.features.sequence_token_stats, with grad)
+# Log-probs of the current policy (the features stage's arithmetic, with grad, in chunks)
 # ------------------------------------------------------------------------------------------
 
 
-def response_token_stats(model, input_ids, attention_mask, rows, pos, targets, temperature: float,
-                         entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log pi(y_t) with gradient, entropy) of every response token, flattened; the entropy
-    carries a gradient only with ``entropy_grad`` (an entropy bonus).
-
-    Same arithmetic as the features stage (``features.ResponseLogits``): the head is applied
-    only at the positions predicting response tokens, then log-softmax of logits / temperature in
-    fp32."""
-    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "rows": rows, "pos": pos}
-    z = ResponseLogits(model, batch)(slice(None)).float() / temperature
-    lse = torch.logsumexp(z, dim=-1)
-    logp = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+def logit_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log pi(y_t), entropy) of rows of logits [n, V] at ``targets`` [n], with the features
+    stage's fp32 arithmetic (``features.token_stats``): z = logits / temperature, m = max z,
+    e = exp(z - m), s = sum e; log pi = z_y - m - log s and entropy = m + log s - sum e z / s.
+    m is a constant for autograd (it cancels). The entropy carries a gradient only with
+    ``entropy_grad`` (an entropy bonus)."""
+    z = logits.float() / temperature
+    m = torch.amax(z, dim=-1, keepdim=True).detach()
+    e = torch.exp(z - m)
+    s = e.sum(-1)
+    log_s = torch.log(s)
+    m = m.squeeze(-1)
+    logp = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - m - log_s
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+        ez = torch.bmm(e.unsqueeze(1), z.unsqueeze(2)).reshape(-1)
+        entropy = m + log_s - ez / s
     return logp, entropy
+
+
+def _head_stats(head, hidden, targets, temperature: float, entropy_grad: bool):
+    return logit_stats(head(hidden), targets, temperature, entropy_grad)
+
+
+def response_token_stats(model, input_ids, attention_mask, rows, pos, targets, temperature: float,
+                         chunk_size: int = 256, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log pi(y_t), entropy) of every response token, flattened, computed over chunks of
+    ``chunk_size`` tokens. The transformer body runs once; the output head and ``logit_stats``
+    run per chunk, under activation checkpointing when gradients are on: the graph keeps each
+    chunk's hidden states [chunk, H] and its per-token results, never its logits, and the
+    backward recomputes one chunk's logits at a time. Peak: a few chunk x V fp32 tensors instead
+    of several [tokens x V] ones. The head is called as a module inside the caller's forward, so
+    ZeRO-3 gathers its weight for every chunk (and again for the recomputation).
+
+    Models whose logits are post-processed (soft-capping) return full logits from their own
+    forward: then only the statistics are chunked."""
+    from torch.utils.checkpoint import checkpoint
+
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "rows": rows, "pos": pos}
+    project = ResponseLogits(model, batch)
+    logps, entropies = [], []
+    for start in range(0, len(targets), chunk_size):
+        sl = slice(start, start + chunk_size)
+        if project.head is None:
+            out = logit_stats(project(sl), targets[sl], temperature, entropy_grad)
+        elif torch.is_grad_enabled():
+            out = checkpoint(_head_stats, project.head, project.hidden(sl), targets[sl], temperature, entropy_grad,
+                             use_reentrant=False, preserve_rng_state=False)
+        else:
+            out = _head_stats(project.head, project.hidden(sl), targets[sl], temperature, entropy_grad)
+        logps.append(out[0])
+        entropies.append(out[1])
+    if not logps:
+        empty = torch.zeros(0, device=input_ids.device)
+        return empty, empty
+    return torch.cat(logps), torch.cat(entropies)
 
 
 class ResponseLogprobs(torch.nn.Module):
     """The policy with a forward that returns ``response_token_stats``. DeepSpeed wraps this
     module, so that the whole computation runs inside ``engine(...)`` (ZeRO's hooks)."""
 
-    def __init__(self, policy):
+    def __init__(self, policy, chunk_size: int):
         super().__init__()
         self.policy = policy
+        self.chunk_size = chunk_size
 
     def forward(self, input_ids, attention_mask, rows, pos, targets, temperature: float, entropy_grad: bool = False):
         return response_token_stats(self.policy, input_ids, attention_mask, rows, pos, targets, temperature,
-                                    entropy_grad)
+                                    self.chunk_size, entropy_grad)
 
 
 def to_padded(flat: torch.Tensor, batch: dict[str, torch.Tensor], n_rows: int) -> torch.Tensor:
@@ -234,11 +282,11 @@ def to_padded(flat: torch.Tensor, batch: dict[str, torch.Tensor], n_rows: int) -
 
 
 def policy_logprobs(model, prompt_ids: list[list[int]], response_ids: list[list[int]], temperature: float,
-                    pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    pad_id: int, chunk_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
     """(log pi(y_t) [B, T] zero-padded, mask [B, T]) of an HF causal LM, differentiable."""
     batch = pack(prompt_ids, response_ids, pad_id, model.device)
     logp, _ = response_token_stats(model, batch["input_ids"], batch["attention_mask"], batch["rows"],
-                                   batch["pos"], batch["targets"], temperature)
+                                   batch["pos"], batch["targets"], temperature, chunk_size)
     mask = to_padded(torch.ones_like(logp), batch, len(response_ids)).bool()
     return to_padded(logp, batch, len(response_ids)), mask
 
@@ -290,7 +338,32 @@ def init_distributed_env() -> tuple[int, int]:
     env.setdefault("LOCAL_RANK", "0")
     if not torch.cuda.is_available():
         env.setdefault("DS_ACCELERATOR", "cpu")
+        prepare_torch_extensions_dir()
     return int(env["RANK"]), int(env["WORLD_SIZE"])
+
+
+STALE_LOCK_S = 600
+
+
+def prepare_torch_extensions_dir() -> Path:
+    """Where DeepSpeed's CPU communication op is JIT-built and loaded: TORCH_EXTENSIONS_DIR, by
+    default ``<venv>/torch_extensions`` (where ``make setup`` builds it), not a per-user cache
+    shared by every checkout.
+
+    torch guards each build folder with a ``lock`` file that every load takes, even of an op that
+    is already built, and that no one removes if the holder is killed (a preempted or ``kill -9``
+    Slurm job): every later train job would then wait on it forever. A lock older than
+    STALE_LOCK_S seconds (a build takes ~30 s on 2 cores) is removed, with a warning."""
+    root = Path(os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions")))
+    for lock in root.glob("*/lock"):
+        try:
+            age = time.time() - lock.stat().st_mtime
+            if age > STALE_LOCK_S:
+                lock.unlink()
+                log.warning("removed the stale torch-extension lock %s (%.0f s old; its holder was killed)", lock, age)
+        except FileNotFoundError:
+            pass
+    return root
 
 
 def deepspeed_config(tc: DictConfig, world_size: int) -> dict:
@@ -315,8 +388,12 @@ def build_engine(policy_dir: str, tc: DictConfig, world_size: int):
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     policy = AutoModelForCausalLM.from_pretrained(policy_dir, local_files_only=True, dtype=torch.float32)
-    policy.train()
-    module = ResponseLogprobs(policy)
+    # Eval mode, as in the features stage: no dropout (nor any other train-only randomness), so that
+    # log pi_theta at the first step is the stored log pi_old. verl keeps dropout out of RL too
+    # (its supported models have zero dropout, `override_config` exists "mainly [for] dropout",
+    # its Megatron attention hard-codes dropout_rate = 0.0); eval() also covers models whose
+    # checkpoints do set dropout, such as GPT-2's 0.1. Gradients are unaffected by the mode.
+    module = ResponseLogprobs(policy, tc.logprob_chunk_size).eval()
     engine, *_ = deepspeed.initialize(model=module, model_parameters=module.parameters(),
                                       config=deepspeed_config(tc, world_size))
     return engine
@@ -365,7 +442,7 @@ def param_grad_norm(module) -> float | None:
 
 def fingerprint(cfg: DictConfig, args: Args, world_size: int) -> str:
     """What a checkpoint belongs to: the inputs (advantages bytes, policy, previous schedule
-    state), the config, the code and the number of ranks."""
+    state, previous optimizer state), the config, the code and the number of ranks."""
     from otbflow.codeversion import code_version
 
     h = hashlib.sha256()
@@ -373,11 +450,107 @@ def fingerprint(cfg: DictConfig, args: Args, world_size: int) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     prev = Path(args.prev_state).read_text() if args.prev_state else ""
+    # the optimizer state's meta.json names the job that wrote it (its fingerprint) and its policy
+    prev_opt = (Path(args.prev_optimizer) / OPTIMIZER_META).read_text() if args.prev_optimizer else ""
     config = section_digest(cfg, "seed", "iterations", "train", "mismatch", "rollout.temperature",
                             "rollout.max_new_tokens")  # not resources: a retry with more memory resumes
-    h.update(json.dumps([config, str(Path(args.policy).resolve()), prev, args.reference, args.iteration,
+    h.update(json.dumps([config, str(Path(args.policy).resolve()), prev, prev_opt, args.reference, args.iteration,
                          world_size, code_version("train")]).encode())
     return h.hexdigest()[:16]
+
+
+# ------------------------------------------------------------------------------------------
+# Optimizer state across iterations
+# ------------------------------------------------------------------------------------------
+
+
+OPTIMIZER_META = "meta.json"
+OPTIMIZER_TAG = "state"
+
+
+class OptimizerStateError(ValueError):
+    """A stored optimizer state that this job cannot load."""
+
+
+def policy_digest(policy_dir: str | Path) -> str:
+    """sha256 of an HF folder's weight files (names and bytes): which policy an optimizer state
+    belongs to."""
+    h = hashlib.sha256()
+    files = sorted(p for p in Path(policy_dir).iterdir() if p.suffix in (".safetensors", ".bin"))
+    for path in files:
+        h.update(path.name.encode())
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 24), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def optimizer_layout(tc: DictConfig, world_size: int) -> dict:
+    """What DeepSpeed needs to be equal to load a (ZeRO-partitioned) optimizer state."""
+    return {"world_size": world_size, "zero_stage": int(tc.zero_stage), "bf16": bool(tc.bf16)}
+
+
+def check_optimizer_state(folder: str, tc: DictConfig, world_size: int, policy_dir: str) -> dict:
+    """The meta of the optimizer state in ``folder`` if this job can resume it; otherwise an
+    OptimizerStateError that says what differs and what to do."""
+    path = Path(folder)
+    meta_path = path / OPTIMIZER_META
+    if not meta_path.is_file():
+        raise OptimizerStateError(f"{path}: not a finished optimizer state (no {OPTIMIZER_META}); it is written "
+                                  f"by the previous iteration's train job (--optimizer)")
+    meta = json.loads(meta_path.read_text())
+    want = optimizer_layout(tc, world_size)
+    have = {k: meta.get(k) for k in want}
+    if have != want:
+        def fmt(d):
+            return f"{d['world_size']} rank(s), ZeRO stage {d['zero_stage']}, bf16 {'on' if d['bf16'] else 'off'}"
+
+        raise OptimizerStateError(
+            f"{path}: the optimizer state was saved by {fmt(have)}; this job runs {fmt(want)}. DeepSpeed "
+            f"loads an optimizer state only into the layout that saved it (ZeRO shards it per rank). Keep "
+            f"train.zero_stage, train.bf16 and resources.train.tasks as they were, or set "
+            f"train.reset_optimizer=true to start this iteration with a fresh AdamW.")
+    digest = policy_digest(policy_dir)
+    if meta.get("policy_sha256") != digest:
+        raise OptimizerStateError(
+            f"{path}: the optimizer state belongs to another policy than --policy {policy_dir} (weights digest "
+            f"{str(meta.get('policy_sha256'))[:12]}... vs {digest[:12]}...); pass the policy written by the same "
+            f"train job, or set train.reset_optimizer=true")
+    return meta
+
+
+def load_optimizer_state(engine, folder: str) -> None:
+    """Load the DeepSpeed checkpoint in ``folder`` into ``engine``: AdamW moments and step counts
+    (and with bf16 ZeRO's fp32 master weights); the module weights it holds are those of --policy."""
+    path, _ = engine.load_checkpoint(folder, tag=OPTIMIZER_TAG, load_module_strict=True, load_optimizer_states=True,
+                                     load_lr_scheduler_states=False)
+    if path is None:
+        raise OptimizerStateError(f"{folder}: DeepSpeed could not load the optimizer state")
+
+
+def save_optimizer_state(engine, out: str, meta: dict, rank: int, world_size: int) -> None:
+    """Write the engine's state as a DeepSpeed checkpoint (every rank its ZeRO shard) to a
+    temporary sibling folder, then rank 0 adds ``meta.json`` and renames it to ``out``: a killed
+    job never leaves a folder that looks finished. Collective: every rank must call it."""
+    out_path = Path(out)
+    tmp = out_path.with_name(f".{out_path.name}.partial")  # the same name on every rank
+
+    def barrier():
+        if world_size > 1:
+            torch.distributed.barrier()
+
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    engine.save_checkpoint(str(tmp), tag=OPTIMIZER_TAG, client_state={}, save_latest=False)
+    barrier()
+    if rank == 0:
+        write_json(meta, tmp / OPTIMIZER_META)
+        if out_path.exists():
+            shutil.rmtree(out_path)
+        os.replace(tmp, out_path)
+    barrier()
 
 
 class Checkpoints:
@@ -423,10 +596,16 @@ class Checkpoints:
                     shutil.rmtree(old, ignore_errors=True)
 
     def finish(self) -> None:
-        """The stage's outputs are written: the checkpoints are no longer needed."""
+        """The stage's outputs are written: the checkpoints are no longer needed. The workflow's
+        checkpoint tree (results/checkpoints/train/) goes too once it is empty."""
         self._barrier()
         if self.rank == 0:
             shutil.rmtree(self.folder, ignore_errors=True)
+            parents = list(self.folder.parents)[:2]
+            if parents and parents[-1].name == "checkpoints":
+                for parent in parents:
+                    with contextlib.suppress(OSError):
+                        parent.rmdir()  # only if empty: another iteration's job may be running
 
 
 # ------------------------------------------------------------------------------------------
@@ -435,13 +614,14 @@ class Checkpoints:
 
 
 SUMS = ("loss", "clipped", "entropy", "k3", "kl_ref", "is_w", "power", "bad")
+MAXES = ("is_w", "log_ratio")
 
 
 def micro_step(engine, ref_model, data: dict, rows: list[int], weight: float, cfg: DictConfig, pad_id: int,
-               global_tokens: int, global_seqs: int, world_size: int) -> tuple[dict[str, float], float]:
-    """Forward and backward of one micro-batch; returns its sums for the step's metrics and its
-    largest IS weight. ``weight`` 0 turns it into a no-op that still runs the collectives (empty
-    rank slice)."""
+               global_tokens: int, global_seqs: int, world_size: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Forward and backward of one micro-batch; returns its sums and its maxima (largest IS
+    weight, largest |log pi_theta - log pi_old|) for the step's metrics. ``weight`` 0 turns it
+    into a no-op that still runs the collectives (empty rank slice)."""
     tc = cfg.train
     dev = engine.device
     batch = pack([data["prompt_ids"][i] for i in rows], [data["response_ids"][i] for i in rows], pad_id, dev)
@@ -471,7 +651,8 @@ def micro_step(engine, ref_model, data: dict, rows: list[int], weight: float, cf
     if ref_model is not None:
         with torch.no_grad():
             ref_flat, _ = response_token_stats(ref_model, batch["input_ids"], batch["attention_mask"],
-                                               batch["rows"], batch["pos"], batch["targets"], cfg.rollout.temperature)
+                                               batch["rows"], batch["pos"], batch["targets"], cfg.rollout.temperature,
+                                               tc.logprob_chunk_size)
         kl_ref = low_var_kl(logp, to_padded(ref_flat, batch, len(rows)))
         token_loss = token_loss + tc.kl_coef * kl_ref
     scale = tc.loss_scale_factor or cfg.rollout.max_new_tokens
@@ -494,8 +675,10 @@ def micro_step(engine, ref_model, data: dict, rows: list[int], weight: float, cf
                 "entropy": float((entropy * mask).sum()), "k3": float((k3 * mask).sum()),
                 "kl_ref": float((kl_ref * mask).sum()), "is_w": float((is_w * mask).sum()), "power": power,
                 "bad": 0.0 if math.isfinite(float(loss.detach())) else 1.0}
-        is_max = float((is_w * mask).max()) if mask.any() else 0.0
-    return sums, is_max
+        valid = mask > 0
+        maxes = {"is_w": float(is_w[valid].max()) if valid.any() else 0.0,
+                 "log_ratio": float((logp - old_logp).abs()[valid].max()) if valid.any() else 0.0}
+    return sums, maxes
 
 
 def all_reduce(values: list[float], world_size: int, device, op: str = "sum") -> list[float]:
@@ -523,7 +706,7 @@ def train_step(engine, ref_model, data: dict, mini: list[int], cfg: DictConfig, 
     local = mini[rank::world_size]
     n_micro = math.ceil(math.ceil(len(mini) / world_size) / tc.micro_batch_size)  # the same on every rank
     sums = dict.fromkeys(SUMS, 0.0)
-    is_max = 0.0
+    maxes = dict.fromkeys(MAXES, 0.0)
     norm_before_step = None
     for j in range(n_micro):
         rows = local[j * tc.micro_batch_size:(j + 1) * tc.micro_batch_size]
@@ -532,13 +715,13 @@ def train_step(engine, ref_model, data: dict, mini: list[int], cfg: DictConfig, 
         out, mx = micro_step(engine, ref_model, data, rows or mini[:1], 1.0 if rows else 0.0, cfg, pad_id,
                              global_tokens, global_seqs, world_size)
         sums = {k: sums[k] + out[k] for k in SUMS}
-        is_max = max(is_max, mx)
+        maxes = {k: max(maxes[k], mx[k]) for k in MAXES}
         if last:
             if tc.zero_stage == 0 and not grads_finite(engine.module):
                 sums["bad"] += 1.0
             norm_before_step = param_grad_norm(engine.module)  # fp32 without ZeRO reports no norm
     sums = dict(zip(SUMS, all_reduce([sums[k] for k in SUMS], world_size, engine.device)))
-    is_max = all_reduce([is_max], world_size, engine.device, op="max")[0]
+    maxes = dict(zip(MAXES, all_reduce([maxes[k] for k in MAXES], world_size, engine.device, op="max")))
     if sums["bad"] and tc.zero_stage == 0:
         engine.zero_grad()  # discard the step; ZeRO >= 1 runs its own overflow check in step()
         skipped, norm = True, float("nan")
@@ -553,8 +736,9 @@ def train_step(engine, ref_model, data: dict, mini: list[int], cfg: DictConfig, 
     accept = np.asarray([data["accept"][i] for i in mini])
     return {"loss": sums["loss"], "clip_fraction": sums["clipped"] / tokens, "grad_norm": norm,
             "lr": float(engine.get_lr()[0]),  # what the optimizer used
-            "entropy": sums["entropy"] / tokens, "approx_kl": sums["k3"] / tokens, "kl_ref": sums["kl_ref"] / tokens,
-            "is_weight_mean": sums["is_w"] / tokens, "is_weight_max": is_max,
+            "entropy": sums["entropy"] / tokens, "approx_kl": sums["k3"] / tokens,
+            "max_abs_log_ratio": maxes["log_ratio"], "kl_ref": sums["kl_ref"] / tokens,
+            "is_weight_mean": sums["is_w"] / tokens, "is_weight_max": maxes["is_w"],
             "trm_acceptance": float(accept.mean()),
             "log_ppl_abs_diff": float(np.mean([data["log_ppl_abs_diff"][i] for i in mini])),
             "tokens": global_tokens, "sequences": len(mini),
@@ -615,10 +799,20 @@ def run(cfg: DictConfig, args: Args) -> None:
         raise SchemaError(f"{args.advantages}: no rows to train on")
     if tc.kl_coef > 0 and not args.reference:
         raise SchemaError("train.kl_coef > 0 needs --reference, the reference policy (e.g. the initial one)")
+    if tc.reset_optimizer and args.prev_optimizer:
+        raise OptimizerStateError(f"train.reset_optimizer is true but --prev-optimizer {args.prev_optimizer} was "
+                                  f"given: drop one of them")
     rank, world_size = init_distributed_env()
+    if args.prev_optimizer:
+        prev_meta = check_optimizer_state(args.prev_optimizer, tc, world_size, args.policy)  # before any work
     seed = derive_seed(cfg.seed, "train", args.iteration)
     torch.manual_seed(seed)
     engine = build_engine(args.policy, tc, world_size)
+    if args.prev_optimizer:
+        load_optimizer_state(engine, args.prev_optimizer)
+        if rank == 0:
+            log.info("AdamW resumes from %s (%s optimizer steps before this iteration)", args.prev_optimizer,
+                     prev_meta.get("optimizer_steps"))
     atexit.register(_destroy_process_group)
     ref_model = load_reference(args.reference, engine.device) if tc.kl_coef > 0 else None
     from transformers import AutoTokenizer
@@ -629,8 +823,9 @@ def run(cfg: DictConfig, args: Args) -> None:
     plan = mini_batches(n, tc, seed)
     schedule = LRSchedule.from_dict(tc, json.loads(Path(args.prev_state).read_text()) if args.prev_state else None)
     schedule.set_horizon(len(plan), cfg.iterations)
-    ckpt = Checkpoints(args.checkpoint_dir or str(Path(args.out).with_name("checkpoint")),
-                       fingerprint(cfg, args, world_size), tc.checkpoint_every, rank, world_size)
+    fp = fingerprint(cfg, args, world_size)
+    ckpt = Checkpoints(args.checkpoint_dir or str(Path(args.out).with_name("checkpoint")), fp, tc.checkpoint_every,
+                       rank, world_size)
     metrics: list[dict] = []
     start, skips = 0, 0
     client = ckpt.load(engine)
@@ -666,6 +861,15 @@ def run(cfg: DictConfig, args: Args) -> None:
     state = full_fp32_state_dict(engine, keep=rank == 0)  # collective: all ranks
     if rank == 0:
         save_policy(engine, state, args.policy, args.out)
+    del state
+    if args.optimizer:
+        import deepspeed
+
+        digest = policy_digest(args.out) if rank == 0 else ""
+        meta = {**optimizer_layout(tc, world_size), "deepspeed": deepspeed.__version__, "iteration": args.iteration,
+                "optimizer_steps": schedule.to_dict().get("step"), "policy_sha256": digest, "job_fingerprint": fp}
+        save_optimizer_state(engine, args.optimizer, meta, rank, world_size)  # collective
+    if rank == 0:
         df = pl.DataFrame(metrics, schema=schemas.TRAIN_METRICS.columns)
         import deepspeed
 

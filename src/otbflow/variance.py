@@ -8,14 +8,19 @@ empirical variance of the group-averaged policy gradient
 
 the trace of its covariance over the resampled groups of a prompt, averaged over prompts (the
 within-prompt variance that a baseline can remove). No-baseline REINFORCE (``none``) is the
-reference and the exact-gradient oracle ``eob`` (weights n_i = ||grad log pi(y_i)||^2, exact) the
-target: ``reduction_share`` = (V_none - V_e) / (V_none - V_eob) says how much of the oracle's
-reduction an estimator achieves with the forward-only proxy (OTB) or with lengths (OPO,
-length-power). ``sq_bias`` = ||E[g_hat_e - g_hat_none]||^2, estimated on the same resampled
-groups and corrected for their Monte-Carlo noise (``sq_bias_noise``, its expected value for an
-unbiased estimator), shows the O(1/N) bias of the self-inclusive baselines. A self-inclusive
-baseline also shrinks the gradient (by about (N-1)/N), which lowers its variance without making it
-more informative: ``noise_to_signal`` = trace_cov / ||E g_hat||^2 is the scale-free comparison.
+reference and ``eob`` the oracle: its weights n_i = ||sum_t s_{i,t}||^2 are the squared norms of
+the same centred score vectors every g_hat is built from (below), so its baseline
+sum_i n_i R_i / sum_i n_i is the optimal constant of the quantity measured, estimated in-group.
+
+Comparisons are paired: every estimator is evaluated on the same resampled groups, and
+``trace_cov_diff`` is the mean over prompts of tr Cov_p(g_hat_e) - tr Cov_p(g_hat_none), with
+``trace_cov_diff_se`` its standard error over prompts (the prompts are independent; within a
+prompt the pairing cancels the noise the two estimators share). ``sq_bias`` =
+||E[g_hat_e - g_hat_none]||^2, estimated on the same resampled groups and corrected for their
+Monte-Carlo noise (``sq_bias_noise``, its expected value for an unbiased estimator), shows the
+O(1/N) bias of the self-inclusive baselines. A self-inclusive baseline also shrinks the gradient
+(by about (N-1)/N), which lowers its variance without making it more informative:
+``noise_to_signal`` = trace_cov / ||E g_hat||^2 is the scale-free comparison.
 
 The pool stands for the policy: groups are drawn from it with replacement (i.i.d. from the
 empirical distribution), and each prompt's mean score is subtracted from its responses' score
@@ -30,7 +35,8 @@ norms are preserved in expectation, relative error about sqrt(2 / sketch_dim)); 
 exact vectors (small models). The advantages of all resampled groups of an estimator come from
 one ``compute_advantages`` call (each resample is a group), and every g_hat is one sparse product
 of those advantages with the sketched token gradients. ``grpo`` is taken without the std
-normalisation (the group-mean baseline): a study of baselines compares them at the same scale.
+normalisation (the group-mean baseline) and no estimator gets ``advantages.baseline_shift``: a
+study of baselines compares them at the same scale, against plain REINFORCE.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from otbflow.config import derive_seed
 from otbflow.features import ResponseLogits, pack, sequence_token_stats
 from otbflow.io import pyplot, read_table, save_figure, write_json, write_parquet
 from otbflow.model import load_policy, set_threads
+from otbflow.progress import Progress
 
 log = logging.getLogger("otbflow.variance")
 SECTIONS = ("variance", "advantages", "rollout", "features")
@@ -63,6 +70,26 @@ class Args:
     """HF folder of the policy that sampled the pool (its gradients are measured)."""
     out_dir: str
     """Output folder: summary.parquet, summary.json, variance.png."""
+
+
+def studied(cfg: DictConfig) -> list[str]:
+    """The estimators of the study: REINFORCE ('none'), variance.estimators, the oracle ('eob')."""
+    return list(dict.fromkeys(["none", *cfg.variance.estimators, "eob"]))
+
+
+def study_options(cfg: DictConfig, name: str) -> dict:
+    """An estimator's options in the study: its ``advantages.*`` options, except that the study
+    compares baselines at one scale (grpo without std normalisation) and without a shift."""
+    options = estimator_options(cfg, name) | ({"std_normalize": False} if name == "grpo" else {})
+    options.pop("baseline_shift", None)
+    return options
+
+
+def read_keys(cfg: DictConfig) -> list[str]:
+    """The config keys the study reads (the variance rule's rerun trigger)."""
+    options = {f"advantages.{k}" for name in studied(cfg) for k in study_options(cfg, name)
+               if not (name == "grpo" and k == "std_normalize")}
+    return ["seed", "variance", "rollout.temperature", "features.chunk_size", *sorted(options)]
 
 
 class CountSketch:
@@ -93,18 +120,17 @@ def token_gradients(model, prompt_ids: list[int], response_ids: list[int], tempe
                       for g, p in zip(grads, params)], dim=1).detach().cpu()
 
 
-def pool_gradients(model, df: pl.DataFrame, temperature: float, pad_id: int, sketch: CountSketch | None):
-    """(per-token gradients, sketched or exact, stacked [n_tokens, k]; exact per-sequence
-    squared norms ||sum_t s_t||^2 [n_seq])."""
-    rows, norms = [], []
+def pool_gradients(model, df: pl.DataFrame, temperature: float, pad_id: int,
+                   sketch: CountSketch | None) -> torch.Tensor:
+    """Per-token gradients of every pool response, sketched or exact, stacked [n_tokens, k]."""
+    rows = []
+    progress = Progress(log, "per-token gradients", df.height, "responses")
     for p_ids, r_ids in zip(df["prompt_ids"].to_list(), df["response_ids"].to_list()):
-        if not r_ids:
-            norms.append(0.0)
-            continue
-        s = token_gradients(model, p_ids, r_ids, temperature, pad_id)
-        norms.append(float((s.double().sum(0) ** 2).sum()))
-        rows.append(sketch(s) if sketch is not None else s)
-    return torch.cat(rows) if rows else torch.zeros(0, 1), np.asarray(norms)
+        if r_ids:
+            s = token_gradients(model, p_ids, r_ids, temperature, pad_id)
+            rows.append(sketch(s) if sketch is not None else s)
+        progress.update()
+    return torch.cat(rows) if rows else torch.zeros(0, 1)
 
 
 def center_scores(token_grads: torch.Tensor, pool: pl.DataFrame) -> torch.Tensor:
@@ -165,52 +191,82 @@ def per_prompt_stats(g: torch.Tensor, prompt_of_group: np.ndarray) -> tuple[np.n
     return np.asarray(traces), np.asarray(sq_means)
 
 
-def study(cfg: DictConfig, pool: pl.DataFrame, token_grads: torch.Tensor, grad_sq_norm: np.ndarray,
-          stats: list[dict[str, list[float]]]) -> pl.DataFrame:
-    """The summary table (one row per estimator) from the pool and its token gradients."""
+def sequence_sq_norms(token_grads: torch.Tensor, lengths: np.ndarray) -> np.ndarray:
+    """||sum_t s_{i,t}||^2 of every response (0 for an empty one), in float64."""
+    seq = torch.zeros(len(lengths), token_grads.shape[1], dtype=torch.float64)
+    seq.index_add_(0, torch.from_numpy(np.repeat(np.arange(len(lengths)), lengths)), token_grads.double())
+    return (seq**2).sum(1).numpy()
+
+
+def study(cfg: DictConfig, pool: pl.DataFrame, token_grads: torch.Tensor, stats: list[dict[str, list[float]]],
+          groups: pl.DataFrame | None = None) -> pl.DataFrame:
+    """The summary table (one row per estimator) from the pool and its per-token score gradients
+    (uncentred, as measured). The scores are centred per prompt first (``center_scores``); every
+    g_hat and EOB's weights n_i = ||sum_t s_it||^2 use those centred scores. ``groups``
+    (pool_row, prompt_id, group_id): the groups to evaluate on; None draws
+    ``variance.resamples`` per prompt (``resample_groups``)."""
     v = cfg.variance
+    token_grads = center_scores(token_grads, pool)
+    lengths = pool["response_length"].to_numpy()
     pool = pool.with_columns(pl.Series("logprobs", [s["logprobs"] for s in stats], dtype=schemas.F32L),
                              pl.Series("sum_pi_sq", [s["sum_pi_sq"] for s in stats], dtype=schemas.F32L),
-                             pl.Series("grad_sq_norm", grad_sq_norm, dtype=pl.Float64))
-    lengths = pool["response_length"].to_numpy()
+                             pl.Series("grad_sq_norm", sequence_sq_norms(token_grads, lengths), dtype=pl.Float64))
     offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    groups = resample_groups(pool, v.group_size, v.resamples, derive_seed(cfg.seed, "variance"))
+    if groups is None:
+        groups = resample_groups(pool, v.group_size, v.resamples, derive_seed(cfg.seed, "variance"))
+    group_size = int(groups.group_by("group_id").len()["len"].max())
     table = groups.join(pool.drop("group_id", "prompt_id").with_row_index("pool_row").with_columns(
         pl.col("pool_row").cast(pl.Int64)), on="pool_row", how="left", maintain_order="left")
     n_groups = int(groups["group_id"].max()) + 1
-    prompt_of_group = groups.unique("group_id", maintain_order=True)["prompt_id"].to_numpy()
-    rows, reference = [], None
-    for name in dict.fromkeys(["none", *v.estimators, "eob"]):
-        options = estimator_options(cfg, name) | ({"std_normalize": False} if name == "grpo" else {})
-        out = compute_advantages(table, name, **options)
+    prompt_of_group = groups.unique("group_id", maintain_order=True).sort("group_id")["prompt_id"].to_numpy()
+    resamples = np.unique(prompt_of_group, return_counts=True)[1]  # groups per prompt, in per_prompt_stats' order
+    rows, reference, ref_traces = [], None, None
+    for name in studied(cfg):
+        out = compute_advantages(table, name, **study_options(cfg, name))
         g = group_gradients(out["advantages"], table["pool_row"].to_numpy(), offsets, table["group_id"].to_numpy(),
-                            n_groups, v.group_size, token_grads)
-        reference = g if reference is None else reference
+                            n_groups, group_size, token_grads)
         traces, sq_means = per_prompt_stats(g, prompt_of_group)
+        if reference is None:
+            reference, ref_traces = g, traces
         # E||mean(d)||^2 = ||E d||^2 + tr Cov(d) / R for d = g_hat - g_hat_none on the same groups
         d_traces, d_sq_means = per_prompt_stats(g - reference, prompt_of_group)
-        noise = d_traces / v.resamples
-        signal = float((sq_means - traces / v.resamples).mean())  # ||E g_hat||^2, noise removed likewise
-        rows.append({"estimator": name, "trace_cov": float(traces.mean()),
-                     "trace_cov_se": float(traces.std(ddof=1) / np.sqrt(len(traces))) if len(traces) > 1 else 0.0,
+        noise = d_traces / resamples
+        signal = float((sq_means - traces / resamples).mean())  # ||E g_hat||^2, noise removed likewise
+        paired = traces - ref_traces  # per prompt, on the same resampled groups
+        rows.append({"estimator": name, "trace_cov": float(traces.mean()), "trace_cov_se": _se(traces),
+                     "trace_cov_diff": float(paired.mean()), "trace_cov_diff_se": _se(paired),
                      "signal": signal, "noise_to_signal": float(traces.mean()) / signal if signal > 0 else float("nan"),
                      "sq_bias": float((d_sq_means - noise).mean()), "sq_bias_noise": float(noise.mean())})
-    v_none, v_eob = rows[0]["trace_cov"], rows[-1]["trace_cov"]
+    v_none = rows[0]["trace_cov"]
     for r in rows:
         r["ratio_to_none"] = r["trace_cov"] / v_none if v_none > 0 else float("nan")
-        r["reduction_share"] = (v_none - r["trace_cov"]) / (v_none - v_eob) if v_none != v_eob else float("nan")
     return pl.DataFrame(rows, schema=schemas.VARIANCE.columns)
+
+
+def _se(x: np.ndarray) -> float:
+    """Standard error of the mean of per-prompt values (0 for a single prompt)."""
+    return float(x.std(ddof=1) / np.sqrt(len(x))) if len(x) > 1 else 0.0
 
 
 def plot(path: Path, summary: pl.DataFrame) -> None:
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8, 3.8))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
     names = summary["estimator"].to_list()
-    ax.bar(names, summary["trace_cov"].to_numpy(), yerr=summary["trace_cov_se"].to_numpy(), capsize=3,
-           color=["grey" if n in ("none", "eob") else "tab:blue" for n in names])
-    ax.set_ylabel("tr Cov(group-mean gradient)")
-    ax.set_title("within-prompt variance of the policy gradient (grey: REINFORCE and the exact oracle)", fontsize=9)
-    ax.grid(alpha=0.3, axis="y")
+    colors = ["grey" if n in ("none", "eob") else "tab:blue" for n in names]
+    ax.bar(names, summary["trace_cov_diff"].to_numpy(), yerr=summary["trace_cov_diff_se"].to_numpy(), capsize=3,
+           color=colors)
+    ax.axhline(0.0, color="black", linewidth=0.8)
+    ax.set_ylabel("tr Cov(g_hat) - tr Cov(g_hat of REINFORCE)")
+    ax.set_title(f"paired difference to REINFORCE (tr Cov {summary['trace_cov'][0]:.3g}), +- s.e. over prompts",
+                 fontsize=9)
+    ax2.bar(names, summary["noise_to_signal"].to_numpy(), color=colors)
+    ax2.set_ylabel("tr Cov(g_hat) / ||E g_hat||^2")
+    ax2.set_title("noise-to-signal (scale-free)", fontsize=9)
+    for a in (ax, ax2):
+        a.grid(alpha=0.3, axis="y")
+        a.tick_params(axis="x", labelrotation=30)
+    fig.suptitle("within-prompt variance of the group-mean policy gradient (grey: REINFORCE and the EOB oracle)",
+                 fontsize=9)
     save_figure(fig, path)
 
 
@@ -224,9 +280,8 @@ def run(cfg: DictConfig, args: Args) -> None:
                                  cfg.features.chunk_size, tok.pad_token_id)
     dim = sum(p.numel() for p in model.parameters() if p.requires_grad)
     sketch = CountSketch(dim, v.sketch_dim, derive_seed(cfg.seed, "variance-sketch")) if v.sketch_dim else None
-    token_grads, grad_sq_norm = pool_gradients(model, pool, t, tok.pad_token_id, sketch)
-    token_grads = center_scores(token_grads, pool)
-    summary = study(cfg, pool, token_grads, grad_sq_norm, stats)
+    token_grads = pool_gradients(model, pool, t, tok.pad_token_id, sketch)
+    summary = study(cfg, pool, token_grads, stats)
     out = Path(args.out_dir)
     meta = {"policy": args.policy, "parameters": dim, "sketch_dim": v.sketch_dim, "group_size": v.group_size,
             "resamples_per_prompt": v.resamples, "prompts": pool["prompt_id"].n_unique(), "pool_rows": pool.height,
@@ -235,6 +290,6 @@ def run(cfg: DictConfig, args: Args) -> None:
     write_json({"meta": meta, "estimators": summary.to_dicts()}, out / "summary.json")
     plot(out / "variance.png", summary)
     for r in summary.iter_rows(named=True):
-        log.info("%-16s tr Cov %.4g (x%.3f of REINFORCE, %.0f%% of the oracle's reduction), noise/signal %.3g, "
-                 "sq bias %.3g (noise %.2g)", r["estimator"], r["trace_cov"], r["ratio_to_none"],
-                 100 * r["reduction_share"], r["noise_to_signal"], r["sq_bias"], r["sq_bias_noise"])
+        log.info("%-16s tr Cov %.4g (x%.3f of REINFORCE; paired difference %+.3g +- %.2g), noise/signal %.3g, "
+                 "sq bias %.3g (noise %.2g)", r["estimator"], r["trace_cov"], r["ratio_to_none"], r["trace_cov_diff"],
+                 r["trace_cov_diff_se"], r["noise_to_signal"], r["sq_bias"], r["sq_bias_noise"])

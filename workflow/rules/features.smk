@@ -12,7 +12,8 @@ rule features:
         ENV
     params:
         cmd=stage_cmd("features"),
-        cfg=digest("features", "rollout.temperature", "model.dtype"),
+        # pi_old at the trainer's precision (train.bf16), not model.dtype (rollout/evaluate)
+        cfg=digest("features", "rollout.temperature", "train.bf16", "train.rollout_is", "train.rollout_is_threshold"),
         code=code_version("features"),
     threads: 2
     resources:

@@ -3,11 +3,14 @@ rule train:
         advantages=rules.advantages.output.advantages,
         policy=policy_for_iteration,
         prev_state=previous_schedule_state,
+        prev_optimizer=previous_optimizer_state,
         reference=reference_policy,
     output:
         policy=directory(f"{R}/iter_{{k}}/train/policy"),
         metrics=f"{R}/iter_{{k}}/train/metrics.parquet",
         state=f"{R}/iter_{{k}}/train/schedule.json",
+        # AdamW state for iteration k+1 (a DeepSpeed checkpoint); none with train.reset_optimizer
+        **train_optional_outputs(),
     log:
         f"{R}/logs/train/iter_{{k}}.log",
     benchmark:
@@ -22,10 +25,13 @@ rule train:
         code=code_version("train"),
         # resumable DeepSpeed checkpoints live outside the outputs: a failed job's are kept
         checkpoint_dir=f"{R}/checkpoints/train/iter_{{k}}",
-        optional=lambda wildcards, input: " ".join(
-            f"--{name.replace('_', '-')} {getattr(input, name)}"
-            for name in ("prev_state", "reference")
-            if getattr(input, name)
+        optional=lambda wildcards, input, output: " ".join(
+            [
+                f"--{name.replace('_', '-')} {getattr(input, name)}"
+                for name in ("prev_state", "prev_optimizer", "reference")
+                if getattr(input, name)
+            ]
+            + ([f"--optimizer {output.optimizer}"] if hasattr(output, "optimizer") else [])
         ),
     threads: CFG.resources.train.cpus_per_task
     resources:

@@ -12,7 +12,7 @@ rule variance_pool:
         GENERATE_ENV
     params:
         cmd=stage_cmd("rollout", python=CFG.rollout.python),
-        cfg=digest("seed", "rollout", "task", "model.dtype", "shard", "variance.pool_prompts", "variance.pool_size"),
+        cfg=variance_pool_digest(),
         code=code_version("rollout"),
         n_prompts=CFG.variance.pool_prompts,
         pool_size=CFG.variance.pool_size,
@@ -47,7 +47,7 @@ rule variance:
         ENV
     params:
         cmd=stage_cmd("variance"),
-        cfg=digest("seed", "variance", "advantages", "rollout.temperature", "features.chunk_size"),
+        cfg=variance_digest(),
         code=code_version("variance"),
         out_dir=lambda wildcards, output: os.path.dirname(output.summary),
     threads: 2

@@ -1,0 +1,134 @@
+"""The generation-backend interface shared by the rollout, evaluate and bootstrap stages.
+
+- ``Sample``: one generated response, the same record from every backend.
+- ``Sampling``: what to generate (n samples per prompt, temperature, top_p, length, greedy, seed).
+- ``Backend``: ``generate(prompt_ids, sampling) -> list[Sample]`` and ``metadata(sampling)``;
+  implemented by ``otbflow.hf_engine.HFBackend`` (transformers) and
+  ``otbflow.vllm_engine.VLLMBackend`` (vLLM). ``open_backend`` builds one by name; the engine
+  modules depend on this one, never the other way round (the table below names them by path).
+- Prompt rendering (``render_prompts``): the text of each prompt or, with ``task.chat``, its
+  messages through the tokenizer's chat template (``add_generation_prompt=True``), to token ids.
+  Every backend generates from these ids, and the rollout table stores them (``prompt_ids``).
+- Stop tokens (``stop_token_ids``): a response ends at the first of the tokenizer's eos token and
+  the eos ids of the policy's ``generation_config.json`` (Qwen2.5-Instruct: ``<|im_end|>`` and
+  ``<|endoftext|>``); it is kept, with its log-prob, as the last response token.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from omegaconf import DictConfig
+
+from otbflow.config import chat_setting
+
+BACKENDS = {"hf": "otbflow.hf_engine:HFBackend", "vllm": "otbflow.vllm_engine:VLLMBackend"}
+
+
+@dataclass
+class Sample:
+    prompt_index: int
+    sample_idx: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    text: str
+
+
+@dataclass(frozen=True)
+class Sampling:
+    n: int = 1
+    """Samples per prompt (1 when greedy)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 48
+    greedy: bool = False
+    seed: int = 0
+
+
+class Backend(Protocol):
+    name: str
+    stops: list[int]
+    """Token ids that end a response (``stop_token_ids`` of the policy)."""
+
+    def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> list[Sample]:
+        """Responses to each prompt, ordered by (prompt_index, sample_idx)."""
+
+    def metadata(self, sampling: Sampling) -> dict[str, Any]:
+        """Versions and engine/sampling arguments, for the output's Parquet metadata."""
+
+
+def open_backend(cfg: DictConfig, policy: str) -> Backend:
+    """The ``rollout.backend`` engine over the HF folder ``policy`` (model loaded once)."""
+    module, cls = BACKENDS[cfg.rollout.backend].split(":")
+    return getattr(importlib.import_module(module), cls)(cfg, policy)
+
+
+def stop_token_ids(tok, policy: str | Path | None = None) -> list[int]:
+    """The tokenizer's eos id, then the eos ids of ``policy``'s generation_config.json."""
+    ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    gen = Path(policy) / "generation_config.json" if policy is not None else None
+    if gen is not None and gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
+    if not ids:
+        raise ValueError(f"{policy}: the tokenizer has no eos token and generation_config.json no eos_token_id")
+    return list(dict.fromkeys(int(i) for i in ids))
+
+
+def truncate_at_stop(tokens: list[int], stops: set[int] | list[int]) -> tuple[int, str]:
+    """(length, finish reason): up to and including the first stop token ('stop'), else all ('length')."""
+    for i, t in enumerate(tokens):
+        if t in stops:
+            return i + 1, "stop"
+    return len(tokens), "length"
+
+
+def use_chat(cfg: DictConfig, tok) -> bool:
+    """task.chat resolved for this tokenizer ('auto': when it has a chat template)."""
+    mode = chat_setting(cfg)
+    has_template = bool(getattr(tok, "chat_template", None))
+    if mode == "true" and not has_template:
+        raise ValueError("task.chat is true but the policy's tokenizer has no chat template "
+                         "(set task.chat to auto or false, or use a tokenizer with one)")
+    return has_template if mode == "auto" else mode == "true"
+
+
+def render_prompts(tok, prompts: list[str], messages: list[str] | None, chat: bool,
+                   system_prompt: str | None = None) -> list[list[int]]:
+    """Token ids of each prompt. ``chat``: its messages (a JSON list of {role, content}; None: one
+    user message with the prompt text), after a ``system_prompt`` message unless they have a
+    system message, through ``apply_chat_template(add_generation_prompt=True)``; else the text."""
+    out = []
+    for i, text in enumerate(prompts):
+        msgs = json.loads(messages[i]) if messages is not None else [{"role": "user", "content": text}]
+        if not chat:
+            if len(msgs) != 1 or msgs[0]["role"] != "user":
+                raise ValueError(f"prompt {i} has chat messages ({', '.join(m['role'] for m in msgs)}), which need "
+                                 "the chat template: set task.chat to auto or true with a tokenizer that has one")
+            out.append(tok(text, add_special_tokens=False)["input_ids"])
+            continue
+        if system_prompt is not None and not any(m["role"] == "system" for m in msgs):
+            msgs = [{"role": "system", "content": system_prompt}, *msgs]
+        rendered = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        out.append(tok(rendered, add_special_tokens=False)["input_ids"])
+    return out
+
+
+def render_table(cfg: DictConfig, tok, prompts) -> tuple[list[list[int]], bool]:
+    """Token ids of a prompts table's rows (schemas.PROMPTS: prompt, messages), and whether the
+    chat template rendered them (task.chat resolved for ``tok``)."""
+    chat = use_chat(cfg, tok)
+    return render_prompts(tok, prompts["prompt"].to_list(), prompts["messages"].to_list(), chat,
+                          cfg.task.system_prompt), chat
+
+
+def prompt_metadata(cfg: DictConfig, tok, chat: bool, stops: list[int]) -> dict[str, Any]:
+    """How the prompts were rendered and when responses stop, for the Parquet metadata."""
+    return {"chat": chat, "system_prompt": cfg.task.system_prompt if chat else None,
+            "stop_token_ids": stops, "stop_tokens": tok.convert_ids_to_tokens(stops)}

@@ -1,0 +1,239 @@
+"""Every command that README.md and docs/*.md show is executed here, so that docs that drift
+from the code fail CI.
+
+A shown command is a line of a ```bash block (continuation lines joined, comments dropped), or
+an inline `code` span that is a whole command (it starts with make, snakemake, otbflow, .venv/bin/,
+python or benchmarks/ and is not just a stage's name). ``HOW`` says how each one runs:
+
+- ``AS_SHOWN``: exactly as shown, in a sandbox checkout (``conftest.make_sandbox``) that holds a
+  finished tiny run (README command 1 with config/tiny.yaml, copied from ``conftest.tiny_run``);
+- ``DRY``: as shown plus Snakemake's ``-n`` (a dry run: the config is loaded and validated and
+  the jobs are planned, nothing runs), for commands that would run the full default workflow;
+- any other string: the tiny form that runs instead (same command, smaller inputs), shown
+  next to the original so that a reader can compare them;
+- ``CI``: ``make test`` itself (CI runs it: .ci/run);
+- ``SLURM``: run by tests/test_slurm_integration.py on a local one-node Slurm;
+- ``EXPERIMENT``: run by tests/test_experiment.py on the reduced experiment
+  (config/experiments/tiny.yaml): its report for real, a member's --forcerun as a dry run;
+- ``REAL_MODEL``: run by tests/test_readme_real_model.py (a tiny Qwen2 folder and a GSM8K-layout
+  file in place of the user's checkpoint and data, small sizes layered on);
+- ``MODELS``: run by tests/test_workflow_models.py (the tiny workflow on Qwen2 + BPE + chat with
+  the vLLM backend).
+
+A command shown in the docs but missing here fails ``test_every_shown_command_is_covered``, and
+so does an entry here that the docs no longer show. Python blocks run too, one subprocess per
+document, in the sandbox.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, make_sandbox, sandbox_env
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("tiny_run")]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+PREFIXES = ("make ", "snakemake ", "otbflow ", ".venv/bin/", "python ", "python3 ", "benchmarks/")
+
+AS_SHOWN, DRY, CI, SLURM = "as shown", "dry run", "CI", "Slurm"
+EXPERIMENT = "tests/test_experiment.py"  # run there, on the reduced experiment config/experiments/tiny.yaml
+REAL_MODEL = "tests/test_readme_real_model.py"  # run there, with a tiny Qwen2 folder and a GSM8K-layout file
+MODELS = "tests/test_workflow_models.py"  # run there: the tiny workflow on Qwen2 + BPE + chat with vLLM
+TINY = "--configfile config/tiny.yaml"
+HOW: dict[str, str] = {
+    # README: the two commands
+    "make run": f'make run ARGS="{TINY}"',  # the tiny form is the session's tiny run itself
+    "make test": CI,
+    "snakemake --cores 2": DRY,  # what make run runs
+    "make run ARGS=\"--config 'advantages={estimator: grpo}'\"":
+        f"make run ARGS=\"{TINY} --config 'advantages={{estimator: grpo}}' -n\"",
+    # Configuration
+    "snakemake --cores 2 --config 'advantages={estimator: grpo, std_normalize: false}'": DRY,
+    "snakemake --cores 2 --configfile config/tiny.yaml": AS_SHOWN,  # the tiny run: nothing left to do
+    "otbflow rollout --prompts P --policy M --out O rollout.group_size=8 rollout.temperature=0.7":
+        "otbflow rollout --prompts results/data/train/shard_0.parquet --policy results/bootstrap/policy "
+        "--out results/scratch/rollout.parquet rollout.group_size=8 rollout.temperature=0.7",
+    "otbflow config rollout.group_size=8": AS_SHOWN,
+    "otbflow config --help-keys": AS_SHOWN,
+    "otbflow <stage> --help": "otbflow rollout --help && otbflow train --help",
+    "otbflow advantages --help": AS_SHOWN,
+    "otbflow schema-doc > docs/schema.md": "otbflow schema-doc > results/schema.md && diff results/schema.md docs/schema.md",
+    # Training
+    "snakemake --cores 2 --config 'train={loss_type: reinforce, rollout_is: sequence, lr_schedule: cosine}'": DRY,
+    "snakemake --configfile my.yaml config/examples/zero2_bf16.yaml":
+        "snakemake -n --cores 2 --configfile config/tiny.yaml config/examples/zero2_bf16.yaml",
+    "otbflow train --advantages results/iter_0/advantages/advantages.parquet --policy results/bootstrap/policy "
+    "--out /tmp/next --metrics /tmp/metrics.parquet train.loss_type=reinforce train.rollout_is=sequence":
+        f"otbflow train --advantages results/iter_0/advantages/advantages.parquet --policy results/bootstrap/policy "
+        f"--out results/scratch/next --metrics results/scratch/metrics.parquet train.loss_type=reinforce "
+        f"train.rollout_is=sequence",
+    # Experiments
+    ".venv/bin/snakemake -s workflow/experiment.smk --configfile config/experiments/otb_vs_grpo.yaml --cores 2": DRY,
+    ".venv/bin/snakemake -s workflow/experiment.smk --configfile config/experiments/otb_vs_grpo.yaml "
+    "--report results/otb_vs_grpo/report.html": EXPERIMENT,
+    "snakemake -s Snakefile --directory results/otb_vs_grpo/otb_n4/seed_0 --configfile "
+    "results/otb_vs_grpo/otb_n4/seed_0/member.yaml --cores 2 --forcerun advantages": EXPERIMENT,
+    # Caching
+    "snakemake --cores 2 results/iter_0/advantages/advantages.parquet":
+        f"snakemake --cores 2 results/iter_0/advantages/advantages.parquet {TINY}",
+    # Slurm
+    "otbflow submit --configfile my.yaml --partition long --account my_project": SLURM,
+    "tail -f logs/submit/4242/4242_0_log.out": SLURM,
+    "squeue --me": SLURM,
+    "ls .snakemake/slurm_logs/rule_train/": SLURM,
+    "otbflow submit --configfile my.yaml -- --config 'advantages={estimator: grpo}'": SLURM,
+    "otbflow submit --configfile my.yaml --rerun advantages": SLURM,
+    "otbflow submit --configfile my.yaml": SLURM,
+    "snakemake --workflow-profile slurm --configfile my.yaml < /dev/null": SLURM,
+    # A real model and dataset
+    ".venv/bin/otbflow shard --out-dir results/data task.name=dataset task.path=/data/gsm8k/train.parquet": REAL_MODEL,
+    ".venv/bin/snakemake --cores 8 --config 'model={path: /models/Qwen2.5-0.5B-Instruct, dtype: bfloat16}' "
+    "'task={name: dataset, path: /data/gsm8k/train.parquet}'": REAL_MODEL,
+    ".venv/bin/snakemake --cores 8 --config 'model={path: /models/Qwen2.5-0.5B-Instruct, dtype: bfloat16}' "
+    "'task={name: dataset, path: /data/gsm8k/train.parquet}' --report results/report.html": REAL_MODEL,
+    # a dry run here; the same pipeline runs for real on this Qwen2 + BPE + chat policy in the reduced
+    # experiment (tests/test_experiment.py) and with vLLM (tests/test_workflow_models.py)
+    "snakemake --cores 2 --configfile config/tiny.yaml config/examples/qwen2_bpe_chat.yaml": DRY,
+    # vLLM
+    "make vllm-env": CI,  # .ci/run builds it before make test
+    ".venv/bin/snakemake --cores 2 --configfile config/tiny.yaml config/examples/vllm_cpu.yaml": MODELS,
+    "snakemake --cores 8 --sdm conda --config 'rollout={backend: vllm}' 'model={path: /models/Qwen2.5-1.5B, dtype: bfloat16}'":
+        # no conda on the CI machines: the same dry run without --sdm conda
+        "snakemake -n --cores 8 --config 'rollout={backend: vllm}' 'model={path: results/bootstrap/policy, dtype: bfloat16}'",
+    ".venv/bin/snakemake --cores 8 --config 'rollout={backend: vllm, python: /opt/envs/vllm/bin/python}'": DRY,
+    # benchmarks (tiny sizes: each prints its JSON) and set-up
+    "make setup": AS_SHOWN,
+    "python benchmarks/bench_rollout.py":
+        "python benchmarks/bench_rollout.py --models tiny --backends hf --prompts 4 --max-new-tokens 8 --repeats 1",
+    "benchmarks/bench_advantages.py": "python benchmarks/bench_advantages.py --tokens 20000 --repeats 1",
+    ".venv/bin/python benchmarks/bench_advantages.py": ".venv/bin/python benchmarks/bench_advantages.py --tokens 20000 "
+                                                       "--repeats 1",
+    "benchmarks/bench_features.py": "python benchmarks/bench_features.py --sequences 4 --seq-len 32 --repeats 1",
+    "benchmarks/bench_train_memory.py": "python benchmarks/bench_train_memory.py --sequences 1 --response-len 16",
+    ".venv/bin/python benchmarks/bench_train_memory.py": ".venv/bin/python benchmarks/bench_train_memory.py "
+                                                         "--sequences 1 --response-len 16",
+    "benchmarks/variance_seeds.py": ".venv/bin/python benchmarks/variance_seeds.py --seeds 0 --out results/scratch/vs "
+                                    "--configfile config/tiny.yaml",
+    ".venv/bin/python benchmarks/variance_seeds.py --seeds 0 1 2 3 4":
+        ".venv/bin/python benchmarks/variance_seeds.py --seeds 0 --out results/scratch/vs --configfile config/tiny.yaml",
+}
+
+
+def _same(executed: str) -> str:
+    """Commands that differ only by the interpreter's path run once (`python x.py` in the
+    sandbox is `.venv/bin/python x.py`)."""
+    return re.sub(r"^(\.venv/bin/)?python3? ", "python ", executed)
+
+
+def _strip_comment(line: str) -> str:
+    """``cmd  # comment`` -> ``cmd`` (a # outside quotes that starts a word)."""
+    quote = None
+    for i, ch in enumerate(line):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i].rstrip()
+    return line.rstrip()
+
+
+def shown_commands(text: str) -> list[str]:
+    """The commands a Markdown text shows (see the module docstring)."""
+    out: list[str] = []
+    for block in re.findall(r"```(?:bash|sh|shell)\n(.*?)```", text, re.S):
+        pending = ""
+        for line in block.splitlines():
+            line = (pending + " " + line.strip()) if pending else line.strip()
+            if line.endswith("\\"):
+                pending = line[:-1].rstrip()
+                continue
+            pending = ""
+            line = _strip_comment(line)
+            if line:
+                out.append(line)
+    for span in re.findall(r"(?<!`)`([^`\n]+)`(?!`)", text):
+        span = span.strip()
+        if span.startswith(PREFIXES) and not re.fullmatch(r"otbflow [\w-]+", span) and not span.endswith("/"):
+            out.append(span)
+    return list(dict.fromkeys(out))
+
+
+def all_shown() -> dict[str, list[str]]:
+    shown: dict[str, list[str]] = {}
+    for doc in DOCS:
+        for cmd in shown_commands(doc.read_text()):
+            shown.setdefault(cmd, []).append(doc.name)
+    return shown
+
+
+def test_every_shown_command_is_covered():
+    shown = all_shown()
+    missing = [f"{c!r} (in {', '.join(d)})" for c, d in shown.items() if c not in HOW]
+    assert not missing, "commands shown in the docs that no test runs; add them to HOW:\n" + "\n".join(missing)
+    stale = [c for c in HOW if c not in shown]
+    assert not stale, f"HOW lists commands the docs no longer show: {stale}"
+
+
+def test_shown_commands_parse():
+    text = "```bash\nmake run   # a comment\nsnakemake -n \\\n  --cores 2  # x\n# only a comment\n```\n" \
+           "Run `otbflow config --help-keys`, see `otbflow scaling` and `results/`."
+    assert shown_commands(text) == ["make run", "snakemake -n --cores 2", "otbflow config --help-keys"]
+    assert _strip_comment("make run ARGS=\"--config 'a={b: c}'\"  # x") == "make run ARGS=\"--config 'a={b: c}'\""
+
+
+@pytest.fixture(scope="module")
+def docs_sandbox(tiny_run, tmp_path_factory):
+    """A sandbox checkout with a copy of the tiny run's results (and Snakemake's record of them),
+    so that commands that write do not touch the run other tests read."""
+    work = make_sandbox(tmp_path_factory.mktemp("docs"))
+    for name in ("results", ".snakemake"):
+        shutil.copytree(tiny_run / name, work / name, symlinks=True,
+                        ignore=shutil.ignore_patterns("locks", "incomplete", "conda", "slurm_logs"))
+    return work
+
+
+def runnable() -> list[tuple[str, str]]:
+    """(shown, executed) pairs, each distinct executed command once."""
+    out, seen = [], set()
+    for cmd, how in HOW.items():
+        if how in (CI, SLURM, EXPERIMENT, REAL_MODEL, MODELS):
+            continue
+        if how == AS_SHOWN:
+            executed = cmd
+        elif how == DRY:
+            executed = cmd.replace(" < /dev/null", "") + " -n"
+        else:
+            executed = how
+        if _same(executed) not in seen:
+            seen.add(_same(executed))
+            out.append((cmd, executed))
+    return out
+
+
+@pytest.mark.parametrize("shown, executed", runnable(), ids=[c[:60] for c, _ in runnable()])
+def test_shown_command_runs(docs_sandbox, shown, executed):
+    res = subprocess.run(executed, shell=True, cwd=docs_sandbox, env=sandbox_env(docs_sandbox), capture_output=True,
+                         text=True, stdin=subprocess.DEVNULL, timeout=600)
+    assert res.returncode == 0, f"{shown!r} ran as {executed!r} and failed:\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}"
+    if how_is_dry(shown):
+        assert "Job stats" in res.stdout or "Nothing to be done" in res.stdout, res.stdout[-2000:]
+
+
+def how_is_dry(cmd: str) -> bool:
+    return HOW[cmd] == DRY or " -n" in HOW[cmd].split("&&")[0]
+
+
+@pytest.mark.parametrize("doc", [d for d in DOCS if "```python" in d.read_text()], ids=lambda d: d.name)
+def test_python_blocks_run(docs_sandbox, doc):
+    """The document's ```python blocks, in order, in one interpreter (later blocks use names the
+    earlier ones defined), in the sandbox."""
+    code = "\n".join(re.findall(r"```python\n(.*?)```", doc.read_text(), re.S))
+    res = subprocess.run(["python", "-c", code], cwd=docs_sandbox, env=sandbox_env(docs_sandbox), capture_output=True,
+                         text=True, stdin=subprocess.DEVNULL, timeout=300)
+    assert res.returncode == 0, f"{doc.name}'s python blocks failed:\n{res.stdout[-2000:]}\n{res.stderr[-4000:]}"

@@ -1,0 +1,83 @@
+"""The tiny workflow on a real architecture (a Qwen2-shaped policy with a byte-level BPE tokenizer
+and a ChatML chat template: config/examples/qwen2_bpe_chat.yaml over config/tiny.yaml) with
+rollout.backend=vllm, its rollout and evaluate jobs run by .venv-vllm's Python (rollout.python).
+The same pipeline with the transformers backend runs in tests/test_experiment.py (the reduced
+experiment's members are Qwen2 + BPE + chat)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import polars as pl
+import pytest
+import yaml
+
+from otbflow import schemas
+from otbflow.io import read_metadata, read_table
+
+from conftest import QWEN2_BPE_CHAT, REPO, SMALL, TINY, vllm_python
+
+SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
+pytestmark = pytest.mark.slow
+def snakemake(workdir: Path, extra: dict | None = None, env=None) -> subprocess.CompletedProcess:
+    """The workflow on tiny.yaml + qwen2_bpe_chat.yaml + SMALL (+ extra), each a YAML config file
+    (typed values: Snakemake's --config reads nested values as strings)."""
+    files = []
+    for name, layer in (("small.yaml", SMALL), ("extra.yaml", extra)):
+        if layer:
+            (workdir / name).write_text(yaml.safe_dump(layer))
+            files.append(str(workdir / name))
+    cmd = [SNAKEMAKE, "-s", str(REPO / "Snakefile"), "--directory", str(workdir), "--cores", "2",
+           "--configfile", str(TINY), str(QWEN2_BPE_CHAT), *files]
+    res = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, env=env)
+    if res.returncode != 0:
+        logs = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in (workdir / "results/logs").rglob("*.log"))
+        raise AssertionError(f"snakemake failed ({res.returncode}):\n{res.stderr[-5000:]}\n{logs[-12000:]}")
+    return res
+
+
+@pytest.fixture(scope="module")
+def vllm_run(tmp_path_factory):
+    """The README's vLLM-on-CPU command in its tiny form: the tiny workflow on Qwen2 + BPE + chat
+    (SMALL sizes) with config/examples/vllm_cpu.yaml layered on, so the rollout and evaluate jobs
+    generate with vLLM in .venv-vllm. (The same pipeline with the transformers backend runs in
+    tests/test_experiment.py.)"""
+    python = vllm_python()
+    work = tmp_path_factory.mktemp("qwen2_vllm")
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")  # engine in the job's process: starts faster on CPU
+    example = yaml.safe_load((REPO / "config/examples/vllm_cpu.yaml").read_text())  # the README's vLLM-on-CPU layer
+    example["rollout"]["python"] = str(python)  # absolute: the run is not in the repository
+    res = snakemake(work, example, env=env)
+    return work, res
+
+
+def test_vllm_workflow_end_to_end(vllm_run):
+    from otbflow.generation import render_prompts
+    from otbflow.hf_engine import hf_generate
+    from otbflow.model import load_policy
+
+    work, res = vllm_run
+    r = work / "results"
+    for path in ("iter_0/rollout/shard_0.parquet", "variance/pool.parquet", "initial/eval/samples.parquet",
+                 "iter_0/eval/samples.parquet"):
+        meta = read_metadata(r / path)
+        assert meta["backend"] == "vllm" and meta["chat"] is True, path
+    assert read_metadata(r / "iter_0/rollout/shard_0.parquet")["vllm_version"] == "0.32.0"
+    fe = read_table(r / "iter_0/features/shard_0.parquet", schemas.FEATURES)
+    delta = fe["log_ratio"].explode().abs()
+    print(f"workflow, vLLM vs transformers log-probs: mean |delta| {delta.mean():.2e}, max {delta.max():.2e}")
+    assert delta.mean() <= 1e-3
+    assert read_table(r / "report/progress.parquet", schemas.PROGRESS)["policy"].to_list() == ["initial", "iter_0"]
+    assert (r / "report/mismatch.png").is_file() and (r / "variance/summary.parquet").is_file()
+    # greedy evaluation: vLLM's responses are transformers' responses to the same rendered prompts
+    ev = read_table(r / "data/eval.parquet", schemas.PROMPTS)
+    samples = read_table(r / "initial/eval/samples.parquet", schemas.EVAL_SAMPLES).filter(pl.col("mode") == "greedy")
+    model, tok = load_policy(r / "bootstrap/policy")
+    ids = render_prompts(tok, ev["prompt"].to_list(), ev["messages"].to_list(), True, "Solve step by step.")
+    hf = hf_generate(model, tok, ids, greedy=True, max_new_tokens=16, stop_ids=read_metadata(
+        r / "iter_0/rollout/shard_0.parquet")["stop_token_ids"])
+    by_id = dict(zip(samples["prompt_id"].to_list(), samples["response_text"].to_list()))
+    assert [by_id[i] for i in ev["prompt_id"].to_list()] == [s.text for s in hf]
