@@ -44,8 +44,10 @@ run: setup
 	$(VENV)/bin/snakemake --cores $(CORES) $(ARGS) < /dev/null
 	$(VENV)/bin/snakemake --cores $(CORES) $(ARGS) --report results/report.html < /dev/null
 
+# One pytest-xdist worker per core. Tests that share a module fixture run on one worker
+# (xdist_group); collection order is kept so that the tiny run the workflow tests share starts early.
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(CORES) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/snakemake --lint

@@ -24,7 +24,9 @@ SMALL = {"iterations": 1, "shard": {"n_shards": 1}, "task": {"n_train": 12, "n_e
          "variance": {"pool_prompts": 2, "pool_size": 4, "resamples": 10, "sketch_dim": 256},
          "scaling": {"max_sequences": 8, "bootstrap": 20}}
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
-os.environ.setdefault("OTBFLOW_THREADS", "2")
+# torch threads per stage run in a test: 2 on its own, 1 per pytest-xdist worker (make test runs
+# one worker per core; two threads each would oversubscribe the cores)
+os.environ.setdefault("OTBFLOW_THREADS", "1" if os.environ.get("PYTEST_XDIST_WORKER") else "2")
 # What a user's checkout has at its top level; a sandbox links to these (results/ stays its own).
 SANDBOX_ENTRIES = ("Snakefile", "workflow", "config", "src", "envs", "slurm", "benchmarks", "docs", "tests",
                    "Makefile", "pyproject.toml", "constraints.txt", "README.md")
@@ -54,15 +56,30 @@ def sandbox_env(path: Path) -> dict:
 
 
 @pytest.fixture(scope="session")
-def tiny_run(tmp_path_factory):
-    """README command 1 in its tiny form, once per session: ``make run`` with config/tiny.yaml in
-    a sandbox checkout (the whole workflow, 2 iterations, and the HTML report). Tests that
-    read outputs, dry-run reruns or run the README's commands share this folder."""
-    work = make_sandbox(tmp_path_factory.mktemp("tiny_run"))
-    res = subprocess.run(["make", "run", "ARGS=--configfile config/tiny.yaml"], cwd=work, env=sandbox_env(work),
-                         capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    if res.returncode != 0:
-        raise AssertionError(f"make run (tiny) failed ({res.returncode}):\n{res.stdout[-4000:]}\n{res.stderr[-6000:]}")
+def tiny_run(tmp_path_factory, worker_id):
+    """README command 1 in its tiny form, once per test session: ``make run`` with config/tiny.yaml
+    in a sandbox checkout (the whole workflow, 2 iterations, and the HTML report). Tests that read
+    outputs, dry-run reruns or run the README's commands share this folder; those that write copy it.
+    Under pytest-xdist the workers share it too: the first to ask runs it, under a file lock in the
+    session's temp root, and the others wait for it."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if worker_id != "master":
+        root = root.parent  # pytest-of-<user>/pytest-<n>: this session's, shared by its workers
+    work, done, failed = root / "tiny_run", root / "tiny_run.done", root / "tiny_run.failed"
+    with FileLock(str(root / "tiny_run.lock")):
+        if failed.is_file():
+            raise AssertionError(failed.read_text())
+        if not done.is_file():
+            make_sandbox(work)
+            res = subprocess.run(["make", "run", "ARGS=--configfile config/tiny.yaml"], cwd=work,
+                                 env=sandbox_env(work), capture_output=True, text=True, stdin=subprocess.DEVNULL)
+            if res.returncode != 0:
+                failed.write_text(f"make run (tiny) failed ({res.returncode}):\n{res.stdout[-4000:]}\n"
+                                  f"{res.stderr[-6000:]}")
+                raise AssertionError(failed.read_text())
+            done.touch()
     return work
 
 

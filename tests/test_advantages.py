@@ -269,7 +269,6 @@ def test_baseline_shift_on_an_all_equal_group_is_bounded(name, opt):
     out = compute_advantages(pl.DataFrame(rows), name, baseline_shift=-0.1, **opt)
     adv = np.concatenate(out["advantages"].to_list())
     np.testing.assert_allclose(adv, 0.1, atol=1e-6)
-    assert np.abs(adv).max() <= 1.0
 
 
 def test_grpo_shift_is_on_the_normalised_scale():

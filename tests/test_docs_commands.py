@@ -36,7 +36,7 @@ import pytest
 
 from conftest import REPO, make_sandbox, sandbox_env
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("tiny_run")]
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("docs")]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 PREFIXES = ("make ", "snakemake ", "otbflow ", ".venv/bin/", "python ", "python3 ", "benchmarks/")
 
@@ -49,6 +49,7 @@ HOW: dict[str, str] = {
     # README: the two commands
     "make run": f'make run ARGS="{TINY}"',  # the tiny form is the session's tiny run itself
     "make test": CI,
+    'make test PYTEST_ARGS="-k config"': 'make test PYTEST_ARGS="-k shown_commands_parse -p no:cacheprovider"',
     "snakemake --cores 2": DRY,  # what make run runs
     "make run ARGS=\"--config 'advantages={estimator: grpo}'\"":
         f"make run ARGS=\"{TINY} --config 'advantages={{estimator: grpo}}' -n\"",
@@ -74,6 +75,7 @@ HOW: dict[str, str] = {
         f"train.rollout_is=sequence",
     # Experiments
     ".venv/bin/snakemake -s workflow/experiment.smk --configfile config/experiments/otb_vs_grpo.yaml --cores 2": DRY,
+    ".venv/bin/snakemake -s workflow/experiment.smk --configfile config/experiments/stability.yaml --cores 2": DRY,
     ".venv/bin/snakemake -s workflow/experiment.smk --configfile config/experiments/otb_vs_grpo.yaml "
     "--report results/otb_vs_grpo/report.html": EXPERIMENT,
     "snakemake -s Snakefile --directory results/otb_vs_grpo/otb_n4/seed_0 --configfile "

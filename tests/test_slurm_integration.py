@@ -26,7 +26,8 @@ from otbflow.io import read_metadata, read_table
 
 from conftest import REPO, TINY, make_sandbox, sandbox_env
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.xdist_group("tiny_run")]
+# one worker for the module (its Slurm run is a module fixture); the tiny run it copies is shared across workers
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.xdist_group("slurm")]
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
 LOCAL = REPO / "slurm" / "local"
 LAB = Path(os.environ.get("SLURM_LAB", "/tmp/slurm-lab"))

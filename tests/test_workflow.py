@@ -18,7 +18,7 @@ from otbflow.io import read_table
 from conftest import REPO, TINY
 
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("tiny_run")]
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("workflow")]
 
 
 def snakemake(workdir: Path, *args: str, snakefile: Path = REPO / "Snakefile", env=None, check=True):
