@@ -26,27 +26,12 @@ import time
 
 import torch
 
+from memory import reset_peak, rss_kib  # benchmarks/memory.py (this folder is on sys.path)
+
 MODELS = {
     "tiny": {"vocab_size": 78, "n_layer": 4, "n_embd": 128, "n_head": 4},
     "gpt2_50k": {"vocab_size": 50257, "n_layer": 2, "n_embd": 256, "n_head": 4},
 }
-
-
-def rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(field)
-
-
-def reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def worker(model_name: str, mode: str, n_seq: int, seq_len: int, prompt_len: int, chunk: int, repeats: int) -> dict:

@@ -33,24 +33,9 @@ import time
 
 import torch
 
+from memory import reset_peak, rss_kib  # benchmarks/memory.py (this folder is on sys.path)
+
 VOCAB, HIDDEN = 151_936, 896
-
-
-def rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(field)
-
-
-def reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def unchunked_stats(model, batch, temperature: float):
