@@ -95,10 +95,17 @@ def test_cpu_defaults(tmp_path):
     assert sbatch_flags(*jobs["advantages"]) == ["-t", "30", "--mem", "4000", "--ntasks=1", "--cpus-per-task=1"]
     assert sbatch_flags(*jobs["report"]) == ["-t", "15", "--mem", "2000", "--ntasks=1", "--cpus-per-task=1"]
     for rule, minutes in [("rollout", "120"), ("features", "60"), ("evaluate", "60")]:
-        assert sbatch_flags(*jobs[rule]) == ["-t", minutes, "--mem", "8000", "--ntasks=1", "--cpus-per-task=2"]
+        assert sbatch_flags(*jobs[rule]) == ["-t", minutes, "--mem", "8000", "--ntasks=1", "--cpus-per-task=1"]
     assert sbatch_flags(*jobs["train"]) == ["-t", "120", "--mem", "8000", "--nodes=1", "--ntasks=1",
-                                            "--cpus-per-task=2"]
+                                            "--cpus-per-task=1"]
     assert "mpi" not in jobs["train"][1]  # one process: the job step runs the command itself
+
+
+def test_threads_of_a_cpu_job_come_from_the_config(tmp_path):
+    (tmp_path / "threads.yaml").write_text("resources:\n  features: {threads: 4}\n")
+    jobs = dry_run_jobs(tmp_path, REPO / "slurm", "--configfile", str(tmp_path / "threads.yaml"))
+    assert sbatch_flags(*jobs["features"])[-1] == "--cpus-per-task=4"
+    assert sbatch_flags(*jobs["rollout"])[-1] == "--cpus-per-task=1"
 
 
 def test_runtime_grows_with_each_attempt(tmp_path):
@@ -124,4 +131,4 @@ def test_site_gpus_partition_model_and_gres(tmp_path, site_profile):
                                             "--ntasks=2", "--cpus-per-gpu=4", "--gpus=a100:2"]
     assert sbatch_flags(*jobs["evaluate"]) == ["-t", "60", "--mem", "8000", "--cpus-per-gpu=8",
                                                "--gres=gpu:a100:1"]
-    assert sbatch_flags(*jobs["features"]) == ["-t", "60", "--mem", "8000", "--ntasks=1", "--cpus-per-task=2"]
+    assert sbatch_flags(*jobs["features"]) == ["-t", "60", "--mem", "8000", "--ntasks=1", "--cpus-per-task=1"]

@@ -29,6 +29,22 @@ def test_token_gradients_are_the_per_token_scores(tiny_policy):
         torch.testing.assert_close(s[t], g, atol=1e-5, rtol=1e-4)
 
 
+def test_sketched_token_gradients_sketch_the_exact_ones(tiny_policy):
+    """The block-by-block sketch of the variance stage is the sketch of the exact [T, D] matrix:
+    a loop over coordinates, bucket by bucket, on the exact gradients."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_policy, local_files_only=True)
+    exact = token_gradients(model, [5, 6, 7], [8, 9, 10], temperature=0.7, pad_id=0).double()
+    sk = CountSketch(exact.shape[1], 64, seed=3)
+    fast = token_gradients(model, [5, 6, 7], [8, 9, 10], temperature=0.7, pad_id=0, sketch=sk)
+    slow = torch.zeros(3, 64, dtype=torch.float64)
+    for j in range(exact.shape[1]):
+        slow[:, int(sk.bucket[j])] += float(sk.sign[j]) * exact[:, j]
+    torch.testing.assert_close(fast.double(), slow, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(fast, sk(exact.float()), atol=0, rtol=0)  # the same sums in the same order
+
+
 def test_count_sketch_preserves_inner_products():
     x, y = torch.randn(2, 50_000, dtype=torch.float64)
     y = 0.5 * x + y

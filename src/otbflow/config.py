@@ -349,13 +349,21 @@ class JobResources(CpuJobResources):
 
 
 @dataclass
+class StageJobResources(JobResources):
+    threads: int = 1
+    """CPU threads of the job: torch's threads, Snakemake's threads (``--cores`` caps them) and,
+    for a CPU job, Slurm's --cpus-per-task. 1: on a small machine the default run's jobs go
+    faster two at a time, one thread each, than one at a time on two threads."""
+
+
+@dataclass
 class TrainJobResources(JobResources):
     tasks: int = 1
     """Training processes (DeepSpeed ranks). > 1: started with srun inside a Slurm job (Slurm:
     --ntasks), with torchrun --nproc_per_node elsewhere. With GPUs, one rank per GPU: set gpu = tasks."""
     nodes: int = 1
     """Nodes the training job spans (Slurm: --nodes)."""
-    cpus_per_task: int = 2
+    cpus_per_task: int = 1
     """CPU threads per training process (the rule's threads; Slurm: --cpus-per-task on CPU jobs)."""
 
 
@@ -366,15 +374,15 @@ class ResourcesConfig:
 
     shard: CpuJobResources = field(default_factory=lambda: CpuJobResources(mem_mb=2000, runtime=30))
     """The shard job (CPU only)."""
-    rollout: JobResources = field(default_factory=lambda: JobResources(mem_mb=8000, runtime=120))
+    rollout: StageJobResources = field(default_factory=lambda: StageJobResources(mem_mb=8000, runtime=120))
     """Each rollout job (one per shard and iteration)."""
-    features: JobResources = field(default_factory=lambda: JobResources(mem_mb=8000, runtime=60))
+    features: StageJobResources = field(default_factory=lambda: StageJobResources(mem_mb=8000, runtime=60))
     """Each features job (one per shard and iteration)."""
     advantages: CpuJobResources = field(default_factory=lambda: CpuJobResources(mem_mb=4000, runtime=30))
     """The advantages job of each iteration (CPU only)."""
     train: TrainJobResources = field(default_factory=lambda: TrainJobResources(mem_mb=8000, runtime=120))
     """The training job of each iteration."""
-    evaluate: JobResources = field(default_factory=lambda: JobResources(mem_mb=8000, runtime=60))
+    evaluate: StageJobResources = field(default_factory=lambda: StageJobResources(mem_mb=8000, runtime=60))
     """Each evaluate job (one per policy)."""
     report: CpuJobResources = field(default_factory=lambda: CpuJobResources(mem_mb=2000, runtime=15))
     """The report job (CPU only)."""

@@ -16,7 +16,7 @@ rule evaluate:
         cfg=digest("seed", "evaluate", "task", "model.dtype", "rollout.backend"),
         code=code_version("evaluate"),
         iteration=policy_iteration,
-    threads: 2
+    threads: CFG.resources.evaluate.threads
     resources:
         gpu=CFG.resources.evaluate.gpu,
         cpus_per_gpu=CFG.resources.evaluate.cpus_per_gpu,

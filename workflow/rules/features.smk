@@ -15,7 +15,7 @@ rule features:
         # pi_old at the trainer's precision (train.bf16), not model.dtype (rollout/evaluate)
         cfg=digest("features", "rollout.temperature", "train.bf16", "train.rollout_is", "train.rollout_is_threshold"),
         code=code_version("features"),
-    threads: 2
+    threads: CFG.resources.features.threads
     resources:
         gpu=CFG.resources.features.gpu,
         cpus_per_gpu=CFG.resources.features.cpus_per_gpu,

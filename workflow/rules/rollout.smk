@@ -14,7 +14,7 @@ rule rollout:
         cmd=stage_cmd("rollout", python=CFG.rollout.python),
         cfg=digest("seed", "rollout", "task", "model.dtype", "shard"),
         code=code_version("rollout"),
-    threads: 2
+    threads: CFG.resources.rollout.threads
     resources:
         gpu=CFG.resources.rollout.gpu,
         cpus_per_gpu=CFG.resources.rollout.cpus_per_gpu,

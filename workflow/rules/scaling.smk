@@ -22,7 +22,7 @@ rule scaling:
         cfg=digest("seed", "scaling", "rollout.temperature", "features.chunk_size"),
         code=code_version("scaling"),
         out_dir=lambda wildcards, output: os.path.dirname(output.summary),
-    threads: 2
+    threads: 1
     resources:
         mem_mb=8000,
         runtime=60,

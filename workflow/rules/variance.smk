@@ -16,7 +16,7 @@ rule variance_pool:
         code=code_version("rollout"),
         n_prompts=CFG.variance.pool_prompts,
         pool_size=CFG.variance.pool_size,
-    threads: 2
+    threads: CFG.resources.rollout.threads
     resources:
         gpu=CFG.resources.rollout.gpu,
         cpus_per_gpu=CFG.resources.rollout.cpus_per_gpu,
@@ -50,7 +50,7 @@ rule variance:
         cfg=variance_digest(),
         code=code_version("variance"),
         out_dir=lambda wildcards, output: os.path.dirname(output.summary),
-    threads: 2
+    threads: 1
     resources:
         mem_mb=8000,
         runtime=60,
