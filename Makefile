@@ -20,12 +20,6 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt torch==2.13.0
 	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev]'
-	# DeepSpeed compiles its CPU communication op on first use (~30 s): once here, into the venv
-	# (otbflow train loads it from <venv>/torch_extensions), not in the first train job. If the
-	# build cannot finish in 10 min the first train job builds it instead.
-	DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch_extensions timeout 600 \
-	  $(PY) -c "import importlib; importlib.import_module('deepspeed.comm.torch').build_shm_op()" > /dev/null \
-	  || echo "DeepSpeed's CPU op was not built at set-up; the first train job builds it"
 	touch $(STAMP)
 
 vllm-env: $(VLLM_STAMP)

@@ -45,6 +45,11 @@ EXPERIMENT = "tests/test_experiment.py"  # run there, on the reduced experiment 
 REAL_MODEL = "tests/test_readme_real_model.py"  # run there, with a tiny Qwen2 folder and a GSM8K-layout file
 MODELS = "tests/test_workflow_models.py"  # run there: the tiny workflow on Qwen2 + BPE + chat with vLLM
 TINY = "--configfile config/tiny.yaml"
+# The variance study over seeds, one seed of the tiny config, on the tiny run's initial policy and
+# prompts (the script builds them only where its folder lacks them; the bootstrap is tested elsewhere).
+VARIANCE_SEEDS = ("mkdir -p results/scratch/vs/data && cp -r results/bootstrap/policy results/scratch/vs/policy && "
+                  "cp -r results/data/train results/scratch/vs/data/train && .venv/bin/python "
+                  "benchmarks/variance_seeds.py --seeds 0 --out results/scratch/vs --configfile config/tiny.yaml")
 HOW: dict[str, str] = {
     # README: the two commands
     "make run": f'make run ARGS="{TINY}"',  # the tiny form is the session's tiny run itself
@@ -119,10 +124,8 @@ HOW: dict[str, str] = {
     "benchmarks/bench_train_memory.py": "python benchmarks/bench_train_memory.py --sequences 1 --response-len 16",
     ".venv/bin/python benchmarks/bench_train_memory.py": ".venv/bin/python benchmarks/bench_train_memory.py "
                                                          "--sequences 1 --response-len 16",
-    "benchmarks/variance_seeds.py": ".venv/bin/python benchmarks/variance_seeds.py --seeds 0 --out results/scratch/vs "
-                                    "--configfile config/tiny.yaml",
-    ".venv/bin/python benchmarks/variance_seeds.py --seeds 0 1 2 3 4":
-        ".venv/bin/python benchmarks/variance_seeds.py --seeds 0 --out results/scratch/vs --configfile config/tiny.yaml",
+    "benchmarks/variance_seeds.py": VARIANCE_SEEDS,
+    ".venv/bin/python benchmarks/variance_seeds.py --seeds 0 1 2 3 4": VARIANCE_SEEDS,
 }
 
 

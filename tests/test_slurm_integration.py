@@ -5,7 +5,7 @@ run: `otbflow submit` (a head job) reruns the workflow from the rollouts on with
 (rollout shards as a job array, a 2-process DeepSpeed train step through srun), the README's
 watch commands, a rerun after a config change, `--rerun`, a resubmission with nothing to do, and
 the profile without a head job. Skipped, with the reason, where Slurm cannot be started (not
-root, no apt-get). The daemons are stopped by their PID files if this test started them.
+root, no apt-get). The cluster stays up afterwards (see ``local_slurm``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from conftest import REPO, TINY, make_sandbox, sandbox_env
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.xdist_group("slurm")]
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
 LOCAL = REPO / "slurm" / "local"
-LAB = Path(os.environ.get("SLURM_LAB", "/tmp/slurm-lab"))
 # A test cluster: no accounts, first status check after 2 s instead of the profile's 20 s, one
 # CPU per job so that two jobs share the 2-core machine.
 TEST_ARGS = ["--slurm-no-account", "--slurm-init-seconds-before-status-checks", "2",
@@ -39,17 +38,12 @@ TEST_ARGS = ["--slurm-no-account", "--slurm-init-seconds-before-status-checks", 
 TEST_CONFIG = "iterations: 1\nresources:\n  train: {tasks: 2, cpus_per_task: 1}\n"
 
 
-def _running(pid_file: Path) -> bool:
-    try:
-        os.kill(int(pid_file.read_text()), 0)
-        return True
-    except (OSError, ValueError):
-        return False
-
-
 @pytest.fixture(scope="module")
 def local_slurm():
-    already_up = _running(LAB / "run" / "slurmctld.pid")
+    """The local test cluster, started if it is not up. It stays up after the tests (stop it with
+    slurm/local/slurm-down.sh): with Slurm's client installed and no controller, every Snakemake
+    start waits about 9 s on `scontrol show config` (the Slurm executor plugin asks for MinJobAge
+    when it is loaded, even for a local run), which the workflow tests after this one would pay."""
     res = subprocess.run(["bash", str(LOCAL / "slurm-up.sh")], capture_output=True, text=True,
                          stdin=subprocess.DEVNULL, timeout=900)
     if res.returncode == 77 or (res.returncode != 0 and not shutil.which("slurmctld")):
@@ -57,9 +51,6 @@ def local_slurm():
         print(reason)
         pytest.skip(reason)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    yield
-    if not already_up:
-        subprocess.run(["bash", str(LOCAL / "slurm-down.sh")], stdin=subprocess.DEVNULL, timeout=120)
 
 
 @pytest.fixture(scope="module")

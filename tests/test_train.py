@@ -749,11 +749,14 @@ def test_two_ranks_give_the_full_batch_gradient(policy_dir, features_path, tmp_p
                                  prev_optimizer=str(tmp_path / "opt")))
 
 
-def test_kill_9_then_rerun_resumes_to_the_same_weights(policy_dir, features_path, tmp_path):
+def test_kill_9_then_rerun_resumes_to_the_same_weights(policy_dir, features_path, tmp_path, monkeypatch):
     """With an optimizer state carried in from a previous job and one written out: the resumed
-    job ends with the weights and metrics of an uninterrupted one."""
+    job ends with the weights and metrics of an uninterrupted one. No job compiles or loads a
+    torch extension (DeepSpeed's CPU shared-memory op): nothing a killed job could leave locked."""
     import signal
     import time
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "torch_extensions"))
 
     write_advantages(features_path, tmp_path / "adv.parquet", random_advantages(features_path))
     cfg = make_cfg("train.mini_batch_size=1", "train.micro_batch_size=1", "train.ppo_epochs=2",
@@ -792,26 +795,4 @@ def test_kill_9_then_rerun_resumes_to_the_same_weights(policy_dir, features_path
     assert a.equals(b)
     assert not (tmp_path / "killed.ckpt").exists()  # removed once the outputs are written
     assert (tmp_path / "killed.opt" / "meta.json").is_file() and not list(tmp_path.glob(".*.partial"))
-
-
-def test_a_killed_jobs_torch_extension_lock_does_not_hang_the_next_job(tmp_path, monkeypatch):
-    """torch's JIT loader waits forever on a build folder's `lock` file, which a job killed while
-    holding it leaves behind. Locks older than a build can take are removed; a fresh one (a build
-    in progress in another job) is kept."""
-    import time
-
-    from otbflow.train import STALE_LOCK_S, prepare_torch_extensions_dir
-
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    stale, fresh = tmp_path / "deepspeed_shm_comm" / "lock", tmp_path / "other_op" / "lock"
-    for lock in (stale, fresh):
-        lock.parent.mkdir()
-        lock.touch()
-    old = time.time() - STALE_LOCK_S - 60
-    os.utime(stale, (old, old))
-    assert prepare_torch_extensions_dir() == tmp_path
-    assert not stale.exists() and fresh.exists()
-    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
-    import sys
-
-    assert prepare_torch_extensions_dir() == Path(sys.prefix) / "torch_extensions"  # where make setup builds it
+    assert not (tmp_path / "torch_extensions").exists()

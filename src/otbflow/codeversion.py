@@ -23,7 +23,7 @@ STAGE_MODULES = {
     "evaluate": ("evaluate", "generation", "hf_engine", "vllm_engine"),
     "report": ("report",),
     "scaling": ("scaling", "features", "rollout_is"),
-    "variance": ("variance", "features", "advantages", "rollout_is"),
+    "variance": ("variance", "variance_options", "features", "advantages", "rollout_is"),
     "experiment": ("experiment",),
 }
 

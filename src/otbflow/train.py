@@ -338,32 +338,19 @@ def init_distributed_env() -> tuple[int, int]:
     env.setdefault("LOCAL_RANK", "0")
     if not torch.cuda.is_available():
         env.setdefault("DS_ACCELERATOR", "cpu")
-        prepare_torch_extensions_dir()
     return int(env["RANK"]), int(env["WORLD_SIZE"])
 
 
-STALE_LOCK_S = 600
+def skip_cpu_shm_op() -> None:
+    """On CPU, DeepSpeed's communication backend JIT-compiles a shared-memory all-reduce op when
+    it starts (about a minute of C++ on 2 cores, in the first train job) and takes a ``lock``
+    file in torch's extension cache on every load, which a killed job (preempted, ``kill -9``)
+    leaves behind for every later job to wait on forever. That op serves only
+    ``inference_all_reduce`` (tensor-parallel inference); training's all-reduce goes through
+    torch.distributed (gloo) either way. Marked unavailable, it is neither built nor loaded."""
+    import deepspeed.ops
 
-
-def prepare_torch_extensions_dir() -> Path:
-    """Where DeepSpeed's CPU communication op is JIT-built and loaded: TORCH_EXTENSIONS_DIR, by
-    default ``<venv>/torch_extensions`` (where ``make setup`` builds it), not a per-user cache
-    shared by every checkout.
-
-    torch guards each build folder with a ``lock`` file that every load takes, even of an op that
-    is already built, and that no one removes if the holder is killed (a preempted or ``kill -9``
-    Slurm job): every later train job would then wait on it forever. A lock older than
-    STALE_LOCK_S seconds (a build takes ~30 s on 2 cores) is removed, with a warning."""
-    root = Path(os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions")))
-    for lock in root.glob("*/lock"):
-        try:
-            age = time.time() - lock.stat().st_mtime
-            if age > STALE_LOCK_S:
-                lock.unlink()
-                log.warning("removed the stale torch-extension lock %s (%.0f s old; its holder was killed)", lock, age)
-        except FileNotFoundError:
-            pass
-    return root
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def deepspeed_config(tc: DictConfig, world_size: int) -> dict:
@@ -394,6 +381,8 @@ def build_engine(policy_dir: str, tc: DictConfig, world_size: int):
     # its Megatron attention hard-codes dropout_rate = 0.0); eval() also covers models whose
     # checkpoints do set dropout, such as GPT-2's 0.1. Gradients are unaffected by the mode.
     module = ResponseLogprobs(policy, tc.logprob_chunk_size).eval()
+    if not torch.cuda.is_available():
+        skip_cpu_shm_op()
     engine, *_ = deepspeed.initialize(model=module, model_parameters=module.parameters(),
                                       config=deepspeed_config(tc, world_size))
     return engine

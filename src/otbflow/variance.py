@@ -51,12 +51,13 @@ import torch
 from omegaconf import DictConfig
 
 from otbflow import schemas
-from otbflow.advantages import compute_advantages, estimator_options
+from otbflow.advantages import compute_advantages
 from otbflow.config import derive_seed
 from otbflow.features import ResponseLogits, pack, sequence_token_stats
 from otbflow.io import pyplot, read_table, save_figure, write_json, write_parquet
 from otbflow.model import load_policy, set_threads
 from otbflow.progress import Progress
+from otbflow.variance_options import studied, study_options
 
 log = logging.getLogger("otbflow.variance")
 SECTIONS = ("variance", "advantages", "rollout", "features")
@@ -70,26 +71,6 @@ class Args:
     """HF folder of the policy that sampled the pool (its gradients are measured)."""
     out_dir: str
     """Output folder: summary.parquet, summary.json, variance.png."""
-
-
-def studied(cfg: DictConfig) -> list[str]:
-    """The estimators of the study: REINFORCE ('none'), variance.estimators, the oracle ('eob')."""
-    return list(dict.fromkeys(["none", *cfg.variance.estimators, "eob"]))
-
-
-def study_options(cfg: DictConfig, name: str) -> dict:
-    """An estimator's options in the study: its ``advantages.*`` options, except that the study
-    compares baselines at one scale (grpo without std normalisation) and without a shift."""
-    options = estimator_options(cfg, name) | ({"std_normalize": False} if name == "grpo" else {})
-    options.pop("baseline_shift", None)
-    return options
-
-
-def read_keys(cfg: DictConfig) -> list[str]:
-    """The config keys the study reads (the variance rule's rerun trigger)."""
-    options = {f"advantages.{k}" for name in studied(cfg) for k in study_options(cfg, name)
-               if not (name == "grpo" and k == "std_normalize")}
-    return ["seed", "variance", "rollout.temperature", "features.chunk_size", *sorted(options)]
 
 
 class CountSketch:

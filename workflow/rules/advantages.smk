@@ -15,6 +15,8 @@ rule advantages:
         cfg=digest("advantages"),
         code=code_version("advantages"),
     threads: 1
+    # the chain from one policy to the next first; evaluation, scaling and variance fill free cores
+    priority: 1
     resources:
         mem_mb=CFG.resources.advantages.mem_mb,
         runtime=runtime(CFG.resources.advantages.runtime),

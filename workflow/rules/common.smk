@@ -84,10 +84,10 @@ def train_digest():
 
 
 def variance_digest():
-    """The variance rule's config trigger: the keys the study reads (otbflow.variance.read_keys:
+    """The variance rule's config trigger: the keys the study reads (otbflow.variance_options.read_keys:
     its own section and the advantages options its estimators take in the study; not
     advantages.estimator, compare, baseline_shift or std_normalize, which it does not use)."""
-    from otbflow.variance import read_keys
+    from otbflow.variance_options import read_keys
 
     return digest(*read_keys(CFG))
 

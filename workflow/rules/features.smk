@@ -16,6 +16,8 @@ rule features:
         cfg=digest("features", "rollout.temperature", "train.bf16", "train.rollout_is", "train.rollout_is_threshold"),
         code=code_version("features"),
     threads: CFG.resources.features.threads
+    # the chain from one policy to the next first; evaluation, scaling and variance fill free cores
+    priority: 1
     resources:
         gpu=CFG.resources.features.gpu,
         cpus_per_gpu=CFG.resources.features.cpus_per_gpu,

@@ -15,6 +15,8 @@ rule rollout:
         cfg=digest("seed", "rollout", "task", "model.dtype", "shard"),
         code=code_version("rollout"),
     threads: CFG.resources.rollout.threads
+    # the chain from one policy to the next first; evaluation, scaling and variance fill free cores
+    priority: 1
     resources:
         gpu=CFG.resources.rollout.gpu,
         cpus_per_gpu=CFG.resources.rollout.cpus_per_gpu,

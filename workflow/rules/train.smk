@@ -34,6 +34,8 @@ rule train:
             + ([f"--optimizer {output.optimizer}"] if hasattr(output, "optimizer") else [])
         ),
     threads: CFG.resources.train.cpus_per_task
+    # the chain from one policy to the next first; evaluation, scaling and variance fill free cores
+    priority: 1
     resources:
         gpu=CFG.resources.train.gpu,
         cpus_per_gpu=CFG.resources.train.cpus_per_gpu,
