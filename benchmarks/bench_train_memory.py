@@ -40,7 +40,7 @@ VOCAB, HIDDEN = 151_936, 896
 
 def unchunked_stats(model, batch, temperature: float):
     """main's train.response_token_stats (a51600c): full logits, logsumexp, softmax entropy."""
-    from otbflow.features import ResponseLogits
+    from otbflow.logits import ResponseLogits
 
     z = ResponseLogits(model, batch)(slice(None)).float() / temperature
     lse = torch.logsumexp(z, dim=-1)
@@ -53,7 +53,7 @@ def unchunked_stats(model, batch, temperature: float):
 def worker(mode: str, layers: int, n_seq: int, prompt_len: int, response_len: int, chunk: int, out: str) -> dict:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from otbflow.features import pack
+    from otbflow.logits import pack
     from otbflow.train import ResponseLogprobs, ppo_clip_loss
 
     torch.manual_seed(0)

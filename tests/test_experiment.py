@@ -5,6 +5,7 @@ real architecture), its analysis (tokens to a target, paired comparisons), and b
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -120,6 +121,7 @@ def test_member_config_layers_base_run_and_seed():
     ({"runs": {"bad": {"rollout": {"groupsize": 4}}}}, "run 'bad': config key 'rollout.groupsize'"),
     ({"seeds": []}, "'seeds' must be a non-empty list"),
     ({"extra": 1}, "unknown: ['extra']"),
+    ({"analysis": {"plateau_window": 0}}, "analysis.plateau_window must be an integer >= 1"),
 ])
 def test_bad_experiment_fails_before_any_job(tmp_path, change, message):
     exp = yaml.safe_load(TINY_EXPERIMENT.read_text()) | change
@@ -172,8 +174,12 @@ def test_per_seed_table_on_hand_made_curves():
                 "mean_response_length"], orient="row")
     metrics = pl.DataFrame([("r", 0, 50, 0.3), ("r", 0, 70, 1.5), ("s", 0, 40, 0.2)],
                            schema=["run", "seed", "tokens", "grad_norm"], orient="row")
-    exp = {"runs": {"r": {}, "s": {}}, "analysis": {"reference": "r", "target_fraction": 0.9}}
+    exp = {"runs": {"r": {}, "s": {}}, "analysis": {"reference": "r", "target_fraction": 0.9, "plateau_window": 2}}
     rows = {r["run"]: r for r in per_seed_table(exp, curves, metrics).iter_rows(named=True)}
+    # gain over the last 2 iterations: from the initial policy's 0.5 to 0.8 and 0.9
+    assert rows["r"]["late_gain"] == pytest.approx(0.3) and rows["s"]["late_gain"] == pytest.approx(0.4)
+    exp["analysis"]["plateau_window"] = 3  # longer than the curves: no gain to read
+    assert math.isnan(per_seed_table(exp, curves, metrics)["late_gain"][0])
     assert rows["r"]["target_accuracy"] == rows["s"]["target_accuracy"] == pytest.approx(0.72)
     assert rows["s"]["tokens_to_target"] == pytest.approx(220.0)
     assert rows["r"]["tokens_to_target"] == pytest.approx(260.0)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from otbflow import bootstrap
-from otbflow.features import sequence_token_stats
+from otbflow.logits import sequence_token_stats
 from otbflow.generation import render_prompts, stop_token_ids, truncate_at_stop, use_chat
 from otbflow.hf_engine import hf_generate
 from otbflow.io import read_metadata

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from otbflow import features, schemas
-from otbflow.features import sequence_token_stats, token_stats
+from otbflow.logits import sequence_token_stats, token_stats
 from otbflow.io import read_metadata, read_table
 from otbflow.hf_engine import hf_generate
 from otbflow.model import encode, load_policy
@@ -90,7 +90,7 @@ def test_features_reject_bad_rollouts(tmp_path, rollouts_path, tiny_policy, cfg)
 
 
 def test_exact_grad_sq_norm_matches_autograd(tiny_policy, rollouts_path):
-    from otbflow.features import exact_grad_sq_norms
+    from otbflow.logits import exact_grad_sq_norms
 
     model, tok = load_policy(tiny_policy)
     df = pl.read_parquet(rollouts_path).head(3)
@@ -138,7 +138,7 @@ def test_mismatch_columns_are_consistent(features_path):
 
 @pytest.mark.parametrize("vocab_chunk", [1, 7, 50, 1000])
 def test_streaming_over_the_vocabulary_gives_the_same_stats(vocab_chunk):
-    from otbflow.features import streamed_token_stats
+    from otbflow.logits import streamed_token_stats
 
     g = torch.Generator().manual_seed(3)
     head = torch.nn.Linear(16, 50, bias=True)

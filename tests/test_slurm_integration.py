@@ -10,7 +10,6 @@ root, no apt-get). The cluster stays up afterwards (see ``local_slurm``).
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess

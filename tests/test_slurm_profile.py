@@ -9,7 +9,6 @@ the sbatch command is built from them by the plugin's own code (``get_submit_com
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path

@@ -12,7 +12,7 @@ import polars as pl
 import pytest
 import torch
 
-from otbflow import features, schemas
+from otbflow import features, logits, schemas
 from otbflow.config import load_config
 from otbflow.io import SchemaError, read_table, write_parquet
 from otbflow.model import build_char_tokenizer, build_tiny_model
@@ -189,7 +189,7 @@ def test_chunked_logprobs_equal_the_full_logits(policy_dir, features_path, entro
     loss_ref = (a * logp_ref).sum() + ((b * ent_ref).sum() if entropy_grad else 0.0)
     grads_ref = torch.autograd.grad(loss_ref, params)
 
-    batch = features.pack(prompts, responses, build_char_tokenizer().pad_token_id)
+    batch = logits.pack(prompts, responses, build_char_tokenizer().pad_token_id)
     logp, ent = response_token_stats(model, batch["input_ids"], batch["attention_mask"], batch["rows"], batch["pos"],
                                      batch["targets"], TEMPERATURE, chunk_size=5, entropy_grad=entropy_grad)
     torch.testing.assert_close(logp, logp_ref.detach(), atol=1e-5, rtol=0)

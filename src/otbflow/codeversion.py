@@ -17,13 +17,13 @@ STAGE_MODULES = {
     "bootstrap": ("bootstrap", "shard", "generation", "hf_engine"),
     "shard": ("shard",),
     "rollout": ("rollout", "generation", "hf_engine", "vllm_engine"),
-    "features": ("features", "rollout_is"),
+    "features": ("features", "logits", "rollout_is"),
     "advantages": ("advantages",),
-    "train": ("train", "features", "lr_schedule", "advantages", "rollout_is"),
+    "train": ("train", "logits", "lr_schedule", "advantages", "rollout_is"),
     "evaluate": ("evaluate", "generation", "hf_engine", "vllm_engine"),
     "report": ("report",),
-    "scaling": ("scaling", "features", "rollout_is"),
-    "variance": ("variance", "variance_options", "features", "advantages", "rollout_is"),
+    "scaling": ("scaling", "logits", "rollout_is"),
+    "variance": ("variance", "variance_options", "logits", "advantages", "rollout_is"),
     "experiment": ("experiment",),
 }
 

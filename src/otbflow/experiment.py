@@ -40,10 +40,13 @@ log = logging.getLogger("otbflow.experiment")
 SECTIONS = ()
 KEYS = {"experiment", "seeds", "base", "runs"}
 OPTIONAL_KEYS = {"analysis"}
-ANALYSIS_DEFAULTS = {"reference": None, "target_fraction": 0.9, "pairs": [], "bootstrap": 2000, "confidence": 0.95}
+ANALYSIS_DEFAULTS = {"reference": None, "target_fraction": 0.9, "pairs": [], "bootstrap": 2000, "confidence": 0.95,
+                     "plateau_window": 4}
 """``analysis`` of an experiment file: ``reference`` (a run; default the first), the target avg@k
 = ``target_fraction`` x the reference's final avg@k (mean over seeds), ``pairs`` of runs [a, b]
-compared seed by seed, and the bootstrap resamples and confidence level of every interval."""
+compared seed by seed, the bootstrap resamples and confidence level of every interval, and the
+``plateau_window``: a run's ``late_gain`` is its avg@k gain over its last that many iterations
+(a plateau: an interval of that gain that holds 0)."""
 
 
 @dataclass
@@ -104,6 +107,8 @@ def analysis_options(path: str | Path, exp: dict) -> dict:
                               f"(got {pair!r})")
     if int(a["bootstrap"]) < 100 or not 0 < float(a["confidence"]) < 1:
         raise ConfigError(f"{path}: analysis.bootstrap must be >= 100 and analysis.confidence in (0, 1)")
+    if not isinstance(a["plateau_window"], int) or a["plateau_window"] < 1:
+        raise ConfigError(f"{path}: analysis.plateau_window must be an integer >= 1 (got {a['plateau_window']!r})")
     return a
 
 
@@ -181,8 +186,9 @@ def bootstrap_ci(values: np.ndarray, resamples: int, confidence: float, seed: in
 
 def per_seed_table(exp: dict, curves: pl.DataFrame, metrics: pl.DataFrame) -> pl.DataFrame:
     """One row per (run, seed): initial and final avg@k and greedy accuracy, tokens generated and
-    trained, tokens to the target, the longest mean response length relative to the initial one,
-    the largest grad norm and the lowest avg@k on the way."""
+    trained, tokens to the target, the avg@k gain over the last ``plateau_window`` iterations (nan
+    with fewer evaluations), the longest mean response length relative to the initial one, the
+    largest grad norm and the lowest avg@k on the way."""
     a = exp["analysis"]
     last = curves.filter(pl.col("iteration") == pl.col("iteration").max().over("run", "seed"))
     reference = last.filter(pl.col("run") == a["reference"])["sampled_accuracy"].mean()
@@ -193,7 +199,10 @@ def per_seed_table(exp: dict, curves: pl.DataFrame, metrics: pl.DataFrame) -> pl
     for (run, seed), part in curves.sort("iteration").group_by(["run", "seed"], maintain_order=True):
         acc = part["sampled_accuracy"].to_numpy()
         length = part["mean_response_length"].to_numpy()
+        window = int(a["plateau_window"])
+        late_gain = float(acc[-1] - acc[-1 - window]) if len(acc) > window else float("nan")
         rows.append({"run": run, "seed": seed, "initial_accuracy": acc[0], "final_accuracy": acc[-1],
+                     "late_gain": late_gain,
                      "final_greedy_accuracy": part["greedy_accuracy"][-1], "min_accuracy": float(acc.min()),
                      "tokens_generated": float(part["tokens_generated"][-1]), "target_accuracy": target,
                      "tokens_to_target": tokens_to_target(part["tokens_generated"].to_numpy(), acc, target),
@@ -215,12 +224,15 @@ def summary_table(exp: dict, per_seed: pl.DataFrame) -> pl.DataFrame:
         reached = ttt[np.isfinite(ttt)]
         ci = bootstrap_ci(final, a["bootstrap"], a["confidence"], seed=i)
         tci = bootstrap_ci(reached, a["bootstrap"], a["confidence"], seed=1000 + i)
+        late = part["late_gain"].to_numpy()
+        lci = bootstrap_ci(late, a["bootstrap"], a["confidence"], seed=4000 + i)
         rows.append({
             "run": run, "seeds": part.height, "initial_accuracy": float(part["initial_accuracy"].mean()),
             "final_accuracy": float(final.mean()), "final_accuracy_lo": ci[0], "final_accuracy_hi": ci[1],
             "final_accuracy_std": float(final.std(ddof=1)) if len(final) > 1 else 0.0,
             "final_greedy_accuracy": float(part["final_greedy_accuracy"].mean()),
             "accuracy_gain": float(final.mean() - part["initial_accuracy"].mean()),
+            "late_gain": float(late.mean()), "late_gain_lo": lci[0], "late_gain_hi": lci[1],
             "target_accuracy": float(part["target_accuracy"][0]), "reached_target": int(len(reached)),
             "tokens_to_target": float(reached.mean()) if len(reached) else float("nan"),
             "tokens_to_target_lo": tci[0], "tokens_to_target_hi": tci[1],

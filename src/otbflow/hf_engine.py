@@ -4,7 +4,7 @@ Batches of prompts are left-padded with an attention mask (transformers derives 
 ids of llama/qwen2/gpt2 from it), and ``generate`` samples ``n`` responses per prompt. The
 rollout log-prob of each sampled token is log_softmax(logits / temperature) of the engine's raw
 logits, i.e. before top-p, so that it is directly comparable with the trainer's log-probs in the
-features stage (which right-pads prompt + response: ``otbflow.features.pack``). A response ends
+features stage (which right-pads prompt + response: ``otbflow.logits.pack``). A response ends
 at the first stop token (``generation.stop_token_ids``). Sampling uses only the arguments given
 here: the checkpoint's own sampling defaults in generation_config.json (instruction-tuned
 checkpoints often set temperature, top_k, top_p or a repetition penalty there) are not applied,

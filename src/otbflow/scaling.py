@@ -23,8 +23,8 @@ from omegaconf import DictConfig
 
 from otbflow import schemas
 from otbflow.config import derive_seed
-from otbflow.features import exact_grad_sq_norms, sequence_token_stats
 from otbflow.io import pyplot, read_table, save_figure, write_json, write_parquet
+from otbflow.logits import exact_grad_sq_norms, sequence_token_stats
 from otbflow.model import load_policy, set_threads
 from otbflow.progress import Progress
 

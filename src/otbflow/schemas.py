@@ -300,6 +300,8 @@ EXPERIMENT_SEEDS = _table(
         ("initial_accuracy", pl.Float64, "avg@k of the shared initial policy"),
         ("final_accuracy", pl.Float64, "avg@k after the last iteration"),
         ("final_greedy_accuracy", pl.Float64, "greedy accuracy after the last iteration"),
+        ("late_gain", pl.Float64, "avg@k gain over the last analysis.plateau_window iterations (NaN: fewer "
+                                  "evaluations)"),
         ("min_accuracy", pl.Float64, "lowest avg@k of any evaluated policy of the member"),
         ("target_accuracy", pl.Float64, "analysis.target_fraction x the reference run's final avg@k (mean over seeds)"),
         ("tokens_to_target", pl.Float64, "rollout tokens generated when avg@k first reached the target (linear "
@@ -327,6 +329,10 @@ EXPERIMENT_SUMMARY = _table(
         ("final_accuracy_std", pl.Float64, "its std over seeds"),
         ("final_greedy_accuracy", pl.Float64, "greedy accuracy after the last iteration, mean over seeds"),
         ("accuracy_gain", pl.Float64, "final_accuracy - initial_accuracy"),
+        ("late_gain", pl.Float64, "avg@k gain over the last analysis.plateau_window iterations, mean over seeds "
+                                  "(a plateau: its interval holds 0)"),
+        ("late_gain_lo", pl.Float64, "lower end of its bootstrap interval"),
+        ("late_gain_hi", pl.Float64, "upper end of its bootstrap interval"),
         ("target_accuracy", pl.Float64, "analysis.target_fraction x the reference run's final avg@k"),
         ("reached_target", pl.Int64, "seeds whose avg@k reached the target"),
         ("tokens_to_target", pl.Float64, "rollout tokens to the target, mean over the seeds that reached it"),

@@ -76,7 +76,6 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,8 +88,8 @@ from omegaconf import DictConfig
 from otbflow import schemas
 from otbflow.advantages import total_power, variance_proxies
 from otbflow.config import derive_seed, section_digest
-from otbflow.features import ResponseLogits, pack
 from otbflow.io import SchemaError, atomic_dir, read_table, write_json, write_parquet
+from otbflow.logits import ResponseLogits, pack
 from otbflow.lr_schedule import LRSchedule
 from otbflow.model import set_threads
 from otbflow.rollout_is import rollout_is_weights
@@ -205,7 +204,7 @@ def trm_keep(seq_max_k2: np.ndarray, seq_mean_k3: np.ndarray, max_k2: float, mea
 def logit_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
                 entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(log pi(y_t), entropy) of rows of logits [n, V] at ``targets`` [n], with the features
-    stage's fp32 arithmetic (``features.token_stats``): z = logits / temperature, m = max z,
+    stage's fp32 arithmetic (``logits.token_stats``): z = logits / temperature, m = max z,
     e = exp(z - m), s = sum e; log pi = z_y - m - log s and entropy = m + log s - sum e z / s.
     m is a constant for autograd (it cancels). The entropy carries a gradient only with
     ``entropy_grad`` (an entropy bonus)."""

@@ -53,8 +53,8 @@ from omegaconf import DictConfig
 from otbflow import schemas
 from otbflow.advantages import compute_advantages
 from otbflow.config import derive_seed
-from otbflow.features import ResponseLogits, pack, sequence_token_stats
 from otbflow.io import pyplot, read_table, save_figure, write_json, write_parquet
+from otbflow.logits import ResponseLogits, pack, sequence_token_stats
 from otbflow.model import load_policy, set_threads
 from otbflow.progress import Progress
 from otbflow.variance_options import studied, study_options

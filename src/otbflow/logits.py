@@ -1,0 +1,199 @@
+"""Per-token statistics of a causal LM's response logits, shared by the stages that read them
+(features, train, scaling, variance): the prompt+response batch (``pack``), the response
+positions' logits (``ResponseLogits``), and log pi, entropy, sum pi^2 and the Logit-Gradient Proxy
+energy over chunks of positions without a vocabulary-sized tensor per token (``token_stats``,
+``chunked_token_stats``, ``streamed_token_stats``, ``sequence_token_stats``), plus the exact
+sequence gradient norms of the EOB oracle (``exact_grad_sq_norms``). The formulas are in
+``otbflow.features``' docstring and docs/algorithms.md."""
+
+from __future__ import annotations
+
+import torch
+
+from otbflow.progress import Progress
+
+STAT_COLUMNS = ("logprobs", "entropy", "sum_pi_sq", "proxy")
+
+
+def token_stats(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float = 1.0, *,
+                inplace: bool = False, buffer: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Per-token statistics of softmax(logits / temperature) at the sampled ``token_ids``.
+
+    ``logits`` [..., V], ``token_ids`` [...]. Returns fp32 tensors of shape [...]: ``logprobs``,
+    ``entropy``, ``sum_pi_sq`` and ``proxy`` = max(0, 1 - 2 pi + sum_pi_sq).
+
+    With z = logits / temperature, m = max z, e = exp(z - m) and S = sum e:
+    logp = z_y - m - log S, sum_pi_sq = sum e^2 / S^2 (= exp(lse(2z) - 2 lse(z))),
+    entropy = m + log S - sum e z / S. The two sums of products are a vector norm and batched dot
+    products, which allocate nothing of size V.
+
+    Memory: only z and e are vocabulary-sized, as in a log-softmax. ``inplace=True`` lets the
+    function scale an fp32 ``logits`` in place (the features stage owns each chunk's logits);
+    ``buffer`` is a reusable [n, V] fp32 tensor for e (allocation dominates the cost of exp).
+    """
+    shape = token_ids.shape
+    z = logits.reshape(-1, logits.shape[-1])
+    if inplace and z.dtype == torch.float32:
+        if temperature != 1.0:
+            z.div_(temperature)
+    else:
+        z = z.float() / temperature
+    y = token_ids.reshape(-1, 1)
+    m = torch.amax(z, dim=-1, keepdim=True)
+    e = torch.empty_like(z) if buffer is None else buffer[: z.shape[0]]
+    torch.sub(z, m, out=e)
+    e.exp_()
+    s = e.sum(-1)
+    log_s = torch.log(s)
+    m = m.squeeze(-1)
+    logp = z.gather(-1, y).squeeze(-1) - m - log_s
+    ez = torch.bmm(e.unsqueeze(1), z.unsqueeze(2)).reshape(-1)
+    sum_pi_sq = torch.linalg.vector_norm(e, dim=-1) ** 2 / (s * s)
+    entropy = m + log_s - ez / s
+    pi = logp.exp()
+    proxy = ((1.0 - pi) ** 2 + (sum_pi_sq - pi**2)).clamp_min(0.0)
+    return {k: v.reshape(shape) for k, v in
+            (("logprobs", logp), ("entropy", entropy), ("sum_pi_sq", sum_pi_sq), ("proxy", proxy))}
+
+
+def has_logit_postprocessing(model) -> bool:
+    """Models whose logits are not just lm_head(hidden) (soft-capping, scaling)."""
+    c = model.config
+    return bool(getattr(c, "final_logit_softcapping", None) or getattr(c, "logit_scale", None))
+
+
+def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int,
+         device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Right-padded prompt + response ids and, for each response token t of row i, flattened:
+    ``rows`` = i, ``pos`` = len(prompt_i) - 1 + t (the position predicting it), ``cols`` = t and
+    ``targets`` = the token id. Shared by the features and train stages, so both compute the
+    same log-probs."""
+    seqs = [p + r for p, r in zip(prompt_ids, response_ids)]
+    width = max(len(s) for s in seqs)
+
+    def tensor(values):
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    return {
+        "input_ids": tensor([s + [pad_id] * (width - len(s)) for s in seqs]),
+        "attention_mask": tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs]),
+        "rows": tensor([i for i, r in enumerate(response_ids) for _ in r]),
+        "pos": tensor([len(p) - 1 + t for p, r in zip(prompt_ids, response_ids) for t in range(len(r))]),
+        "cols": tensor([t for r in response_ids for t in range(len(r))]),
+        "targets": tensor([t for r in response_ids for t in r]),
+    }
+
+
+class ResponseLogits:
+    """Logits of the response tokens of a packed batch, chunk by chunk: ``self(sl)`` for a slice
+    ``sl`` of the flattened tokens. The transformer body runs once, at construction; the output
+    head runs per call. ``head`` is the output projection (None where the model post-processes
+    its logits, e.g. soft-capping: then the full logits are computed once instead)."""
+
+    def __init__(self, model, batch: dict[str, torch.Tensor]):
+        self.rows, self.pos = batch["rows"], batch["pos"]
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
+        if has_logit_postprocessing(model):
+            self.head, self._hidden = None, None
+            self._logits = model(**inputs).logits
+        else:
+            self.head = model.get_output_embeddings()
+            self._hidden = model.base_model(**inputs).last_hidden_state
+
+    def hidden(self, sl: slice) -> torch.Tensor:
+        return self._hidden[self.rows[sl], self.pos[sl]]
+
+    def __call__(self, sl: slice) -> torch.Tensor:
+        if self.head is None:
+            return self._logits[self.rows[sl], self.pos[sl]]
+        return self.head(self.hidden(sl))
+
+
+def streamed_token_stats(hidden: torch.Tensor, head: torch.nn.Linear, token_ids: torch.Tensor, temperature: float,
+                         vocab_chunk: int) -> dict[str, torch.Tensor]:
+    """token_stats with the output head applied over vocabulary slices (an online softmax), so
+    that only n x vocab_chunk logits exist at a time. Same results as token_stats(head(hidden))."""
+    n = hidden.shape[0]
+    dev = hidden.device
+    m = torch.full((n,), float("-inf"), device=dev)
+    s, ez, ee, z_y = (torch.zeros(n, device=dev) for _ in range(4))
+    y = token_ids.reshape(-1)
+    weight, bias = head.weight, head.bias
+    for v0 in range(0, weight.shape[0], vocab_chunk):
+        v1 = min(v0 + vocab_chunk, weight.shape[0])
+        z = torch.nn.functional.linear(hidden, weight[v0:v1], None if bias is None else bias[v0:v1]).float()
+        z /= temperature
+        new_m = torch.maximum(m, torch.amax(z, dim=-1))
+        scale = torch.exp(m - new_m)
+        e = torch.exp(z - new_m[:, None])
+        s = s * scale + e.sum(-1)
+        ez = ez * scale + torch.bmm(e.unsqueeze(1), z.unsqueeze(2)).reshape(-1)
+        ee = ee * scale**2 + torch.linalg.vector_norm(e, dim=-1) ** 2
+        inside = (y >= v0) & (y < v1)
+        z_y[inside] = z[inside.nonzero().squeeze(-1), y[inside] - v0]
+        m = new_m
+    log_s = torch.log(s)
+    logp = z_y - m - log_s
+    sum_pi_sq = ee / (s * s)
+    pi = logp.exp()
+    return {"logprobs": logp, "entropy": m + log_s - ez / s, "sum_pi_sq": sum_pi_sq,
+            "proxy": ((1.0 - pi) ** 2 + (sum_pi_sq - pi**2)).clamp_min(0.0)}
+
+
+@torch.no_grad()
+def chunked_token_stats(project: ResponseLogits, targets: torch.Tensor, temperature: float, chunk_size: int,
+                        vocab_chunk: int = 0) -> dict[str, torch.Tensor]:
+    """token_stats of the flattened response tokens ``targets`` over chunks of ``chunk_size``
+    positions (and, with ``vocab_chunk`` > 0, of the vocabulary). Flat fp32 CPU tensors."""
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in STAT_COLUMNS}
+    buffer = None
+    for start in range(0, len(targets), chunk_size):
+        sl = slice(start, start + chunk_size)
+        if vocab_chunk > 0 and project.head is not None:
+            stats = streamed_token_stats(project.hidden(sl), project.head, targets[sl], temperature, vocab_chunk)
+        else:
+            logits = project(sl)
+            if buffer is None and logits.dtype == torch.float32:
+                buffer = torch.empty((min(chunk_size, len(targets)), logits.shape[-1]), device=logits.device)
+            stats = token_stats(logits, targets[sl], temperature, inplace=True, buffer=buffer)
+            del logits
+        for k, v in stats.items():
+            parts[k].append(v.cpu())
+    return {k: (torch.cat(v) if v else torch.empty(0)) for k, v in parts.items()}
+
+
+@torch.no_grad()
+def sequence_token_stats(model, prompt_ids: list[list[int]], response_ids: list[list[int]],
+                         temperature: float, chunk_size: int, pad_id: int,
+                         vocab_chunk: int = 0) -> list[dict[str, list[float]]]:
+    """token_stats for every response token of a batch of (prompt, response) pairs, computed
+    over chunks of ``chunk_size`` response tokens; one dict of lists per sequence."""
+    batch = pack(prompt_ids, response_ids, pad_id, model.device)
+    flat = chunked_token_stats(ResponseLogits(model, batch), batch["targets"], temperature, chunk_size, vocab_chunk)
+    out, offset = [], 0
+    for r in response_ids:
+        out.append({k: v[offset:offset + len(r)].tolist() for k, v in flat.items()})
+        offset += len(r)
+    return out
+
+
+def exact_grad_sq_norms(model, prompt_ids: list[list[int]], response_ids: list[list[int]],
+                        temperature: float, pad_id: int, progress: Progress | None = None) -> list[float]:
+    """||grad_theta sum_t log pi(y_t)||^2 over all parameters, one backward pass per sequence
+    (the EOB oracle and the length-scaling fit; meant for small models). ``progress`` counts the
+    sequences done."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = []
+    for p_ids, r_ids in zip(prompt_ids, response_ids):
+        if not r_ids:
+            out.append(0.0)
+        else:
+            batch = pack([p_ids], [r_ids], pad_id, model.device)
+            with torch.enable_grad():
+                logits = ResponseLogits(model, batch)(slice(None)).float() / temperature
+                logp = torch.log_softmax(logits, -1).gather(-1, batch["targets"][:, None]).sum()
+                grads = torch.autograd.grad(logp, params, allow_unused=True)
+            out.append(float(sum((g.double() ** 2).sum() for g in grads if g is not None)))
+        if progress is not None:
+            progress.update()
+    return out
