@@ -76,6 +76,9 @@ def test_tiny_experiment(tmp_path):
     assert (summary["tokens_generated"] > 0).all() and (summary["tokens_trained"] > 0).all()
     curves = pl.read_parquet(root / "curves.parquet")
     assert curves.height == 2 * 2 * 2  # runs x seeds x (initial, iter_0)
+    # plateau_window 1 over one iteration: the gain from the initial policy, per seed and on average
+    assert np.allclose(seeds["late_gain"], seeds["final_accuracy"] - seeds["initial_accuracy"])
+    assert summary["late_gain"].is_finite().all()
     # one initial policy and one prompt set for all members; the seeds differ
     slope = json.loads((root / "shared/results/scaling/summary.json").read_text())["grad_sq_norm_slope"]
     prompts = set()
@@ -122,6 +125,7 @@ def test_member_config_layers_base_run_and_seed():
     ({"seeds": []}, "'seeds' must be a non-empty list"),
     ({"extra": 1}, "unknown: ['extra']"),
     ({"analysis": {"plateau_window": 0}}, "analysis.plateau_window must be an integer >= 1"),
+    ({"analysis": {"plateau_window": True}}, "analysis.plateau_window must be an integer >= 1"),
 ])
 def test_bad_experiment_fails_before_any_job(tmp_path, change, message):
     exp = yaml.safe_load(TINY_EXPERIMENT.read_text()) | change
@@ -178,6 +182,9 @@ def test_per_seed_table_on_hand_made_curves():
     rows = {r["run"]: r for r in per_seed_table(exp, curves, metrics).iter_rows(named=True)}
     # gain over the last 2 iterations: from the initial policy's 0.5 to 0.8 and 0.9
     assert rows["r"]["late_gain"] == pytest.approx(0.3) and rows["s"]["late_gain"] == pytest.approx(0.4)
+    exp["analysis"]["plateau_window"] = 1  # over the last iteration: 0.4 -> 0.8 and 0.6 -> 0.9
+    rows = {r["run"]: r for r in per_seed_table(exp, curves, metrics).iter_rows(named=True)}
+    assert rows["r"]["late_gain"] == pytest.approx(0.4) and rows["s"]["late_gain"] == pytest.approx(0.3)
     exp["analysis"]["plateau_window"] = 3  # longer than the curves: no gain to read
     assert math.isnan(per_seed_table(exp, curves, metrics)["late_gain"][0])
     assert rows["r"]["target_accuracy"] == rows["s"]["target_accuracy"] == pytest.approx(0.72)

@@ -43,6 +43,8 @@ def test_sketched_token_gradients_sketch_the_exact_ones(tiny_policy):
         slow[:, int(sk.bucket[j])] += float(sk.sign[j]) * exact[:, j]
     torch.testing.assert_close(fast.double(), slow, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(fast, sk(exact.float()), atol=0, rtol=0)  # the same sums in the same order
+    with pytest.raises(ValueError, match="blocks hold 10 coordinates"):
+        sk.of_blocks([exact[:, :10].float()])
 
 
 def test_count_sketch_preserves_inner_products():

@@ -352,8 +352,9 @@ class JobResources(CpuJobResources):
 class StageJobResources(JobResources):
     threads: int = 1
     """CPU threads of the job: torch's threads, Snakemake's threads (``--cores`` caps them) and,
-    for a CPU job, Slurm's --cpus-per-task. 1: on a small machine the default run's jobs go
-    faster two at a time, one thread each, than one at a time on two threads."""
+    for a CPU job, Slurm's --cpus-per-task (``features.threads`` also sizes the scaling and
+    variance jobs). 1: on a small machine the default run's tiny jobs go faster two at a time,
+    one thread each, than one at a time on two threads; a larger model on CPU wants more."""
 
 
 @dataclass

@@ -107,7 +107,7 @@ def analysis_options(path: str | Path, exp: dict) -> dict:
                               f"(got {pair!r})")
     if int(a["bootstrap"]) < 100 or not 0 < float(a["confidence"]) < 1:
         raise ConfigError(f"{path}: analysis.bootstrap must be >= 100 and analysis.confidence in (0, 1)")
-    if not isinstance(a["plateau_window"], int) or a["plateau_window"] < 1:
+    if isinstance(a["plateau_window"], bool) or not isinstance(a["plateau_window"], int) or a["plateau_window"] < 1:
         raise ConfigError(f"{path}: analysis.plateau_window must be an integer >= 1 (got {a['plateau_window']!r})")
     return a
 
@@ -225,6 +225,7 @@ def summary_table(exp: dict, per_seed: pl.DataFrame) -> pl.DataFrame:
         ci = bootstrap_ci(final, a["bootstrap"], a["confidence"], seed=i)
         tci = bootstrap_ci(reached, a["bootstrap"], a["confidence"], seed=1000 + i)
         late = part["late_gain"].to_numpy()
+        late = late[np.isfinite(late)]  # members with fewer evaluations than the window have none
         lci = bootstrap_ci(late, a["bootstrap"], a["confidence"], seed=4000 + i)
         rows.append({
             "run": run, "seeds": part.height, "initial_accuracy": float(part["initial_accuracy"].mean()),
@@ -232,7 +233,8 @@ def summary_table(exp: dict, per_seed: pl.DataFrame) -> pl.DataFrame:
             "final_accuracy_std": float(final.std(ddof=1)) if len(final) > 1 else 0.0,
             "final_greedy_accuracy": float(part["final_greedy_accuracy"].mean()),
             "accuracy_gain": float(final.mean() - part["initial_accuracy"].mean()),
-            "late_gain": float(late.mean()), "late_gain_lo": lci[0], "late_gain_hi": lci[1],
+            "late_gain": float(late.mean()) if len(late) else float("nan"), "late_gain_lo": lci[0],
+            "late_gain_hi": lci[1],
             "target_accuracy": float(part["target_accuracy"][0]), "reached_target": int(len(reached)),
             "tokens_to_target": float(reached.mean()) if len(reached) else float("nan"),
             "tokens_to_target_lo": tci[0], "tokens_to_target_hi": tci[1],

@@ -380,8 +380,7 @@ def build_engine(policy_dir: str, tc: DictConfig, world_size: int):
     # its Megatron attention hard-codes dropout_rate = 0.0); eval() also covers models whose
     # checkpoints do set dropout, such as GPT-2's 0.1. Gradients are unaffected by the mode.
     module = ResponseLogprobs(policy, tc.logprob_chunk_size).eval()
-    if not torch.cuda.is_available():
-        skip_cpu_shm_op()
+    skip_cpu_shm_op()  # the op is CPU-only: nothing changes on GPUs
     engine, *_ = deepspeed.initialize(model=module, model_parameters=module.parameters(),
                                       config=deepspeed_config(tc, world_size))
     return engine

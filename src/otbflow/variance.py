@@ -96,6 +96,8 @@ class CountSketch:
             end = start + b.shape[1]
             out.index_add_(1, self.bucket[start:end], b * self.sign[start:end])
             start = end
+        if start != len(self.bucket):
+            raise ValueError(f"the blocks hold {start} coordinates; the sketch was drawn for {len(self.bucket)}")
         return out
 
 

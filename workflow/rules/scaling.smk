@@ -22,7 +22,7 @@ rule scaling:
         cfg=digest("seed", "scaling", "rollout.temperature", "features.chunk_size"),
         code=code_version("scaling"),
         out_dir=lambda wildcards, output: os.path.dirname(output.summary),
-    threads: 1
+    threads: CFG.resources.features.threads  # forward and backward passes, as in features
     resources:
         mem_mb=8000,
         runtime=60,

@@ -50,7 +50,7 @@ rule variance:
         cfg=variance_digest(),
         code=code_version("variance"),
         out_dir=lambda wildcards, output: os.path.dirname(output.summary),
-    threads: 1
+    threads: CFG.resources.features.threads  # forward and backward passes, as in features
     resources:
         mem_mb=8000,
         runtime=60,
