@@ -108,6 +108,7 @@ def vllm_rollout(tmp_path_factory, qwen2_bpe_policy, data_dir):
     return out
 
 
+@pytest.mark.vllm
 def test_vllm_rollout_stage(vllm_rollout, qwen2_bpe_policy, data_dir):
     df = read_table(vllm_rollout, schemas.ROLLOUTS)
     cfg = tiny_config()
@@ -130,6 +131,7 @@ def test_vllm_rollout_stage(vllm_rollout, qwen2_bpe_policy, data_dir):
         assert (ends == [len(ids) - 1]) if reason == "stop" else (not ends and len(ids) == cfg.rollout.max_new_tokens)
 
 
+@pytest.mark.vllm
 def test_vllm_logprobs_match_the_trainer(vllm_rollout, qwen2_bpe_policy, tmp_path):
     """The same sampled tokens scored by the trainer (the features stage, transformers fp32):
     mean |log pi_vllm - log pi_trainer| <= 1e-3 per token."""

@@ -21,7 +21,7 @@ from otbflow.io import read_metadata, read_table
 from conftest import QWEN2_BPE_CHAT, REPO, SMALL, TINY, vllm_python
 
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 def snakemake(workdir: Path, extra: dict | None = None, env=None) -> subprocess.CompletedProcess:
     """The workflow on tiny.yaml + qwen2_bpe_chat.yaml + SMALL (+ extra), each a YAML config file
     (typed values: Snakemake's --config reads nested values as strings)."""
