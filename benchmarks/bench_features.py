@@ -12,7 +12,7 @@ proxy (otbflow.logits.token_stats). Each (model, pass) runs in a fresh process:
 Models: the tiny default policy shape (char vocabulary) and a random GPT-2-shaped model with a
 50,257-token vocabulary, at 64 sequences x 256 tokens. Prints JSON.
 
-    python benchmarks/bench_features.py [--repeats 3] [--chunk-size 1024]
+    python benchmarks/bench_features.py [--repeats 3] [--chunk-size 1024] [--models tiny,gpt2_50k]
 """
 
 from __future__ import annotations
@@ -88,13 +88,17 @@ def main() -> None:
     ap.add_argument("--sequences", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
     ap.add_argument("--worker", nargs=2, metavar=("MODEL", "MODE"))
     a = ap.parse_args()
+    models = [m for m in a.models.split(",") if m]
+    if unknown := set(models) - set(MODELS):
+        ap.error(f"unknown models {sorted(unknown)}; known: {', '.join(MODELS)}")
     if a.worker:
         print(json.dumps(worker(*a.worker, a.sequences, a.seq_len, a.prompt_len, a.chunk_size, a.repeats)))
         return
     runs = {}
-    for model in MODELS:
+    for model in models:
         for mode in ("logprob_only", "features"):
             out = subprocess.run([sys.executable, __file__, "--worker", model, mode, "--repeats", str(a.repeats),
                                   "--chunk-size", str(a.chunk_size), "--sequences", str(a.sequences),
@@ -103,7 +107,7 @@ def main() -> None:
             runs[(model, mode)] = json.loads(out.stdout.strip().splitlines()[-1])
     result = {"benchmark": "features", "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
               "sequences": a.sequences, "seq_len": a.seq_len, "chunk_size": a.chunk_size, "models": {}}
-    for model in MODELS:
+    for model in models:
         lp, ft = runs[(model, "logprob_only")], runs[(model, "features")]
         result["models"][model] = {
             "vocab": lp["vocab"], "response_tokens": lp["tokens"],

@@ -18,7 +18,7 @@ starts from (model weights, inputs, allocator state) and ``process_peak_mib`` th
 peak during it. Each process writes its loss and the flat gradient of every parameter to a
 temporary file; the parent compares them. Prints JSON.
 
-    python benchmarks/bench_train_memory.py [--chunk-size 256] [--layers 2]
+    python benchmarks/bench_train_memory.py [--chunk-size 256] [--layers 2] [--vocab 151936]
 """
 
 from __future__ import annotations
@@ -50,19 +50,20 @@ def unchunked_stats(model, batch, temperature: float):
     return logp, entropy
 
 
-def worker(mode: str, layers: int, n_seq: int, prompt_len: int, response_len: int, chunk: int, out: str) -> dict:
+def worker(mode: str, layers: int, n_seq: int, prompt_len: int, response_len: int, chunk: int, out: str,
+           vocab: int = VOCAB) -> dict:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from otbflow.logits import pack
     from otbflow.train import ResponseLogprobs, ppo_clip_loss
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=4864, num_hidden_layers=layers,
+    config = Qwen2Config(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=4864, num_hidden_layers=layers,
                          num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
                          max_position_embeddings=prompt_len + response_len)
     model = Qwen2ForCausalLM(config).eval()
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, VOCAB, (n_seq, prompt_len + response_len), generator=g).tolist()
+    ids = torch.randint(0, vocab, (n_seq, prompt_len + response_len), generator=g).tolist()
     batch = pack([x[:prompt_len] for x in ids], [x[prompt_len:] for x in ids], pad_id=0)
     adv = torch.randn(len(batch["targets"]), generator=g)
     module = ResponseLogprobs(model, chunk).eval()
@@ -91,6 +92,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--chunk-size", type=int, default=256)
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary size (Qwen2's by default; smaller: a quick check)")
     ap.add_argument("--sequences", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--response-len", type=int, default=512)
@@ -98,14 +100,14 @@ def main() -> None:
     a = ap.parse_args()
     if a.worker:
         print(json.dumps(worker(a.worker[0], a.layers, a.sequences, a.prompt_len, a.response_len, a.chunk_size,
-                                a.worker[1])))
+                                a.worker[1], a.vocab)))
         return
     runs, saved = {}, {}
     with tempfile.TemporaryDirectory(prefix="bench_train_memory.") as tmp:
         for mode in ("unchunked", "chunked"):
             path = os.path.join(tmp, f"{mode}.pt")
             out = subprocess.run([sys.executable, __file__, "--worker", mode, path, "--chunk-size", str(a.chunk_size),
-                                  "--layers", str(a.layers), "--sequences", str(a.sequences),
+                                  "--layers", str(a.layers), "--vocab", str(a.vocab), "--sequences", str(a.sequences),
                                   "--prompt-len", str(a.prompt_len), "--response-len", str(a.response_len)],
                                  capture_output=True, text=True, check=True)
             runs[mode] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -114,7 +116,7 @@ def main() -> None:
     diff = (part["grad"].double() - full["grad"].double())
     result = {
         "benchmark": "train_memory", "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-        "vocab": VOCAB, "hidden": HIDDEN, "layers": a.layers, "parameters": runs["chunked"]["parameters"],
+        "vocab": a.vocab, "hidden": HIDDEN, "layers": a.layers, "parameters": runs["chunked"]["parameters"],
         "response_tokens": runs["chunked"]["tokens"], "chunk_size": a.chunk_size,
         "step_peak_mib": {m: round(runs[m]["step_peak_mib"], 1) for m in runs},
         "process_peak_mib": {m: round(runs[m]["process_peak_mib"], 1) for m in runs},

@@ -165,3 +165,30 @@ def features_path(tmp_path_factory, cfg, tiny_policy, rollouts_path):
     out = tmp_path_factory.mktemp("features") / "shard_0.parquet"
     features.run(cfg, features.Args(rollouts=str(rollouts_path), policy=str(tiny_policy), out=str(out)))
     return out
+
+
+# OTBFLOW_TEST_TIMELINE=FILE: every test's start and end (epoch seconds, pytest-xdist worker, node
+# id) appended to FILE, to see where a slow suite's time goes and when a worker waits.
+_XDIST_CONTROLLER = False  # under pytest-xdist the controller only relays the workers' events
+
+
+def pytest_configure(config):
+    global _XDIST_CONTROLLER
+    _XDIST_CONTROLLER = bool(getattr(config.option, "numprocesses", None)) and not hasattr(config, "workerinput")
+
+
+def _timeline(event: str, nodeid: str) -> None:
+    path = os.environ.get("OTBFLOW_TEST_TIMELINE")
+    if path and not _XDIST_CONTROLLER:
+        import time
+
+        with open(path, "a") as f:
+            f.write(f"{time.time():.1f} {os.environ.get('PYTEST_XDIST_WORKER', 'master')} {event} {nodeid}\n")
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _timeline("start", nodeid)
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    _timeline("end", nodeid)

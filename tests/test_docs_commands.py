@@ -120,11 +120,12 @@ HOW: dict[str, str] = {
     "benchmarks/bench_advantages.py": "python benchmarks/bench_advantages.py --tokens 20000 --repeats 1",
     ".venv/bin/python benchmarks/bench_advantages.py": ".venv/bin/python benchmarks/bench_advantages.py --tokens 20000 "
                                                        "--repeats 1",
-    "benchmarks/bench_features.py": "python benchmarks/bench_features.py --sequences 4 --seq-len 32 --repeats 1",
+    "benchmarks/bench_features.py": "python benchmarks/bench_features.py --sequences 4 --seq-len 32 --repeats 1 "
+                                    "--models tiny",
     "benchmarks/bench_train_memory.py": "python benchmarks/bench_train_memory.py --sequences 1 --response-len 16 "
-                                        "--layers 1",
+                                        "--layers 1 --vocab 4096",
     ".venv/bin/python benchmarks/bench_train_memory.py": ".venv/bin/python benchmarks/bench_train_memory.py "
-                                                         "--sequences 1 --response-len 16 --layers 1",
+                                                         "--sequences 1 --response-len 16 --layers 1 --vocab 4096",
     "benchmarks/variance_seeds.py": VARIANCE_SEEDS,
     ".venv/bin/python benchmarks/variance_seeds.py --seeds 0 1 2 3 4": VARIANCE_SEEDS,
 }
