@@ -167,6 +167,22 @@ def features_path(tmp_path_factory, cfg, tiny_policy, rollouts_path):
     return out
 
 
+# Long tests first. pytest-xdist hands out the tests in collection order (make test:
+# --no-loadscope-reorder), so that the longest units start early and the short ones fill the end
+# on both workers: the tiny run's group first (the Slurm and workflow groups wait for it), then
+# the reduced experiment, which needs nothing, then the Slurm group, once the tiny run is done.
+LONG_FIRST = ("tests/test_docs_commands.py", "tests/test_experiment.py::test_tiny_experiment",
+              "tests/test_slurm_integration.py", "tests/test_readme_real_model.py", "tests/test_workflow_models.py",
+              "tests/test_vllm.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        return next((i for i, prefix in enumerate(LONG_FIRST) if item.nodeid.startswith(prefix)), len(LONG_FIRST))
+
+    items.sort(key=rank)  # stable: the original order within each rank
+
+
 # OTBFLOW_TEST_TIMELINE=FILE: every test's start and end (epoch seconds, pytest-xdist worker, node
 # id) appended to FILE, to see where a slow suite's time goes and when a worker waits.
 _XDIST_CONTROLLER = False  # under pytest-xdist the controller only relays the workers' events

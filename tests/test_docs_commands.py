@@ -54,7 +54,8 @@ HOW: dict[str, str] = {
     # README: the two commands
     "make run": f'make run ARGS="{TINY}"',  # the tiny form is the session's tiny run itself
     "make test": CI,
-    'make test PYTEST_ARGS="-k config"': 'make test PYTEST_ARGS="-k shown_commands_parse -p no:cacheprovider"',
+    # one test, in the make recipe's own process (CORES=0: no pytest-xdist workers to start)
+    'make test PYTEST_ARGS="-k config"': 'make test CORES=0 PYTEST_ARGS="-k shown_commands_parse -p no:cacheprovider"',
     "snakemake --cores 2": DRY,  # what make run runs
     "make run ARGS=\"--config 'advantages={estimator: grpo}'\"":
         f"make run ARGS=\"{TINY} --config 'advantages={{estimator: grpo}}' -n\"",

@@ -109,6 +109,7 @@ def vllm_rollout(tmp_path_factory, qwen2_bpe_policy, data_dir):
 
 
 @pytest.mark.vllm
+@pytest.mark.xdist_group("vllm")  # one worker: they share the module's vLLM rollout (80 s)
 def test_vllm_rollout_stage(vllm_rollout, qwen2_bpe_policy, data_dir):
     df = read_table(vllm_rollout, schemas.ROLLOUTS)
     cfg = tiny_config()
@@ -132,6 +133,7 @@ def test_vllm_rollout_stage(vllm_rollout, qwen2_bpe_policy, data_dir):
 
 
 @pytest.mark.vllm
+@pytest.mark.xdist_group("vllm")
 def test_vllm_logprobs_match_the_trainer(vllm_rollout, qwen2_bpe_policy, tmp_path):
     """The same sampled tokens scored by the trainer (the features stage, transformers fp32):
     mean |log pi_vllm - log pi_trainer| <= 1e-3 per token."""
