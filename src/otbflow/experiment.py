@@ -195,11 +195,11 @@ def per_seed_table(exp: dict, curves: pl.DataFrame, metrics: pl.DataFrame) -> pl
     target = float(a["target_fraction"]) * float(reference)
     trained = metrics.group_by("run", "seed").agg(pl.col("tokens").sum().cast(pl.Float64).alias("tokens_trained"),
                                                   pl.col("grad_norm").max().alias("max_grad_norm"))
+    window = int(a["plateau_window"])
     rows = []
     for (run, seed), part in curves.sort("iteration").group_by(["run", "seed"], maintain_order=True):
         acc = part["sampled_accuracy"].to_numpy()
         length = part["mean_response_length"].to_numpy()
-        window = int(a["plateau_window"])
         late_gain = float(acc[-1] - acc[-1 - window]) if len(acc) > window else float("nan")
         rows.append({"run": run, "seed": seed, "initial_accuracy": acc[0], "final_accuracy": acc[-1],
                      "late_gain": late_gain,

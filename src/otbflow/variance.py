@@ -84,12 +84,12 @@ class CountSketch:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Rows of ``x`` [n, D] sketched to [n, k]."""
-        return torch.zeros(x.shape[0], self.k, dtype=x.dtype).index_add_(1, self.bucket, x * self.sign)
+        return self.of_blocks([x])
 
     def of_blocks(self, blocks: list[torch.Tensor]) -> torch.Tensor:
         """The sketch of the rows of ``torch.cat(blocks, 1)`` (blocks [n, D_b] in coordinate order),
-        one block at a time: the [n, D] concatenation is never built. Each block's products are
-        summed into the buckets in the same order as by ``__call__``, so the result is the same."""
+        one block at a time: the [n, D] concatenation is never built, and the buckets receive the
+        same products in the same order as from the concatenation."""
         out = torch.zeros(blocks[0].shape[0], self.k, dtype=blocks[0].dtype)
         start = 0
         for b in blocks:
