@@ -96,3 +96,12 @@ def test_report_tables_and_token_accounting(tmp_path, rollouts_path, features_pa
     assert mismatch["tokens"].to_list() == [int(feats["response_length"].sum())] * 2
     for png in report.PLOTS:
         assert (out / f"{png}.png").stat().st_size > 1000
+    # evaluate.every = 2: iteration 0's policy is not evaluated; the tokens of its rollouts still count
+    sparse = tmp_path / "sparse"
+    report.run(cfg, report.Args(summaries=[str(paths[n]) for n in ("initial", "iter_1")],
+                                metrics=[str(paths["m0"]), str(paths["m1"])], rollouts=[str(paths["r0"]), str(paths["r1"])],
+                                comparisons=[str(paths["c0"]), str(paths["c1"])],
+                                features=[str(paths["f0"]), str(paths["f1"])], out_dir=str(sparse)))
+    progress = read_table(sparse / "progress.parquet", schemas.PROGRESS)
+    assert progress["policy"].to_list() == ["initial", "iter_1"]
+    assert progress["tokens_generated"].to_list() == [0, 2 * per_iter]

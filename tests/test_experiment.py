@@ -195,6 +195,26 @@ def test_per_seed_table_on_hand_made_curves():
     assert rows["s"]["final_greedy_accuracy"] == 1.0 and rows["s"]["max_length_ratio"] == pytest.approx(1.0)
 
 
+def test_late_gain_with_evaluations_every_other_iteration():
+    """evaluate.every = 2 over 6 iterations: the initial policy (iteration -1), then iterations 1, 3
+    and 5. The gain over the last 2 iterations is from iteration 3 (0.6) to 5 (0.65); over the last
+    3 or 4, from iteration 1 (0.5): the last evaluation at least that many iterations before."""
+    from otbflow.experiment import per_seed_table
+
+    curves = pl.DataFrame(
+        [("r", 0, it, acc, acc, 100.0 * (it + 1), 10.0) for it, acc in [(-1, 0.3), (1, 0.5), (3, 0.6), (5, 0.65)]],
+        schema=["run", "seed", "iteration", "sampled_accuracy", "greedy_accuracy", "tokens_generated",
+                "mean_response_length"], orient="row")
+    metrics = pl.DataFrame([("r", 0, 50, 0.3)], schema=["run", "seed", "tokens", "grad_norm"], orient="row")
+    exp = {"runs": {"r": {}}, "analysis": {"reference": "r", "target_fraction": 0.9, "plateau_window": 2}}
+    gain = {w: per_seed_table(exp | {"analysis": exp["analysis"] | {"plateau_window": w}}, curves, metrics)["late_gain"][0]
+            for w in (1, 2, 3, 4, 6, 7)}
+    assert gain[1] == pytest.approx(0.05) and gain[2] == pytest.approx(0.05)  # 3 -> 5
+    assert gain[3] == pytest.approx(0.15) and gain[4] == pytest.approx(0.15)  # 1 -> 5
+    assert gain[6] == pytest.approx(0.35)  # from the initial policy
+    assert math.isnan(gain[7])
+
+
 def test_paired_table_on_hand_made_seeds():
     from otbflow.experiment import paired_table
 

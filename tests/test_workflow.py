@@ -152,6 +152,20 @@ def test_an_estimator_option_reruns_the_variance_study_but_not_its_pool(run_dir)
     assert "advantages" in planned_rules(res.stdout) and "variance" not in planned_rules(res.stdout)
 
 
+def test_evaluating_every_other_iteration_reruns_only_the_report(run_dir):
+    """evaluate.every is not an input of the evaluations: on the finished 2-iteration run it drops
+    iteration 0's evaluation from the report and reruns nothing else."""
+    res = snakemake(run_dir, "-n", "--config", "evaluate={every: 2}")
+    assert planned_rules(res.stdout) == {"report"}, res.stdout[-3000:]
+
+
+def test_evaluate_every_picks_the_evaluated_policies(tmp_path):
+    """5 iterations, every 2: the initial policy, iterations 1 and 3, and the last (4)."""
+    res = snakemake(tmp_path, "-n", "--config", "iterations=5", "evaluate={every: 2}")
+    evaluated = {o.split("/")[1] for o in planned_outputs(res.stdout) if o.endswith("eval/summary.parquet")}
+    assert evaluated == {"initial", "iter_1", "iter_3", "iter_4"}, res.stdout[-3000:]
+
+
 @pytest.mark.parametrize("override, key", [
     ("advantages={estimator: foo}", "advantages.estimator"),
     ("rollout={group_size: 0}", "rollout.group_size"),

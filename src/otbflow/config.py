@@ -293,6 +293,10 @@ class EvaluateConfig:
     """Sampling temperature for avg@k (greedy accuracy is always reported too)."""
     max_new_tokens: int = 48
     """Most tokens generated per eval response."""
+    every: int = 1
+    """Evaluate the policy of every `every`-th iteration (iterations every-1, 2*every-1, ...; the
+    initial policy and the last iteration's always): 2 halves the evaluation jobs of a long run.
+    Changing it reruns no finished evaluation."""
 
 
 @dataclass
@@ -509,6 +513,12 @@ def _require(ok: bool, key: str, allowed: str, value: Any) -> None:
         raise ConfigError(f"config key '{key}': must be {allowed} (got {value!r})")
 
 
+def evaluated_iterations(cfg: DictConfig) -> list[int]:
+    """Iterations whose policy the workflow evaluates (evaluate.every; the last one always)."""
+    every, last = cfg.evaluate.every, cfg.iterations - 1
+    return [k for k in range(cfg.iterations) if (k + 1) % every == 0 or k == last]
+
+
 def validate_workflow(cfg: DictConfig) -> None:
     """What the whole workflow needs beyond what each stage checks: the bootstrap builds policies
     for the built-in task only, so a dataset run needs its policy in model.path. (A stage alone,
@@ -652,6 +662,7 @@ def validate(cfg: DictConfig) -> None:
     _require(e.n_samples >= 1, "evaluate.n_samples", ">= 1", e.n_samples)
     _require(e.temperature > 0, "evaluate.temperature", "> 0", e.temperature)
     _require(e.max_new_tokens >= 1, "evaluate.max_new_tokens", ">= 1", e.max_new_tokens)
+    _require(e.every >= 1, "evaluate.every", ">= 1", e.every)
 
 
 def to_yaml(cfg: DictConfig) -> str:

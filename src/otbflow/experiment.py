@@ -186,8 +186,9 @@ def bootstrap_ci(values: np.ndarray, resamples: int, confidence: float, seed: in
 
 def per_seed_table(exp: dict, curves: pl.DataFrame, metrics: pl.DataFrame) -> pl.DataFrame:
     """One row per (run, seed): initial and final avg@k and greedy accuracy, tokens generated and
-    trained, tokens to the target, the avg@k gain over the last ``plateau_window`` iterations (nan
-    with fewer evaluations), the longest mean response length relative to the initial one, the
+    trained, tokens to the target, the avg@k gain over the last ``plateau_window`` iterations (from
+    the last evaluation at least that many iterations before the final one, see evaluate.every; nan
+    if there is none), the longest mean response length relative to the initial one, the
     largest grad norm and the lowest avg@k on the way."""
     a = exp["analysis"]
     last = curves.filter(pl.col("iteration") == pl.col("iteration").max().over("run", "seed"))
@@ -200,7 +201,9 @@ def per_seed_table(exp: dict, curves: pl.DataFrame, metrics: pl.DataFrame) -> pl
     for (run, seed), part in curves.sort("iteration").group_by(["run", "seed"], maintain_order=True):
         acc = part["sampled_accuracy"].to_numpy()
         length = part["mean_response_length"].to_numpy()
-        late_gain = float(acc[-1] - acc[-1 - window]) if len(acc) > window else float("nan")
+        its = part["iteration"].to_numpy()
+        before = np.flatnonzero(its <= its[-1] - window)  # evaluations >= window iterations before the last
+        late_gain = float(acc[-1] - acc[before[-1]]) if len(before) else float("nan")
         rows.append({"run": run, "seed": seed, "initial_accuracy": acc[0], "final_accuracy": acc[-1],
                      "late_gain": late_gain,
                      "final_greedy_accuracy": part["greedy_accuracy"][-1], "min_accuracy": float(acc.min()),

@@ -28,7 +28,7 @@ PLOTS = ("accuracy", "reward", "grad_norm", "response_length", "mismatch")
 @dataclass
 class Args:
     summaries: list[str]
-    """Eval summary Parquets: the initial policy first, then iteration 0, 1, ..."""
+    """Eval summary Parquets: the initial policy, then the evaluated iterations (evaluate.every)."""
     metrics: list[str]
     """Train metrics Parquets of iterations 0, 1, ..."""
     rollouts: list[str]
@@ -41,17 +41,25 @@ class Args:
     """Output folder for the tables and {accuracy,reward,grad_norm,response_length}.png."""
 
 
-def progress_table(summaries: list[str], rollouts: list[str]) -> pl.DataFrame:
-    evals = pl.concat([read_table(p, schemas.EVAL_SUMMARY) for p in summaries]).sort("iteration")
+def rollout_table(rollouts: list[str]) -> pl.DataFrame:
+    """Per iteration: mean rollout reward and length, and the rollout tokens generated up to and
+    including it."""
     cols = ["iteration", "response_length", "reward"]
     roll = pl.concat([read_table(p, schemas.ROLLOUTS).select(cols) for p in rollouts])
-    per_iter = (roll.group_by("iteration")
-                .agg(pl.col("response_length").sum().alias("tokens"),
-                     pl.col("reward").mean().alias("mean_reward"),
-                     pl.col("response_length").mean().cast(pl.Float64).alias("mean_rollout_length"))
-                .sort("iteration")
-                .with_columns(pl.col("tokens").cum_sum().alias("tokens_generated")))
-    out = evals.join(per_iter.drop("tokens"), on="iteration", how="left").with_columns(
+    return (roll.group_by("iteration")
+            .agg(pl.col("response_length").sum().alias("tokens"),
+                 pl.col("reward").mean().alias("mean_reward"),
+                 pl.col("response_length").mean().cast(pl.Float64).alias("mean_rollout_length"))
+            .sort("iteration")
+            .with_columns(pl.col("tokens").cum_sum().alias("tokens_generated"))
+            .drop("tokens"))
+
+
+def progress_table(summaries: list[str], per_iteration: pl.DataFrame) -> pl.DataFrame:
+    """One row per evaluated policy (the initial one has iteration -1 and 0 tokens), with the
+    rollout statistics of the iteration that trained it."""
+    evals = pl.concat([read_table(p, schemas.EVAL_SUMMARY) for p in summaries]).sort("iteration")
+    out = evals.join(per_iteration, on="iteration", how="left").with_columns(
         pl.col("tokens_generated").fill_null(0),
         pl.col("mean_reward").fill_null(float("nan")),
         pl.col("mean_rollout_length").fill_null(float("nan")),
@@ -119,7 +127,8 @@ def _plot(path: Path, panels: list[tuple[str, str, list[tuple[str, np.ndarray, n
 def run(cfg: DictConfig, args: Args) -> None:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    progress = progress_table(args.summaries, args.rollouts)
+    per_iteration = rollout_table(args.rollouts)
+    progress = progress_table(args.summaries, per_iteration)
     metrics = (pl.concat([read_table(p, schemas.TRAIN_METRICS) for p in args.metrics]).sort("iteration", "step")
                .with_columns(pl.int_range(pl.len(), dtype=pl.Int64).alias("global_step")))
     comparison = pl.concat([read_table(p, schemas.COMPARISON) for p in args.comparisons])
@@ -140,12 +149,11 @@ def run(cfg: DictConfig, args: Args) -> None:
         ("policy (iterations trained)", "held-out accuracy", [(n, it, y) for n, y in acc]),
         ("rollout tokens generated", "held-out accuracy", [(n, tok, y) for n, y in acc]),
     ])
-    trained = progress.filter(pl.col("iteration") >= 0)
+    rolled = per_iteration["iteration"].to_numpy()
     _plot(out / "reward.png", [
-        ("iteration", "mean rollout reward", [("reward", trained["iteration"].to_numpy(),
-                                               trained["mean_reward"].to_numpy())]),
-        ("rollout tokens generated", "mean rollout reward", [("reward", trained["tokens_generated"].to_numpy(),
-                                                              trained["mean_reward"].to_numpy())]),
+        ("iteration", "mean rollout reward", [("reward", rolled, per_iteration["mean_reward"].to_numpy())]),
+        ("rollout tokens generated", "mean rollout reward", [("reward", per_iteration["tokens_generated"].to_numpy(),
+                                                              per_iteration["mean_reward"].to_numpy())]),
     ])
     _plot(out / "grad_norm.png", [
         ("optimizer step", "grad norm (before clipping)", [("grad norm", metrics["global_step"].to_numpy(),
@@ -153,10 +161,10 @@ def run(cfg: DictConfig, args: Args) -> None:
     ])
     _plot(out / "response_length.png", [
         ("iteration", "mean response length (tokens)", [
-            ("rollout", trained["iteration"].to_numpy(), trained["mean_rollout_length"].to_numpy()),
+            ("rollout", rolled, per_iteration["mean_rollout_length"].to_numpy()),
             ("eval (sampled)", progress["iteration"].to_numpy(), progress["mean_response_length"].to_numpy())]),
     ])
     first, last = progress.row(0, named=True), progress.row(-1, named=True)
     log.info("accuracy (avg@k) %.3f -> %.3f, greedy %.3f -> %.3f over %d iterations, %d tokens generated",
              first["sampled_accuracy"], last["sampled_accuracy"], first["greedy_accuracy"],
-             last["greedy_accuracy"], progress.height - 1, last["tokens_generated"])
+             last["greedy_accuracy"], last["iteration"] + 1, last["tokens_generated"])

@@ -7,8 +7,8 @@ from snakemake.utils import validate
 
 import otbflow
 from otbflow.codeversion import code_version
-from otbflow.config import (DEFAULT_CONFIG, from_snakemake, load_config, section_digest, to_container, to_yaml,
-                            validate_workflow)
+from otbflow.config import (DEFAULT_CONFIG, evaluated_iterations, from_snakemake, load_config, section_digest,
+                            to_container, to_yaml, validate_workflow)
 from otbflow.io import write_text_if_changed
 
 # Snakemake's `config` holds what --configfile/--config gave (`--config 'rollout={group_size: 8}'`,
@@ -20,6 +20,7 @@ validate_workflow(CFG)
 validate(to_container(CFG), workflow.source_path("../schemas/config.schema.yaml"), set_default=False)
 R = CFG.results_dir
 ITERATIONS = list(range(CFG.iterations))
+EVALUATED = evaluated_iterations(CFG)  # evaluate.every; the last iteration always
 SHARDS = list(range(CFG.shard.n_shards))
 ENV = "../../envs/otbflow.yaml"
 # vLLM pins its own torch: rollout and evaluate use its environment when it is the backend.

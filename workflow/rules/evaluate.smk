@@ -13,7 +13,8 @@ rule evaluate:
         GENERATE_ENV
     params:
         cmd=stage_cmd("evaluate", python=CFG.rollout.python),
-        cfg=digest("seed", "evaluate", "task", "model.dtype", "rollout.backend"),
+        cfg=digest("seed", "evaluate.n_samples", "evaluate.temperature", "evaluate.max_new_tokens", "task",
+                   "model.dtype", "rollout.backend"),
         code=code_version("evaluate"),
         iteration=policy_iteration,
     threads: CFG.resources.evaluate.threads

@@ -1,7 +1,7 @@
 rule report:
     input:
         summaries=[f"{R}/initial/eval/summary.parquet"]
-        + expand(f"{R}/iter_{{k}}/eval/summary.parquet", k=ITERATIONS),
+        + expand(f"{R}/iter_{{k}}/eval/summary.parquet", k=EVALUATED),
         metrics=expand(rules.train.output.metrics, k=ITERATIONS),
         rollouts=expand(rules.rollout.output[0], k=ITERATIONS, s=SHARDS),
         comparisons=expand(rules.advantages.output.comparison, k=ITERATIONS),
