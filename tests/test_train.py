@@ -16,9 +16,9 @@ from otbflow import features, logits, schemas
 from otbflow.config import load_config
 from otbflow.io import SchemaError, read_table, write_parquet
 from otbflow.model import build_char_tokenizer, build_tiny_model
-from otbflow.train import (Args, OptimizerStateError, aggregate_loss, init_distributed_env, low_var_kl,
-                           policy_logprobs, ppo_clip_loss, reinforce_loss, response_token_stats, rollout_is_weights,
-                           run, trm_keep)
+from otbflow.train import (Args, aggregate_loss, init_distributed_env, low_var_kl, policy_logprobs, ppo_clip_loss,
+                           reinforce_loss, response_token_stats, rollout_is_weights, run, trm_keep)
+from otbflow.train_state import OptimizerStateError
 
 MODEL = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.n_positions=64"]
 TEMPERATURE = 0.8  # not 1, so that a missing temperature shows
@@ -599,7 +599,8 @@ def one_engine_reference(cfg, policy_dir, tables: list[Path]) -> dict[str, torch
     """One DeepSpeed engine (one AdamW) stepping over the mini-batches of every table in turn,
     iteration k's in the train stage's seeded order: the weights one uninterrupted run ends with."""
     from otbflow.config import derive_seed
-    from otbflow.train import build_engine, full_fp32_state_dict, load_rows, mini_batches, train_step
+    from otbflow.train import build_engine, load_rows, mini_batches, train_step
+    from otbflow.train_state import full_fp32_state_dict
 
     init_distributed_env()
     engine = build_engine(str(policy_dir), cfg.train, 1)
@@ -670,7 +671,7 @@ def test_a_stored_optimizer_state_that_does_not_fit_is_refused(policy_dir, featu
 
 
 def test_the_checkpoint_fingerprint_covers_the_optimizer_input(policy_dir, features_path, tmp_path):
-    from otbflow.train import fingerprint
+    from otbflow.train_state import fingerprint
 
     write_advantages(features_path, tmp_path / "adv.parquet", random_advantages(features_path))
     cfg = make_cfg()

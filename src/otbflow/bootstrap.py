@@ -23,7 +23,7 @@ import torch
 from omegaconf import DictConfig
 
 from otbflow.config import derive_seed
-from otbflow.generation import render_prompts, stop_token_ids, use_chat
+from otbflow.generation import render_prompts, stops_of, use_chat
 from otbflow.hf_engine import hf_generate
 from otbflow.io import atomic_dir, write_parquet
 from otbflow.model import build_tiny_model, build_tokenizer, encode, set_threads
@@ -75,8 +75,7 @@ def sampled_accuracy(model, tok, problems: list[dict], seed: int, max_new_tokens
 
 def generation_stops(tok, model) -> list[int]:
     """What the rollout will stop on: the tokenizer's eos, then the generation config's eos ids."""
-    eos = model.generation_config.eos_token_id
-    return list(dict.fromkeys(stop_token_ids(tok) + (eos if isinstance(eos, list) else [eos] if eos is not None else [])))
+    return stops_of(tok, model.generation_config.eos_token_id)
 
 
 def tokenizer_corpus(cfg: DictConfig) -> list[str]:

@@ -19,7 +19,7 @@ STAGE_MODULES = {
     "rollout": ("rollout", "generation", "hf_engine", "vllm_engine"),
     "features": ("features", "logits", "rollout_is"),
     "advantages": ("advantages",),
-    "train": ("train", "logits", "lr_schedule", "advantages", "rollout_is"),
+    "train": ("train", "train_state", "logits", "lr_schedule", "advantages", "rollout_is"),
     "evaluate": ("evaluate", "generation", "hf_engine", "vllm_engine"),
     "report": ("report",),
     "scaling": ("scaling", "logits", "rollout_is"),

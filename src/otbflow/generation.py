@@ -71,13 +71,18 @@ def open_backend(cfg: DictConfig, policy: str) -> Backend:
 
 def stop_token_ids(tok, policy: str | Path | None = None) -> list[int]:
     """The tokenizer's eos id, then the eos ids of ``policy``'s generation_config.json."""
-    ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
     gen = Path(policy) / "generation_config.json" if policy is not None else None
-    if gen is not None and gen.is_file():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
+    eos = json.loads(gen.read_text()).get("eos_token_id") if gen is not None and gen.is_file() else None
+    return stops_of(tok, eos, policy)
+
+
+def stops_of(tok, generation_eos: int | list[int] | None, where: Any = "the policy") -> list[int]:
+    """The tokenizer's eos id, then ``generation_eos`` (a generation config's eos_token_id: an id,
+    a list of them or None), without repeats."""
+    ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    ids += generation_eos if isinstance(generation_eos, list) else [generation_eos] if generation_eos is not None else []
     if not ids:
-        raise ValueError(f"{policy}: the tokenizer has no eos token and generation_config.json no eos_token_id")
+        raise ValueError(f"{where}: the tokenizer has no eos token and generation_config.json no eos_token_id")
     return list(dict.fromkeys(int(i) for i in ids))
 
 

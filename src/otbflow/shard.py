@@ -10,7 +10,6 @@ renders them for the policy's tokenizer.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 
@@ -20,7 +19,7 @@ from omegaconf import DictConfig
 from otbflow import schemas
 from otbflow.config import derive_seed, task_seed
 from otbflow.io import write_parquet
-from otbflow.tasks import arithmetic_prompts, load_dataset_file
+from otbflow.tasks import arithmetic_prompts, load_dataset_file, user_message
 
 log = logging.getLogger("otbflow.shard")
 SECTIONS = ("task", "shard")
@@ -37,8 +36,7 @@ def synthetic_splits(cfg: DictConfig) -> tuple[pl.DataFrame, pl.DataFrame]:
     rows = arithmetic_prompts(t.n_train + t.n_eval, derive_seed(task_seed(cfg), "task"), t.min_terms, t.max_terms,
                               t.max_operand)
     df = pl.DataFrame(rows).select("prompt", "answer").with_columns(
-        pl.col("prompt").map_elements(lambda p: json.dumps([{"role": "user", "content": p}]),
-                                      return_dtype=pl.String).alias("messages"),
+        pl.col("prompt").map_elements(user_message, return_dtype=pl.String).alias("messages"),
         pl.lit("arithmetic").alias("data_source"))
     return df[t.n_eval:], df[:t.n_eval]
 

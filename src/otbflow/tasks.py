@@ -149,9 +149,13 @@ def _verl_rows(df: pl.DataFrame, path) -> pl.DataFrame:
 def _text_rows(prompts: list, answers: list, source: list[str], template: str) -> pl.DataFrame:
     prompts = [template.format(prompt=str(p)) for p in prompts]
     return pl.DataFrame({"prompt": prompts,
-                         "messages": [json.dumps([{"role": "user", "content": p}], ensure_ascii=False)
-                                      for p in prompts],
+                         "messages": [user_message(p) for p in prompts],
                          "answer": [str(a) for a in answers], "data_source": source}, schema=DATASET_COLUMNS)
+
+
+def user_message(prompt: str) -> str:
+    """The ``messages`` of a plain-text prompt (schemas.PROMPTS): one user message, as JSON."""
+    return json.dumps([{"role": "user", "content": prompt}], ensure_ascii=False)
 
 
 DATASET_COLUMNS = {"prompt": pl.String, "messages": pl.String, "answer": pl.String, "data_source": pl.String}

@@ -1,0 +1,234 @@
+"""What a train job keeps on disk: the next policy, the AdamW state across iterations, and the
+resumable checkpoints within one job (``otbflow.train`` explains the stage).
+
+- ``save_policy``: the next policy as an HF folder of fp32 weights (ZeRO's fp32 master weights
+  where it keeps them) with the input policy's tokenizer, written atomically.
+- Optimizer state (``--optimizer`` / ``--prev-optimizer``): a DeepSpeed checkpoint with a
+  ``meta.json`` naming its layout (ranks, ZeRO stage, bf16) and the digest of the policy written
+  with it; ``check_optimizer_state`` refuses any other layout or policy before training starts.
+- ``Checkpoints``: every ``train.checkpoint_every`` steps, in a folder outside the Snakemake
+  outputs, stamped with the job's ``fingerprint`` (inputs, config, code, ranks): a rerun of the
+  same job resumes from the latest one; one of other inputs is wiped, never resumed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from otbflow.config import section_digest
+from otbflow.io import atomic_dir, write_json
+
+# ------------------------------------------------------------------------------------------
+# The next policy
+# ------------------------------------------------------------------------------------------
+
+
+def full_fp32_state_dict(engine, keep: bool) -> dict[str, torch.Tensor]:
+    """The policy's full fp32 weights, on CPU (ZeRO's fp32 master weights where it keeps them).
+    Collective under ZeRO: every rank must call it; only ranks with ``keep`` hold the result."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    policy = engine.module.policy
+    state = policy.state_dict()  # buffers, and every name of tied parameters
+    full: dict[int, torch.Tensor | None] = {}
+    for name, p in policy.named_parameters(remove_duplicate=False):
+        if id(p) not in full:
+            hp = safe_get_full_fp32_param(p)  # None where the module's parameter is the fp32 weight
+            if hp is None:
+                hp = p.detach()
+            full[id(p)] = hp.float().cpu() if keep else None
+        state[name] = full[id(p)]
+    return state if keep else {}
+
+
+def save_policy(engine, state: dict[str, torch.Tensor], policy_dir: str, out: str) -> None:
+    from transformers import AutoTokenizer
+
+    policy = engine.module.policy
+    with atomic_dir(out) as tmp:
+        policy.save_pretrained(tmp, state_dict=state)
+        if policy.dtype != torch.float32:  # bf16 module: config.json names the saved fp32 weights
+            policy.config.dtype = "float32"
+            policy.config.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(policy_dir, local_files_only=True).save_pretrained(tmp)
+
+
+# ------------------------------------------------------------------------------------------
+# Resumable checkpoints
+# ------------------------------------------------------------------------------------------
+
+
+def fingerprint(cfg: DictConfig, args, world_size: int) -> str:
+    """What a checkpoint belongs to (``args``: the train stage's Args): the inputs (advantages bytes, policy, previous schedule
+    state, previous optimizer state), the config, the code and the number of ranks."""
+    from otbflow.codeversion import code_version
+
+    h = hashlib.sha256()
+    with open(args.advantages, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    prev = Path(args.prev_state).read_text() if args.prev_state else ""
+    # the optimizer state's meta.json names the job that wrote it (its fingerprint) and its policy
+    prev_opt = (Path(args.prev_optimizer) / OPTIMIZER_META).read_text() if args.prev_optimizer else ""
+    config = section_digest(cfg, "seed", "iterations", "train", "mismatch", "rollout.temperature",
+                            "rollout.max_new_tokens")  # not resources: a retry with more memory resumes
+    h.update(json.dumps([config, str(Path(args.policy).resolve()), prev, prev_opt, args.reference, args.iteration,
+                         world_size, code_version("train")]).encode())
+    return h.hexdigest()[:16]
+
+
+# ------------------------------------------------------------------------------------------
+# Optimizer state across iterations
+# ------------------------------------------------------------------------------------------
+
+
+OPTIMIZER_META = "meta.json"
+OPTIMIZER_TAG = "state"
+
+
+class OptimizerStateError(ValueError):
+    """A stored optimizer state that this job cannot load."""
+
+
+def policy_digest(policy_dir: str | Path) -> str:
+    """sha256 of an HF folder's weight files (names and bytes): which policy an optimizer state
+    belongs to."""
+    h = hashlib.sha256()
+    files = sorted(p for p in Path(policy_dir).iterdir() if p.suffix in (".safetensors", ".bin"))
+    for path in files:
+        h.update(path.name.encode())
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 24), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def optimizer_layout(tc: DictConfig, world_size: int) -> dict:
+    """What DeepSpeed needs to be equal to load a (ZeRO-partitioned) optimizer state."""
+    return {"world_size": world_size, "zero_stage": int(tc.zero_stage), "bf16": bool(tc.bf16)}
+
+
+def check_optimizer_state(folder: str, tc: DictConfig, world_size: int, policy_dir: str) -> dict:
+    """The meta of the optimizer state in ``folder`` if this job can resume it; otherwise an
+    OptimizerStateError that says what differs and what to do."""
+    path = Path(folder)
+    meta_path = path / OPTIMIZER_META
+    if not meta_path.is_file():
+        raise OptimizerStateError(f"{path}: not a finished optimizer state (no {OPTIMIZER_META}); it is written "
+                                  f"by the previous iteration's train job (--optimizer)")
+    meta = json.loads(meta_path.read_text())
+    want = optimizer_layout(tc, world_size)
+    have = {k: meta.get(k) for k in want}
+    if have != want:
+        def fmt(d):
+            return f"{d['world_size']} rank(s), ZeRO stage {d['zero_stage']}, bf16 {'on' if d['bf16'] else 'off'}"
+
+        raise OptimizerStateError(
+            f"{path}: the optimizer state was saved by {fmt(have)}; this job runs {fmt(want)}. DeepSpeed "
+            f"loads an optimizer state only into the layout that saved it (ZeRO shards it per rank). Keep "
+            f"train.zero_stage, train.bf16 and resources.train.tasks as they were, or set "
+            f"train.reset_optimizer=true to start this iteration with a fresh AdamW.")
+    digest = policy_digest(policy_dir)
+    if meta.get("policy_sha256") != digest:
+        raise OptimizerStateError(
+            f"{path}: the optimizer state belongs to another policy than --policy {policy_dir} (weights digest "
+            f"{str(meta.get('policy_sha256'))[:12]}... vs {digest[:12]}...); pass the policy written by the same "
+            f"train job, or set train.reset_optimizer=true")
+    return meta
+
+
+def load_optimizer_state(engine, folder: str) -> None:
+    """Load the DeepSpeed checkpoint in ``folder`` into ``engine``: AdamW moments and step counts
+    (and with bf16 ZeRO's fp32 master weights); the module weights it holds are those of --policy."""
+    path, _ = engine.load_checkpoint(folder, tag=OPTIMIZER_TAG, load_module_strict=True, load_optimizer_states=True,
+                                     load_lr_scheduler_states=False)
+    if path is None:
+        raise OptimizerStateError(f"{folder}: DeepSpeed could not load the optimizer state")
+
+
+def save_optimizer_state(engine, out: str, meta: dict, rank: int, world_size: int) -> None:
+    """Write the engine's state as a DeepSpeed checkpoint (every rank its ZeRO shard) to a
+    temporary sibling folder, then rank 0 adds ``meta.json`` and renames it to ``out``: a killed
+    job never leaves a folder that looks finished. Collective: every rank must call it."""
+    out_path = Path(out)
+    tmp = out_path.with_name(f".{out_path.name}.partial")  # the same name on every rank
+
+    def barrier():
+        if world_size > 1:
+            torch.distributed.barrier()
+
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    engine.save_checkpoint(str(tmp), tag=OPTIMIZER_TAG, client_state={}, save_latest=False)
+    barrier()
+    if rank == 0:
+        write_json(meta, tmp / OPTIMIZER_META)
+        if out_path.exists():
+            shutil.rmtree(out_path)
+        os.replace(tmp, out_path)
+    barrier()
+
+
+class Checkpoints:
+    """DeepSpeed checkpoints of one train job in ``folder``, which is not a declared output
+    (Snakemake deletes the outputs of a failed job; this survives it). The folder holds one
+    fingerprint: a checkpoint of other inputs or config is wiped, never resumed. Only the latest
+    complete checkpoint is kept (DeepSpeed's ``latest`` names it only once it is written)."""
+
+    def __init__(self, folder: str, fp: str, every: int, rank: int, world_size: int):
+        self.folder, self.fp, self.every, self.rank, self.world_size = Path(folder), fp, every, rank, world_size
+
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            torch.distributed.barrier()
+
+    def load(self, engine) -> dict | None:
+        """The client state of the latest checkpoint after loading it into ``engine``, or None."""
+        stamp = self.folder / "fingerprint"
+        resumable = stamp.is_file() and stamp.read_text() == self.fp and (self.folder / "latest").is_file()
+        self._barrier()
+        if not resumable:
+            if self.rank == 0 and self.every:
+                shutil.rmtree(self.folder, ignore_errors=True)
+                self.folder.mkdir(parents=True)
+                stamp.write_text(self.fp)
+            self._barrier()
+            return None
+        path, client = engine.load_checkpoint(str(self.folder), load_module_strict=True)
+        if path is None:
+            raise RuntimeError(f"{self.folder}: could not load the checkpoint that 'latest' names")
+        return client
+
+    def due(self, steps_done: int, total: int) -> bool:
+        return bool(self.every) and steps_done % self.every == 0 and steps_done < total
+
+    def save(self, engine, steps_done: int, client: dict) -> None:
+        tag = f"step_{steps_done:06d}"
+        engine.save_checkpoint(str(self.folder), tag=tag, client_state=client, save_latest=True)
+        self._barrier()
+        if self.rank == 0:
+            for old in self.folder.glob("step_*"):
+                if old.name != tag:
+                    shutil.rmtree(old, ignore_errors=True)
+
+    def finish(self) -> None:
+        """The stage's outputs are written: the checkpoints are no longer needed. The workflow's
+        checkpoint tree (results/checkpoints/train/) goes too once it is empty."""
+        self._barrier()
+        if self.rank == 0:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            parents = list(self.folder.parents)[:2]
+            if parents and parents[-1].name == "checkpoints":
+                for parent in parents:
+                    with contextlib.suppress(OSError):
+                        parent.rmdir()  # only if empty: another iteration's job may be running
