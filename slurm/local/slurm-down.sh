@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # Stop the daemons started by slurm-up.sh, by PID file (no pkill by name). Same SLURM_LAB as slurm-up.sh.
 LAB=${SLURM_LAB:-/tmp/slurm-lab}
-for f in "$LAB/run/slurmd.pid" "$LAB/run/slurmctld.pid" "$LAB/run/slurmdbd.pid" /run/mysqld/mysqld.pid /run/munge/munged.pid; do
+# each PID file with the name its process must have: a stale file from before a restart can hold the
+# pid of another process, which must not be killed
+for entry in "$LAB/run/slurmd.pid:slurmd" "$LAB/run/slurmctld.pid:slurmctld" "$LAB/run/slurmdbd.pid:slurmdbd" \
+             "/run/mysqld/mysqld.pid:mysqld|mariadbd" "/run/munge/munged.pid:munged"; do
+  f=${entry%%:*}; name=${entry#*:}
   if [[ -s "$f" ]]; then
     pid=$(cat "$f")
-    if kill -0 "$pid" 2>/dev/null; then
+    if [[ "$(ps -o comm= -p "$pid" 2>/dev/null)" =~ ^($name)$ ]]; then
       kill "$pid"; for i in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
       echo "stopped $(basename "$f" .pid) pid $pid"
     fi

@@ -12,7 +12,9 @@ WITH_DBD=0; [[ "${1:-}" == "--with-dbd" ]] && WITH_DBD=1
 FAKE_GPUS=${FAKE_GPUS:-0}
 LAB=${SLURM_LAB:-/tmp/slurm-lab}
 t0=$(date +%s%N)
-running() { [[ -s "$1" ]] && kill -0 "$(cat "$1")" 2>/dev/null; }   # by pid file, never by name
+# by pid file, never by pkill: PIDFILE NAME holds a live process called NAME (a stale file from before
+# a restart can hold the pid of another process, even of another Slurm daemon)
+running() { [[ -s "$1" ]] && [[ "$(ps -o comm= -p "$(cat "$1")" 2>/dev/null)" =~ ^($2)$ ]]; }
 
 [[ $(id -u) == 0 ]] || { echo "slurm-up: needs root (it writes /etc/slurm and starts the daemons)"; exit 77; }
 export DEBIAN_FRONTEND=noninteractive
@@ -32,7 +34,7 @@ chmod 755 "$LAB" "$LAB"/*
 # ---- munge (needs /etc/munge/munge.key owned by munge, mode 0400/0600; the Debian package creates it) ----
 [[ -s /etc/munge/munge.key ]] || { mungekey --create --force; chown munge:munge /etc/munge/munge.key; chmod 600 /etc/munge/munge.key; }
 install -d -o munge -g munge -m 0755 /run/munge
-running /run/munge/munged.pid || runuser -u munge -- /usr/sbin/munged   # munged refuses to run as root
+running /run/munge/munged.pid 'munged' || runuser -u munge -- /usr/sbin/munged   # munged refuses to run as root
 for i in $(seq 50); do munge -n </dev/null | unmunge >/dev/null 2>&1 && break; sleep 0.1; done
 munge -n </dev/null | unmunge | grep -q 'STATUS: *Success' || { echo "munge not working"; exit 1; }
 
@@ -118,7 +120,7 @@ rm -f /etc/slurm/cgroup.conf
 if [[ $WITH_DBD == 1 ]]; then
   # ---- MariaDB + slurmdbd ----
   install -d -o mysql -g mysql /run/mysqld
-  if ! running /run/mysqld/mysqld.pid; then
+  if ! running /run/mysqld/mysqld.pid 'mysqld|mariadbd'; then
     [[ -d /var/lib/mysql/mysql ]] || mariadb-install-db --user=mysql --datadir=/var/lib/mysql >/dev/null
     (runuser -u mysql -- /usr/sbin/mariadbd --datadir=/var/lib/mysql --socket=/run/mysqld/mysqld.sock \
         --bind-address=127.0.0.1 --pid-file=/run/mysqld/mysqld.pid >"$LAB/log/mariadb.log" 2>&1 &)
@@ -126,7 +128,7 @@ if [[ $WITH_DBD == 1 ]]; then
   fi
   # Fresh slurmctld state => job ids restart at 1; drop the old accounting DB too, or sacct/submitit can read
   # stale rows that carry the same job ids.
-  if [[ ! -e "$LAB/spool/ctld/job_state" ]] && ! running "$LAB/run/slurmdbd.pid"; then
+  if [[ ! -e "$LAB/spool/ctld/job_state" ]] && ! running "$LAB/run/slurmdbd.pid" 'slurmdbd'; then
     mariadb -uroot -e 'DROP DATABASE IF EXISTS slurm_acct_db'
   fi
   mariadb -uroot <<'SQL'
@@ -150,20 +152,20 @@ StorageUser=slurm
 StoragePass=slurmpw
 EOF
   chown slurm:slurm /etc/slurm/slurmdbd.conf; chmod 600 /etc/slurm/slurmdbd.conf
-  running "$LAB/run/slurmdbd.pid" || /usr/sbin/slurmdbd
+  running "$LAB/run/slurmdbd.pid" 'slurmdbd' || /usr/sbin/slurmdbd
   for i in $(seq 100); do sacctmgr -n show cluster >/dev/null 2>&1 && break; sleep 0.2; done
   sacctmgr -i add cluster localcluster >/dev/null 2>&1 || true
 fi
 
 # ---- slurmctld (runs as SlurmUser=slurm, started by root) and slurmd (root) ----
-running "$LAB/run/slurmctld.pid" || /usr/sbin/slurmctld -i        # -i: ignore missing/unreadable state on first start
+running "$LAB/run/slurmctld.pid" 'slurmctld' || /usr/sbin/slurmctld -i        # -i: ignore missing/unreadable state on first start
 for i in $(seq 100); do scontrol ping 2>/dev/null | grep -q 'UP' && break; sleep 0.2; done
 if [[ $WITH_DBD == 1 ]]; then
   sacctmgr -i add account default Cluster=localcluster >/dev/null 2>&1 || true
   sacctmgr -i add user root Account=default >/dev/null 2>&1 || true
   [[ -n "${SUDO_USER:-}" ]] && sacctmgr -i add user "$SUDO_USER" Account=default >/dev/null 2>&1 || true
 fi
-running "$LAB/run/slurmd.pid" || /usr/sbin/slurmd -N localhost   # -N: NodeName differs from hostname
+running "$LAB/run/slurmd.pid" 'slurmd' || /usr/sbin/slurmd -N localhost   # -N: NodeName differs from hostname
 for i in $(seq 150); do sinfo -h -N -o '%T' 2>/dev/null | grep -q -E '^(idle|mixed|allocated)' && break; sleep 0.2; done
 scontrol update NodeName=localhost State=RESUME 2>/dev/null || true
 sinfo
