@@ -154,6 +154,12 @@ def load_optimizer_state(engine, folder: str) -> None:
         raise OptimizerStateError(f"{folder}: DeepSpeed could not load the optimizer state")
 
 
+def _barrier(world_size: int) -> None:
+    """Wait for every rank (a no-op for one process)."""
+    if world_size > 1:
+        torch.distributed.barrier()
+
+
 def save_optimizer_state(engine, out: str, meta: dict, rank: int, world_size: int) -> None:
     """Write the engine's state as a DeepSpeed checkpoint (every rank its ZeRO shard) to a
     temporary sibling folder, then rank 0 adds ``meta.json`` and renames it to ``out``: a killed
@@ -161,22 +167,18 @@ def save_optimizer_state(engine, out: str, meta: dict, rank: int, world_size: in
     out_path = Path(out)
     tmp = out_path.with_name(f".{out_path.name}.partial")  # the same name on every rank
 
-    def barrier():
-        if world_size > 1:
-            torch.distributed.barrier()
-
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    barrier()
+    _barrier(world_size)
     engine.save_checkpoint(str(tmp), tag=OPTIMIZER_TAG, client_state={}, save_latest=False)
-    barrier()
+    _barrier(world_size)
     if rank == 0:
         write_json(meta, tmp / OPTIMIZER_META)
         if out_path.exists():
             shutil.rmtree(out_path)
         os.replace(tmp, out_path)
-    barrier()
+    _barrier(world_size)
 
 
 class Checkpoints:
@@ -188,21 +190,17 @@ class Checkpoints:
     def __init__(self, folder: str, fp: str, every: int, rank: int, world_size: int):
         self.folder, self.fp, self.every, self.rank, self.world_size = Path(folder), fp, every, rank, world_size
 
-    def _barrier(self) -> None:
-        if self.world_size > 1:
-            torch.distributed.barrier()
-
     def load(self, engine) -> dict | None:
         """The client state of the latest checkpoint after loading it into ``engine``, or None."""
         stamp = self.folder / "fingerprint"
         resumable = stamp.is_file() and stamp.read_text() == self.fp and (self.folder / "latest").is_file()
-        self._barrier()
+        _barrier(self.world_size)
         if not resumable:
             if self.rank == 0 and self.every:
                 shutil.rmtree(self.folder, ignore_errors=True)
                 self.folder.mkdir(parents=True)
                 stamp.write_text(self.fp)
-            self._barrier()
+            _barrier(self.world_size)
             return None
         path, client = engine.load_checkpoint(str(self.folder), load_module_strict=True)
         if path is None:
@@ -215,7 +213,7 @@ class Checkpoints:
     def save(self, engine, steps_done: int, client: dict) -> None:
         tag = f"step_{steps_done:06d}"
         engine.save_checkpoint(str(self.folder), tag=tag, client_state=client, save_latest=True)
-        self._barrier()
+        _barrier(self.world_size)
         if self.rank == 0:
             for old in self.folder.glob("step_*"):
                 if old.name != tag:
@@ -224,7 +222,7 @@ class Checkpoints:
     def finish(self) -> None:
         """The stage's outputs are written: the checkpoints are no longer needed. The workflow's
         checkpoint tree (results/checkpoints/train/) goes too once it is empty."""
-        self._barrier()
+        _barrier(self.world_size)
         if self.rank == 0:
             shutil.rmtree(self.folder, ignore_errors=True)
             parents = list(self.folder.parents)[:2]
