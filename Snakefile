@@ -18,11 +18,11 @@ wildcard_constraints:
 
 
 rule all:
+    default_target: True
     input:
         lambda wildcards: rules.report.output,
         lambda wildcards: rules.scaling.output,
         lambda wildcards: rules.variance.output,
-    default_target: True
 
 
 include: "workflow/rules/bootstrap.smk"

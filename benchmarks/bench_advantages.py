@@ -37,12 +37,15 @@ def make_table(n_tokens: int, group_size: int = 8, max_len: int = 512, seed: int
     def lst(values):
         return pl.Series(pa.ListArray.from_arrays(pa.array(offsets), pa.array(values)))
 
-    return pl.DataFrame({
-        "group_id": np.repeat(np.arange(n_seq // group_size), group_size),
-        "reward": rng.integers(0, 2, n_seq).astype(np.float64),
-        "logprobs": lst(logp), "sum_pi_sq": lst(spp),
-        "grad_sq_norm": rng.uniform(0.1, 5.0, n_seq),
-    })
+    return pl.DataFrame(
+        {
+            "group_id": np.repeat(np.arange(n_seq // group_size), group_size),
+            "reward": rng.integers(0, 2, n_seq).astype(np.float64),
+            "logprobs": lst(logp),
+            "sum_pi_sq": lst(spp),
+            "grad_sq_norm": rng.uniform(0.1, 5.0, n_seq),
+        }
+    )
 
 
 def torch_loop_otb(table: pl.DataFrame) -> pl.DataFrame:
@@ -69,7 +72,9 @@ def torch_loop_otb(table: pl.DataFrame) -> pl.DataFrame:
         den = (W[s:e] * m[s:e]).sum(0)
         A[s:e] = (G[s:e] - num / (den + 1e-8)) * m[s:e]
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    return table.with_columns(pl.Series("advantages", pa.ListArray.from_arrays(pa.array(offsets), pa.array(A[mask].numpy()))))
+    return table.with_columns(
+        pl.Series("advantages", pa.ListArray.from_arrays(pa.array(offsets), pa.array(A[mask].numpy())))
+    )
 
 
 def best_time(fn, repeats: int) -> float:
@@ -92,19 +97,30 @@ def main() -> None:
     for name in sorted(ESTIMATORS):
         if name == "otb_tir":
             continue  # needs loss_mask; timed below
-        sec = best_time(lambda: compute_advantages(table, name, **OPTIONS.get(name, {})), args.repeats)
+        sec = best_time(lambda name=name: compute_advantages(table, name, **OPTIONS.get(name, {})), args.repeats)
         results[name] = {"seconds": round(sec, 4), "tokens_per_s": round(n_tok / sec)}
     with_mask = table.with_columns(pl.col("logprobs").list.eval(pl.element() > -2.5).alias("loss_mask"))
     sec = best_time(lambda: compute_advantages(with_mask, "otb_tir"), args.repeats)
     results["otb_tir"] = {"seconds": round(sec, 4), "tokens_per_s": round(n_tok / sec)}
     sec = best_time(lambda: torch_loop_otb(table), args.repeats)
-    print(json.dumps({
-        "benchmark": "advantages", "tokens": n_tok, "sequences": table.height, "group_size": 8, "max_len": 512,
-        "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
-        "estimators": results,
-        "reference_torch_group_loop_otb": {"seconds": round(sec, 4), "tokens_per_s": round(n_tok / sec)},
-        "otb_speedup_vs_reference": round(sec / results["otb"]["seconds"], 2),
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "benchmark": "advantages",
+                "tokens": n_tok,
+                "sequences": table.height,
+                "group_size": 8,
+                "max_len": 512,
+                "cpus": os.cpu_count(),
+                "torch_threads": torch.get_num_threads(),
+                "python": platform.python_version(),
+                "estimators": results,
+                "reference_torch_group_loop_otb": {"seconds": round(sec, 4), "tokens_per_s": round(n_tok / sec)},
+                "otb_speedup_vs_reference": round(sec / results["otb"]["seconds"], 2),
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ import sys
 import time
 
 import torch
-
 from memory import reset_peak, rss_kib  # benchmarks/memory.py (this folder is on sys.path)
 
 MODELS = {
@@ -75,10 +74,17 @@ def worker(model_name: str, mode: str, n_seq: int, seq_len: int, prompt_len: int
         reset_peak()
         head_part(project)
         peak_head = rss_kib("VmHWM")
-    return {"model": model_name, "mode": mode, "seconds": best, "peak_rss_reset_ok": ok,
-            "head_peak_mib": (peak_head - before_head) / 1024,
-            "pass_peak_mib": (max(peak_head, peak_body) - base_model) / 1024,
-            "tokens": int(len(targets)), "vocab": spec["vocab_size"], "chunk_size": chunk}
+    return {
+        "model": model_name,
+        "mode": mode,
+        "seconds": best,
+        "peak_rss_reset_ok": ok,
+        "head_peak_mib": (peak_head - before_head) / 1024,
+        "pass_peak_mib": (max(peak_head, peak_body) - base_model) / 1024,
+        "tokens": int(len(targets)),
+        "vocab": spec["vocab_size"],
+        "chunk_size": chunk,
+    }
 
 
 def main() -> None:
@@ -100,23 +106,50 @@ def main() -> None:
     runs = {}
     for model in models:
         for mode in ("logprob_only", "features"):
-            out = subprocess.run([sys.executable, __file__, "--worker", model, mode, "--repeats", str(a.repeats),
-                                  "--chunk-size", str(a.chunk_size), "--sequences", str(a.sequences),
-                                  "--seq-len", str(a.seq_len), "--prompt-len", str(a.prompt_len)],
-                                 capture_output=True, text=True, check=True)
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--worker",
+                    model,
+                    mode,
+                    "--repeats",
+                    str(a.repeats),
+                    "--chunk-size",
+                    str(a.chunk_size),
+                    "--sequences",
+                    str(a.sequences),
+                    "--seq-len",
+                    str(a.seq_len),
+                    "--prompt-len",
+                    str(a.prompt_len),
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             runs[(model, mode)] = json.loads(out.stdout.strip().splitlines()[-1])
-    result = {"benchmark": "features", "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-              "sequences": a.sequences, "seq_len": a.seq_len, "chunk_size": a.chunk_size, "models": {}}
+    result = {
+        "benchmark": "features",
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "sequences": a.sequences,
+        "seq_len": a.seq_len,
+        "chunk_size": a.chunk_size,
+        "models": {},
+    }
     for model in models:
         lp, ft = runs[(model, "logprob_only")], runs[(model, "features")]
         result["models"][model] = {
-            "vocab": lp["vocab"], "response_tokens": lp["tokens"],
+            "vocab": lp["vocab"],
+            "response_tokens": lp["tokens"],
             "seconds": {"logprob_only": round(lp["seconds"], 4), "features": round(ft["seconds"], 4)},
             "time_ratio": round(ft["seconds"] / lp["seconds"], 3),
             "head_peak_mib": {"logprob_only": round(lp["head_peak_mib"], 1), "features": round(ft["head_peak_mib"], 1)},
             # below 1 MiB the logits are lost in RSS page granularity: no ratio
-            "memory_ratio_over_logits": (round(ft["head_peak_mib"] / lp["head_peak_mib"], 3)
-                                         if lp["head_peak_mib"] >= 1 else None),
+            "memory_ratio_over_logits": (
+                round(ft["head_peak_mib"] / lp["head_peak_mib"], 3) if lp["head_peak_mib"] >= 1 else None
+            ),
             "pass_peak_mib": {"logprob_only": round(lp["pass_peak_mib"], 1), "features": round(ft["pass_peak_mib"], 1)},
             "memory_ratio_whole_pass": round(ft["pass_peak_mib"] / max(lp["pass_peak_mib"], 1e-9), 3),
             "peak_rss_reset_ok": lp["peak_rss_reset_ok"] and ft["peak_rss_reset_ok"],

@@ -70,8 +70,9 @@ def word_tokenizer(vocab_size: int):
     tok = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(tokens)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(""), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
-                                   unk_token="<unk>", padding_side="left")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", padding_side="left"
+    )
 
 
 def build_policy(name: str, out: Path) -> dict:
@@ -90,16 +91,26 @@ def build_policy(name: str, out: Path) -> dict:
     elif name == "gpt2":
         torch.manual_seed(0)
         tok = word_tokenizer(GPT2["vocab_size"])
-        model = GPT2LMHeadModel(GPT2Config(**GPT2, bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
-                                           pad_token_id=tok.pad_token_id))
+        model = GPT2LMHeadModel(
+            GPT2Config(
+                **GPT2, bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+            )
+        )
     else:
         raise ValueError(f"unknown model {name!r}; one of {', '.join(MODELS)}")
     model.save_pretrained(out)
     tok.save_pretrained(out)
     c = model.config
-    return {"arch": c.model_type, "parameters": sum(p.numel() for p in model.parameters()), "vocab": c.vocab_size,
-            "n_layer": c.num_hidden_layers, "n_embd": c.hidden_size, "n_head": c.num_attention_heads,
-            "n_positions": c.max_position_embeddings, "chat_template": bool(tok.chat_template)}
+    return {
+        "arch": c.model_type,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "vocab": c.vocab_size,
+        "n_layer": c.num_hidden_layers,
+        "n_embd": c.hidden_size,
+        "n_head": c.num_attention_heads,
+        "n_positions": c.max_position_embeddings,
+        "chat_template": bool(tok.chat_template),
+    }
 
 
 def prompts_for(n: int) -> list[str]:
@@ -108,8 +119,10 @@ def prompts_for(n: int) -> list[str]:
 
     cfg = base_config([])
     t = cfg.task
-    return [r["prompt"] for r in arithmetic_prompts(n, derive_seed(cfg.seed, "bench_rollout"), t.min_terms,
-                                                    t.max_terms, t.max_operand)]
+    return [
+        r["prompt"]
+        for r in arithmetic_prompts(n, derive_seed(cfg.seed, "bench_rollout"), t.min_terms, t.max_terms, t.max_operand)
+    ]
 
 
 def prompt_ids_for(policy: str, n: int) -> list[list[int]]:
@@ -128,9 +141,12 @@ def sync() -> None:
 
 def counts(samples) -> dict:
     tokens = sum(len(s.response_ids) for s in samples)
-    return {"sequences": len(samples), "tokens": tokens,
-            "mean_response_length": round(tokens / max(len(samples), 1), 2),
-            "finished_by_length": round(sum(s.finish_reason == "length" for s in samples) / max(len(samples), 1), 3)}
+    return {
+        "sequences": len(samples),
+        "tokens": tokens,
+        "mean_response_length": round(tokens / max(len(samples), 1), 2),
+        "finished_by_length": round(sum(s.finish_reason == "length" for s in samples) / max(len(samples), 1), 3),
+    }
 
 
 def timed(fn) -> tuple[float, object]:
@@ -151,12 +167,25 @@ def worker_hf(policy: str, a: argparse.Namespace) -> dict:
     stage_s, (backend, samples) = timed(lambda: (b := open_backend(cfg, policy), b.generate(ids, sampling)))
     stage = {"seconds": stage_s, **counts(samples)}
     model, tok = backend.model, backend.tok
-    run = lambda seed: hf_generate(model, tok, ids, a.group_size, 1.0, 1.0, a.max_new_tokens,  # noqa: E731
-                                   batch_size=a.batch_size, seed=seed, stop_ids=backend.stops)
+
+    def run(seed):
+        return hf_generate(
+            model,
+            tok,
+            ids,
+            a.group_size,
+            1.0,
+            1.0,
+            a.max_new_tokens,
+            batch_size=a.batch_size,
+            seed=seed,
+            stop_ids=backend.stops,
+        )
+
     run(1)  # warm-up
     steady = []
     for r in range(a.repeats):
-        seconds, samples = timed(lambda: run(2 + r))
+        seconds, samples = timed(lambda r=r: run(2 + r))
         steady.append({"seconds": seconds, **counts(samples)})
     return {"stage": stage, "steady": steady, "device": str(model.device), "threads": torch.get_num_threads()}
 
@@ -173,25 +202,41 @@ def worker_vllm(policy: str, a: argparse.Namespace) -> dict:
     requests = [{"prompt_token_ids": x} for x in ids]
 
     def generate(llm, seed):
-        params = vllm.SamplingParams(**vllm_engine.sampling_kwargs(a.group_size, 1.0, 1.0, a.max_new_tokens,
-                                                                   False, seed, stops))
+        params = vllm.SamplingParams(
+            **vllm_engine.sampling_kwargs(a.group_size, 1.0, 1.0, a.max_new_tokens, False, seed, stops)
+        )
         outputs = llm.generate(requests, params, use_tqdm=False)
         return vllm_engine.samples_from_outputs(outputs, ids)
 
     sync()
     t0 = time.perf_counter()
-    llm = vllm.LLM(**vllm_engine.engine_kwargs(policy, a.dtype, 0, 1, 1.0, a.gpu_memory_utilization,
-                                               enforce_eager=a.vllm_eager, kv_cache_gib=a.kv_cache_gib))
+    llm = vllm.LLM(
+        **vllm_engine.engine_kwargs(
+            policy,
+            a.dtype,
+            0,
+            1,
+            1.0,
+            a.gpu_memory_utilization,
+            enforce_eager=a.vllm_eager,
+            kv_cache_gib=a.kv_cache_gib,
+        )
+    )
     build_s = time.perf_counter() - t0
     samples = generate(llm, 0)
     sync()
     stage = {"seconds": time.perf_counter() - t0, "engine_build_seconds": build_s, **counts(samples)}
     steady = []
     for r in range(a.repeats):
-        seconds, samples = timed(lambda: generate(llm, 2 + r))
+        seconds, samples = timed(lambda r=r: generate(llm, 2 + r))
         steady.append({"seconds": seconds, **counts(samples)})
-    return {"stage": stage, "steady": steady, "device": "cuda" if torch.cuda.is_available() else "cpu",
-            "vllm_version": vllm.__version__, "enforce_eager": a.vllm_eager}
+    return {
+        "stage": stage,
+        "steady": steady,
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "vllm_version": vllm.__version__,
+        "enforce_eager": a.vllm_eager,
+    }
 
 
 def vllm_skip_reason(python: str) -> str | None:
@@ -208,20 +253,28 @@ def vllm_skip_reason(python: str) -> str | None:
 def too_long_reason(policy: Path, n_prompts: int, max_new_tokens: int, n_positions: int) -> str | None:
     longest = max(len(x) for x in prompt_ids_for(str(policy), n_prompts))
     if longest + max_new_tokens > n_positions:
-        return (f"longest prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) > the model's "
-                f"n_positions ({n_positions})")
+        return (
+            f"longest prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) > the model's "
+            f"n_positions ({n_positions})"
+        )
     return None
 
 
 def summarise(run: dict) -> dict:
     best = min(run["steady"], key=lambda r: r["seconds"])
     st = run["stage"]
-    out = {"device": run["device"], "tokens_per_s": round(best["tokens"] / best["seconds"], 1),
-           "steady_seconds": round(best["seconds"], 4), "tokens": best["tokens"], "sequences": best["sequences"],
-           "mean_response_length": best["mean_response_length"], "finished_by_length": best["finished_by_length"],
-           "stage_seconds": round(st["seconds"], 4),
-           "stage_tokens_per_s": round(st["tokens"] / st["seconds"], 1),
-           "steady_all_seconds": [round(r["seconds"], 4) for r in run["steady"]]}
+    out = {
+        "device": run["device"],
+        "tokens_per_s": round(best["tokens"] / best["seconds"], 1),
+        "steady_seconds": round(best["seconds"], 4),
+        "tokens": best["tokens"],
+        "sequences": best["sequences"],
+        "mean_response_length": best["mean_response_length"],
+        "finished_by_length": best["finished_by_length"],
+        "stage_seconds": round(st["seconds"], 4),
+        "stage_tokens_per_s": round(st["tokens"] / st["seconds"], 1),
+        "steady_all_seconds": [round(r["seconds"], 4) for r in run["steady"]],
+    }
     for k in ("engine_build_seconds", "vllm_version", "enforce_eager", "threads"):
         if k in run or k in st:
             out[k] = run.get(k, st.get(k))
@@ -239,11 +292,18 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="vllm backend")
-    ap.add_argument("--kv-cache-gib", type=float, default=1.0, help="vllm backend: KV cache GiB (0: from "
-                    "--gpu-memory-utilization; on CPU a share of the RAM)")
+    ap.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=1.0,
+        help="vllm backend: KV cache GiB (0: from --gpu-memory-utilization; on CPU a share of the RAM)",
+    )
     ap.add_argument("--vllm-eager", action="store_true", help="vllm backend: enforce_eager (no torch.compile)")
-    ap.add_argument("--vllm-python", default=str(VLLM_PYTHON) if VLLM_PYTHON.exists() else sys.executable,
-                    help="interpreter with vLLM (default: .venv-vllm's if built, else this one)")
+    ap.add_argument(
+        "--vllm-python",
+        default=str(VLLM_PYTHON) if VLLM_PYTHON.exists() else sys.executable,
+        help="interpreter with vLLM (default: .venv-vllm's if built, else this one)",
+    )
     ap.add_argument("--workdir", default=None, help="where the model folders go (default: a temporary folder)")
     ap.add_argument("--worker", nargs=2, metavar=("POLICY_DIR", "BACKEND"), help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -259,19 +319,33 @@ def main() -> None:
         if b not in BACKENDS:
             ap.error(f"unknown backend {b!r}; one of {', '.join(BACKENDS)}")
     skip = {"vllm": vllm_skip_reason(a.vllm_python)} if "vllm" in backends else {}
-    result = {"benchmark": "rollout", "cpus": os.cpu_count(), "torch": torch.__version__,
-              "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-              "prompts": a.prompts, "group_size": a.group_size, "max_new_tokens": a.max_new_tokens,
-              "batch_size": a.batch_size, "dtype": a.dtype, "temperature": 1.0, "top_p": 1.0,
-              "kv_cache_gib": a.kv_cache_gib, "vllm_python": a.vllm_python, "models": {}}
+    result = {
+        "benchmark": "rollout",
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "prompts": a.prompts,
+        "group_size": a.group_size,
+        "max_new_tokens": a.max_new_tokens,
+        "batch_size": a.batch_size,
+        "dtype": a.dtype,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "kv_cache_gib": a.kv_cache_gib,
+        "vllm_python": a.vllm_python,
+        "models": {},
+    }
     tmp = None if a.workdir else tempfile.TemporaryDirectory(prefix="bench_rollout_")
     root = Path(a.workdir or tmp.name)
     try:
         for m in models:
             folder = root / m
             t0 = time.perf_counter()
-            entry = {"model": build_policy(m, folder), "build_seconds": round(time.perf_counter() - t0, 2),
-                     "backends": {}}
+            entry = {
+                "model": build_policy(m, folder),
+                "build_seconds": round(time.perf_counter() - t0, 2),
+                "backends": {},
+            }
             too_long = too_long_reason(folder, a.prompts, a.max_new_tokens, entry["model"]["n_positions"])
             for b in backends:
                 if too_long or skip.get(b):
@@ -279,8 +353,16 @@ def main() -> None:
                     continue
                 python = a.vllm_python if b == "vllm" else sys.executable
                 cmd = [python, __file__, "--worker", str(folder), b] + (["--vllm-eager"] if a.vllm_eager else [])
-                for flag in ("prompts", "group_size", "max_new_tokens", "batch_size", "dtype", "repeats",
-                             "gpu_memory_utilization", "kv_cache_gib"):
+                for flag in (
+                    "prompts",
+                    "group_size",
+                    "max_new_tokens",
+                    "batch_size",
+                    "dtype",
+                    "repeats",
+                    "gpu_memory_utilization",
+                    "kv_cache_gib",
+                ):
                     cmd += ["--" + flag.replace("_", "-"), str(getattr(a, flag))]
                 env = dict(os.environ, PYTHONPATH=str(REPO / "src"))  # .venv-vllm has no otbflow installed
                 p = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -288,7 +370,7 @@ def main() -> None:
                     entry["backends"][b] = {"failed": p.stderr.strip().splitlines()[-20:]}
                     continue
                 line = next(x for x in p.stdout.splitlines() if x.startswith(RESULT))
-                entry["backends"][b] = summarise(json.loads(line[len(RESULT):]))
+                entry["backends"][b] = summarise(json.loads(line[len(RESULT) :]))
             result["models"][m] = entry
     finally:
         if tmp is not None:

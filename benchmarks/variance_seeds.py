@@ -30,8 +30,15 @@ from otbflow import bootstrap, rollout, schemas, shard, variance
 from otbflow.config import DEFAULT_CONFIG, load_config
 from otbflow.io import read_metadata, read_table
 
-COLUMNS = ("trace_cov", "trace_cov_se", "trace_cov_diff", "trace_cov_diff_se", "noise_to_signal", "sq_bias",
-           "sq_bias_noise")
+COLUMNS = (
+    "trace_cov",
+    "trace_cov_se",
+    "trace_cov_diff",
+    "trace_cov_diff_se",
+    "noise_to_signal",
+    "sq_bias",
+    "sq_bias_noise",
+)
 
 
 def main() -> None:
@@ -62,14 +69,23 @@ def main() -> None:
         t0 = time.perf_counter()
         if not pool.is_file():
             pool_cfg = config(f"seed={seed}", f"rollout.group_size={cfg.variance.pool_size}")
-            rollout.run(pool_cfg, rollout.Args(prompts=str(out / "data" / "train" / "shard_0.parquet"),
-                                               policy=str(policy), out=str(pool), n_prompts=cfg.variance.pool_prompts))
+            rollout.run(
+                pool_cfg,
+                rollout.Args(
+                    prompts=str(out / "data" / "train" / "shard_0.parquet"),
+                    policy=str(policy),
+                    out=str(pool),
+                    n_prompts=cfg.variance.pool_prompts,
+                ),
+            )
         t1 = time.perf_counter()
         variance.run(cfg, variance.Args(rollouts=[str(pool)], policy=str(policy), out_dir=str(folder)))
         timings[seed] = {"pool_s": round(t1 - t0, 1), "variance_s": round(time.perf_counter() - t1, 1)}
         summary = read_table(folder / "summary.parquet", schemas.VARIANCE)
-        per_seed[seed] = {"meta": read_metadata(folder / "summary.parquet"),
-                          "estimators": {r["estimator"]: {c: r[c] for c in COLUMNS} for r in summary.iter_rows(named=True)}}
+        per_seed[seed] = {
+            "meta": read_metadata(folder / "summary.parquet"),
+            "estimators": {r["estimator"]: {c: r[c] for c in COLUMNS} for r in summary.iter_rows(named=True)},
+        }
     names = list(next(iter(per_seed.values()))["estimators"])
     ranges = {}
     for name in names:
@@ -77,11 +93,24 @@ def main() -> None:
         ranges[name] = {c: [rows[c].min(), rows[c].max()] for c in COLUMNS}
         ranges[name]["diff_below_minus_2se"] = int((rows["trace_cov_diff"] < -2 * rows["trace_cov_diff_se"]).sum())
         ranges[name]["diff_above_plus_2se"] = int((rows["trace_cov_diff"] > 2 * rows["trace_cov_diff_se"]).sum())
-    print(json.dumps({
-        "benchmark": "variance_seeds", "seeds": args.seeds, "policy": str(policy),
-        "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
-        "bootstrap_s": round(bootstrap_s, 1), "timings": timings, "ranges": ranges, "per_seed": per_seed,
-    }, indent=2, default=str))
+    print(
+        json.dumps(
+            {
+                "benchmark": "variance_seeds",
+                "seeds": args.seeds,
+                "policy": str(policy),
+                "cpus": os.cpu_count(),
+                "torch_threads": torch.get_num_threads(),
+                "python": platform.python_version(),
+                "bootstrap_s": round(bootstrap_s, 1),
+                "timings": timings,
+                "ranges": ranges,
+                "per_seed": per_seed,
+            },
+            indent=2,
+            default=str,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -17,19 +17,37 @@ TINY = REPO / "config" / "tiny.yaml"
 QWEN2_BPE_CHAT = REPO / "config" / "examples" / "qwen2_bpe_chat.yaml"
 # A config layer for end-to-end runs on real architectures: one iteration on one shard, few
 # prompts; every stage runs, each as little as it can.
-SMALL = {"iterations": 1, "shard": {"n_shards": 1}, "task": {"n_train": 12, "n_eval": 4},
-         "bootstrap": {"sft_max_steps": 20, "eval_every": 20, "n_eval_prompts": 8, "sft_batch_size": 32},
-         "rollout": {"prompts_per_iteration": 4, "group_size": 4, "max_new_tokens": 16},
-         "evaluate": {"n_samples": 2, "max_new_tokens": 16}, "train": {"mini_batch_size": 16, "micro_batch_size": 8},
-         "variance": {"pool_prompts": 2, "pool_size": 4, "resamples": 10, "sketch_dim": 256},
-         "scaling": {"max_sequences": 8, "bootstrap": 20}}
+SMALL = {
+    "iterations": 1,
+    "shard": {"n_shards": 1},
+    "task": {"n_train": 12, "n_eval": 4},
+    "bootstrap": {"sft_max_steps": 20, "eval_every": 20, "n_eval_prompts": 8, "sft_batch_size": 32},
+    "rollout": {"prompts_per_iteration": 4, "group_size": 4, "max_new_tokens": 16},
+    "evaluate": {"n_samples": 2, "max_new_tokens": 16},
+    "train": {"mini_batch_size": 16, "micro_batch_size": 8},
+    "variance": {"pool_prompts": 2, "pool_size": 4, "resamples": 10, "sketch_dim": 256},
+    "scaling": {"max_sequences": 8, "bootstrap": 20},
+}
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 # torch threads per stage run in a test: 2 on its own, 1 per pytest-xdist worker (make test runs
 # one worker per core; two threads each would oversubscribe the cores)
 os.environ.setdefault("OTBFLOW_THREADS", "1" if os.environ.get("PYTEST_XDIST_WORKER") else "2")
 # What a user's checkout has at its top level; a sandbox links to these (results/ stays its own).
-SANDBOX_ENTRIES = ("Snakefile", "workflow", "config", "src", "envs", "slurm", "benchmarks", "docs", "tests",
-                   "Makefile", "pyproject.toml", "constraints.txt", "README.md")
+SANDBOX_ENTRIES = (
+    "Snakefile",
+    "workflow",
+    "config",
+    "src",
+    "envs",
+    "slurm",
+    "benchmarks",
+    "docs",
+    "tests",
+    "Makefile",
+    "pyproject.toml",
+    "constraints.txt",
+    "README.md",
+)
 
 
 def make_sandbox(path: Path) -> Path:
@@ -73,11 +91,18 @@ def tiny_run(tmp_path_factory, worker_id):
             raise AssertionError(failed.read_text())
         if not done.is_file():
             make_sandbox(work)
-            res = subprocess.run(["make", "run", "ARGS=--configfile config/tiny.yaml"], cwd=work,
-                                 env=sandbox_env(work), capture_output=True, text=True, stdin=subprocess.DEVNULL)
+            res = subprocess.run(
+                ["make", "run", "ARGS=--configfile config/tiny.yaml"],
+                cwd=work,
+                env=sandbox_env(work),
+                capture_output=True,
+                text=True,
+                stdin=subprocess.DEVNULL,
+            )
             if res.returncode != 0:
-                failed.write_text(f"make run (tiny) failed ({res.returncode}):\n{res.stdout[-4000:]}\n"
-                                  f"{res.stderr[-6000:]}")
+                failed.write_text(
+                    f"make run (tiny) failed ({res.returncode}):\n{res.stdout[-4000:]}\n{res.stderr[-6000:]}"
+                )
                 raise AssertionError(failed.read_text())
             done.touch()
     return work
@@ -153,8 +178,12 @@ def rollouts_path(tmp_path_factory, cfg, tiny_policy, data_dir):
     from otbflow import rollout
 
     out = tmp_path_factory.mktemp("rollout") / "shard_0.parquet"
-    rollout.run(cfg, rollout.Args(prompts=str(data_dir / "train" / "shard_0.parquet"), policy=str(tiny_policy),
-                                  out=str(out), iteration=0))
+    rollout.run(
+        cfg,
+        rollout.Args(
+            prompts=str(data_dir / "train" / "shard_0.parquet"), policy=str(tiny_policy), out=str(out), iteration=0
+        ),
+    )
     return out
 
 
@@ -171,9 +200,14 @@ def features_path(tmp_path_factory, cfg, tiny_policy, rollouts_path):
 # --no-loadscope-reorder), so that the longest units start early and the short ones fill the end
 # on both workers: the tiny run's group first (the Slurm and workflow groups wait for it), then
 # the reduced experiment, which needs nothing, then the Slurm group, once the tiny run is done.
-LONG_FIRST = ("tests/test_docs_commands.py", "tests/test_experiment.py::test_tiny_experiment",
-              "tests/test_slurm_integration.py", "tests/test_readme_real_model.py", "tests/test_workflow_models.py",
-              "tests/test_vllm.py")
+LONG_FIRST = (
+    "tests/test_docs_commands.py",
+    "tests/test_experiment.py::test_tiny_experiment",
+    "tests/test_slurm_integration.py",
+    "tests/test_readme_real_model.py",
+    "tests/test_workflow_models.py",
+    "tests/test_vllm.py",
+)
 
 
 def pytest_collection_modifyitems(config, items):

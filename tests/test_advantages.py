@@ -28,8 +28,12 @@ def random_table(seed=0, n_groups=12, max_len=40, with_grad=False):
             logp = np.log(rng.uniform(0.05, 1.0, T))
             p = np.exp(logp)
             spp = p**2 + rng.uniform(0, 1, T) * (1 - p) ** 2  # a valid sum_pi_sq >= pi^2
-            row = {"group_id": 100 + g, "reward": 1.0 if equal else float(rng.integers(0, 2)),
-                   "logprobs": logp.tolist(), "sum_pi_sq": spp.tolist()}
+            row = {
+                "group_id": 100 + g,
+                "reward": 1.0 if equal else float(rng.integers(0, 2)),
+                "logprobs": logp.tolist(),
+                "sum_pi_sq": spp.tolist(),
+            }
             if with_grad:
                 row["grad_sq_norm"] = float(rng.uniform(0.1, 5.0))
             rows.append(row)
@@ -126,14 +130,23 @@ def assert_lists_close(actual, expected, tol=1e-5):
     assert len(actual) == len(expected)
     for a, e in zip(actual, expected):
         assert len(a) == len(e)
-        np.testing.assert_allclose(np.asarray(a, dtype=np.float64), np.asarray(e, dtype=np.float64), atol=tol, rtol=1e-5)
+        np.testing.assert_allclose(
+            np.asarray(a, dtype=np.float64), np.asarray(e, dtype=np.float64), atol=tol, rtol=1e-5
+        )
 
 
 CASES = [
-    ("grpo", {}), ("grpo", {"std_normalize": False}), ("grpo", {"baseline_shift": -0.1}),
-    ("grpo", {"std_normalize": False, "baseline_shift": -0.1}), ("rloo", {"baseline_shift": 0.2}),
-    ("rloo", {}), ("opo", {}), ("none", {}), ("reinforce_pp_baseline", {}),
-    ("length_power", {"exponent": 0.0}), ("length_power", {"exponent": 1.58}),
+    ("grpo", {}),
+    ("grpo", {"std_normalize": False}),
+    ("grpo", {"baseline_shift": -0.1}),
+    ("grpo", {"std_normalize": False, "baseline_shift": -0.1}),
+    ("rloo", {"baseline_shift": 0.2}),
+    ("rloo", {}),
+    ("opo", {}),
+    ("none", {}),
+    ("reinforce_pp_baseline", {}),
+    ("length_power", {"exponent": 0.0}),
+    ("length_power", {"exponent": 1.58}),
     ("length_power", {"exponent": 2.0, "leave_one_out": True}),
 ]
 
@@ -165,8 +178,10 @@ def test_eob_matches_loop_and_equals_opo_when_norm_is_length():
     assert_lists_close(out["advantages"].to_list(), ref_seq_baseline(table, "eob")[1])
     table = table.with_columns(pl.col("logprobs").list.len().cast(pl.Float64).mul(0.37).alias("grad_sq_norm"))
     table = table.filter(pl.col("logprobs").list.len() > 0)  # EOB's 1e-10 guard vs OPO on empty groups
-    assert_lists_close(compute_advantages(table, "eob")["advantages"].to_list(),
-                       compute_advantages(table, "opo")["advantages"].to_list())
+    assert_lists_close(
+        compute_advantages(table, "eob")["advantages"].to_list(),
+        compute_advantages(table, "opo")["advantages"].to_list(),
+    )
 
 
 def test_identities():
@@ -180,18 +195,22 @@ def test_identities():
 def test_otb_with_constant_energy_is_mean_over_alive():
     # pi = 0.5 and sum_pi_sq = 0.5 give w = 1 - 1 + 0.5 = 0.5 on every token: W_t = 0.5 (t+1)
     # for every alive sequence, so B_t is the plain mean reward of the sequences alive at t.
-    rows = [{"group_id": 1, "reward": r, "logprobs": [math.log(0.5)] * T, "sum_pi_sq": [0.5] * T}
-            for r, T in [(1.0, 3), (0.0, 5), (1.0, 5), (0.0, 2)]]
+    rows = [
+        {"group_id": 1, "reward": r, "logprobs": [math.log(0.5)] * T, "sum_pi_sq": [0.5] * T}
+        for r, T in [(1.0, 3), (0.0, 5), (1.0, 5), (0.0, 2)]
+    ]
     out = compute_advantages(pl.DataFrame(rows), "otb", handle_zero_tail=False)
     b = out["baselines"].to_list()
     np.testing.assert_allclose(b[1], [0.5, 0.5, 2 / 3, 0.5, 0.5], atol=1e-6)
 
 
 def test_group_of_one_and_all_equal():
-    rows = [{"group_id": 1, "reward": 1.0, "logprobs": [-0.5] * 4, "sum_pi_sq": [0.6] * 4},
-            {"group_id": 2, "reward": 0.7, "logprobs": [-0.5, -0.1, -2.0], "sum_pi_sq": [0.6, 0.9, 0.3]},
-            {"group_id": 2, "reward": 0.7, "logprobs": [-1.5, -0.2, -0.3], "sum_pi_sq": [0.4, 0.8, 0.7]},
-            {"group_id": 2, "reward": 0.7, "logprobs": [-0.01], "sum_pi_sq": [0.98]}]
+    rows = [
+        {"group_id": 1, "reward": 1.0, "logprobs": [-0.5] * 4, "sum_pi_sq": [0.6] * 4},
+        {"group_id": 2, "reward": 0.7, "logprobs": [-0.5, -0.1, -2.0], "sum_pi_sq": [0.6, 0.9, 0.3]},
+        {"group_id": 2, "reward": 0.7, "logprobs": [-1.5, -0.2, -0.3], "sum_pi_sq": [0.4, 0.8, 0.7]},
+        {"group_id": 2, "reward": 0.7, "logprobs": [-0.01], "sum_pi_sq": [0.98]},
+    ]
     t = pl.DataFrame(rows)
     otb = compute_advantages(t, "otb")["advantages"].to_list()
     assert otb[0] == [1.0] * 4  # singleton: REINFORCE, A = G
@@ -208,10 +227,12 @@ def test_otb_all_equal_group_with_a_zero_energy_prefix():
     # pi = 1 and sum_pi_sq = 1 on the first token of every member: w = 0 there, so the group's
     # cumulative energy is 0 at t = 0. The baseline is then the plain mean of the alive returns
     # (verl's 0/(0 + eps) gives B = 0, A = R, on a token whose logit gradient is 0).
-    rows = [{"group_id": 1, "reward": 1.0, "logprobs": [0.0, -0.5, -1.0], "sum_pi_sq": [1.0, 0.6, 0.5]},
-            {"group_id": 1, "reward": 1.0, "logprobs": [0.0, -0.3, -2.0], "sum_pi_sq": [1.0, 0.7, 0.2]},
-            {"group_id": 2, "reward": 1.0, "logprobs": [0.0, -0.5], "sum_pi_sq": [1.0, 0.6]},
-            {"group_id": 2, "reward": 0.0, "logprobs": [0.0, -0.5], "sum_pi_sq": [1.0, 0.6]}]
+    rows = [
+        {"group_id": 1, "reward": 1.0, "logprobs": [0.0, -0.5, -1.0], "sum_pi_sq": [1.0, 0.6, 0.5]},
+        {"group_id": 1, "reward": 1.0, "logprobs": [0.0, -0.3, -2.0], "sum_pi_sq": [1.0, 0.7, 0.2]},
+        {"group_id": 2, "reward": 1.0, "logprobs": [0.0, -0.5], "sum_pi_sq": [1.0, 0.6]},
+        {"group_id": 2, "reward": 0.0, "logprobs": [0.0, -0.5], "sum_pi_sq": [1.0, 0.6]},
+    ]
     out = compute_advantages(pl.DataFrame(rows), "otb")
     assert out["advantages"].to_list()[:2] == [[0.0] * 3, [0.0] * 3]
     # group 2: mean 0.5 at t = 0; equal energies at t = 1 give the mean too
@@ -224,10 +245,22 @@ def test_otb_hand_computed_mask_with_trailing_zeros():
     # w = 0.5 (pi = 0.5, sum_pi_sq = 0.5) on every token. By the mask, b is the unique longest
     # (4 > 3): with handle_zero_tail its baseline is 0 from position L2 = 3 on, A_b[3] = 1. By the
     # list lengths a would be the longest (5 > 4) and b's last token would get A = 0.
-    rows = [{"group_id": 1, "reward": 0.0, "logprobs": [math.log(0.5)] * 5, "sum_pi_sq": [0.5] * 5,
-             "loss_mask": [True, True, True, False, False]},
-            {"group_id": 1, "reward": 1.0, "logprobs": [math.log(0.5)] * 4, "sum_pi_sq": [0.5] * 4,
-             "loss_mask": [True] * 4}]
+    rows = [
+        {
+            "group_id": 1,
+            "reward": 0.0,
+            "logprobs": [math.log(0.5)] * 5,
+            "sum_pi_sq": [0.5] * 5,
+            "loss_mask": [True, True, True, False, False],
+        },
+        {
+            "group_id": 1,
+            "reward": 1.0,
+            "logprobs": [math.log(0.5)] * 4,
+            "sum_pi_sq": [0.5] * 4,
+            "loss_mask": [True] * 4,
+        },
+    ]
     t = pl.DataFrame(rows)
     adv = compute_advantages(t, "otb")["advantages"].to_list()
     np.testing.assert_allclose(adv[0], [-0.5, -0.5, -0.5, 0.0, 0.0], atol=1e-12)
@@ -243,11 +276,18 @@ def test_otb_empty_member_counts_in_the_group(empty):
     # non-empty member is alone at every position: B = R, A = 0. With it, it is the unique longest
     # (4 > 0) and its whole response is the tail: A = R = 1.
     lp = [] if empty == "no tokens" else [-0.5, -0.5]
-    rows = [{"group_id": 7, "reward": 0.0, "logprobs": lp, "sum_pi_sq": [0.6] * len(lp),
-             "loss_mask": [False] * len(lp)},
-            {"group_id": 7, "reward": 1.0, "logprobs": [-0.5] * 4, "sum_pi_sq": [0.6] * 4, "loss_mask": [True] * 4}]
-    t = pl.DataFrame(rows, schema_overrides={"logprobs": pl.List(pl.Float64), "sum_pi_sq": pl.List(pl.Float64),
-                                             "loss_mask": pl.List(pl.Boolean)})
+    rows = [
+        {"group_id": 7, "reward": 0.0, "logprobs": lp, "sum_pi_sq": [0.6] * len(lp), "loss_mask": [False] * len(lp)},
+        {"group_id": 7, "reward": 1.0, "logprobs": [-0.5] * 4, "sum_pi_sq": [0.6] * 4, "loss_mask": [True] * 4},
+    ]
+    t = pl.DataFrame(
+        rows,
+        schema_overrides={
+            "logprobs": pl.List(pl.Float64),
+            "sum_pi_sq": pl.List(pl.Float64),
+            "loss_mask": pl.List(pl.Boolean),
+        },
+    )
     assert compute_advantages(t, "otb", handle_zero_tail=False)["advantages"].to_list()[1] == [0.0] * 4
     assert compute_advantages(t, "otb", handle_zero_tail=True)["advantages"].to_list()[1] == [1.0] * 4
     if empty == "no tokens":
@@ -257,15 +297,34 @@ def test_otb_empty_member_counts_in_the_group(empty):
     assert compute_advantages(t, "otb_tir", handle_zero_tail=False)["advantages"].to_list()[1] == [1.0] * 4
 
 
-@pytest.mark.parametrize("name, opt", [
-    ("none", {}), ("grpo", {}), ("grpo", {"std_normalize": False}), ("rloo", {}), ("opo", {}),
-    ("length_power", {"exponent": 1.58}), ("eob", {}), ("otb", {}), ("otb_tir", {}),
-])
+@pytest.mark.parametrize(
+    "name, opt",
+    [
+        ("none", {}),
+        ("grpo", {}),
+        ("grpo", {"std_normalize": False}),
+        ("rloo", {}),
+        ("opo", {}),
+        ("length_power", {"exponent": 1.58}),
+        ("eob", {}),
+        ("otb", {}),
+        ("otb_tir", {}),
+    ],
+)
 def test_baseline_shift_on_an_all_equal_group_is_bounded(name, opt):
     # {0, 0, 0, 0}, delta = -0.1, tied lengths (no zero tail): every estimator gives A = -delta = 0.1
     # on every token (std-normalised GRPO used to give -delta / 1e-6 = 100000)
-    rows = [{"group_id": 3, "reward": 0.0, "logprobs": [-0.4 - 0.1 * i] * 5, "sum_pi_sq": [0.5] * 5,
-             "grad_sq_norm": 1.0 + i, "loss_mask": [True] * 5} for i in range(4)]
+    rows = [
+        {
+            "group_id": 3,
+            "reward": 0.0,
+            "logprobs": [-0.4 - 0.1 * i] * 5,
+            "sum_pi_sq": [0.5] * 5,
+            "grad_sq_norm": 1.0 + i,
+            "loss_mask": [True] * 5,
+        }
+        for i in range(4)
+    ]
     out = compute_advantages(pl.DataFrame(rows), name, baseline_shift=-0.1, **opt)
     adv = np.concatenate(out["advantages"].to_list())
     np.testing.assert_allclose(adv, 0.1, atol=1e-6)
@@ -293,11 +352,17 @@ def test_bad_input_errors():
         compute_advantages(t, "otb_tir")
     with pytest.raises(ValueError, match="'reinforce_pp_baseline' takes no option 'baseline_shift'"):
         compute_advantages(t, "reinforce_pp_baseline", baseline_shift=-0.1)
-    bad = t.with_columns(pl.when(pl.int_range(pl.len()) == 4).then(float("nan")).otherwise(pl.col("reward")).alias("reward"))
+    bad = t.with_columns(
+        pl.when(pl.int_range(pl.len()) == 4).then(float("nan")).otherwise(pl.col("reward")).alias("reward")
+    )
     with pytest.raises(SchemaError, match=r"row 4 \(group_id 101\)"):
         compute_advantages(bad, "grpo")
-    ragged = t.with_columns(pl.when(pl.int_range(pl.len()) == 3).then(pl.col("sum_pi_sq").list.slice(1))
-                            .otherwise(pl.col("sum_pi_sq")).alias("sum_pi_sq"))
+    ragged = t.with_columns(
+        pl.when(pl.int_range(pl.len()) == 3)
+        .then(pl.col("sum_pi_sq").list.slice(1))
+        .otherwise(pl.col("sum_pi_sq"))
+        .alias("sum_pi_sq")
+    )
     with pytest.raises(SchemaError, match="row 3: 'sum_pi_sq'"):
         compute_advantages(ragged, "otb")
 
@@ -321,9 +386,16 @@ def test_diagnostics_hand_computed():
     # two sequences of one group, energies w = 1 - 2 pi + sum_pi_sq per token:
     # a: pi = (0.5, 0.5), spp = (0.5, 0.3) -> w = (0.5, 0.3), W_a = 0.8; A = (0.2, 0.4) -> Abar 0.3
     # b: pi = (1.0,), spp = (1.0,) -> w = 0, W_b = 0; A = (0.0,) -> Abar 0
-    t = pl.DataFrame({"group_id": [1, 1], "reward": [1.0, 0.0],
-                      "logprobs": [[math.log(0.5)] * 2, [0.0]], "sum_pi_sq": [[0.5, 0.3], [1.0]],
-                      "advantages": [[0.2, 0.4], [0.0]], "baselines": [[0.8, 0.6], [0.0]]})
+    t = pl.DataFrame(
+        {
+            "group_id": [1, 1],
+            "reward": [1.0, 0.0],
+            "logprobs": [[math.log(0.5)] * 2, [0.0]],
+            "sum_pi_sq": [[0.5, 0.3], [1.0]],
+            "advantages": [[0.2, 0.4], [0.0]],
+            "baselines": [[0.8, 0.6], [0.0]],
+        }
+    )
     d = diagnostics(t)
     assert d["total_power"] == pytest.approx((0.8 * 0.3**2 + 0.0) / 2)
     assert d["expected_a_squared"] == pytest.approx(0.3**2 / 2)
@@ -342,10 +414,20 @@ def test_stage_and_comparison_rule(features_path, tmp_path):
 
     # training estimator rloo with delta = -0.1; compared: std-normalised grpo (takes delta on its
     # scale), reinforce_pp_baseline (takes none), otb
-    cfg = tiny_config("advantages.estimator=rloo", "advantages.baseline_shift=-0.1",
-                      "advantages.compare=[grpo,reinforce_pp_baseline,otb]")
-    advantages.run(cfg, advantages.Args(features=[str(features_path)], out=str(tmp_path / "a.parquet"),
-                                        comparison=str(tmp_path / "c.parquet"), iteration=3))
+    cfg = tiny_config(
+        "advantages.estimator=rloo",
+        "advantages.baseline_shift=-0.1",
+        "advantages.compare=[grpo,reinforce_pp_baseline,otb]",
+    )
+    advantages.run(
+        cfg,
+        advantages.Args(
+            features=[str(features_path)],
+            out=str(tmp_path / "a.parquet"),
+            comparison=str(tmp_path / "c.parquet"),
+            iteration=3,
+        ),
+    )
     adv = read_table(tmp_path / "a.parquet", schemas.ADVANTAGES)
     assert set(adv["estimator"]) == {"rloo"}
     table = read_table(features_path, schemas.FEATURES)
@@ -355,7 +437,8 @@ def test_stage_and_comparison_rule(features_path, tmp_path):
     row = {r["estimator"]: r for r in cmp.iter_rows(named=True)}
     assert list(row) == ["grpo", "reinforce_pp_baseline", "otb", "rloo"] and (cmp["iteration"] == 3).all()
     assert {k: r["baseline_shift"] for k, r in row.items()} == pytest.approx(
-        {"grpo": -0.1, "reinforce_pp_baseline": 0.0, "otb": -0.1, "rloo": -0.1})
+        {"grpo": -0.1, "reinforce_pp_baseline": 0.0, "otb": -0.1, "rloo": -0.1}
+    )
     for name in ("grpo", "otb"):  # each row is the estimator as it would train under this config
         out = compute_advantages(table, name, baseline_shift=-0.1)
         assert row[name]["adv_mean"] == pytest.approx(diagnostics(out)["adv_mean"])
@@ -381,7 +464,7 @@ def verl_batch(table):
     def pad(rows):
         out = torch.zeros(B, T, dtype=torch.float64)
         for i, r in enumerate(rows):
-            out[i, :len(r)] = torch.tensor([float(x) for x in r], dtype=torch.float64)
+            out[i, : len(r)] = torch.tensor([float(x) for x in r], dtype=torch.float64)
         return out
 
     mask = pad(table["loss_mask"].to_list() if "loss_mask" in table.columns else [[1.0] * len(x) for x in lp])
@@ -394,12 +477,26 @@ def verl_batch(table):
             if len(valid):
                 rewards[i, valid[-1]] = r
     isw = pad(table["is_weights"].to_list()) if "is_weights" in table.columns else None
-    return {"token_level_rewards": rewards, "response_mask": mask, "index": np.asarray(table["group_id"].to_list()),
-            "old_log_probs": pad(lp), "sum_pi_squared": pad(table["sum_pi_sq"].to_list()), "rollout_is_weights": isw}
+    return {
+        "token_level_rewards": rewards,
+        "response_mask": mask,
+        "index": np.asarray(table["group_id"].to_list()),
+        "old_log_probs": pad(lp),
+        "sum_pi_squared": pad(table["sum_pi_sq"].to_list()),
+        "rollout_is_weights": isw,
+    }
 
 
-def verl_otb(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared, rollout_is_weights=None,
-             handle_zero_tail=False, epsilon=1e-8):
+def verl_otb(
+    token_level_rewards,
+    response_mask,
+    index,
+    old_log_probs,
+    sum_pi_squared,
+    rollout_is_weights=None,
+    handle_zero_tail=False,
+    epsilon=1e-8,
+):
     batch_size, seq_len = token_level_rewards.shape
     returns = (token_level_rewards * response_mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
     pi_t = torch.exp(old_log_probs)
@@ -433,8 +530,16 @@ def verl_otb(token_level_rewards, response_mask, index, old_log_probs, sum_pi_sq
     return (returns - baselines) * response_mask
 
 
-def verl_tir_otb(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared, rollout_is_weights=None,
-                 handle_zero_tail=True, epsilon=1e-8):
+def verl_tir_otb(
+    token_level_rewards,
+    response_mask,
+    index,
+    old_log_probs,
+    sum_pi_squared,
+    rollout_is_weights=None,
+    handle_zero_tail=True,
+    epsilon=1e-8,
+):
     token_returns = (token_level_rewards * response_mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
     pi_t = torch.exp(old_log_probs)
     w_per_timestep = 1 - 2 * pi_t + sum_pi_squared
@@ -511,11 +616,13 @@ def with_extras(table, seed, mask=None, token_rewards=False, isw=False):
             masks.append([t < keep for t in range(T)])
         cols["loss_mask"] = pl.Series(masks, dtype=pl.List(pl.Boolean))
     elif mask == "interleaved":
-        cols["loss_mask"] = pl.Series([((rng.uniform(size=T) > 0.3) & (rng.uniform() > 0.1)).tolist() for T in lens],
-                                      dtype=pl.List(pl.Boolean))
+        cols["loss_mask"] = pl.Series(
+            [((rng.uniform(size=T) > 0.3) & (rng.uniform() > 0.1)).tolist() for T in lens], dtype=pl.List(pl.Boolean)
+        )
     if token_rewards:
-        cols["token_rewards"] = pl.Series([(rng.uniform(size=T) * (rng.uniform(size=T) > 0.8)).tolist() for T in lens],
-                                          dtype=pl.List(pl.Float32))
+        cols["token_rewards"] = pl.Series(
+            [(rng.uniform(size=T) * (rng.uniform(size=T) > 0.8)).tolist() for T in lens], dtype=pl.List(pl.Float32)
+        )
     if isw:
         cols["is_weights"] = pl.Series([rng.uniform(0.5, 2.0, T).tolist() for T in lens], dtype=pl.List(pl.Float32))
     return table.with_columns(**cols)
@@ -529,7 +636,9 @@ def test_otb_matches_verl(seed, zero_tail, mask):
     if mask == "trailing":
         assert any(m and not any(m) for m in table["loss_mask"].to_list())  # a fully masked member
     out = compute_advantages(table, "otb", handle_zero_tail=zero_tail)
-    assert_lists_close(out["advantages"].to_list(), unpad(verl_otb(**verl_batch(table), handle_zero_tail=zero_tail), table))
+    assert_lists_close(
+        out["advantages"].to_list(), unpad(verl_otb(**verl_batch(table), handle_zero_tail=zero_tail), table)
+    )
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -548,6 +657,7 @@ def test_is_weighted_otb_through_the_stages_matches_verl(level, tiny_policy, rol
     use them: the advantages equal verl's OTB given verl's own rollout_is_weights, and total_power
     equals verl's proxy 2 with IS (metric_utils.compute_variance_proxy_metrics)."""
     from conftest import tiny_config
+
     from otbflow import features
 
     # the rollout engine is the same fp32 model here (rho = 1): shift its stored log-probs so that
@@ -555,23 +665,38 @@ def test_is_weighted_otb_through_the_stages_matches_verl(level, tiny_policy, rol
     # random 0/1 rewards (the untrained policy solves nothing)
     raw = pl.read_parquet(rollouts_path)
     rng = np.random.default_rng(0)
-    shifted = raw.with_columns(pl.Series("rollout_logprobs", [(np.asarray(x) + rng.normal(0, 0.3, len(x))).tolist()
-                                                              for x in raw["rollout_logprobs"]], dtype=schemas.F32L),
-                               pl.Series("reward", rng.integers(0, 2, raw.height).astype(float)))
+    shifted = raw.with_columns(
+        pl.Series(
+            "rollout_logprobs",
+            [(np.asarray(x) + rng.normal(0, 0.3, len(x))).tolist() for x in raw["rollout_logprobs"]],
+            dtype=schemas.F32L,
+        ),
+        pl.Series("reward", rng.integers(0, 2, raw.height).astype(float)),
+    )
     shifted.write_parquet(tmp_path / "r.parquet")
     cfg = tiny_config(f"train.rollout_is={level}", "train.rollout_is_threshold=1.3")
-    features.run(cfg, features.Args(rollouts=str(tmp_path / "r.parquet"), policy=str(tiny_policy),
-                                    out=str(tmp_path / "f.parquet")))
+    features.run(
+        cfg,
+        features.Args(rollouts=str(tmp_path / "r.parquet"), policy=str(tiny_policy), out=str(tmp_path / "f.parquet")),
+    )
     table = read_table(tmp_path / "f.parquet", schemas.FEATURES)
     batch = verl_batch(table.drop("is_weights"))
-    log_ratio = batch["old_log_probs"] - verl_batch(table.with_columns(
-        pl.col("rollout_logprobs").alias("logprobs")))["old_log_probs"]
+    log_ratio = (
+        batch["old_log_probs"]
+        - verl_batch(table.with_columns(pl.col("rollout_logprobs").alias("logprobs")))["old_log_probs"]
+    )
     rho = verl_rollout_is_weights(log_ratio, batch["response_mask"], level, 1.3)
     assert_lists_close(table["is_weights"].to_list(), unpad(rho, table), tol=1e-5)
     flat = rho[batch["response_mask"] > 0]
     assert (flat == 1.3).any() and (flat < 1.0).any()  # truncated, and weights below 1
-    advantages.run(cfg, advantages.Args(features=[str(tmp_path / "f.parquet")], out=str(tmp_path / "a.parquet"),
-                                        comparison=str(tmp_path / "c.parquet")))
+    advantages.run(
+        cfg,
+        advantages.Args(
+            features=[str(tmp_path / "f.parquet")],
+            out=str(tmp_path / "a.parquet"),
+            comparison=str(tmp_path / "c.parquet"),
+        ),
+    )
     adv = read_table(tmp_path / "a.parquet", schemas.ADVANTAGES)
     assert adv["estimator"][0] == "otb" and "is_weights" in adv.columns
     batch["rollout_is_weights"] = rho
@@ -590,8 +715,15 @@ def test_is_weighted_otb_through_the_stages_matches_verl(level, tiny_policy, rol
 
 
 def test_token_rewards_give_reward_to_go():
-    t = pl.DataFrame({"group_id": [1], "reward": [0.0], "logprobs": [[-0.1] * 4],
-                      "sum_pi_sq": [[0.9] * 4], "token_rewards": [[0.5, 0.0, 1.0, 0.25]]})
+    t = pl.DataFrame(
+        {
+            "group_id": [1],
+            "reward": [0.0],
+            "logprobs": [[-0.1] * 4],
+            "sum_pi_sq": [[0.9] * 4],
+            "token_rewards": [[0.5, 0.0, 1.0, 0.25]],
+        }
+    )
     assert compute_advantages(t, "none")["advantages"].to_list()[0] == pytest.approx([1.75, 1.25, 1.25, 0.25])
 
 
@@ -618,8 +750,11 @@ def test_leave_one_out_estimators_are_unbiased():
     N = 3
     true_grad = sum(pi[y] * r[y] * (np.eye(4)[y] - pi) for y in range(4))
     outcomes = list(itertools.product(range(4), repeat=N))
-    rows = [{"group_id": g, "reward": r[y], "logprobs": [float(np.log(pi[y]))] * T[y], "sum_pi_sq": [0.5] * T[y]}
-            for g, ys in enumerate(outcomes) for y in ys]
+    rows = [
+        {"group_id": g, "reward": r[y], "logprobs": [float(np.log(pi[y]))] * T[y], "sum_pi_sq": [0.5] * T[y]}
+        for g, ys in enumerate(outcomes)
+        for y in ys
+    ]
     table = pl.DataFrame(rows)
 
     def expected_gradient(name, **opt):
@@ -631,7 +766,9 @@ def test_leave_one_out_estimators_are_unbiased():
         return total
 
     np.testing.assert_allclose(expected_gradient("rloo"), true_grad, atol=1e-6)
-    np.testing.assert_allclose(expected_gradient("length_power", exponent=1.5, leave_one_out=True), true_grad, atol=1e-6)
+    np.testing.assert_allclose(
+        expected_gradient("length_power", exponent=1.5, leave_one_out=True), true_grad, atol=1e-6
+    )
     np.testing.assert_allclose(expected_gradient("none"), true_grad, atol=1e-6)
     # the enumeration is sensitive: a self-inclusive group mean is biased by (N-1)/N
     np.testing.assert_allclose(expected_gradient("grpo", std_normalize=False), true_grad * (N - 1) / N, atol=1e-6)
@@ -641,6 +778,9 @@ def test_estimator_options_come_from_the_config():
     from conftest import tiny_config
 
     cfg = tiny_config("advantages.estimator=length_power", "advantages.exponent=1.5", "advantages.baseline_shift=-0.1")
-    assert advantages.estimator_options(cfg, "length_power") == {"exponent": 1.5, "leave_one_out": False,
-                                                                 "baseline_shift": -0.1}
+    assert advantages.estimator_options(cfg, "length_power") == {
+        "exponent": 1.5,
+        "leave_one_out": False,
+        "baseline_shift": -0.1,
+    }
     assert advantages.estimator_options(cfg, "otb") == {"handle_zero_tail": True, "baseline_shift": -0.1}

@@ -1,11 +1,10 @@
 import polars as pl
 import pytest
 import torch
+from conftest import tiny_config
 
 from otbflow import bootstrap, evaluate, report, schemas
 from otbflow.io import read_metadata, read_table, write_parquet
-
-from conftest import tiny_config
 
 
 def test_bootstrap_builds_an_offline_hf_folder(tmp_path):
@@ -41,8 +40,14 @@ def test_bootstrap_is_reproducible(tmp_path):
 
 
 def test_evaluate(tmp_path, cfg, tiny_policy, data_dir):
-    args = evaluate.Args(prompts=str(data_dir / "eval.parquet"), policy=str(tiny_policy), name="iter_3",
-                         samples=str(tmp_path / "s.parquet"), summary=str(tmp_path / "m.parquet"), iteration=3)
+    args = evaluate.Args(
+        prompts=str(data_dir / "eval.parquet"),
+        policy=str(tiny_policy),
+        name="iter_3",
+        samples=str(tmp_path / "s.parquet"),
+        summary=str(tmp_path / "m.parquet"),
+        iteration=3,
+    )
     evaluate.run(cfg, args)
     samples = read_table(tmp_path / "s.parquet", schemas.EVAL_SAMPLES)
     n = cfg.task.n_eval
@@ -61,31 +66,78 @@ def test_report_tables_and_token_accounting(tmp_path, rollouts_path, features_pa
     feats = pl.read_parquet(features_path)
     paths = {}
     for k in (0, 1):
-        paths[f"r{k}"] = write_parquet(roll.with_columns(pl.lit(k, pl.Int64).alias("iteration")), tmp_path / f"r{k}.parquet")
+        paths[f"r{k}"] = write_parquet(
+            roll.with_columns(pl.lit(k, pl.Int64).alias("iteration")), tmp_path / f"r{k}.parquet"
+        )
         shifted = feats.with_columns(pl.lit(k, pl.Int64).alias("iteration"))
         if k == 1:  # iteration 1: the rollout engine disagrees with the trainer on one sequence
-            shifted = shifted.with_columns(pl.when(pl.int_range(pl.len()) == 0).then(1.0).otherwise(pl.col("seq_max_k2"))
-                                           .alias("seq_max_k2"))
+            shifted = shifted.with_columns(
+                pl.when(pl.int_range(pl.len()) == 0).then(1.0).otherwise(pl.col("seq_max_k2")).alias("seq_max_k2")
+            )
         paths[f"f{k}"] = write_parquet(shifted, tmp_path / f"f{k}.parquet")
-        given = {"iteration": [k, k], "step": [0, 1], "loss": [0.1, 0.2], "clip_fraction": [0.0, 0.1],
-                 "grad_norm": [1.0, 2.0], "lr": [1e-3, 1e-3], "entropy": [1.0, 1.0], "approx_kl": [0.0, 0.01],
-                 "tokens": [10, 10], "sequences": [4, 4], "step_time_s": [0.1, 0.1]}
+        given = {
+            "iteration": [k, k],
+            "step": [0, 1],
+            "loss": [0.1, 0.2],
+            "clip_fraction": [0.0, 0.1],
+            "grad_norm": [1.0, 2.0],
+            "lr": [1e-3, 1e-3],
+            "entropy": [1.0, 1.0],
+            "approx_kl": [0.0, 0.01],
+            "tokens": [10, 10],
+            "sequences": [4, 4],
+            "step_time_s": [0.1, 0.1],
+        }
         zero = {pl.Float64: 0.0, pl.Int64: 0, pl.Boolean: False, pl.String: ""}
-        paths[f"m{k}"] = write_parquet(pl.DataFrame({c: given.get(c, [zero[t]] * 2) for c, t in
-                                                     schemas.TRAIN_METRICS.columns.items()},
-                                                    schema=schemas.TRAIN_METRICS.columns), tmp_path / f"m{k}.parquet")
-        paths[f"c{k}"] = write_parquet(pl.DataFrame([{c: (k if c == "iteration" else "otb" if c == "estimator" else 0.5)
-                                                      for c in schemas.COMPARISON.columns}],
-                                                    schema=schemas.COMPARISON.columns), tmp_path / f"c{k}.parquet")
+        paths[f"m{k}"] = write_parquet(
+            pl.DataFrame(
+                {c: given.get(c, [zero[t]] * 2) for c, t in schemas.TRAIN_METRICS.columns.items()},
+                schema=schemas.TRAIN_METRICS.columns,
+            ),
+            tmp_path / f"m{k}.parquet",
+        )
+        paths[f"c{k}"] = write_parquet(
+            pl.DataFrame(
+                [
+                    {
+                        c: (k if c == "iteration" else "otb" if c == "estimator" else 0.5)
+                        for c in schemas.COMPARISON.columns
+                    }
+                ],
+                schema=schemas.COMPARISON.columns,
+            ),
+            tmp_path / f"c{k}.parquet",
+        )
     for name, it, acc in [("initial", -1, 0.2), ("iter_0", 0, 0.3), ("iter_1", 1, 0.4)]:
-        paths[name] = write_parquet(pl.DataFrame([{
-            "policy": name, "iteration": it, "greedy_accuracy": acc, "sampled_accuracy": acc, "k": 2,
-            "mean_response_length": 10.0, "n_prompts": 8}], schema=schemas.EVAL_SUMMARY.columns), tmp_path / f"{name}.parquet")
+        paths[name] = write_parquet(
+            pl.DataFrame(
+                [
+                    {
+                        "policy": name,
+                        "iteration": it,
+                        "greedy_accuracy": acc,
+                        "sampled_accuracy": acc,
+                        "k": 2,
+                        "mean_response_length": 10.0,
+                        "n_prompts": 8,
+                    }
+                ],
+                schema=schemas.EVAL_SUMMARY.columns,
+            ),
+            tmp_path / f"{name}.parquet",
+        )
     out = tmp_path / "report"
-    report.run(cfg, report.Args(summaries=[str(paths[n]) for n in ("iter_1", "initial", "iter_0")],
-                                metrics=[str(paths["m0"]), str(paths["m1"])], rollouts=[str(paths["r0"]), str(paths["r1"])],
-                                comparisons=[str(paths["c0"]), str(paths["c1"])],
-                                features=[str(paths["f0"]), str(paths["f1"])], out_dir=str(out)))
+    report.run(
+        cfg,
+        report.Args(
+            summaries=[str(paths[n]) for n in ("iter_1", "initial", "iter_0")],
+            metrics=[str(paths["m0"]), str(paths["m1"])],
+            rollouts=[str(paths["r0"]), str(paths["r1"])],
+            comparisons=[str(paths["c0"]), str(paths["c1"])],
+            features=[str(paths["f0"]), str(paths["f1"])],
+            out_dir=str(out),
+        ),
+    )
     progress = read_table(out / "progress.parquet", schemas.PROGRESS)
     per_iter = int(roll["response_length"].sum())
     assert progress["policy"].to_list() == ["initial", "iter_0", "iter_1"]
@@ -98,10 +150,17 @@ def test_report_tables_and_token_accounting(tmp_path, rollouts_path, features_pa
         assert (out / f"{png}.png").stat().st_size > 1000
     # evaluate.every = 2: iteration 0's policy is not evaluated; the tokens of its rollouts still count
     sparse = tmp_path / "sparse"
-    report.run(cfg, report.Args(summaries=[str(paths[n]) for n in ("initial", "iter_1")],
-                                metrics=[str(paths["m0"]), str(paths["m1"])], rollouts=[str(paths["r0"]), str(paths["r1"])],
-                                comparisons=[str(paths["c0"]), str(paths["c1"])],
-                                features=[str(paths["f0"]), str(paths["f1"])], out_dir=str(sparse)))
+    report.run(
+        cfg,
+        report.Args(
+            summaries=[str(paths[n]) for n in ("initial", "iter_1")],
+            metrics=[str(paths["m0"]), str(paths["m1"])],
+            rollouts=[str(paths["r0"]), str(paths["r1"])],
+            comparisons=[str(paths["c0"]), str(paths["c1"])],
+            features=[str(paths["f0"]), str(paths["f1"])],
+            out_dir=str(sparse),
+        ),
+    )
     progress = read_table(sparse / "progress.parquet", schemas.PROGRESS)
     assert progress["policy"].to_list() == ["initial", "iter_1"]
     assert progress["tokens_generated"].to_list() == [0, 2 * per_iter]

@@ -4,11 +4,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import REPO
 
 from otbflow.cli import STAGES
 from otbflow.config import DEFAULT_CONFIG, Config, ConfigError, json_schema, load_config
-
-from conftest import REPO
 
 
 def test_default_config_file_and_schema_defaults_agree():
@@ -30,22 +29,25 @@ def test_default_config_file_and_schema_defaults_agree():
     assert load_config(DEFAULT_CONFIG) == load_config(None)  # schema defaults alone give the default config
 
 
-@pytest.mark.parametrize("override, key, allowed", [
-    ("rollout.group_size=0", "rollout.group_size", ">= 1"),
-    ("advantages.estimator=foo", "advantages.estimator", "grpo"),
-    ("rollout.temperature=0", "rollout.temperature", "> 0"),
-    ("rollout.temperature=-1.5", "rollout.temperature", "> 0"),
-    ("rollout.top_p=1.5", "rollout.top_p", "(0, 1]"),
-    ("train.zero_stage=4", "train.zero_stage", "0, 1, 2, 3"),
-    ("train.mini_batch_size=10", "train.mini_batch_size", "multiple"),
-    ("advantages.compare=[otb,nope]", "advantages.compare[1]", "otb"),
-    ("train.bf16=true", "train.bf16", "zero_stage >= 1"),
-    ("advantages.estimator=otb_tir", "advantages.estimator", "loss_mask"),
-    ("advantages.compare=[grpo,otb_tir]", "advantages.compare[1]", "loss_mask"),
-    ("advantages.compare=[eob]", "advantages.compare[0]", "features.exact_grad_norm"),
-    ("variance.estimators=[otb_tir]", "variance.estimators[0]", "loss_mask"),
-    ("advantages.baseline_shift=nan", "advantages.baseline_shift", "finite"),
-])
+@pytest.mark.parametrize(
+    "override, key, allowed",
+    [
+        ("rollout.group_size=0", "rollout.group_size", ">= 1"),
+        ("advantages.estimator=foo", "advantages.estimator", "grpo"),
+        ("rollout.temperature=0", "rollout.temperature", "> 0"),
+        ("rollout.temperature=-1.5", "rollout.temperature", "> 0"),
+        ("rollout.top_p=1.5", "rollout.top_p", "(0, 1]"),
+        ("train.zero_stage=4", "train.zero_stage", "0, 1, 2, 3"),
+        ("train.mini_batch_size=10", "train.mini_batch_size", "multiple"),
+        ("advantages.compare=[otb,nope]", "advantages.compare[1]", "otb"),
+        ("train.bf16=true", "train.bf16", "zero_stage >= 1"),
+        ("advantages.estimator=otb_tir", "advantages.estimator", "loss_mask"),
+        ("advantages.compare=[grpo,otb_tir]", "advantages.compare[1]", "loss_mask"),
+        ("advantages.compare=[eob]", "advantages.compare[0]", "features.exact_grad_norm"),
+        ("variance.estimators=[otb_tir]", "variance.estimators[0]", "loss_mask"),
+        ("advantages.baseline_shift=nan", "advantages.baseline_shift", "finite"),
+    ],
+)
 def test_impossible_values_name_the_key(override, key, allowed):
     with pytest.raises(ConfigError) as e:
         load_config(DEFAULT_CONFIG, [override])
@@ -59,8 +61,14 @@ def test_baseline_shift_is_refused_where_it_has_no_meaning():
     assert "whitened" in str(e.value)  # says why
     # as a compared estimator it runs without the shift (the comparison table records 0), so the
     # config is valid; so are a zero shift and the estimators that take one
-    load_config(DEFAULT_CONFIG, ["advantages.estimator=rloo", "advantages.baseline_shift=-0.1",
-                                 "advantages.compare=[reinforce_pp_baseline,grpo]"])
+    load_config(
+        DEFAULT_CONFIG,
+        [
+            "advantages.estimator=rloo",
+            "advantages.baseline_shift=-0.1",
+            "advantages.compare=[reinforce_pp_baseline,grpo]",
+        ],
+    )
     load_config(DEFAULT_CONFIG, ["advantages.estimator=reinforce_pp_baseline"])
     load_config(DEFAULT_CONFIG, ["advantages.compare=[eob]", "features.exact_grad_norm=true"])
 
@@ -87,7 +95,7 @@ def test_snakemake_style_dotted_keys_are_nested():
 
 def test_config_is_read_only():
     cfg = load_config(DEFAULT_CONFIG)
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 (omegaconf's ReadonlyConfigError)
         cfg.rollout.group_size = 2
 
 
@@ -99,8 +107,9 @@ def test_json_schema_file_is_in_sync():
 def test_schema_doc_is_in_sync():
     from otbflow.schemas import schema_markdown
 
-    assert (REPO / "docs" / "schema.md").read_text().strip() == schema_markdown().strip(), \
+    assert (REPO / "docs" / "schema.md").read_text().strip() == schema_markdown().strip(), (
         "regenerate: otbflow schema-doc > docs/schema.md"
+    )
 
 
 def _otbflow(*args):
@@ -143,9 +152,19 @@ def test_a_dataset_workflow_needs_a_model_folder(tmp_path):
     data = tmp_path / "x.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
     load_config(DEFAULT_CONFIG, ["task.name=dataset", f"task.path={data}"])
-    res = subprocess.run([str(Path(sys.executable).with_name("snakemake")), "-s", str(REPO / "Snakefile"), "-n",
-                          "--config", f"task={{name: dataset, path: {data}}}"],
-                         cwd=tmp_path, capture_output=True, text=True)
+    res = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("snakemake")),
+            "-s",
+            str(REPO / "Snakefile"),
+            "-n",
+            "--config",
+            f"task={{name: dataset, path: {data}}}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode != 0
     assert "'model.path': must be a local HF causal-LM folder when task.name is 'dataset'" in res.stdout + res.stderr
 
@@ -155,9 +174,14 @@ def test_snakemake_config_strings_are_typed_by_the_schema():
     inside arrive as strings. The typed schema must read them as the README's overrides mean."""
     from otbflow.config import from_snakemake
 
-    raw = {"rollout": {"group_size": "8"}, "train": {"lr": "0.0001"},
-           "advantages": {"estimator": "grpo", "std_normalize": "false", "compare": ["grpo", "otb"]},
-           "model": {"path": "null"}, "task": {"prompt_template": "null {prompt}"}, "seed": 3}
+    raw = {
+        "rollout": {"group_size": "8"},
+        "train": {"lr": "0.0001"},
+        "advantages": {"estimator": "grpo", "std_normalize": "false", "compare": ["grpo", "otb"]},
+        "model": {"path": "null"},
+        "task": {"prompt_template": "null {prompt}"},
+        "seed": 3,
+    }
     cfg = load_config(DEFAULT_CONFIG, extra=from_snakemake(raw))
     assert cfg.rollout.group_size == 8 and cfg.train.lr == 0.0001 and cfg.advantages.std_normalize is False
     assert cfg.model.path is None and cfg.task.prompt_template == "null {prompt}" and cfg.seed == 3

@@ -30,10 +30,8 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
-
 from conftest import REPO, make_sandbox, sandbox_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("docs")]
@@ -47,9 +45,11 @@ MODELS = "tests/test_workflow_models.py"  # run there: the tiny workflow on Qwen
 TINY = "--configfile config/tiny.yaml"
 # The variance study over seeds, one seed of the tiny config, on the tiny run's initial policy and
 # prompts (the script builds them only where its folder lacks them; the bootstrap is tested elsewhere).
-VARIANCE_SEEDS = ("mkdir -p results/scratch/vs/data && cp -r results/bootstrap/policy results/scratch/vs/policy && "
-                  "cp -r results/data/train results/scratch/vs/data/train && .venv/bin/python "
-                  "benchmarks/variance_seeds.py --seeds 0 --out results/scratch/vs --configfile config/tiny.yaml")
+VARIANCE_SEEDS = (
+    "mkdir -p results/scratch/vs/data && cp -r results/bootstrap/policy results/scratch/vs/policy && "
+    "cp -r results/data/train results/scratch/vs/data/train && .venv/bin/python "
+    "benchmarks/variance_seeds.py --seeds 0 --out results/scratch/vs --configfile config/tiny.yaml"
+)
 HOW: dict[str, str] = {
     # README: the two commands
     "make run": f'make run ARGS="{TINY}"',  # the tiny form is the session's tiny run itself
@@ -57,14 +57,12 @@ HOW: dict[str, str] = {
     # one test, in the make recipe's own process (CORES=0: no pytest-xdist workers to start)
     'make test PYTEST_ARGS="-k config"': 'make test CORES=0 PYTEST_ARGS="-k shown_commands_parse -p no:cacheprovider"',
     "snakemake --cores 2": DRY,  # what make run runs
-    "make run ARGS=\"--config 'advantages={estimator: grpo}'\"":
-        f"make run ARGS=\"{TINY} --config 'advantages={{estimator: grpo}}' -n\"",
+    "make run ARGS=\"--config 'advantages={estimator: grpo}'\"": f"make run ARGS=\"{TINY} --config 'advantages={{estimator: grpo}}' -n\"",
     # Configuration
     "snakemake --cores 2 --config 'advantages={estimator: grpo, std_normalize: false}'": DRY,
     "snakemake --cores 2 --configfile config/tiny.yaml": AS_SHOWN,  # the tiny run: nothing left to do
-    "otbflow rollout --prompts P --policy M --out O rollout.group_size=8 rollout.temperature=0.7":
-        "otbflow rollout --prompts results/data/train/shard_0.parquet --policy results/bootstrap/policy "
-        "--out results/scratch/rollout.parquet rollout.group_size=8 rollout.temperature=0.7",
+    "otbflow rollout --prompts P --policy M --out O rollout.group_size=8 rollout.temperature=0.7": "otbflow rollout --prompts results/data/train/shard_0.parquet --policy results/bootstrap/policy "
+    "--out results/scratch/rollout.parquet rollout.group_size=8 rollout.temperature=0.7",
     "otbflow config rollout.group_size=8": AS_SHOWN,
     "otbflow config --help-keys": AS_SHOWN,
     "otbflow <stage> --help": "otbflow rollout --help && otbflow train --help",
@@ -72,13 +70,11 @@ HOW: dict[str, str] = {
     "otbflow schema-doc > docs/schema.md": "otbflow schema-doc > results/schema.md && diff results/schema.md docs/schema.md",
     # Training
     "snakemake --cores 2 --config 'train={loss_type: reinforce, rollout_is: sequence, lr_schedule: cosine}'": DRY,
-    "snakemake --configfile my.yaml config/examples/zero2_bf16.yaml":
-        "snakemake -n --cores 2 --configfile config/tiny.yaml config/examples/zero2_bf16.yaml",
+    "snakemake --configfile my.yaml config/examples/zero2_bf16.yaml": "snakemake -n --cores 2 --configfile config/tiny.yaml config/examples/zero2_bf16.yaml",
     "otbflow train --advantages results/iter_0/advantages/advantages.parquet --policy results/bootstrap/policy "
-    "--out /tmp/next --metrics /tmp/metrics.parquet train.loss_type=reinforce train.rollout_is=sequence":
-        f"otbflow train --advantages results/iter_0/advantages/advantages.parquet --policy results/bootstrap/policy "
-        f"--out results/scratch/next --metrics results/scratch/metrics.parquet train.loss_type=reinforce "
-        f"train.rollout_is=sequence",
+    "--out /tmp/next --metrics /tmp/metrics.parquet train.loss_type=reinforce train.rollout_is=sequence": "otbflow train --advantages results/iter_0/advantages/advantages.parquet --policy results/bootstrap/policy "
+    "--out results/scratch/next --metrics results/scratch/metrics.parquet train.loss_type=reinforce "
+    "train.rollout_is=sequence",
     # Experiments
     ".venv/bin/snakemake -s workflow/experiment.smk --configfile config/experiments/otb_vs_grpo.yaml --cores 2": DRY,
     ".venv/bin/snakemake -s workflow/experiment.smk --configfile config/experiments/stability.yaml --cores 2": DRY,
@@ -87,8 +83,7 @@ HOW: dict[str, str] = {
     "snakemake -s Snakefile --directory results/otb_vs_grpo/otb_n4/seed_0 --configfile "
     "results/otb_vs_grpo/otb_n4/seed_0/member.yaml --cores 2 --forcerun advantages": EXPERIMENT,
     # Caching
-    "snakemake --cores 2 results/iter_0/advantages/advantages.parquet":
-        f"snakemake --cores 2 results/iter_0/advantages/advantages.parquet {TINY}",
+    "snakemake --cores 2 results/iter_0/advantages/advantages.parquet": f"snakemake --cores 2 results/iter_0/advantages/advantages.parquet {TINY}",
     # Slurm
     "otbflow submit --configfile my.yaml --partition long --account my_project": SLURM,
     "tail -f logs/submit/4242/4242_0_log.out": SLURM,
@@ -111,22 +106,21 @@ HOW: dict[str, str] = {
     "make vllm-env": CI,  # .ci/run builds it before make test
     ".venv/bin/snakemake --cores 2 --configfile config/tiny.yaml config/examples/vllm_cpu.yaml": MODELS,
     "snakemake --cores 8 --sdm conda --config 'rollout={backend: vllm}' 'model={path: /models/Qwen2.5-1.5B, dtype: bfloat16}'":
-        # no conda on the CI machines: the same dry run without --sdm conda
-        "snakemake -n --cores 8 --config 'rollout={backend: vllm}' 'model={path: results/bootstrap/policy, dtype: bfloat16}'",
+    # no conda on the CI machines: the same dry run without --sdm conda
+    "snakemake -n --cores 8 --config 'rollout={backend: vllm}' 'model={path: results/bootstrap/policy, dtype: bfloat16}'",
     ".venv/bin/snakemake --cores 8 --config 'rollout={backend: vllm, python: /opt/envs/vllm/bin/python}'": DRY,
     # benchmarks (tiny sizes: each prints its JSON) and set-up
     "make setup": AS_SHOWN,
-    "python benchmarks/bench_rollout.py":
-        "python benchmarks/bench_rollout.py --models tiny --backends hf --prompts 4 --max-new-tokens 8 --repeats 1",
+    "python benchmarks/bench_rollout.py": "python benchmarks/bench_rollout.py --models tiny --backends hf --prompts 4 --max-new-tokens 8 --repeats 1",
     "benchmarks/bench_advantages.py": "python benchmarks/bench_advantages.py --tokens 20000 --repeats 1",
     ".venv/bin/python benchmarks/bench_advantages.py": ".venv/bin/python benchmarks/bench_advantages.py --tokens 20000 "
-                                                       "--repeats 1",
+    "--repeats 1",
     "benchmarks/bench_features.py": "python benchmarks/bench_features.py --sequences 4 --seq-len 32 --repeats 1 "
-                                    "--models tiny",
+    "--models tiny",
     "benchmarks/bench_train_memory.py": "python benchmarks/bench_train_memory.py --sequences 1 --response-len 16 "
-                                        "--layers 1 --vocab 4096",
+    "--layers 1 --vocab 4096",
     ".venv/bin/python benchmarks/bench_train_memory.py": ".venv/bin/python benchmarks/bench_train_memory.py "
-                                                         "--sequences 1 --response-len 16 --layers 1 --vocab 4096",
+    "--sequences 1 --response-len 16 --layers 1 --vocab 4096",
     "benchmarks/variance_seeds.py": VARIANCE_SEEDS,
     ".venv/bin/python benchmarks/variance_seeds.py --seeds 0 1 2 3 4": VARIANCE_SEEDS,
 }
@@ -189,8 +183,10 @@ def test_every_shown_command_is_covered():
 
 
 def test_shown_commands_parse():
-    text = "```bash\nmake run   # a comment\nsnakemake -n \\\n  --cores 2  # x\n# only a comment\n```\n" \
-           "Run `otbflow config --help-keys`, see `otbflow scaling` and `results/`."
+    text = (
+        "```bash\nmake run   # a comment\nsnakemake -n \\\n  --cores 2  # x\n# only a comment\n```\n"
+        "Run `otbflow config --help-keys`, see `otbflow scaling` and `results/`."
+    )
     assert shown_commands(text) == ["make run", "snakemake -n --cores 2", "otbflow config --help-keys"]
     assert _strip_comment("make run ARGS=\"--config 'a={b: c}'\"  # x") == "make run ARGS=\"--config 'a={b: c}'\""
 
@@ -201,8 +197,12 @@ def docs_sandbox(tiny_run, tmp_path_factory):
     so that commands that write do not touch the run other tests read."""
     work = make_sandbox(tmp_path_factory.mktemp("docs"))
     for name in ("results", ".snakemake"):
-        shutil.copytree(tiny_run / name, work / name, symlinks=True,
-                        ignore=shutil.ignore_patterns("locks", "incomplete", "conda", "slurm_logs"))
+        shutil.copytree(
+            tiny_run / name,
+            work / name,
+            symlinks=True,
+            ignore=shutil.ignore_patterns("locks", "incomplete", "conda", "slurm_logs"),
+        )
     return work
 
 
@@ -226,8 +226,16 @@ def runnable() -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("shown, executed", runnable(), ids=[c[:60] for c, _ in runnable()])
 def test_shown_command_runs(docs_sandbox, shown, executed):
-    res = subprocess.run(executed, shell=True, cwd=docs_sandbox, env=sandbox_env(docs_sandbox), capture_output=True,
-                         text=True, stdin=subprocess.DEVNULL, timeout=600)
+    res = subprocess.run(
+        executed,
+        shell=True,
+        cwd=docs_sandbox,
+        env=sandbox_env(docs_sandbox),
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=600,
+    )
     assert res.returncode == 0, f"{shown!r} ran as {executed!r} and failed:\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}"
     if how_is_dry(shown):
         assert "Job stats" in res.stdout or "Nothing to be done" in res.stdout, res.stdout[-2000:]
@@ -242,6 +250,13 @@ def test_python_blocks_run(docs_sandbox, doc):
     """The document's ```python blocks, in order, in one interpreter (later blocks use names the
     earlier ones defined), in the sandbox."""
     code = "\n".join(re.findall(r"```python\n(.*?)```", doc.read_text(), re.S))
-    res = subprocess.run(["python", "-c", code], cwd=docs_sandbox, env=sandbox_env(docs_sandbox), capture_output=True,
-                         text=True, stdin=subprocess.DEVNULL, timeout=300)
+    res = subprocess.run(
+        ["python", "-c", code],
+        cwd=docs_sandbox,
+        env=sandbox_env(docs_sandbox),
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=300,
+    )
     assert res.returncode == 0, f"{doc.name}'s python blocks failed:\n{res.stdout[-2000:]}\n{res.stderr[-4000:]}"

@@ -15,21 +15,30 @@ import numpy as np
 import polars as pl
 import pytest
 import yaml
+from conftest import REPO
 
 from otbflow import schemas
 from otbflow.config import ConfigError
 from otbflow.experiment import load_experiment, member_config
 from otbflow.io import read_metadata, read_table
 
-from conftest import REPO
-
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
 TINY_EXPERIMENT = REPO / "config" / "experiments" / "tiny.yaml"
 
 
 def experiment(workdir: Path, configfile: Path, *args: str, check=True):
-    cmd = [SNAKEMAKE, "-s", str(REPO / "workflow" / "experiment.smk"), "--directory", str(workdir), "--cores", "2",
-           "--configfile", str(configfile), *args]
+    cmd = [
+        SNAKEMAKE,
+        "-s",
+        str(REPO / "workflow" / "experiment.smk"),
+        "--directory",
+        str(workdir),
+        "--cores",
+        "2",
+        "--configfile",
+        str(configfile),
+        *args,
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
     if check and res.returncode != 0:
         raise AssertionError(f"snakemake failed ({res.returncode}):\n{res.stdout[-4000:]}\n{res.stderr[-6000:]}")
@@ -48,7 +57,8 @@ def check_qwen2_bpe_chat(shared: Path, r: Path) -> None:
     tok = AutoTokenizer.from_pretrained(shared / "bootstrap/policy")
     assert tok.decode(ro["prompt_ids"][0].to_list()) == (
         f"<|im_start|>system\nSolve step by step.<|im_end|>\n<|im_start|>user\n{ro['prompt'][0]}<|im_end|>\n"
-        "<|im_start|>assistant\n")
+        "<|im_start|>assistant\n"
+    )
     meta = read_metadata(r / "iter_0/rollout/shard_0.parquet")
     assert meta["chat"] is True and meta["stop_tokens"] == ["<|im_end|>", "<|endoftext|>"]
     fe = read_table(r / "iter_0/features/shard_0.parquet", schemas.FEATURES)
@@ -69,8 +79,12 @@ def test_tiny_experiment(tmp_path):
     summary = read_table(root / "summary.parquet", schemas.EXPERIMENT_SUMMARY)
     assert summary["run"].to_list() == ["grpo_n4", "length_power_n4"] and summary["seeds"].to_list() == [2, 2]
     seeds = read_table(root / "seeds.parquet", schemas.EXPERIMENT_SEEDS)
-    assert seeds.select("run", "seed").rows() == [("grpo_n4", 0), ("grpo_n4", 1), ("length_power_n4", 0),
-                                                  ("length_power_n4", 1)]
+    assert seeds.select("run", "seed").rows() == [
+        ("grpo_n4", 0),
+        ("grpo_n4", 1),
+        ("length_power_n4", 0),
+        ("length_power_n4", 1),
+    ]
     pairs = read_table(root / "pairs.parquet", schemas.EXPERIMENT_PAIRS)
     assert pairs.select("a", "b", "seeds").row(0) == ("length_power_n4", "grpo_n4", 2)
     assert (summary["tokens_generated"] > 0).all() and (summary["tokens_trained"] > 0).all()
@@ -86,7 +100,9 @@ def test_tiny_experiment(tmp_path):
         for seed in (0, 1):
             member = root / run / f"seed_{seed}"
             cfg = yaml.safe_load((member / "member.yaml").read_text())
-            assert cfg["seed"] == seed and cfg["model"]["path"] == str((root / "shared/results/bootstrap/policy").resolve())
+            assert cfg["seed"] == seed and cfg["model"]["path"] == str(
+                (root / "shared/results/bootstrap/policy").resolve()
+            )
             if run == "length_power_n4":
                 assert cfg["advantages"]["exponent"] == pytest.approx(slope)
             prompts.add(tuple(pl.read_parquet(member / "results/data/train/shard_0.parquet")["prompt"]))
@@ -104,9 +120,26 @@ def test_tiny_experiment(tmp_path):
     html = (root / "report.html").read_text(errors="ignore")
     assert "accuracy_vs_tokens.png" in html and "variance.png" in html
     member = "results/tiny_experiment/grpo_n4/seed_0"
-    res = subprocess.run([SNAKEMAKE, "-s", str(REPO / "Snakefile"), "--directory", member, "--configfile",
-                          f"{member}/member.yaml", "--cores", "2", "--forcerun", "advantages", "-n"], cwd=tmp_path,
-                         capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    res = subprocess.run(
+        [
+            SNAKEMAKE,
+            "-s",
+            str(REPO / "Snakefile"),
+            "--directory",
+            member,
+            "--configfile",
+            f"{member}/member.yaml",
+            "--cores",
+            "2",
+            "--forcerun",
+            "advantages",
+            "-n",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert re.search(r"^rule advantages:", res.stdout, re.M) and not re.search(r"^rule rollout:", res.stdout, re.M)
 
@@ -119,14 +152,17 @@ def test_member_config_layers_base_run_and_seed():
     assert cfg["model"]["n_layer"] == 2 and cfg["iterations"] == 1
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"runs": {"bad": {"advantages": {"estimator": "foo"}}}}, "run 'bad': config key 'advantages.estimator'"),
-    ({"runs": {"bad": {"rollout": {"groupsize": 4}}}}, "run 'bad': config key 'rollout.groupsize'"),
-    ({"seeds": []}, "'seeds' must be a non-empty list"),
-    ({"extra": 1}, "unknown: ['extra']"),
-    ({"analysis": {"plateau_window": 0}}, "analysis.plateau_window must be an integer >= 1"),
-    ({"analysis": {"plateau_window": True}}, "analysis.plateau_window must be an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"runs": {"bad": {"advantages": {"estimator": "foo"}}}}, "run 'bad': config key 'advantages.estimator'"),
+        ({"runs": {"bad": {"rollout": {"groupsize": 4}}}}, "run 'bad': config key 'rollout.groupsize'"),
+        ({"seeds": []}, "'seeds' must be a non-empty list"),
+        ({"extra": 1}, "unknown: ['extra']"),
+        ({"analysis": {"plateau_window": 0}}, "analysis.plateau_window must be an integer >= 1"),
+        ({"analysis": {"plateau_window": True}}, "analysis.plateau_window must be an integer >= 1"),
+    ],
+)
 def test_bad_experiment_fails_before_any_job(tmp_path, change, message):
     exp = yaml.safe_load(TINY_EXPERIMENT.read_text()) | change
     path = tmp_path / "bad.yaml"
@@ -172,12 +208,30 @@ def test_per_seed_table_on_hand_made_curves():
     from otbflow.experiment import per_seed_table
 
     curves = pl.DataFrame(
-        [("r", 0, -1, 0.5, 0.5, 0.0, 10.0), ("r", 0, 0, 0.4, 0.6, 100.0, 12.0), ("r", 0, 1, 0.8, 0.9, 300.0, 30.0),
-         ("s", 0, -1, 0.5, 0.5, 0.0, 10.0), ("s", 0, 0, 0.6, 0.7, 100.0, 8.0), ("s", 0, 1, 0.9, 1.0, 400.0, 9.0)],
-        schema=["run", "seed", "iteration", "sampled_accuracy", "greedy_accuracy", "tokens_generated",
-                "mean_response_length"], orient="row")
-    metrics = pl.DataFrame([("r", 0, 50, 0.3), ("r", 0, 70, 1.5), ("s", 0, 40, 0.2)],
-                           schema=["run", "seed", "tokens", "grad_norm"], orient="row")
+        [
+            ("r", 0, -1, 0.5, 0.5, 0.0, 10.0),
+            ("r", 0, 0, 0.4, 0.6, 100.0, 12.0),
+            ("r", 0, 1, 0.8, 0.9, 300.0, 30.0),
+            ("s", 0, -1, 0.5, 0.5, 0.0, 10.0),
+            ("s", 0, 0, 0.6, 0.7, 100.0, 8.0),
+            ("s", 0, 1, 0.9, 1.0, 400.0, 9.0),
+        ],
+        schema=[
+            "run",
+            "seed",
+            "iteration",
+            "sampled_accuracy",
+            "greedy_accuracy",
+            "tokens_generated",
+            "mean_response_length",
+        ],
+        orient="row",
+    )
+    metrics = pl.DataFrame(
+        [("r", 0, 50, 0.3), ("r", 0, 70, 1.5), ("s", 0, 40, 0.2)],
+        schema=["run", "seed", "tokens", "grad_norm"],
+        orient="row",
+    )
     exp = {"runs": {"r": {}, "s": {}}, "analysis": {"reference": "r", "target_fraction": 0.9, "plateau_window": 2}}
     rows = {r["run"]: r for r in per_seed_table(exp, curves, metrics).iter_rows(named=True)}
     # gain over the last 2 iterations: from the initial policy's 0.5 to 0.8 and 0.9
@@ -203,12 +257,23 @@ def test_late_gain_with_evaluations_every_other_iteration():
 
     curves = pl.DataFrame(
         [("r", 0, it, acc, acc, 100.0 * (it + 1), 10.0) for it, acc in [(-1, 0.3), (1, 0.5), (3, 0.6), (5, 0.65)]],
-        schema=["run", "seed", "iteration", "sampled_accuracy", "greedy_accuracy", "tokens_generated",
-                "mean_response_length"], orient="row")
+        schema=[
+            "run",
+            "seed",
+            "iteration",
+            "sampled_accuracy",
+            "greedy_accuracy",
+            "tokens_generated",
+            "mean_response_length",
+        ],
+        orient="row",
+    )
     metrics = pl.DataFrame([("r", 0, 50, 0.3)], schema=["run", "seed", "tokens", "grad_norm"], orient="row")
     exp = {"runs": {"r": {}}, "analysis": {"reference": "r", "target_fraction": 0.9, "plateau_window": 2}}
-    gain = {w: per_seed_table(exp | {"analysis": exp["analysis"] | {"plateau_window": w}}, curves, metrics)["late_gain"][0]
-            for w in (1, 2, 3, 4, 6, 7)}
+    gain = {
+        w: per_seed_table(exp | {"analysis": exp["analysis"] | {"plateau_window": w}}, curves, metrics)["late_gain"][0]
+        for w in (1, 2, 3, 4, 6, 7)
+    }
     assert gain[1] == pytest.approx(0.05) and gain[2] == pytest.approx(0.05)  # 3 -> 5
     assert gain[3] == pytest.approx(0.15) and gain[4] == pytest.approx(0.15)  # 1 -> 5
     assert gain[6] == pytest.approx(0.35)  # from the initial policy
@@ -220,8 +285,14 @@ def test_paired_table_on_hand_made_seeds():
 
     nan = float("nan")
     rows = [  # run a needs half the tokens of b on the seeds where both reach the target by training
-        ("a", 0, 0.5, 100.0), ("a", 1, 0.6, 200.0), ("a", 2, 0.4, nan), ("a", 3, 0.7, 0.0),  # seed 3: at it already
-        ("b", 0, 0.4, 200.0), ("b", 1, 0.4, 400.0), ("b", 2, 0.5, 300.0), ("b", 3, 0.6, 100.0),
+        ("a", 0, 0.5, 100.0),
+        ("a", 1, 0.6, 200.0),
+        ("a", 2, 0.4, nan),
+        ("a", 3, 0.7, 0.0),  # seed 3: at it already
+        ("b", 0, 0.4, 200.0),
+        ("b", 1, 0.4, 400.0),
+        ("b", 2, 0.5, 300.0),
+        ("b", 3, 0.6, 100.0),
     ]
     per_seed = pl.DataFrame(rows, schema=["run", "seed", "final_accuracy", "tokens_to_target"], orient="row")
     exp = {"analysis": {"pairs": [["a", "b"]], "bootstrap": 500, "confidence": 0.95}}
@@ -233,8 +304,12 @@ def test_paired_table_on_hand_made_seeds():
 
 def test_analysis_section_is_checked(tmp_path):
     exp = yaml.safe_load(TINY_EXPERIMENT.read_text())
-    for bad, message in [({"reference": "nope"}, "analysis.reference"), ({"pairs": [["grpo_n4", "x"]]}, "analysis.pairs"),
-                         ({"target_fraction": 1.5}, "analysis.target_fraction"), ({"colour": 1}, "'analysis' takes")]:
+    for bad, message in [
+        ({"reference": "nope"}, "analysis.reference"),
+        ({"pairs": [["grpo_n4", "x"]]}, "analysis.pairs"),
+        ({"target_fraction": 1.5}, "analysis.target_fraction"),
+        ({"colour": 1}, "'analysis' takes"),
+    ]:
         path = tmp_path / "bad.yaml"
         path.write_text(yaml.safe_dump(exp | {"analysis": bad}))
         with pytest.raises(ConfigError, match=message):

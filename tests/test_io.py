@@ -9,9 +9,17 @@ from otbflow.io import SchemaError, atomic_dir, read_metadata, read_table, write
 
 
 def _prompts(n=3):
-    return pl.DataFrame({"prompt_id": list(range(n)), "prompt": ["1+1="] * n,
-                         "messages": ['[{"role": "user", "content": "1+1="}]'] * n, "answer": ["2"] * n,
-                         "data_source": ["arithmetic"] * n, "split": ["train"] * n, "shard": [0] * n})
+    return pl.DataFrame(
+        {
+            "prompt_id": list(range(n)),
+            "prompt": ["1+1="] * n,
+            "messages": ['[{"role": "user", "content": "1+1="}]'] * n,
+            "answer": ["2"] * n,
+            "data_source": ["arithmetic"] * n,
+            "split": ["train"] * n,
+            "shard": [0] * n,
+        }
+    )
 
 
 def test_write_is_atomic_and_keeps_metadata(tmp_path):
@@ -47,8 +55,12 @@ def test_read_table_names_file_and_column(tmp_path):
 
 def test_ragged_per_token_lists_are_rejected(rollouts_path, tmp_path):
     df = pl.read_parquet(rollouts_path)
-    bad = df.with_columns(pl.when(pl.int_range(pl.len()) == 2).then(pl.col("rollout_logprobs").list.slice(1))
-                          .otherwise(pl.col("rollout_logprobs")).alias("rollout_logprobs"))
+    bad = df.with_columns(
+        pl.when(pl.int_range(pl.len()) == 2)
+        .then(pl.col("rollout_logprobs").list.slice(1))
+        .otherwise(pl.col("rollout_logprobs"))
+        .alias("rollout_logprobs")
+    )
     path = write_parquet(bad, tmp_path / "r.parquet")
     with pytest.raises(SchemaError, match=r"r\.parquet: column 'rollout_logprobs' is ragged .* row 2"):
         read_table(path, schemas.ROLLOUTS)

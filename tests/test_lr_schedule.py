@@ -27,12 +27,14 @@ def test_constant_with_warmup():
 
 
 def test_cosine_from_peak_to_floor():
-    s = schedule("train.lr_schedule=cosine", "train.lr_warmup_steps=2", "train.lr_decay_steps=4",
-                 "train.lr_min_ratio=0.1")
+    s = schedule(
+        "train.lr_schedule=cosine", "train.lr_warmup_steps=2", "train.lr_decay_steps=4", "train.lr_min_ratio=0.1"
+    )
     s.set_horizon(steps_this_iteration=3, iterations=10)  # lr_decay_steps wins over the auto horizon
     lrs, _ = walk(s, [10.0] * 8)
-    assert lrs == pytest.approx([0.5, 1.0, 1.0, 0.1 + 0.9 * 0.5 * (1 + 2**-0.5), 0.55,
-                                 0.1 + 0.9 * 0.5 * (1 - 2**-0.5), 0.1, 0.1])
+    assert lrs == pytest.approx(
+        [0.5, 1.0, 1.0, 0.1 + 0.9 * 0.5 * (1 + 2**-0.5), 0.55, 0.1 + 0.9 * 0.5 * (1 - 2**-0.5), 0.1, 0.1]
+    )
 
 
 def test_cosine_auto_horizon_is_iterations_times_steps():
@@ -43,8 +45,14 @@ def test_cosine_auto_horizon_is_iterations_times_steps():
 
 
 def test_length_decay_triggers_on_a_surge_then_halves_to_the_floor():
-    s = schedule("train.lr_schedule=length_decay", "train.length_baseline_steps=3", "train.length_surge_factor=2",
-                 "train.length_surge_patience=2", "train.length_period_factor=1.0", "train.lr_min_ratio=0.2")
+    s = schedule(
+        "train.lr_schedule=length_decay",
+        "train.length_baseline_steps=3",
+        "train.length_surge_factor=2",
+        "train.length_surge_patience=2",
+        "train.length_period_factor=1.0",
+        "train.lr_min_ratio=0.2",
+    )
     # baseline 10; step 4 surges once (a blip, patience 2), steps 6 and 7 surge: k_s = 7, P = 7
     lengths = [10, 10, 10, 12, 25, 10, 25, 30] + [30] * 30
     lrs, events = walk(s, lengths)
@@ -62,8 +70,15 @@ def test_no_surge_keeps_the_lr():
 
 
 def test_state_round_trips_through_json():
-    tc = load_config(None, ["train.lr=1.0", "train.lr_schedule=length_decay", "train.length_baseline_steps=2",
-                            "train.length_period_factor=1.0"]).train
+    tc = load_config(
+        None,
+        [
+            "train.lr=1.0",
+            "train.lr_schedule=length_decay",
+            "train.length_baseline_steps=2",
+            "train.length_period_factor=1.0",
+        ],
+    ).train
     a = LRSchedule(tc)
     walk(a, [10, 10, 40, 40])
     b = LRSchedule.from_dict(tc, json.loads(json.dumps(a.to_dict())))

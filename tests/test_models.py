@@ -8,23 +8,26 @@ import json
 
 import pytest
 import torch
+from conftest import tiny_config
 
 from otbflow import bootstrap
-from otbflow.logits import sequence_token_stats
 from otbflow.generation import render_prompts, stop_token_ids, truncate_at_stop, use_chat
 from otbflow.hf_engine import hf_generate
 from otbflow.io import read_metadata
+from otbflow.logits import sequence_token_stats
 from otbflow.model import build_tiny_model, build_tokenizer, load_policy
-
-from conftest import tiny_config
 
 ARCHS = [("gpt2", "char"), ("llama", "char"), ("llama", "bpe"), ("qwen2", "bpe")]
 CORPUS = ["7+3=10;10-5=5;#5", "12+4=16;#16", "user\n", "assistant\n", "system\n"] * 4
 
 
 def build(tmp_path, arch, tokenizer, **model):
-    cfg = tiny_config(f"model.arch={arch}", f"model.tokenizer={tokenizer}", "model.n_kv_head=1" if arch != "gpt2" else
-                      "model.n_kv_head=0", *(f"model.{k}={v}" for k, v in model.items()))
+    cfg = tiny_config(
+        f"model.arch={arch}",
+        f"model.tokenizer={tokenizer}",
+        "model.n_kv_head=1" if arch != "gpt2" else "model.n_kv_head=0",
+        *(f"model.{k}={v}" for k, v in model.items()),
+    )
     tok = build_tokenizer(cfg.model, CORPUS)
     m = build_tiny_model(cfg.model, tok, seed=0)
     path = tmp_path / f"{arch}_{tokenizer}"
@@ -50,7 +53,8 @@ def test_bpe_tokenizer_and_chat_template_reload_offline(qwen2_bpe):
     assert len(tok("<|im_start|>", add_special_tokens=False)["input_ids"]) == 1
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "7+3="}]
     assert tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == (
-        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n7+3=<|im_end|>\n<|im_start|>assistant\n")
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n7+3=<|im_end|>\n<|im_start|>assistant\n"
+    )
     # the generation config stops on both end tokens, as Qwen2.5-Instruct's does
     gen = json.loads((path / "generation_config.json").read_text())
     assert gen["eos_token_id"] == tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
@@ -62,7 +66,9 @@ def test_chat_rendering_and_its_errors(qwen2_bpe, tiny_policy):
     _, tok = load_policy(path)
     decode = lambda ids: tok.decode(ids)  # noqa: E731
     (plain,) = render_prompts(tok, ["1+2="], None, chat=True, system_prompt="S.")
-    assert decode(plain) == "<|im_start|>system\nS.<|im_end|>\n<|im_start|>user\n1+2=<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        decode(plain) == "<|im_start|>system\nS.<|im_end|>\n<|im_start|>user\n1+2=<|im_end|>\n<|im_start|>assistant\n"
+    )
     verl = json.dumps([{"role": "system", "content": "Own."}, {"role": "user", "content": "1+2="}])
     (own,) = render_prompts(tok, ["1+2="], [verl], chat=True, system_prompt="S.")
     assert decode(own).startswith("<|im_start|>system\nOwn.<|im_end|>") and "S." not in decode(own)
@@ -90,12 +96,18 @@ def test_left_padded_generation_matches_unpadded_and_teacher_forcing(tmp_path, a
     assert len({len(x) for x in ids}) == 3  # unequal lengths: real left padding
     stops = stop_token_ids(tok, path)
     samples = hf_generate(model, tok, ids, n=2, max_new_tokens=12, seed=3, stop_ids=stops)
-    stats = sequence_token_stats(model, [s.prompt_ids for s in samples], [s.response_ids for s in samples], 1.0,
-                                 chunk_size=64, pad_id=tok.pad_token_id)
+    stats = sequence_token_stats(
+        model,
+        [s.prompt_ids for s in samples],
+        [s.response_ids for s in samples],
+        1.0,
+        chunk_size=64,
+        pad_id=tok.pad_token_id,
+    )
     for s, st in zip(samples, stats):
         full = torch.tensor([s.prompt_ids + s.response_ids])
         with torch.no_grad():
-            logits = model(input_ids=full).logits[0, len(s.prompt_ids) - 1:-1]
+            logits = model(input_ids=full).logits[0, len(s.prompt_ids) - 1 : -1]
         alone = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(s.response_ids)[:, None]).squeeze(-1)
         torch.testing.assert_close(torch.tensor(s.logprobs), alone, atol=2e-5, rtol=0)
         torch.testing.assert_close(torch.tensor(st["logprobs"]), alone, atol=2e-5, rtol=0)
@@ -114,15 +126,22 @@ def test_a_response_ends_at_the_first_of_any_stop_token(qwen2_bpe):
     k = next(i for i in range(2, 16) if free.response_ids[i] not in free.response_ids[:i])
     extra = free.response_ids[k]  # a token first sampled at position k (same seed: same draws up to there)
     (cut,) = hf_generate(model, tok, ids, max_new_tokens=16, seed=1, stop_ids=[10**6, extra])
-    assert cut.response_ids == free.response_ids[:k + 1] and cut.finish_reason == "stop"
-    assert len(cut.logprobs) == k + 1 and cut.logprobs == pytest.approx(free.logprobs[:k + 1], abs=1e-6)
+    assert cut.response_ids == free.response_ids[: k + 1] and cut.finish_reason == "stop"
+    assert len(cut.logprobs) == k + 1 and cut.logprobs == pytest.approx(free.logprobs[: k + 1], abs=1e-6)
     assert truncate_at_stop([5, 7, 2, 7, 0], {0, 2}) == (3, "stop") and truncate_at_stop([5], {0}) == (1, "length")
 
 
 def test_bootstrap_builds_a_qwen2_bpe_chat_policy(tmp_path):
-    cfg = tiny_config("model.arch=qwen2", "model.tokenizer=bpe", "model.n_kv_head=2", "bootstrap.sft_max_steps=2",
-                      "bootstrap.eval_every=2", "bootstrap.n_eval_prompts=4", "bootstrap.sft_batch_size=8",
-                      "task.system_prompt='Add.'")
+    cfg = tiny_config(
+        "model.arch=qwen2",
+        "model.tokenizer=bpe",
+        "model.n_kv_head=2",
+        "bootstrap.sft_max_steps=2",
+        "bootstrap.eval_every=2",
+        "bootstrap.n_eval_prompts=4",
+        "bootstrap.sft_batch_size=8",
+        "task.system_prompt='Add.'",
+    )
     out = tmp_path / "policy"
     bootstrap.run(cfg, bootstrap.Args(out=str(out), metrics=str(tmp_path / "curve.parquet")))
     model, tok = load_policy(out)
@@ -136,9 +155,12 @@ def test_bootstrap_builds_a_qwen2_bpe_chat_policy(tmp_path):
     ids, mask, labels = bootstrap.sft_batch(tok, random.Random(0), cfg, set(), chat=True)
     row = ids[0][mask[0].bool()].tolist()
     response = [t for t, lab in zip(row, labels[0].tolist()) if lab != -100]
-    prompt = row[:len(row) - len(response)]
+    prompt = row[: len(row) - len(response)]
     user = tok.decode(prompt).split("<|im_start|>user\n")[1].split("<|im_end|>")[0]
-    conversation = [{"role": "system", "content": "Add."}, {"role": "user", "content": user},
-                    {"role": "assistant", "content": tok.decode(response[:-1])}]
+    conversation = [
+        {"role": "system", "content": "Add."},
+        {"role": "user", "content": user},
+        {"role": "assistant", "content": tok.decode(response[:-1])},
+    ]
     assert tok.decode(row) + "\n" == tok.apply_chat_template(conversation, tokenize=False)
     assert response[-1] == tok.eos_token_id and user.endswith("=")

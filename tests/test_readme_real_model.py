@@ -13,11 +13,10 @@ from pathlib import Path
 
 import polars as pl
 import yaml
+from conftest import REPO, SMALL
 
 from otbflow import schemas
 from otbflow.io import read_table
-
-from conftest import REPO, SMALL
 
 MODEL = "/models/Qwen2.5-0.5B-Instruct"
 DATA = "/data/gsm8k/train.parquet"
@@ -41,12 +40,19 @@ def run(line: str, cwd: Path, *extra: str) -> subprocess.CompletedProcess:
 def test_readme_real_model_commands(tmp_path, qwen2_bpe_policy):
     lines = readme_commands()
     assert len(lines) == 3 and all(MODEL in x or DATA in x for x in lines)
-    rows = [{"question": f"Ann has {i} pens and gets {i + 2} more. How many pens?",
-             "answer": f"{i}+{i + 2}=<<{i}+{i + 2}={2 * i + 2}>>{2 * i + 2}\n#### {2 * i + 2}"} for i in range(80)]
+    rows = [
+        {
+            "question": f"Ann has {i} pens and gets {i + 2} more. How many pens?",
+            "answer": f"{i}+{i + 2}=<<{i}+{i + 2}={2 * i + 2}>>{2 * i + 2}\n#### {2 * i + 2}",
+        }
+        for i in range(80)
+    ]
     data = tmp_path / "gsm8k_train.parquet"
     pl.DataFrame(rows).write_parquet(data)
-    lines = [x.replace(MODEL, str(qwen2_bpe_policy)).replace(DATA, str(data)).replace("--cores 8", "--cores 2")
-             for x in lines]
+    lines = [
+        x.replace(MODEL, str(qwen2_bpe_policy)).replace(DATA, str(data)).replace("--cores 8", "--cores 2")
+        for x in lines
+    ]
     res = run(lines[0], tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     ev = read_table(tmp_path / "results/data/eval.parquet", schemas.PROMPTS)

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from otbflow import features, schemas
-from otbflow.logits import sequence_token_stats, token_stats
-from otbflow.io import read_metadata, read_table
 from otbflow.hf_engine import hf_generate
+from otbflow.io import read_metadata, read_table
+from otbflow.logits import sequence_token_stats, token_stats
 from otbflow.model import encode, load_policy
 
 
@@ -21,8 +21,14 @@ def test_rollout_table(rollouts_path, cfg):
     stopped = df.filter(pl.col("finish_reason") == "stop")
     assert all(ids[-1] == 1 for ids in stopped["response_ids"])  # <eos> id 1 closes a stopped response
     meta = read_metadata(rollouts_path)
-    assert meta["sampling"] == {"n": 4, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 24,
-                                "greedy": False}
+    assert meta["sampling"] == {
+        "n": 4,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "max_new_tokens": 24,
+        "greedy": False,
+    }
     assert meta["backend"] == "hf" and "transformers_version" in meta
 
 
@@ -43,7 +49,9 @@ def test_token_stats_match_direct_softmax_and_autograd(temperature):
     ids = torch.randint(0, 50, (6, 5), generator=g)
     s = token_stats(logits, ids, temperature)
     p = torch.softmax(logits / temperature, -1)
-    torch.testing.assert_close(s["logprobs"].double(), p.gather(-1, ids[..., None]).squeeze(-1).log(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        s["logprobs"].double(), p.gather(-1, ids[..., None]).squeeze(-1).log(), atol=1e-5, rtol=0
+    )
     torch.testing.assert_close(s["sum_pi_sq"].double(), (p**2).sum(-1), atol=1e-5, rtol=0)
     torch.testing.assert_close(s["entropy"].double(), -(p * p.log()).sum(-1), atol=1e-5, rtol=0)
     # proxy == ||d/dz log softmax(z)_y||^2 with z the temperature-scaled logits
@@ -65,7 +73,9 @@ def test_features_match_model_logits_and_rollout(features_path, tiny_policy, cfg
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0] / cfg.rollout.temperature
     p = len(row["prompt_ids"])
-    expected = torch.log_softmax(logits, -1)[p - 1:-1].gather(-1, torch.tensor(row["response_ids"])[:, None]).squeeze(-1)
+    expected = (
+        torch.log_softmax(logits, -1)[p - 1 : -1].gather(-1, torch.tensor(row["response_ids"])[:, None]).squeeze(-1)
+    )
     torch.testing.assert_close(torch.tensor(row["logprobs"]), expected, atol=1e-5, rtol=0)
 
 
@@ -84,8 +94,12 @@ def test_features_reject_bad_rollouts(tmp_path, rollouts_path, tiny_policy, cfg)
     bad = pl.read_parquet(rollouts_path).drop("rollout_logprobs")
     bad.write_parquet(tmp_path / "bad.parquet")
     with pytest.raises(Exception, match="bad.parquet: missing column 'rollout_logprobs'"):
-        features.run(cfg, features.Args(rollouts=str(tmp_path / "bad.parquet"), policy=str(tiny_policy),
-                                        out=str(tmp_path / "f.parquet")))
+        features.run(
+            cfg,
+            features.Args(
+                rollouts=str(tmp_path / "bad.parquet"), policy=str(tiny_policy), out=str(tmp_path / "f.parquet")
+            ),
+        )
     assert not (tmp_path / "f.parquet").exists()
 
 
@@ -99,7 +113,7 @@ def test_exact_grad_sq_norm_matches_autograd(tiny_policy, rollouts_path):
         model.zero_grad()
         ids = torch.tensor([row["prompt_ids"] + row["response_ids"]])
         p = len(row["prompt_ids"])
-        logits = model(input_ids=ids).logits[0, p - 1:-1] / 0.8
+        logits = model(input_ids=ids).logits[0, p - 1 : -1] / 0.8
         torch.log_softmax(logits, -1).gather(-1, torch.tensor(row["response_ids"])[:, None]).sum().backward()
         expected = sum(float((q.grad.double() ** 2).sum()) for q in model.parameters() if q.grad is not None)
         assert value == pytest.approx(expected, rel=1e-4)
@@ -108,10 +122,13 @@ def test_exact_grad_sq_norm_matches_autograd(tiny_policy, rollouts_path):
 
 def test_features_stage_exact_mode_feeds_eob(tmp_path, rollouts_path, tiny_policy):
     from conftest import tiny_config
+
     from otbflow.advantages import compute_advantages
 
     cfg = tiny_config("features.exact_grad_norm=true")
-    features.run(cfg, features.Args(rollouts=str(rollouts_path), policy=str(tiny_policy), out=str(tmp_path / "f.parquet")))
+    features.run(
+        cfg, features.Args(rollouts=str(rollouts_path), policy=str(tiny_policy), out=str(tmp_path / "f.parquet"))
+    )
     df = read_table(tmp_path / "f.parquet", schemas.FEATURES)
     assert "grad_sq_norm" in df.columns and (df.filter(pl.col("response_length") > 0)["grad_sq_norm"] > 0).all()
     assert "advantages" in compute_advantages(df, "eob").columns
@@ -155,22 +172,28 @@ def test_features_stage_with_vocab_chunks_matches(tmp_path, rollouts_path, tiny_
     from conftest import tiny_config
 
     cfg = tiny_config("features.vocab_chunk_size=10", "features.chunk_size=5")
-    features.run(cfg, features.Args(rollouts=str(rollouts_path), policy=str(tiny_policy), out=str(tmp_path / "f.parquet")))
+    features.run(
+        cfg, features.Args(rollouts=str(rollouts_path), policy=str(tiny_policy), out=str(tmp_path / "f.parquet"))
+    )
     a, b = pl.read_parquet(tmp_path / "f.parquet"), pl.read_parquet(features_path)
     for col in ("logprobs", "entropy", "sum_pi_sq", "proxy"):
         diff = (a[col].explode() - b[col].explode()).abs().max()
         assert diff < 2e-5, (col, diff)
 
 
-@pytest.mark.parametrize("level, expected", [
-    # rho = exp(logprobs - rollout_logprobs) = (e^0.5, e^-1) per token, truncated at C = 1.5; the
-    # sequence weight is exp(0.5 - 1) = e^-0.5 on both tokens; the empty row gets no weight
-    ("token", [[1.5, math.exp(-1.0)], []]),
-    ("sequence", [[math.exp(-0.5)] * 2, []]),
-])
+@pytest.mark.parametrize(
+    "level, expected",
+    [
+        # rho = exp(logprobs - rollout_logprobs) = (e^0.5, e^-1) per token, truncated at C = 1.5; the
+        # sequence weight is exp(0.5 - 1) = e^-0.5 on both tokens; the empty row gets no weight
+        ("token", [[1.5, math.exp(-1.0)], []]),
+        ("sequence", [[math.exp(-0.5)] * 2, []]),
+    ],
+)
 def test_is_weights_hand_computed(level, expected):
-    got = features.is_weights_column(pl.Series([[-1.0, -2.0], []], dtype=schemas.F32L),
-                                     pl.Series([[-1.5, -1.0], []], dtype=schemas.F32L), level, 1.5)
+    got = features.is_weights_column(
+        pl.Series([[-1.0, -2.0], []], dtype=schemas.F32L), pl.Series([[-1.5, -1.0], []], dtype=schemas.F32L), level, 1.5
+    )
     assert got.dtype == schemas.F32L and got.name == "is_weights"
     for g, e in zip(got.to_list(), expected):
         assert g == pytest.approx(e, rel=1e-6)

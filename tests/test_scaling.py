@@ -36,7 +36,9 @@ def test_scaling_stage(tmp_path, cfg, tiny_policy, rollouts_path):
     assert (seqs["grad_sq_norm"] > 0).all()
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary == pytest.approx(pl.read_parquet(tmp_path / "summary.parquet").row(0, named=True))
-    assert summary["grad_sq_norm_slope_ci_low"] <= summary["grad_sq_norm_slope"] <= summary["grad_sq_norm_slope_ci_high"]
+    assert (
+        summary["grad_sq_norm_slope_ci_low"] <= summary["grad_sq_norm_slope"] <= summary["grad_sq_norm_slope_ci_high"]
+    )
     assert (tmp_path / "scaling.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -45,12 +47,19 @@ def test_responses_of_one_length_give_no_fit_not_a_failed_workflow(tmp_path, cfg
     NaN slopes, instead of stopping the whole workflow for a diagnostic."""
     df = pl.read_parquet(rollouts_path).filter(pl.col("response_length") > 0)
     n = int(df["response_length"].min())
-    one = df.with_columns(pl.col("response_ids").list.head(n), pl.col("rollout_logprobs").list.head(n),
-                          pl.lit(n, dtype=df.schema["response_length"]).alias("response_length"))
+    one = df.with_columns(
+        pl.col("response_ids").list.head(n),
+        pl.col("rollout_logprobs").list.head(n),
+        pl.lit(n, dtype=df.schema["response_length"]).alias("response_length"),
+    )
     one.write_parquet(tmp_path / "one.parquet")
-    scaling.run(cfg, scaling.Args(rollouts=[str(tmp_path / "one.parquet")], policy=str(tiny_policy),
-                                  out_dir=str(tmp_path / "out")))
+    scaling.run(
+        cfg,
+        scaling.Args(rollouts=[str(tmp_path / "one.parquet")], policy=str(tiny_policy), out_dir=str(tmp_path / "out")),
+    )
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["min_length"] == summary["max_length"] == n
     assert np.isnan(summary["grad_sq_norm_slope"]) and np.isnan(summary["alpha_blog"])
-    assert read_table(tmp_path / "out" / "sequences.parquet", schemas.SCALING_SEQUENCES).height == summary["n_sequences"]
+    assert (
+        read_table(tmp_path / "out" / "sequences.parquet", schemas.SCALING_SEQUENCES).height == summary["n_sequences"]
+    )

@@ -19,11 +19,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import REPO, TINY, make_sandbox, sandbox_env
 
 from otbflow import schemas
 from otbflow.io import read_metadata, read_table
-
-from conftest import REPO, TINY, make_sandbox, sandbox_env
 
 # one worker for the module (its Slurm run is a module fixture); the tiny run it copies is shared across workers
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.xdist_group("slurm")]
@@ -31,8 +30,17 @@ SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
 LOCAL = REPO / "slurm" / "local"
 # A test cluster: no accounts, first status check after 2 s instead of the profile's 20 s, one
 # CPU per job so that two jobs share the 2-core machine.
-TEST_ARGS = ["--slurm-no-account", "--slurm-init-seconds-before-status-checks", "2",
-             "--set-threads", "bootstrap=1", "rollout=1", "features=1", "evaluate=1", "scaling=1"]
+TEST_ARGS = [
+    "--slurm-no-account",
+    "--slurm-init-seconds-before-status-checks",
+    "2",
+    "--set-threads",
+    "bootstrap=1",
+    "rollout=1",
+    "features=1",
+    "evaluate=1",
+    "scaling=1",
+]
 # One iteration, trained by 2 DeepSpeed ranks of 1 CPU each.
 TEST_CONFIG = "iterations: 1\nresources:\n  train: {tasks: 2, cpus_per_task: 1}\n"
 
@@ -43,8 +51,9 @@ def local_slurm():
     slurm/local/slurm-down.sh): with Slurm's client installed and no controller, every Snakemake
     start waits about 9 s on `scontrol show config` (the Slurm executor plugin asks for MinJobAge
     when it is loaded, even for a local run), which the workflow tests after this one would pay."""
-    res = subprocess.run(["bash", str(LOCAL / "slurm-up.sh")], capture_output=True, text=True,
-                         stdin=subprocess.DEVNULL, timeout=900)
+    res = subprocess.run(
+        ["bash", str(LOCAL / "slurm-up.sh")], capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=900
+    )
     if res.returncode == 77 or (res.returncode != 0 and not shutil.which("slurmctld")):
         reason = f"cannot start a local Slurm here: {(res.stdout + res.stderr).strip()[-500:]}"
         print(reason)
@@ -58,7 +67,9 @@ def slurm_sandbox(local_slurm, tiny_run, tmp_path_factory):
     user's ``my.yaml`` (config/tiny.yaml plus TEST_CONFIG): the README's Slurm commands run here."""
     work = make_sandbox(tmp_path_factory.mktemp("slurm"))
     for name in ("results", ".snakemake"):
-        shutil.copytree(tiny_run / name, work / name, symlinks=True, ignore=shutil.ignore_patterns("locks", "incomplete"))
+        shutil.copytree(
+            tiny_run / name, work / name, symlinks=True, ignore=shutil.ignore_patterns("locks", "incomplete")
+        )
     config = yaml.safe_load(TINY.read_text()) | yaml.safe_load(TEST_CONFIG)
     (work / "my.yaml").write_text(yaml.safe_dump(config))
     yield work
@@ -71,8 +82,16 @@ def slurm_sandbox(local_slurm, tiny_run, tmp_path_factory):
 
 def sh(work: Path, command: str, ok=(0,)) -> str:
     """A README command in the sandbox's shell; returns its output."""
-    res = subprocess.run(command, shell=True, cwd=work, env=sandbox_env(work), capture_output=True, text=True,
-                         stdin=subprocess.DEVNULL, timeout=900)
+    res = subprocess.run(
+        command,
+        shell=True,
+        cwd=work,
+        env=sandbox_env(work),
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=900,
+    )
     assert res.returncode in ok, f"{command!r} failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
     return res.stdout + res.stderr
 
@@ -99,18 +118,14 @@ def submit(work: Path, command: str) -> tuple[str, str]:
 ADV = "results/iter_0/advantages/advantages.parquet"
 FAST = " ".join(TEST_ARGS)
 README_FORMS = {
-    "otbflow submit --configfile my.yaml --partition long --account my_project":
-        f"otbflow submit --configfile my.yaml --partition debug --account my_project -- --forcerun rollout {FAST}",
+    "otbflow submit --configfile my.yaml --partition long --account my_project": f"otbflow submit --configfile my.yaml --partition debug --account my_project -- --forcerun rollout {FAST}",
     "squeue --me": "squeue --me",
     "tail -f logs/submit/4242/4242_0_log.out": "timeout 5 tail -f logs/submit/{job}/{job}_0_log.out",
     "ls .snakemake/slurm_logs/rule_train/": "ls .snakemake/slurm_logs/rule_train/",
-    "otbflow submit --configfile my.yaml -- --config 'advantages={estimator: grpo}'":
-        f"otbflow submit --configfile my.yaml -- {ADV} --config 'advantages={{estimator: grpo}}' {FAST}",
-    "otbflow submit --configfile my.yaml --rerun advantages":
-        f"otbflow submit --configfile my.yaml --rerun advantages -- {ADV} {FAST}",
+    "otbflow submit --configfile my.yaml -- --config 'advantages={estimator: grpo}'": f"otbflow submit --configfile my.yaml -- {ADV} --config 'advantages={{estimator: grpo}}' {FAST}",
+    "otbflow submit --configfile my.yaml --rerun advantages": f"otbflow submit --configfile my.yaml --rerun advantages -- {ADV} {FAST}",
     "otbflow submit --configfile my.yaml": f"otbflow submit --configfile my.yaml -- {ADV} {FAST}",
-    "snakemake --workflow-profile slurm --configfile my.yaml < /dev/null":
-        f"snakemake --workflow-profile slurm --configfile my.yaml -n {FAST} < /dev/null",
+    "snakemake --workflow-profile slurm --configfile my.yaml < /dev/null": f"snakemake --workflow-profile slurm --configfile my.yaml -n {FAST} < /dev/null",
 }
 
 
@@ -160,14 +175,18 @@ def test_submit_reruns_what_changed(slurm_run):
     """README step 3 and 4: a config change and --rerun redo one stage; a resubmission with
     nothing missing runs nothing; the profile without a head job plans from the same state."""
     work, _ = slurm_run
-    _, log = submit(work, README_FORMS["otbflow submit --configfile my.yaml -- --config 'advantages={estimator: grpo}'"])
+    _, log = submit(
+        work, README_FORMS["otbflow submit --configfile my.yaml -- --config 'advantages={estimator: grpo}'"]
+    )
     assert set(read_table(work / ADV, schemas.ADVANTAGES)["estimator"]) == {"grpo"}
     assert "rule rollout" not in log and "rule train" not in log  # only the advantages job ran
     _, log = submit(work, README_FORMS["otbflow submit --configfile my.yaml --rerun advantages"])
     assert "--forcerun advantages" in log and set(read_table(work / ADV, schemas.ADVANTAGES)["estimator"]) == {"otb"}
     _, log = submit(work, README_FORMS["otbflow submit --configfile my.yaml"])
     assert "Nothing to be done" in log
-    assert "Nothing to be done" in sh(work, README_FORMS["snakemake --workflow-profile slurm --configfile my.yaml < /dev/null"])
+    assert "Nothing to be done" in sh(
+        work, README_FORMS["snakemake --workflow-profile slurm --configfile my.yaml < /dev/null"]
+    )
 
 
 def test_every_readme_slurm_command_has_a_form_here():

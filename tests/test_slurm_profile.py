@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import REPO, TINY
 
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
@@ -29,8 +28,22 @@ class Resources(dict):
 
 def dry_run_jobs(workdir: Path, profile: Path, *args: str) -> dict[str, tuple[int, Resources]]:
     """rule -> (threads, resources) of the first job of each rule in a dry run."""
-    cmd = [SNAKEMAKE, "-s", str(REPO / "Snakefile"), "--directory", str(workdir), "--workflow-profile",
-           str(profile), "--configfile", str(TINY), "--slurm-no-account", "-n", "--cores", "64", *args]
+    cmd = [
+        SNAKEMAKE,
+        "-s",
+        str(REPO / "Snakefile"),
+        "--directory",
+        str(workdir),
+        "--workflow-profile",
+        str(profile),
+        "--configfile",
+        str(TINY),
+        "--slurm-no-account",
+        "-n",
+        "--cores",
+        "64",
+        *args,
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     jobs = {}
@@ -57,8 +70,14 @@ def sbatch_flags(threads: int, resources: Resources) -> str:
 
     job = Job()
     job.threads, job.resources = threads, resources
-    params = {"run_uuid": "RUN", "slurm_logfile": "LOG", "comment_str": "C", "account": "", "partition": "",
-              "workdir": None}
+    params = {
+        "run_uuid": "RUN",
+        "slurm_logfile": "LOG",
+        "comment_str": "C",
+        "account": "",
+        "partition": "",
+        "workdir": None,
+    }
     call = get_submit_command(job, params) + set_gres_string(job)
     return call.split("--comment C", 1)[1].split()
 
@@ -95,8 +114,15 @@ def test_cpu_defaults(tmp_path):
     assert sbatch_flags(*jobs["report"]) == ["-t", "15", "--mem", "2000", "--ntasks=1", "--cpus-per-task=1"]
     for rule, minutes in [("rollout", "120"), ("features", "60"), ("evaluate", "60")]:
         assert sbatch_flags(*jobs[rule]) == ["-t", minutes, "--mem", "8000", "--ntasks=1", "--cpus-per-task=1"]
-    assert sbatch_flags(*jobs["train"]) == ["-t", "120", "--mem", "8000", "--nodes=1", "--ntasks=1",
-                                            "--cpus-per-task=1"]
+    assert sbatch_flags(*jobs["train"]) == [
+        "-t",
+        "120",
+        "--mem",
+        "8000",
+        "--nodes=1",
+        "--ntasks=1",
+        "--cpus-per-task=1",
+    ]
     assert "mpi" not in jobs["train"][1]  # one process: the job step runs the command itself
 
 
@@ -114,20 +140,30 @@ def test_runtime_grows_with_each_attempt(tmp_path):
 
 def test_multi_process_cpu_training(tmp_path):
     (tmp_path / "ranks.yaml").write_text("resources:\n  train: {tasks: 4, nodes: 2, cpus_per_task: 3}\n")
-    threads, res = dry_run_jobs(tmp_path, REPO / "slurm", "--configfile", str(TINY), str(tmp_path / "ranks.yaml"))["train"]
+    threads, res = dry_run_jobs(tmp_path, REPO / "slurm", "--configfile", str(TINY), str(tmp_path / "ranks.yaml"))[
+        "train"
+    ]
     assert res["mpi"] == "srun"  # the command calls srun itself
-    assert sbatch_flags(threads, res) == ["-t", "120", "--mem", "8000", "--nodes=2", "--ntasks=4",
-                                          "--cpus-per-task=3"]
+    assert sbatch_flags(threads, res) == ["-t", "120", "--mem", "8000", "--nodes=2", "--ntasks=4", "--cpus-per-task=3"]
 
 
 def test_site_gpus_partition_model_and_gres(tmp_path, site_profile):
     (tmp_path / "gpus.yaml").write_text(
-        "resources:\n  rollout: {gpu: 1, cpus_per_gpu: 6}\n  train: {gpu: 2, tasks: 2, cpus_per_gpu: 4}\n")
+        "resources:\n  rollout: {gpu: 1, cpus_per_gpu: 6}\n  train: {gpu: 2, tasks: 2, cpus_per_gpu: 4}\n"
+    )
     jobs = dry_run_jobs(tmp_path, site_profile, "--configfile", str(TINY), str(tmp_path / "gpus.yaml"))
     assert jobs["rollout"][1]["slurm_partition"] == "gpu"
     assert sbatch_flags(*jobs["rollout"]) == ["-t", "120", "--mem", "8000", "--cpus-per-gpu=6", "--gpus=a100:1"]
-    assert sbatch_flags(*jobs["train"]) == ["-t", "120", "--mem", "8000", "--nodes=1", "--ntasks-per-gpu=1",
-                                            "--ntasks=2", "--cpus-per-gpu=4", "--gpus=a100:2"]
-    assert sbatch_flags(*jobs["evaluate"]) == ["-t", "60", "--mem", "8000", "--cpus-per-gpu=8",
-                                               "--gres=gpu:a100:1"]
+    assert sbatch_flags(*jobs["train"]) == [
+        "-t",
+        "120",
+        "--mem",
+        "8000",
+        "--nodes=1",
+        "--ntasks-per-gpu=1",
+        "--ntasks=2",
+        "--cpus-per-gpu=4",
+        "--gpus=a100:2",
+    ]
+    assert sbatch_flags(*jobs["evaluate"]) == ["-t", "60", "--mem", "8000", "--cpus-per-gpu=8", "--gres=gpu:a100:1"]
     assert sbatch_flags(*jobs["features"]) == ["-t", "60", "--mem", "8000", "--ntasks=1", "--cpus-per-task=1"]

@@ -2,15 +2,19 @@ import json
 
 import polars as pl
 import pytest
-
-from otbflow import shard
-from otbflow.io import SchemaError, read_table
-from otbflow import schemas
-from otbflow.rewards import (REWARDS, arithmetic_reward, extract_math_answer, fallback_math_reward, get_reward,
-                             math_reward)
-from otbflow.tasks import arithmetic_prompts, arithmetic_solution, load_dataset_file
-
 from conftest import tiny_config
+
+from otbflow import schemas, shard
+from otbflow.io import SchemaError, read_table
+from otbflow.rewards import (
+    REWARDS,
+    arithmetic_reward,
+    extract_math_answer,
+    fallback_math_reward,
+    get_reward,
+    math_reward,
+)
+from otbflow.tasks import arithmetic_prompts, arithmetic_solution, load_dataset_file
 
 
 def test_arithmetic_solution_is_correct_and_lengths_vary():
@@ -60,16 +64,19 @@ def test_rewards_registry():
         get_reward("nope")
 
 
-@pytest.mark.parametrize("response, answer, expected", [
-    ("so the answer is \\boxed{42}.", "42", 1.0),
-    ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
-    ("Total: 1,234 apples\n#### 1234", "1234", 1.0),
-    ("it is 7, no wait, 8", "8", 1.0),
-    ("it is 7, no wait, 8", "7", 0.0),
-    ("\\boxed{x+1}", "x+1", 1.0),
-    ("nothing", "3", 0.0),
-    ("#### 18", "Janet sells 16-3-4=9 eggs... #### 18", 1.0),  # GSM8K-style reference
-])
+@pytest.mark.parametrize(
+    "response, answer, expected",
+    [
+        ("so the answer is \\boxed{42}.", "42", 1.0),
+        ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
+        ("Total: 1,234 apples\n#### 1234", "1234", 1.0),
+        ("it is 7, no wait, 8", "8", 1.0),
+        ("it is 7, no wait, 8", "7", 0.0),
+        ("\\boxed{x+1}", "x+1", 1.0),
+        ("nothing", "3", 0.0),
+        ("#### 18", "Janet sells 16-3-4=9 eggs... #### 18", 1.0),  # GSM8K-style reference
+    ],
+)
 def test_math_reward(response, answer, expected):
     assert math_reward(response, answer) == expected
 
@@ -99,10 +106,16 @@ def test_dataset_loader_and_split(tmp_path):
     with pytest.raises(SchemaError, match="bad.jsonl: missing column 'answer' \\(the gsm8k layout needs question"):
         load_dataset_file(tmp_path / "bad.jsonl")
     pl.DataFrame({"text": ["x"], "answer": ["1"]}).write_ndjson(tmp_path / "other.jsonl")
-    with pytest.raises(SchemaError, match="other.jsonl: cannot tell the dataset layout from its columns \\(text, answer\\)"):
+    with pytest.raises(
+        SchemaError, match="other.jsonl: cannot tell the dataset layout from its columns \\(text, answer\\)"
+    ):
         load_dataset_file(tmp_path / "other.jsonl")
-    cfg = tiny_config("task.name=dataset", f"task.path={tmp_path / 'd.jsonl'}", "task.n_eval=5",
-                      "task.prompt_template='Q: {prompt} A:'")
+    cfg = tiny_config(
+        "task.name=dataset",
+        f"task.path={tmp_path / 'd.jsonl'}",
+        "task.n_eval=5",
+        "task.prompt_template='Q: {prompt} A:'",
+    )
     shard.run(cfg, shard.Args(out_dir=str(tmp_path / "out")))
     ev = read_table(tmp_path / "out" / "eval.parquet", schemas.PROMPTS)
     tr = [read_table(tmp_path / "out" / "train" / f"shard_{s}.parquet", schemas.PROMPTS) for s in range(2)]
@@ -115,22 +128,25 @@ def test_dataset_loader_and_split(tmp_path):
 # ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("response, answer, expected", [
-    ("so x = \\boxed{\\frac{3}{4}}", "0.75", 1.0),          # LaTeX fraction vs decimal
-    ("\\boxed{\\dfrac{6}{8}}", "\\frac{3}{4}", 1.0),         # unsimplified fraction
-    ("The answer is 3/4.", "\\frac{3}{4}", 1.0),             # plain fraction, no box
-    ("\\boxed{\\frac{3}{5}}", "\\frac{3}{4}", 0.0),
-    ("\\boxed{\\{3, 1, 2\\}}", "\\{1,2,3\\}", 1.0),          # sets, any order
-    ("\\boxed{1, 2}", "\\{1,2,3\\}", 0.0),
-    ("\\boxed{25\\%}", "0.25", 1.0),                          # percentage
-    ("\\boxed{5\\text{ cm}}", "5", 1.0),                      # units in \text{}
-    ("\\boxed{\\$1,200}", "1200", 1.0),                       # currency and thousands separator
-    ("\\boxed{\\sqrt{8}}", "2\\sqrt{2}", 1.0),                # symbolic equality
-    ("\\boxed{x=3}", "3", 1.0),
-    ("\\boxed{(1,2)}", "(1,2)", 1.0),
-    ("The last step gives 17\n#### 17", "Janet sells 16-3-4=9... #### 17", 1.0),  # GSM8K reference
-    ("\\boxed{7}", "We get $\\boxed{7}$.", 1.0),                                 # MATH solution reference
-])
+@pytest.mark.parametrize(
+    "response, answer, expected",
+    [
+        ("so x = \\boxed{\\frac{3}{4}}", "0.75", 1.0),  # LaTeX fraction vs decimal
+        ("\\boxed{\\dfrac{6}{8}}", "\\frac{3}{4}", 1.0),  # unsimplified fraction
+        ("The answer is 3/4.", "\\frac{3}{4}", 1.0),  # plain fraction, no box
+        ("\\boxed{\\frac{3}{5}}", "\\frac{3}{4}", 0.0),
+        ("\\boxed{\\{3, 1, 2\\}}", "\\{1,2,3\\}", 1.0),  # sets, any order
+        ("\\boxed{1, 2}", "\\{1,2,3\\}", 0.0),
+        ("\\boxed{25\\%}", "0.25", 1.0),  # percentage
+        ("\\boxed{5\\text{ cm}}", "5", 1.0),  # units in \text{}
+        ("\\boxed{\\$1,200}", "1200", 1.0),  # currency and thousands separator
+        ("\\boxed{\\sqrt{8}}", "2\\sqrt{2}", 1.0),  # symbolic equality
+        ("\\boxed{x=3}", "3", 1.0),
+        ("\\boxed{(1,2)}", "(1,2)", 1.0),
+        ("The last step gives 17\n#### 17", "Janet sells 16-3-4=9... #### 17", 1.0),  # GSM8K reference
+        ("\\boxed{7}", "We get $\\boxed{7}$.", 1.0),  # MATH solution reference
+    ],
+)
 def test_math_reward_uses_math_verify(response, answer, expected):
     assert math_reward(response, answer) == expected
 
@@ -169,25 +185,47 @@ def test_math_reward_works_off_the_main_thread():
 
 def write_layouts(d):
     """Fixtures in the layouts users have, as the public datasets spell them."""
-    gsm8k = [{"question": f"Tom has {i} apples and buys {i + 1}. How many?",
-              "answer": f"He has {i}+{i + 1}=<<{i}+{i + 1}={2 * i + 1}>>{2 * i + 1} apples.\n#### {2 * i + 1:,}"}
-             for i in range(498, 508)]
+    gsm8k = [
+        {
+            "question": f"Tom has {i} apples and buys {i + 1}. How many?",
+            "answer": f"He has {i}+{i + 1}=<<{i}+{i + 1}={2 * i + 1}>>{2 * i + 1} apples.\n#### {2 * i + 1:,}",
+        }
+        for i in range(498, 508)
+    ]
     pl.DataFrame(gsm8k).write_ndjson(d / "gsm8k.jsonl")
-    math = [{"problem": f"Simplify $\\frac{{{i}}}{{{2 * i}}}$.", "level": "Level 1", "type": "Algebra",
-             "solution": f"Divide: $\\frac{{{i}}}{{{2 * i}}} = \\boxed{{\\frac{{1}}{{2}}}}$ for {i}."} for i in range(1, 11)]
+    math = [
+        {
+            "problem": f"Simplify $\\frac{{{i}}}{{{2 * i}}}$.",
+            "level": "Level 1",
+            "type": "Algebra",
+            "solution": f"Divide: $\\frac{{{i}}}{{{2 * i}}} = \\boxed{{\\frac{{1}}{{2}}}}$ for {i}.",
+        }
+        for i in range(1, 11)
+    ]
     pl.DataFrame(math).write_ndjson(d / "math.jsonl")
-    verl = pl.DataFrame({
-        "data_source": ["openai/gsm8k"] * 10,
-        "prompt": [[{"role": "system", "content": "You are a calculator."},
-                    {"role": "user", "content": f"What is {i}+1? Let's think step by step and output the final "
-                                                "answer after \"####\"."}] for i in range(10)],
-        "ability": ["math"] * 10,
-        "reward_model": [{"style": "rule", "ground_truth": str(i + 1)} for i in range(10)],
-        "extra_info": [{"split": "train", "index": i} for i in range(10)],
-    })
+    verl = pl.DataFrame(
+        {
+            "data_source": ["openai/gsm8k"] * 10,
+            "prompt": [
+                [
+                    {"role": "system", "content": "You are a calculator."},
+                    {
+                        "role": "user",
+                        "content": f"What is {i}+1? Let's think step by step and output the final "
+                        'answer after "####".',
+                    },
+                ]
+                for i in range(10)
+            ],
+            "ability": ["math"] * 10,
+            "reward_model": [{"style": "rule", "ground_truth": str(i + 1)} for i in range(10)],
+            "extra_info": [{"split": "train", "index": i} for i in range(10)],
+        }
+    )
     verl.write_parquet(d / "verl.parquet")
-    pl.DataFrame({"prompt": [f"{i}+{i}=" for i in range(10)], "answer": [str(2 * i) for i in range(10)]}) \
-        .write_parquet(d / "plain.parquet")
+    pl.DataFrame({"prompt": [f"{i}+{i}=" for i in range(10)], "answer": [str(2 * i) for i in range(10)]}).write_parquet(
+        d / "plain.parquet"
+    )
 
 
 def shard_dataset(tmp_path, path, *overrides):
@@ -202,15 +240,19 @@ def shard_dataset(tmp_path, path, *overrides):
 def test_every_layout_through_the_shard_stage(tmp_path, fmt):
     write_layouts(tmp_path)
     fmts = {"gsm8k.jsonl": "gsm8k", "math.jsonl": "math", "verl.parquet": "verl", "plain.parquet": "prompt_answer"}
-    tables = {name: shard_dataset(tmp_path, tmp_path / name, f"task.format={fmts[name] if fmt == 'explicit' else 'auto'}")
-              for name in fmts}
+    tables = {
+        name: shard_dataset(tmp_path, tmp_path / name, f"task.format={fmts[name] if fmt == 'explicit' else 'auto'}")
+        for name in fmts
+    }
     g = tables["gsm8k.jsonl"]
     assert g.height == 10 and set(g["answer"]) == {str(2 * i + 1) for i in range(498, 508)}  # "1,001" -> "1001"
     assert g["prompt"][0].startswith("Tom has") and set(g["data_source"]) == {"gsm8k"}
     m = tables["math.jsonl"]
     assert set(m["answer"]) == {"\\frac{1}{2}"} and m["prompt"][0].startswith("Simplify $\\frac")
     v = tables["verl.parquet"]
-    assert set(v["data_source"]) == {"openai/gsm8k"} and sorted(v["answer"].to_list()) == sorted(str(i + 1) for i in range(10))
+    assert set(v["data_source"]) == {"openai/gsm8k"} and sorted(v["answer"].to_list()) == sorted(
+        str(i + 1) for i in range(10)
+    )
     msgs = json.loads(v["messages"][0])
     assert [x["role"] for x in msgs] == ["system", "user"] and msgs[0]["content"] == "You are a calculator."
     assert v["prompt"][0] == msgs[1]["content"]  # the raw prompt: the user message
@@ -221,46 +263,78 @@ def test_every_layout_through_the_shard_stage(tmp_path, fmt):
     assert math_reward("$\\boxed{0.5}$", m["answer"][0]) == 1.0
 
 
-@pytest.mark.parametrize("name, fmt, error", [
-    ("gsm8k.jsonl", "math", "gsm8k.jsonl: missing column 'problem' \\(the math layout needs problem, solution\\)"),
-    ("math.jsonl", "gsm8k", "math.jsonl: missing column 'question'"),
-    ("plain.parquet", "verl", "plain.parquet: missing column 'reward_model'"),
-    ("verl.parquet", "prompt_answer", "verl.parquet: missing column 'answer'"),
-    ("nohash.jsonl", "auto", "nohash.jsonl: column 'answer' row 0: no '#### <answer>' line"),
-    ("nobox.jsonl", "math", "nobox.jsonl: column 'solution' row 1: no \\\\boxed\\{\\} answer"),
-    ("nogt.parquet", "auto", "nogt.parquet: missing column 'reward_model.ground_truth'"),
-])
+@pytest.mark.parametrize(
+    "name, fmt, error",
+    [
+        ("gsm8k.jsonl", "math", "gsm8k.jsonl: missing column 'problem' \\(the math layout needs problem, solution\\)"),
+        ("math.jsonl", "gsm8k", "math.jsonl: missing column 'question'"),
+        ("plain.parquet", "verl", "plain.parquet: missing column 'reward_model'"),
+        ("verl.parquet", "prompt_answer", "verl.parquet: missing column 'answer'"),
+        ("nohash.jsonl", "auto", "nohash.jsonl: column 'answer' row 0: no '#### <answer>' line"),
+        ("nobox.jsonl", "math", "nobox.jsonl: column 'solution' row 1: no \\\\boxed\\{\\} answer"),
+        ("nogt.parquet", "auto", "nogt.parquet: missing column 'reward_model.ground_truth'"),
+    ],
+)
 def test_a_wrong_layout_names_the_file_and_the_column(tmp_path, name, fmt, error):
     write_layouts(tmp_path)
     pl.DataFrame({"question": ["q"] * 4, "answer": ["no marker"] * 4}).write_ndjson(tmp_path / "nohash.jsonl")
-    pl.DataFrame({"problem": ["p"] * 4, "solution": ["\\boxed{1}", "none", "x", "y"]}).write_ndjson(tmp_path / "nobox.jsonl")
-    pl.DataFrame({"prompt": [[{"role": "user", "content": "q"}]] * 4, "reward_model": [{"style": "rule"}] * 4}) \
-        .write_parquet(tmp_path / "nogt.parquet")
+    pl.DataFrame({"problem": ["p"] * 4, "solution": ["\\boxed{1}", "none", "x", "y"]}).write_ndjson(
+        tmp_path / "nobox.jsonl"
+    )
+    pl.DataFrame(
+        {"prompt": [[{"role": "user", "content": "q"}]] * 4, "reward_model": [{"style": "rule"}] * 4}
+    ).write_parquet(tmp_path / "nogt.parquet")
     with pytest.raises(SchemaError, match=error):
         shard_dataset(tmp_path, tmp_path / name, f"task.format={fmt}")
 
 
 def test_verl_prompts_keep_their_system_message_through_the_chat_template(tmp_path, qwen2_bpe_policy):
-    from otbflow import rollout
-    from otbflow.io import read_metadata
     from transformers import AutoTokenizer
 
+    from otbflow import rollout
+    from otbflow.io import read_metadata
+
     write_layouts(tmp_path)
-    cfg = tiny_config("task.name=dataset", f"task.path={tmp_path / 'verl.parquet'}", "task.n_eval=2",
-                      "task.system_prompt='Ignored: the data has its own.'", "rollout.max_new_tokens=4")
+    cfg = tiny_config(
+        "task.name=dataset",
+        f"task.path={tmp_path / 'verl.parquet'}",
+        "task.n_eval=2",
+        "task.system_prompt='Ignored: the data has its own.'",
+        "rollout.max_new_tokens=4",
+    )
     shard.run(cfg, shard.Args(out_dir=str(tmp_path / "out")))
     out = tmp_path / "rollout.parquet"
-    rollout.run(cfg, rollout.Args(prompts=str(tmp_path / "out" / "train" / "shard_0.parquet"),
-                                  policy=str(qwen2_bpe_policy), out=str(out)))
+    rollout.run(
+        cfg,
+        rollout.Args(
+            prompts=str(tmp_path / "out" / "train" / "shard_0.parquet"), policy=str(qwen2_bpe_policy), out=str(out)
+        ),
+    )
     df = read_table(out, schemas.ROLLOUTS)
     tok = AutoTokenizer.from_pretrained(qwen2_bpe_policy)
     rendered = tok.decode(df["prompt_ids"][0].to_list())
-    assert rendered == (f"<|im_start|>system\nYou are a calculator.<|im_end|>\n<|im_start|>user\n{df['prompt'][0]}"
-                        "<|im_end|>\n<|im_start|>assistant\n")
+    assert rendered == (
+        f"<|im_start|>system\nYou are a calculator.<|im_end|>\n<|im_start|>user\n{df['prompt'][0]}"
+        "<|im_end|>\n<|im_start|>assistant\n"
+    )
     meta = read_metadata(out)
     assert meta["chat"] is True and meta["stop_tokens"] == ["<|im_end|>", "<|endoftext|>"]
     with pytest.raises(ValueError, match="need the chat template"):
-        rollout.run(tiny_config(*[f"task.{k}={v}" for k, v in (("name", "dataset"), ("path", tmp_path / "verl.parquet"),
-                                                               ("n_eval", 2), ("chat", "false"))]),
-                    rollout.Args(prompts=str(tmp_path / "out" / "train" / "shard_0.parquet"),
-                                 policy=str(qwen2_bpe_policy), out=str(tmp_path / "no.parquet")))
+        rollout.run(
+            tiny_config(
+                *[
+                    f"task.{k}={v}"
+                    for k, v in (
+                        ("name", "dataset"),
+                        ("path", tmp_path / "verl.parquet"),
+                        ("n_eval", 2),
+                        ("chat", "false"),
+                    )
+                ]
+            ),
+            rollout.Args(
+                prompts=str(tmp_path / "out" / "train" / "shard_0.parquet"),
+                policy=str(qwen2_bpe_policy),
+                out=str(tmp_path / "no.parquet"),
+            ),
+        )

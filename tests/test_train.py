@@ -16,8 +16,19 @@ from otbflow import features, logits, schemas
 from otbflow.config import load_config
 from otbflow.io import SchemaError, read_table, write_parquet
 from otbflow.model import build_char_tokenizer, build_tiny_model
-from otbflow.train import (Args, aggregate_loss, init_distributed_env, low_var_kl, policy_logprobs, ppo_clip_loss,
-                           reinforce_loss, response_token_stats, rollout_is_weights, run, trm_keep)
+from otbflow.train import (
+    Args,
+    aggregate_loss,
+    init_distributed_env,
+    low_var_kl,
+    policy_logprobs,
+    ppo_clip_loss,
+    reinforce_loss,
+    response_token_stats,
+    rollout_is_weights,
+    run,
+    trm_keep,
+)
 from otbflow.train_state import OptimizerStateError
 
 MODEL = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.n_positions=64"]
@@ -26,8 +37,9 @@ N_SEQ = 8
 
 
 def make_cfg(*overrides: str):
-    return load_config(None, MODEL + [f"rollout.temperature={TEMPERATURE}", "train.lr=1e-2", "train.micro_batch_size=4",
-                                      *overrides])
+    return load_config(
+        None, MODEL + [f"rollout.temperature={TEMPERATURE}", "train.lr=1e-2", "train.micro_batch_size=4", *overrides]
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -59,9 +71,20 @@ def dropout_policy_dir(tmp_path_factory):
 
     tok = build_char_tokenizer()
     torch.manual_seed(1)
-    config = GPT2Config(vocab_size=len(tok), n_positions=64, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.1,
-                        embd_pdrop=0.1, attn_pdrop=0.1, summary_first_dropout=0.1, bos_token_id=tok.eos_token_id,
-                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config = GPT2Config(
+        vocab_size=len(tok),
+        n_positions=64,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.1,
+        embd_pdrop=0.1,
+        attn_pdrop=0.1,
+        summary_first_dropout=0.1,
+        bos_token_id=tok.eos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     path = tmp_path_factory.mktemp("dropout_policy") / "policy"
     GPT2LMHeadModel(config).save_pretrained(path)
     tok.save_pretrained(path)
@@ -75,16 +98,26 @@ def write_rollouts(path):
     prompts = [f"{a}+{b}=" for a, b in rng.integers(0, 10, size=(N_SEQ, 2))]
     prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
     responses = [rng.integers(3, len(tok), size=int(rng.integers(1, 13))).tolist() for _ in range(N_SEQ)]
-    rollouts = pl.DataFrame({
-        "iteration": [0] * N_SEQ, "shard": [0] * N_SEQ, "seed": [0] * N_SEQ,
-        "prompt_id": list(range(N_SEQ)), "group_id": [i // 4 for i in range(N_SEQ)],
-        "sample_idx": [i % 4 for i in range(N_SEQ)], "prompt": prompts, "answer": ["0"] * N_SEQ,
-        "prompt_ids": prompt_ids, "response_ids": responses,
-        "response_text": [tok.decode(r) for r in responses],
-        "rollout_logprobs": [[-1.0] * len(r) for r in responses],
-        "response_length": [len(r) for r in responses], "finish_reason": ["length"] * N_SEQ,
-        "reward": rng.random(N_SEQ).tolist(),
-    }, schema=schemas.ROLLOUTS.columns)
+    rollouts = pl.DataFrame(
+        {
+            "iteration": [0] * N_SEQ,
+            "shard": [0] * N_SEQ,
+            "seed": [0] * N_SEQ,
+            "prompt_id": list(range(N_SEQ)),
+            "group_id": [i // 4 for i in range(N_SEQ)],
+            "sample_idx": [i % 4 for i in range(N_SEQ)],
+            "prompt": prompts,
+            "answer": ["0"] * N_SEQ,
+            "prompt_ids": prompt_ids,
+            "response_ids": responses,
+            "response_text": [tok.decode(r) for r in responses],
+            "rollout_logprobs": [[-1.0] * len(r) for r in responses],
+            "response_length": [len(r) for r in responses],
+            "finish_reason": ["length"] * N_SEQ,
+            "reward": rng.random(N_SEQ).tolist(),
+        },
+        schema=schemas.ROLLOUTS.columns,
+    )
     write_parquet(rollouts, path)
 
 
@@ -94,16 +127,19 @@ def features_path(policy_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("data")
     write_rollouts(tmp / "rollouts.parquet")
     out = tmp / "features.parquet"
-    features.run(make_cfg(), features.Args(rollouts=str(tmp / "rollouts.parquet"), policy=str(policy_dir),
-                                           out=str(out)))
+    features.run(
+        make_cfg(), features.Args(rollouts=str(tmp / "rollouts.parquet"), policy=str(policy_dir), out=str(out))
+    )
     return out
 
 
 def write_advantages(features_path, path, advantages: list[list[float]]):
     df = read_table(features_path, schemas.FEATURES)
-    df = df.with_columns(pl.lit("test").alias("estimator"),
-                         pl.Series("advantages", advantages, dtype=schemas.F32L),
-                         pl.Series("baselines", [[0.0] * len(a) for a in advantages], dtype=schemas.F32L))
+    df = df.with_columns(
+        pl.lit("test").alias("estimator"),
+        pl.Series("advantages", advantages, dtype=schemas.F32L),
+        pl.Series("baselines", [[0.0] * len(a) for a in advantages], dtype=schemas.F32L),
+    )
     write_parquet(df, path)
     return read_table(path, schemas.ADVANTAGES)
 
@@ -123,21 +159,38 @@ def load_model(path):
 def sequence_logprobs(model, df) -> torch.Tensor:
     """Sum of log pi over each response (temperature-scaled)."""
     with torch.no_grad():
-        logp, mask = policy_logprobs(model, df["prompt_ids"].to_list(), df["response_ids"].to_list(),
-                                     TEMPERATURE, build_char_tokenizer().pad_token_id)
+        logp, mask = policy_logprobs(
+            model,
+            df["prompt_ids"].to_list(),
+            df["response_ids"].to_list(),
+            TEMPERATURE,
+            build_char_tokenizer().pad_token_id,
+        )
     return (logp * mask).sum(-1)
 
 
 def full_batch_grad_norm(model, df, mode: str, cfg) -> tuple[float, float]:
     """(loss, gradient norm) of the whole table as one batch, in plain torch (first step: r = 1)."""
     model.zero_grad()
-    logp, mask = policy_logprobs(model, df["prompt_ids"].to_list(), df["response_ids"].to_list(),
-                                 TEMPERATURE, build_char_tokenizer().pad_token_id)
+    logp, mask = policy_logprobs(
+        model,
+        df["prompt_ids"].to_list(),
+        df["response_ids"].to_list(),
+        TEMPERATURE,
+        build_char_tokenizer().pad_token_id,
+    )
     pad = lambda col: torch.tensor([x + [0.0] * (mask.shape[1] - len(x)) for x in df[col].to_list()])  # noqa: E731
-    token_loss, _ = ppo_clip_loss(logp, pad("logprobs"), pad("advantages"), cfg.train.clip_ratio_low,
-                                  cfg.train.clip_ratio_high)
-    loss = aggregate_loss(token_loss, mask, mode, int(mask.sum()), int((mask.sum(-1) > 0).sum()),
-                          cfg.train.loss_scale_factor or cfg.rollout.max_new_tokens)
+    token_loss, _ = ppo_clip_loss(
+        logp, pad("logprobs"), pad("advantages"), cfg.train.clip_ratio_low, cfg.train.clip_ratio_high
+    )
+    loss = aggregate_loss(
+        token_loss,
+        mask,
+        mode,
+        int(mask.sum()),
+        int((mask.sum(-1) > 0).sum()),
+        cfg.train.loss_scale_factor or cfg.rollout.max_new_tokens,
+    )
     loss.backward()
     norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]))
     return float(loss.detach()), float(norm)
@@ -147,7 +200,7 @@ def plain_token_stats(model, prompt: list[int], response: list[int]) -> tuple[to
     """(log pi(y_t) [T], log-softmax [T, V]) of one sequence from the model's full logits: no
     padding, no chunks, the obvious computation."""
     ids = torch.tensor([prompt + response])
-    logits = model(input_ids=ids).logits[0, len(prompt) - 1:len(prompt) - 1 + len(response)].float() / TEMPERATURE
+    logits = model(input_ids=ids).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(response)].float() / TEMPERATURE
     logp_all = torch.log_softmax(logits, -1)
     return logp_all[torch.arange(len(response)), torch.tensor(response)], logp_all
 
@@ -160,13 +213,18 @@ def plain_token_stats(model, prompt: list[int], response: list[int]) -> tuple[to
 def test_policy_logprobs_match_features(policy_dir, features_path):
     df = read_table(features_path, schemas.FEATURES)
     model = load_model(policy_dir)
-    logp, mask = policy_logprobs(model, df["prompt_ids"].to_list(), df["response_ids"].to_list(), TEMPERATURE,
-                                 build_char_tokenizer().pad_token_id)
+    logp, mask = policy_logprobs(
+        model,
+        df["prompt_ids"].to_list(),
+        df["response_ids"].to_list(),
+        TEMPERATURE,
+        build_char_tokenizer().pad_token_id,
+    )
     assert logp.requires_grad
     assert mask.sum(-1).tolist() == df["response_length"].to_list()
     for i, stored in enumerate(df["logprobs"].to_list()):
-        torch.testing.assert_close(logp[i, :len(stored)], torch.tensor(stored), atol=1e-5, rtol=0)
-        assert (logp[i, len(stored):] == 0).all()
+        torch.testing.assert_close(logp[i, : len(stored)], torch.tensor(stored), atol=1e-5, rtol=0)
+        assert (logp[i, len(stored) :] == 0).all()
 
 
 @pytest.mark.parametrize("entropy_grad", [False, True])
@@ -190,8 +248,17 @@ def test_chunked_logprobs_equal_the_full_logits(policy_dir, features_path, entro
     grads_ref = torch.autograd.grad(loss_ref, params)
 
     batch = logits.pack(prompts, responses, build_char_tokenizer().pad_token_id)
-    logp, ent = response_token_stats(model, batch["input_ids"], batch["attention_mask"], batch["rows"], batch["pos"],
-                                     batch["targets"], TEMPERATURE, chunk_size=5, entropy_grad=entropy_grad)
+    logp, ent = response_token_stats(
+        model,
+        batch["input_ids"],
+        batch["attention_mask"],
+        batch["rows"],
+        batch["pos"],
+        batch["targets"],
+        TEMPERATURE,
+        chunk_size=5,
+        entropy_grad=entropy_grad,
+    )
     torch.testing.assert_close(logp, logp_ref.detach(), atol=1e-5, rtol=0)
     torch.testing.assert_close(ent, ent_ref.detach(), atol=1e-5, rtol=0)
     assert ent.requires_grad == entropy_grad  # logged only: no graph
@@ -268,8 +335,13 @@ def test_run_raises_the_logprob_of_a_rewarded_sequence(policy_dir, features_path
     adv[0] = [1.0] * len(adv[0])  # only sequence 0 has a (positive) advantage, on every token
     df = write_advantages(features_path, tmp_path / "adv.parquet", adv)
     cfg = make_cfg("train.mini_batch_size=8", "train.micro_batch_size=2")
-    args = Args(advantages=str(tmp_path / "adv.parquet"), policy=str(policy_dir), out=str(tmp_path / "next"),
-                metrics=str(tmp_path / "metrics.parquet"), iteration=3)
+    args = Args(
+        advantages=str(tmp_path / "adv.parquet"),
+        policy=str(policy_dir),
+        out=str(tmp_path / "next"),
+        metrics=str(tmp_path / "metrics.parquet"),
+        iteration=3,
+    )
     run(cfg, args)
 
     metrics = read_table(args.metrics, schemas.TRAIN_METRICS)
@@ -296,8 +368,12 @@ def test_run_gradient_equals_full_batch_gradient(policy_dir, features_path, tmp_
     """Micro-batches of 3 (uneven: 3+3+2) accumulate to the full-batch loss and gradient norm."""
     df = write_advantages(features_path, tmp_path / "adv.parquet", random_advantages(features_path))
     cfg = make_cfg("train.mini_batch_size=9", "train.micro_batch_size=3", f"train.loss_agg_mode={mode}")
-    args = Args(advantages=str(tmp_path / "adv.parquet"), policy=str(policy_dir), out=str(tmp_path / "next"),
-                metrics=str(tmp_path / "metrics.parquet"))
+    args = Args(
+        advantages=str(tmp_path / "adv.parquet"),
+        policy=str(policy_dir),
+        out=str(tmp_path / "next"),
+        metrics=str(tmp_path / "metrics.parquet"),
+    )
     run(cfg, args)
     row = read_table(args.metrics, schemas.TRAIN_METRICS).row(0, named=True)
     loss, norm = full_batch_grad_norm(load_model(policy_dir), df, mode, cfg)
@@ -310,8 +386,13 @@ def test_run_is_reproducible_with_partial_mini_batches(policy_dir, features_path
     cfg = make_cfg("train.mini_batch_size=6", "train.micro_batch_size=2", "train.ppo_epochs=2", "seed=7")
     weights, tables = [], []
     for name in ("a", "b"):
-        args = Args(advantages=str(tmp_path / "adv.parquet"), policy=str(policy_dir), out=str(tmp_path / name),
-                    metrics=str(tmp_path / f"{name}.parquet"), iteration=1)
+        args = Args(
+            advantages=str(tmp_path / "adv.parquet"),
+            policy=str(policy_dir),
+            out=str(tmp_path / name),
+            metrics=str(tmp_path / f"{name}.parquet"),
+            iteration=1,
+        )
         run(cfg, args)
         weights.append(load_model(args.out).state_dict())
         tables.append(read_table(args.metrics, schemas.TRAIN_METRICS))
@@ -350,11 +431,13 @@ def test_rollout_is_weights_token_and_sequence():
     log_rho = torch.tensor([[0.1, 2.0, 0.0], [0.3, 0.2, 9.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     token = rollout_is_weights(log_rho, mask, "token", 2.0)
-    torch.testing.assert_close(token, torch.tensor([[np.exp(0.1), 2.0, 0.0], [np.exp(0.3), np.exp(0.2), 2.0]],
-                                                   dtype=torch.float32))
+    torch.testing.assert_close(
+        token, torch.tensor([[np.exp(0.1), 2.0, 0.0], [np.exp(0.3), np.exp(0.2), 2.0]], dtype=torch.float32)
+    )
     seq = rollout_is_weights(torch.tensor([[0.1, 0.2, 5.0], [-0.3, -0.2, 0.0]]), mask, "sequence", 2.0)
-    torch.testing.assert_close(seq, torch.tensor([[np.exp(0.3), np.exp(0.3), 0.0], [np.exp(-0.5)] * 3],
-                                                 dtype=torch.float32))
+    torch.testing.assert_close(
+        seq, torch.tensor([[np.exp(0.3), np.exp(0.3), 0.0], [np.exp(-0.5)] * 3], dtype=torch.float32)
+    )
     torch.testing.assert_close(rollout_is_weights(log_rho, mask, "none", 2.0), mask)
 
 
@@ -372,8 +455,9 @@ def test_trm_keep_needs_both_criteria():
 
 
 def test_slurm_variables_map_to_torch_distributed(monkeypatch):
-    for k, v in dict(SLURM_PROCID="3", SLURM_LOCALID="1", SLURM_NTASKS="4", SLURM_JOB_ID="20042",
-                     SLURM_JOB_NODELIST="node[7-8]").items():
+    for k, v in dict(
+        SLURM_PROCID="3", SLURM_LOCALID="1", SLURM_NTASKS="4", SLURM_JOB_ID="20042", SLURM_JOB_NODELIST="node[7-8]"
+    ).items():
         monkeypatch.setenv(k, v)
     assert init_distributed_env() == (3, 4)
     assert os.environ["LOCAL_RANK"] == "1" and os.environ["WORLD_SIZE"] == "4"
@@ -389,8 +473,14 @@ def run_stage(policy_dir, features_path, tmp_path, *overrides, adv=None, name="r
     """run() on the test features with ``adv`` (default: random advantages); returns (metrics, args)."""
     if not (tmp_path / "adv.parquet").exists() or adv is not None:
         write_advantages(features_path, tmp_path / "adv.parquet", adv or random_advantages(features_path))
-    args = Args(advantages=str(tmp_path / "adv.parquet"), policy=str(policy_dir), out=str(tmp_path / name),
-                metrics=str(tmp_path / f"{name}.parquet"), checkpoint_dir=str(tmp_path / f"{name}.ckpt"), **kwargs)
+    args = Args(
+        advantages=str(tmp_path / "adv.parquet"),
+        policy=str(policy_dir),
+        out=str(tmp_path / name),
+        metrics=str(tmp_path / f"{name}.parquet"),
+        checkpoint_dir=str(tmp_path / f"{name}.ckpt"),
+        **kwargs,
+    )
     run(make_cfg(*overrides), args)
     return read_table(args.metrics, schemas.TRAIN_METRICS), args
 
@@ -408,8 +498,16 @@ def test_trm_masks_sequences_but_keeps_the_pre_mask_normaliser(policy_dir, featu
     accept = trm_keep(df["seq_max_k2"].to_numpy(), df["seq_mean_k3"].to_numpy(), k2, 1e9)
     assert 0 < accept.sum() < len(accept)
     adv = random_advantages(features_path)
-    m, _ = run_stage(policy_dir, features_path, tmp_path, "train.trm=true", f"mismatch.max_k2={k2}",
-                     "mismatch.mean_k3=1e9", "train.mini_batch_size=8", adv=adv)
+    m, _ = run_stage(
+        policy_dir,
+        features_path,
+        tmp_path,
+        "train.trm=true",
+        f"mismatch.max_k2={k2}",
+        "mismatch.mean_k3=1e9",
+        "train.mini_batch_size=8",
+        adv=adv,
+    )
     row = m.row(0, named=True)
     tokens = int(df["response_length"].sum())
     expected = -sum(a * sum(x) for a, x in zip(accept, adv)) / tokens  # first step: r = 1, L = -A
@@ -422,13 +520,22 @@ def test_trm_masks_sequences_but_keeps_the_pre_mask_normaliser(policy_dir, featu
 def test_truncated_is_weights_scale_the_ppo_loss(policy_dir, features_path, tmp_path, level):
     df = read_table(features_path, schemas.FEATURES)
     adv = random_advantages(features_path)
-    log_rho = [np.asarray(a) - np.asarray(b) for a, b in zip(df["logprobs"].to_list(), df["rollout_logprobs"].to_list())]
+    log_rho = [
+        np.asarray(a) - np.asarray(b) for a, b in zip(df["logprobs"].to_list(), df["rollout_logprobs"].to_list())
+    ]
     if level == "token":
         w = [np.minimum(np.exp(x), 1.5) for x in log_rho]
     else:
         w = [np.full(len(x), min(np.exp(x.sum()), 1.5)) for x in log_rho]
-    m, _ = run_stage(policy_dir, features_path, tmp_path, f"train.rollout_is={level}", "train.rollout_is_threshold=1.5",
-                     "train.mini_batch_size=8", adv=adv)
+    m, _ = run_stage(
+        policy_dir,
+        features_path,
+        tmp_path,
+        f"train.rollout_is={level}",
+        "train.rollout_is_threshold=1.5",
+        "train.mini_batch_size=8",
+        adv=adv,
+    )
     row = m.row(0, named=True)
     tokens = int(df["response_length"].sum())
     assert row["loss"] == pytest.approx(-sum(np.dot(a, x) for a, x in zip(adv, w)) / tokens, rel=1e-5)
@@ -440,8 +547,9 @@ def test_reinforce_loss_on_policy_has_the_ppo_gradient(policy_dir, features_path
     df = read_table(features_path, schemas.FEATURES)
     adv = random_advantages(features_path)
     ppo, _ = run_stage(policy_dir, features_path, tmp_path, "train.mini_batch_size=8", adv=adv, name="ppo")
-    rf, _ = run_stage(policy_dir, features_path, tmp_path, "train.mini_batch_size=8", "train.loss_type=reinforce",
-                      adv=adv, name="rf")
+    rf, _ = run_stage(
+        policy_dir, features_path, tmp_path, "train.mini_batch_size=8", "train.loss_type=reinforce", adv=adv, name="rf"
+    )
     tokens = int(df["response_length"].sum())
     lp = df["logprobs"].to_list()
     assert rf["loss"][0] == pytest.approx(-sum(np.dot(a, x) for a, x in zip(adv, lp)) / tokens, rel=1e-5)
@@ -452,14 +560,24 @@ def test_reinforce_loss_on_policy_has_the_ppo_gradient(policy_dir, features_path
 def test_kl_and_entropy_terms(policy_dir, features_path, tmp_path):
     adv = random_advantages(features_path)
     base, _ = run_stage(policy_dir, features_path, tmp_path, "train.mini_batch_size=8", adv=adv, name="base")
-    ent, _ = run_stage(policy_dir, features_path, tmp_path, "train.mini_batch_size=8", "train.entropy_coef=1.0",
-                       adv=adv, name="ent")
+    ent, _ = run_stage(
+        policy_dir, features_path, tmp_path, "train.mini_batch_size=8", "train.entropy_coef=1.0", adv=adv, name="ent"
+    )
     assert ent["loss"][0] == pytest.approx(base["loss"][0] - base["entropy"][0], rel=1e-5)
     assert abs(ent["grad_norm"][0] - base["grad_norm"][0]) > 1e-4  # the bonus has a gradient
     with pytest.raises(SchemaError, match="--reference"):
         run_stage(policy_dir, features_path, tmp_path, "train.kl_coef=0.5", adv=adv, name="noref")
-    kl, _ = run_stage(policy_dir, features_path, tmp_path, "train.mini_batch_size=8", "train.ppo_epochs=3",
-                      "train.kl_coef=0.5", adv=adv, name="kl", reference=str(policy_dir))
+    kl, _ = run_stage(
+        policy_dir,
+        features_path,
+        tmp_path,
+        "train.mini_batch_size=8",
+        "train.ppo_epochs=3",
+        "train.kl_coef=0.5",
+        adv=adv,
+        name="kl",
+        reference=str(policy_dir),
+    )
     assert kl["kl_ref"][0] == pytest.approx(0.0, abs=1e-9)  # pi_theta = pi_ref before the first update
     assert kl["kl_ref"][1] > 0 and kl["kl_ref"][2] > 0
 
@@ -474,16 +592,29 @@ def test_variance_proxies_against_the_spec(policy_dir, features_path, tmp_path, 
     df = read_table(features_path, schemas.FEATURES)
     rng = np.random.default_rng(5)
     adv = [rng.normal(size=n).tolist() for n in df["response_length"].to_list()]  # varies within a sequence
-    m, _ = run_stage(policy_dir, features_path, tmp_path, "train.mini_batch_size=8", f"train.rollout_is={rollout_is}",
-                     "train.rollout_is_threshold=1.5", f"train.loss_agg_mode={mode}", "train.loss_scale_factor=100",
-                     adv=adv)
+    m, _ = run_stage(
+        policy_dir,
+        features_path,
+        tmp_path,
+        "train.mini_batch_size=8",
+        f"train.rollout_is={rollout_is}",
+        "train.rollout_is_threshold=1.5",
+        f"train.loss_agg_mode={mode}",
+        "train.loss_scale_factor=100",
+        adv=adv,
+    )
     row = m.row(0, named=True)
 
     model = load_model(policy_dir)
     norm = int(df["response_length"].sum()) if mode == "token-mean" else len(adv) * 100.0
     loss, power = torch.zeros(()), []
-    for prompt, response, a, old, rollout in zip(df["prompt_ids"].to_list(), df["response_ids"].to_list(), adv,
-                                                 df["logprobs"].to_list(), df["rollout_logprobs"].to_list()):
+    for prompt, response, a, old, rollout in zip(
+        df["prompt_ids"].to_list(),
+        df["response_ids"].to_list(),
+        adv,
+        df["logprobs"].to_list(),
+        df["rollout_logprobs"].to_list(),
+    ):
         logp, logp_all = plain_token_stats(model, prompt, response)
         p = logp_all.exp()
         rho = [min(np.exp(o - r), 1.5) if rollout_is == "token" else 1.0 for o, r in zip(old, rollout)]
@@ -517,8 +648,15 @@ def nan_advantages(features_path):
 @pytest.mark.parametrize("zero_stage", [0, 1])
 def test_a_non_finite_step_is_skipped(policy_dir, features_path, tmp_path, zero_stage):
     """Row 0's advantages are NaN: the step holding it makes no update, the other one does."""
-    m, args = run_stage(policy_dir, features_path, tmp_path, "train.mini_batch_size=4", "train.micro_batch_size=2",
-                        f"train.zero_stage={zero_stage}", adv=nan_advantages(features_path))
+    m, args = run_stage(
+        policy_dir,
+        features_path,
+        tmp_path,
+        "train.mini_batch_size=4",
+        "train.micro_batch_size=2",
+        f"train.zero_stage={zero_stage}",
+        adv=nan_advantages(features_path),
+    )
     assert m["skipped"].sum() == 1 and m.filter(pl.col("skipped"))["event"][0].startswith("skipped")
     assert m.filter(~pl.col("skipped"))["grad_norm"].is_finite().all()
     after = load_model(args.out)
@@ -528,8 +666,14 @@ def test_a_non_finite_step_is_skipped(policy_dir, features_path, tmp_path, zero_
 
 def test_consecutive_non_finite_steps_fail_the_job(policy_dir, features_path, tmp_path):
     overrides = ("train.mini_batch_size=8", "train.ppo_epochs=2")
-    m, args = run_stage(policy_dir, features_path, tmp_path, *overrides, "train.max_consecutive_skips=3",
-                        adv=nan_advantages(features_path))
+    m, args = run_stage(
+        policy_dir,
+        features_path,
+        tmp_path,
+        *overrides,
+        "train.max_consecutive_skips=3",
+        adv=nan_advantages(features_path),
+    )
     assert m["skipped"].to_list() == [True, True]
     for p, q in zip(load_model(policy_dir).parameters(), load_model(args.out).parameters()):
         assert torch.equal(p, q)  # nothing was applied
@@ -547,8 +691,16 @@ def test_schedule_state_survives_iterations(policy_dir, features_path, tmp_path)
     """Warm-up over 6 steps spans two iterations of 2 steps: the second resumes at step 2."""
     overrides = ("train.mini_batch_size=4", "train.micro_batch_size=2", "train.lr_warmup_steps=6")
     m0, a0 = run_stage(policy_dir, features_path, tmp_path, *overrides, name="it0", state=str(tmp_path / "s0.json"))
-    m1, _ = run_stage(policy_dir, features_path, tmp_path, *overrides, name="it1", prev_state=str(tmp_path / "s0.json"),
-                      state=str(tmp_path / "s1.json"), iteration=1)
+    m1, _ = run_stage(
+        policy_dir,
+        features_path,
+        tmp_path,
+        *overrides,
+        name="it1",
+        prev_state=str(tmp_path / "s0.json"),
+        state=str(tmp_path / "s1.json"),
+        iteration=1,
+    )
     lrs = m0["lr"].to_list() + m1["lr"].to_list()
     assert lrs == pytest.approx([1e-2 * k / 6 for k in (1, 2, 3, 4)])
     import json
@@ -571,18 +723,28 @@ def test_the_first_ratio_is_one(dropout_policy_dir, tmp_path, precision):
     for other batch shapes); bf16 (ZeRO-1, DeepSpeed's cast; the features stage casts alike): 0,
     bitwise, on the 2-core CPU VM. Before (train mode, features at model.dtype) this model gave
     0.10 (dropout) and 1.5e-3 (bf16 training, fp32 features)."""
-    overrides = ["train.mini_batch_size=6", "train.micro_batch_size=3", "features.batch_size=5",
-                 "train.logprob_chunk_size=7"]
+    overrides = [
+        "train.mini_batch_size=6",
+        "train.micro_batch_size=3",
+        "features.batch_size=5",
+        "train.logprob_chunk_size=7",
+    ]
     if precision == "bf16":
         overrides += ["train.bf16=true", "train.zero_stage=1"]
     cfg = make_cfg(*overrides)
     write_rollouts(tmp_path / "rollouts.parquet")
     feats = tmp_path / "features.parquet"
-    features.run(cfg, features.Args(rollouts=str(tmp_path / "rollouts.parquet"), policy=str(dropout_policy_dir),
-                                    out=str(feats)))
+    features.run(
+        cfg, features.Args(rollouts=str(tmp_path / "rollouts.parquet"), policy=str(dropout_policy_dir), out=str(feats))
+    )
     write_advantages(feats, tmp_path / "adv.parquet", random_advantages(feats))
-    args = Args(advantages=str(tmp_path / "adv.parquet"), policy=str(dropout_policy_dir), out=str(tmp_path / "next"),
-                metrics=str(tmp_path / "metrics.parquet"), checkpoint_dir=str(tmp_path / "ckpt"))
+    args = Args(
+        advantages=str(tmp_path / "adv.parquet"),
+        policy=str(dropout_policy_dir),
+        out=str(tmp_path / "next"),
+        metrics=str(tmp_path / "metrics.parquet"),
+        checkpoint_dir=str(tmp_path / "ckpt"),
+    )
     run(cfg, args)
     m = read_table(args.metrics, schemas.TRAIN_METRICS)
     # a bf16 discrepancy would be orders of magnitude above 1e-6 (0 measured: bitwise)
@@ -627,9 +789,16 @@ def test_chained_jobs_continue_one_optimizer(policy_dir, features_path, tmp_path
         write_advantages(features_path, table, random_advantages(features_path, seed=seed))
 
     def job(k, policy, **kwargs):
-        args = Args(advantages=str(tables[k]), policy=str(policy), out=str(tmp_path / f"p{k}"),
-                    metrics=str(tmp_path / f"m{k}.parquet"), checkpoint_dir=str(tmp_path / f"ck{k}"), iteration=k,
-                    state=str(tmp_path / f"s{k}.json"), **kwargs)
+        args = Args(
+            advantages=str(tables[k]),
+            policy=str(policy),
+            out=str(tmp_path / f"p{k}"),
+            metrics=str(tmp_path / f"m{k}.parquet"),
+            checkpoint_dir=str(tmp_path / f"ck{k}"),
+            iteration=k,
+            state=str(tmp_path / f"s{k}.json"),
+            **kwargs,
+        )
         run(cfg if "prev_optimizer" in kwargs or k == 0 else make_cfg(*overrides, "train.reset_optimizer=true"), args)
         return load_model(args.out).state_dict()
 
@@ -649,12 +818,18 @@ def test_a_stored_optimizer_state_that_does_not_fit_is_refused(policy_dir, featu
     write), or reset_optimizer with a state: a clear error before any training, no outputs."""
     import shutil
 
-    m, first = run_stage(policy_dir, features_path, tmp_path, "train.mini_batch_size=8", name="first",
-                         optimizer=str(tmp_path / "opt"))
+    m, first = run_stage(
+        policy_dir, features_path, tmp_path, "train.mini_batch_size=8", name="first", optimizer=str(tmp_path / "opt")
+    )
     opt = str(tmp_path / "opt")
     cases = [
-        (("train.zero_stage=1",), first.out, opt, r"saved by 1 rank\(s\), ZeRO stage 0, bf16 off; this job runs 1 "
-                                                  r"rank\(s\), ZeRO stage 1, bf16 off.*train.reset_optimizer=true"),
+        (
+            ("train.zero_stage=1",),
+            first.out,
+            opt,
+            r"saved by 1 rank\(s\), ZeRO stage 0, bf16 off; this job runs 1 "
+            r"rank\(s\), ZeRO stage 1, bf16 off.*train.reset_optimizer=true",
+        ),
         (("train.zero_stage=1", "train.bf16=true"), first.out, opt, "ZeRO stage 1, bf16 on"),
         ((), policy_dir, opt, "belongs to another policy than --policy"),
         (("train.reset_optimizer=true",), first.out, opt, "drop one of them"),
@@ -664,8 +839,16 @@ def test_a_stored_optimizer_state_that_does_not_fit_is_refused(policy_dir, featu
     cases.append(((), first.out, str(tmp_path / "half"), "not a finished optimizer state"))
     for overrides, policy, prev, message in cases:
         with pytest.raises(OptimizerStateError, match=message):
-            run_stage(policy, features_path, tmp_path, "train.mini_batch_size=8", *overrides, name="second",
-                      prev_optimizer=prev, optimizer=str(tmp_path / "opt2"))
+            run_stage(
+                policy,
+                features_path,
+                tmp_path,
+                "train.mini_batch_size=8",
+                *overrides,
+                name="second",
+                prev_optimizer=prev,
+                optimizer=str(tmp_path / "opt2"),
+            )
         assert not (tmp_path / "second").exists() and not (tmp_path / "opt2").exists()
         assert not (tmp_path / "second.ckpt").exists()  # refused before any work
 
@@ -679,10 +862,24 @@ def test_the_checkpoint_fingerprint_covers_the_optimizer_input(policy_dir, featu
     for name, content in (("a", '{"job_fingerprint": "1"}'), ("b", '{"job_fingerprint": "2"}')):
         (tmp_path / name).mkdir()
         (tmp_path / name / "meta.json").write_text(content)
-        prints.append(fingerprint(cfg, Args(advantages=str(tmp_path / "adv.parquet"), policy=str(policy_dir), out="o",
-                                            metrics="m", prev_optimizer=str(tmp_path / name)), 1))
-    prints.append(fingerprint(cfg, Args(advantages=str(tmp_path / "adv.parquet"), policy=str(policy_dir), out="o",
-                                        metrics="m"), 1))
+        prints.append(
+            fingerprint(
+                cfg,
+                Args(
+                    advantages=str(tmp_path / "adv.parquet"),
+                    policy=str(policy_dir),
+                    out="o",
+                    metrics="m",
+                    prev_optimizer=str(tmp_path / name),
+                ),
+                1,
+            )
+        )
+    prints.append(
+        fingerprint(
+            cfg, Args(advantages=str(tmp_path / "adv.parquet"), policy=str(policy_dir), out="o", metrics="m"), 1
+        )
+    )
     assert len(set(prints)) == 3
 
 
@@ -699,10 +896,25 @@ def cli_run(cfg, policy_dir, tmp_path, name, wait=True, extra=()):
     from omegaconf import OmegaConf
 
     (tmp_path / "cfg.yaml").write_text(OmegaConf.to_yaml(cfg))
-    cmd = [sys.executable, "-m", "otbflow", "train", "--config", str(tmp_path / "cfg.yaml"),
-           "--advantages", str(tmp_path / "adv.parquet"), "--policy", str(policy_dir),
-           "--out", str(tmp_path / name), "--metrics", str(tmp_path / f"{name}.parquet"),
-           "--checkpoint-dir", str(tmp_path / f"{name}.ckpt"), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "otbflow",
+        "train",
+        "--config",
+        str(tmp_path / "cfg.yaml"),
+        "--advantages",
+        str(tmp_path / "adv.parquet"),
+        "--policy",
+        str(policy_dir),
+        "--out",
+        str(tmp_path / name),
+        "--metrics",
+        str(tmp_path / f"{name}.parquet"),
+        "--checkpoint-dir",
+        str(tmp_path / f"{name}.ckpt"),
+        *extra,
+    ]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     log = open(tmp_path / f"{name}.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -727,15 +939,35 @@ def test_two_ranks_give_the_full_batch_gradient(policy_dir, features_path, tmp_p
     for mode in MODES:
         cfgs[mode] = make_cfg("train.mini_batch_size=9", "train.micro_batch_size=3", f"train.loss_agg_mode={mode}")
         (tmp_path / f"{mode}.yaml").write_text(OmegaConf.to_yaml(cfgs[mode]))
-        jobs.append({"config": str(tmp_path / f"{mode}.yaml"), "advantages": str(tmp_path / "adv.parquet"),
-                     "policy": str(policy_dir), "out": str(tmp_path / mode), "metrics": str(tmp_path / f"{mode}.parquet")})
+        jobs.append(
+            {
+                "config": str(tmp_path / f"{mode}.yaml"),
+                "advantages": str(tmp_path / "adv.parquet"),
+                "policy": str(policy_dir),
+                "out": str(tmp_path / mode),
+                "metrics": str(tmp_path / f"{mode}.parquet"),
+            }
+        )
     jobs[0]["optimizer"] = str(tmp_path / "opt")  # ZeRO-0 state of 2 ranks
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env["OTBFLOW_THREADS"] = "1"
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          str(Path(__file__).with_name("two_rank_worker.py")), str(tmp_path / "jobs.json")],
-                         capture_output=True, text=True, env=env, timeout=600)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(Path(__file__).with_name("two_rank_worker.py")),
+            str(tmp_path / "jobs.json"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     for mode in MODES:
         assert read_metadata(tmp_path / f"{mode}.parquet")["world_size"] == 2
@@ -745,9 +977,16 @@ def test_two_ranks_give_the_full_batch_gradient(policy_dir, features_path, tmp_p
         assert row["grad_norm"] == pytest.approx(norm, rel=1e-5), mode
     # a world size that changes between iterations is refused, before any work
     with pytest.raises(OptimizerStateError, match=r"saved by 2 rank\(s\).*this job runs 1 rank\(s\)"):
-        run(cfgs[MODES[0]], Args(advantages=str(tmp_path / "adv.parquet"), policy=str(tmp_path / MODES[0]),
-                                 out=str(tmp_path / "next"), metrics=str(tmp_path / "next.parquet"),
-                                 prev_optimizer=str(tmp_path / "opt")))
+        run(
+            cfgs[MODES[0]],
+            Args(
+                advantages=str(tmp_path / "adv.parquet"),
+                policy=str(tmp_path / MODES[0]),
+                out=str(tmp_path / "next"),
+                metrics=str(tmp_path / "next.parquet"),
+                prev_optimizer=str(tmp_path / "opt"),
+            ),
+        )
 
 
 def test_kill_9_then_rerun_resumes_to_the_same_weights(policy_dir, features_path, tmp_path, monkeypatch):
@@ -760,11 +999,24 @@ def test_kill_9_then_rerun_resumes_to_the_same_weights(policy_dir, features_path
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "torch_extensions"))
 
     write_advantages(features_path, tmp_path / "adv.parquet", random_advantages(features_path))
-    cfg = make_cfg("train.mini_batch_size=1", "train.micro_batch_size=1", "train.ppo_epochs=2",
-                   "train.checkpoint_every=1", "train.lr=1e-3", "seed=3")
-    run(make_cfg("train.mini_batch_size=8", "train.lr=1e-3"),
-        Args(advantages=str(tmp_path / "adv.parquet"), policy=str(policy_dir), out=str(tmp_path / "prev"),
-             metrics=str(tmp_path / "prev.parquet"), optimizer=str(tmp_path / "prev.opt")))
+    cfg = make_cfg(
+        "train.mini_batch_size=1",
+        "train.micro_batch_size=1",
+        "train.ppo_epochs=2",
+        "train.checkpoint_every=1",
+        "train.lr=1e-3",
+        "seed=3",
+    )
+    run(
+        make_cfg("train.mini_batch_size=8", "train.lr=1e-3"),
+        Args(
+            advantages=str(tmp_path / "adv.parquet"),
+            policy=str(policy_dir),
+            out=str(tmp_path / "prev"),
+            metrics=str(tmp_path / "prev.parquet"),
+            optimizer=str(tmp_path / "prev.opt"),
+        ),
+    )
     policy_dir = tmp_path / "prev"
 
     def io(name):

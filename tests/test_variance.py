@@ -6,12 +6,11 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
+from conftest import tiny_config
 
 from otbflow import rollout, schemas, variance
 from otbflow.io import read_table, write_parquet
 from otbflow.variance import CountSketch, center_scores, group_gradients, resample_groups, study, token_gradients
-
-from conftest import tiny_config
 
 
 def test_token_gradients_are_the_per_token_scores(tiny_policy):
@@ -66,8 +65,14 @@ def test_group_gradients_match_a_loop():
     adv = pl.Series([rng.normal(size=lengths[r]).tolist() for r in pool_row], dtype=pl.List(pl.Float64))
     g = group_gradients(adv, pool_row, offsets, group, 3, 2, grads)
     for r in range(3):
-        expected = sum(torch.tensor(a, dtype=torch.float64) @ grads[offsets[p]:offsets[p] + lengths[p]]
-                       for p, a, gr in zip(pool_row, adv.to_list(), group) if gr == r) / 2
+        expected = (
+            sum(
+                torch.tensor(a, dtype=torch.float64) @ grads[offsets[p] : offsets[p] + lengths[p]]
+                for p, a, gr in zip(pool_row, adv.to_list(), group)
+                if gr == r
+            )
+            / 2
+        )
         torch.testing.assert_close(g[r], expected)
 
 
@@ -95,9 +100,15 @@ def pool_path(tmp_path_factory, tiny_policy, data_dir):
     """8 responses to each of 4 prompts from the tiny policy, with seeded random 0/1 rewards (the
     untrained policy solves nothing)."""
     out = tmp_path_factory.mktemp("pool")
-    rollout.run(tiny_config("rollout.group_size=8"), rollout.Args(
-        prompts=str(data_dir / "train" / "shard_0.parquet"), policy=str(tiny_policy), out=str(out / "raw.parquet"),
-        n_prompts=4))
+    rollout.run(
+        tiny_config("rollout.group_size=8"),
+        rollout.Args(
+            prompts=str(data_dir / "train" / "shard_0.parquet"),
+            policy=str(tiny_policy),
+            out=str(out / "raw.parquet"),
+            n_prompts=4,
+        ),
+    )
     df = read_table(out / "raw.parquet", schemas.ROLLOUTS)
     assert df.height == 32 and df["prompt_id"].n_unique() == 4
     rewards = np.random.default_rng(0).integers(0, 2, df.height).astype(float)
@@ -124,7 +135,9 @@ def test_sketched_and_exact_studies_agree(pool_path, tiny_policy, tmp_path):
     out = {}
     for k in (0, 16384):
         cfg = tiny_config(f"variance.sketch_dim={k}", "variance.resamples=50", "variance.estimators=[otb]")
-        variance.run(cfg, variance.Args(rollouts=[str(pool_path)], policy=str(tiny_policy), out_dir=str(tmp_path / str(k))))
+        variance.run(
+            cfg, variance.Args(rollouts=[str(pool_path)], policy=str(tiny_policy), out_dir=str(tmp_path / str(k)))
+        )
         out[k] = read_table(tmp_path / str(k) / "summary.parquet", schemas.VARIANCE)
     np.testing.assert_allclose(out[16384]["trace_cov"].to_numpy(), out[0]["trace_cov"].to_numpy(), rtol=0.05)
 
@@ -159,7 +172,7 @@ def test_study_equals_an_exact_enumeration_of_all_groups():
     assert list(got) == ["none", "rloo", "grpo", "opo", "eob"]
 
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    S = np.stack([grads[starts[j]:starts[j] + lengths[j]].sum(0).numpy() for j in range(6)])
+    S = np.stack([grads[starts[j] : starts[j] + lengths[j]].sum(0).numpy() for j in range(6)])
     S_c = S.copy()
     for p in (0, 1):
         rows = [j for j in range(6) if prompt[j] == p]
@@ -184,8 +197,13 @@ def test_study_equals_an_exact_enumeration_of_all_groups():
             rows = [j for j in range(6) if prompt[j] == p]
             g = []
             for combo in itertools.product(rows, repeat=2):
-                g.append(sum((reward[i] - baseline(name, i, [combo[1 - k]], combo, norms)) * S_c[i]
-                             for k, i in enumerate(combo)) / 2)
+                g.append(
+                    sum(
+                        (reward[i] - baseline(name, i, [combo[1 - k]], combo, norms)) * S_c[i]
+                        for k, i in enumerate(combo)
+                    )
+                    / 2
+                )
             out.append(np.trace(np.cov(np.array(g), rowvar=False)))
         return np.array(out)
 

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import polars as pl
 import pytest
+from conftest import TINY, tiny_config, vllm_env, vllm_python
 
 from otbflow import features, schemas, vllm_engine
 from otbflow.generation import render_prompts
@@ -19,8 +20,6 @@ from otbflow.io import check_schema, read_metadata, read_table
 from otbflow.model import load_tokenizer
 from otbflow.rewards import arithmetic_reward
 from otbflow.rollout import rollout_table
-
-from conftest import TINY, tiny_config, vllm_env, vllm_python
 
 DATA = Path(__file__).parent / "data" / "vllm_request_outputs.json"
 
@@ -39,20 +38,38 @@ def recorded_outputs():
 def test_engine_and_sampling_arguments_from_config():
     from conftest import tiny_config
 
-    cfg = tiny_config("rollout.backend=vllm", "rollout.tensor_parallel_size=2", "rollout.temperature=0.7",
-                      "model.dtype=bfloat16")
+    cfg = tiny_config(
+        "rollout.backend=vllm", "rollout.tensor_parallel_size=2", "rollout.temperature=0.7", "model.dtype=bfloat16"
+    )
     r = cfg.rollout
-    e = vllm_engine.engine_kwargs("/models/p", cfg.model.dtype, 5, r.tensor_parallel_size, r.temperature,
-                                  r.gpu_memory_utilization, enforce_eager=True)
+    e = vllm_engine.engine_kwargs(
+        "/models/p",
+        cfg.model.dtype,
+        5,
+        r.tensor_parallel_size,
+        r.temperature,
+        r.gpu_memory_utilization,
+        enforce_eager=True,
+    )
     assert e["model"] == e["tokenizer"] == "/models/p" and e["enforce_eager"]
     assert e["generation_config"] == "vllm"  # the checkpoint's sampling defaults do not apply
     assert e["tensor_parallel_size"] == 2 and e["dtype"] == "bfloat16" and e["seed"] == 5
     assert e["logprobs_mode"] == "processed_logprobs"  # temperature-scaled, like the trainer's
     assert vllm_engine.engine_kwargs("/p", "float32", 0, 1, 1.0, 0.9)["logprobs_mode"] == "raw_logprobs"
-    s = vllm_engine.sampling_kwargs(r.group_size, r.temperature, r.top_p, r.max_new_tokens, greedy=False, seed=5,
-                                    stop_ids=[2, 0])
-    assert s == {"n": 4, "temperature": 0.7, "top_p": 1.0, "top_k": -1, "max_tokens": 24, "logprobs": 0, "seed": 5,
-                 "skip_special_tokens": True, "stop_token_ids": [2, 0]}
+    s = vllm_engine.sampling_kwargs(
+        r.group_size, r.temperature, r.top_p, r.max_new_tokens, greedy=False, seed=5, stop_ids=[2, 0]
+    )
+    assert s == {
+        "n": 4,
+        "temperature": 0.7,
+        "top_p": 1.0,
+        "top_k": -1,
+        "max_tokens": 24,
+        "logprobs": 0,
+        "seed": 5,
+        "skip_special_tokens": True,
+        "stop_token_ids": [2, 0],
+    }
     g = vllm_engine.sampling_kwargs(4, 0.7, 1.0, 24, greedy=True, seed=5, stop_ids=[2])
     assert g["n"] == 1 and g["temperature"] == 0.0 and g["stop_token_ids"] == [2]
 
@@ -64,8 +81,15 @@ def test_recorded_outputs_convert_to_the_rollout_schema():
     assert [(s.prompt_index, s.sample_idx) for s in samples] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert samples[0].logprobs[4] == pytest.approx(-1.2) and samples[0].finish_reason == "stop"
     assert samples[1].finish_reason == "length" and len(samples[1].logprobs) == len(samples[1].response_ids)
-    batch = pl.DataFrame({"prompt_id": [10, 11], "prompt": ["1+2=", "5-3="], "answer": ["3", "2"],
-                          "split": ["train"] * 2, "shard": [0, 0]})
+    batch = pl.DataFrame(
+        {
+            "prompt_id": [10, 11],
+            "prompt": ["1+2=", "5-3="],
+            "answer": ["3", "2"],
+            "split": ["train"] * 2,
+            "shard": [0, 0],
+        }
+    )
     table = rollout_table(samples, batch, iteration=0, shard=0, seed=5, reward_fn=arithmetic_reward)
     check_schema(table, schemas.ROLLOUTS, "vllm rollouts")  # the identical schema as the hf backend
     assert table["reward"].to_list() == [1.0, 0.0, 0.0, 0.0]
@@ -98,9 +122,24 @@ def vllm_rollout(tmp_path_factory, qwen2_bpe_policy, data_dir):
     layout: the engine core in a child process), on the tiny Qwen2 + BPE + chat policy."""
     python = vllm_python()
     out = tmp_path_factory.mktemp("vllm_rollout") / "shard_0.parquet"
-    cmd = [str(python), "-m", "otbflow", "rollout", "--config", str(TINY), "--prompts",
-           str(data_dir / "train" / "shard_0.parquet"), "--policy", str(qwen2_bpe_policy), "--out", str(out),
-           "rollout.backend=vllm", "rollout.enforce_eager=true", "rollout.kv_cache_gib=1", "task.system_prompt=Add."]
+    cmd = [
+        str(python),
+        "-m",
+        "otbflow",
+        "rollout",
+        "--config",
+        str(TINY),
+        "--prompts",
+        str(data_dir / "train" / "shard_0.parquet"),
+        "--policy",
+        str(qwen2_bpe_policy),
+        "--out",
+        str(out),
+        "rollout.backend=vllm",
+        "rollout.enforce_eager=true",
+        "rollout.kv_cache_gib=1",
+        "task.system_prompt=Add.",
+    ]
     t0 = time.perf_counter()
     res = subprocess.run(cmd, env=vllm_env(), capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
@@ -121,8 +160,13 @@ def test_vllm_rollout_stage(vllm_rollout, qwen2_bpe_policy, data_dir):
     assert meta["engine"]["logprobs_mode"] == "raw_logprobs" and meta["chat"] is True
     # the prompts vLLM saw are the ones the training environment renders (transformers 5.19 there)
     tok = load_tokenizer(qwen2_bpe_policy)
-    expected = render_prompts(tok, prompts["prompt"][:n_prompts].to_list(), prompts["messages"][:n_prompts].to_list(),
-                              chat=True, system_prompt="Add.")
+    expected = render_prompts(
+        tok,
+        prompts["prompt"][:n_prompts].to_list(),
+        prompts["messages"][:n_prompts].to_list(),
+        chat=True,
+        system_prompt="Add.",
+    )
     got = df.unique("group_id", maintain_order=True)["prompt_ids"].to_list()
     assert got == expected
     stops = set(meta["sampling"]["stop_token_ids"])
@@ -140,6 +184,8 @@ def test_vllm_logprobs_match_the_trainer(vllm_rollout, qwen2_bpe_policy, tmp_pat
     out = tmp_path / "features.parquet"
     features.run(tiny_config(), features.Args(rollouts=str(vllm_rollout), policy=str(qwen2_bpe_policy), out=str(out)))
     delta = read_table(out, schemas.FEATURES)["log_ratio"].explode().abs()
-    print(f"vLLM vs transformers log-probs (fp32, {delta.len()} tokens): mean |delta| {delta.mean():.2e}, "
-          f"max |delta| {delta.max():.2e}")
+    print(
+        f"vLLM vs transformers log-probs (fp32, {delta.len()} tokens): mean |delta| {delta.mean():.2e}, "
+        f"max |delta| {delta.max():.2e}"
+    )
     assert delta.len() > 0 and delta.mean() <= 1e-3

@@ -11,19 +11,28 @@ from pathlib import Path
 
 import polars as pl
 import pytest
+from conftest import REPO, TINY
 
 from otbflow import schemas
 from otbflow.io import read_table
-
-from conftest import REPO, TINY
 
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("workflow")]
 
 
 def snakemake(workdir: Path, *args: str, snakefile: Path = REPO / "Snakefile", env=None, check=True):
-    cmd = [SNAKEMAKE, "-s", str(snakefile), "--directory", str(workdir), "--cores", "2",
-           "--configfile", str(TINY), *args]
+    cmd = [
+        SNAKEMAKE,
+        "-s",
+        str(snakefile),
+        "--directory",
+        str(workdir),
+        "--cores",
+        "2",
+        "--configfile",
+        str(TINY),
+        *args,
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, env=env)
     if check and res.returncode != 0:
         raise AssertionError(f"snakemake failed ({res.returncode}):\n{res.stdout[-4000:]}\n{res.stderr[-6000:]}")
@@ -88,13 +97,28 @@ def test_every_output_reads_back_with_polars(run_dir):
     study = read_table(r / "variance/summary.parquet", schemas.VARIANCE)
     assert {"none", "otb", "eob"} <= set(study["estimator"]) and study["trace_cov"].is_finite().all()
     assert not (r / "checkpoints").exists()  # removed after each train job, empty folders included
-    for rule in ["bootstrap", "shard", "rollout", "features", "advantages", "train", "evaluate", "report", "scaling",
-                 "variance_pool", "variance"]:
+    for rule in [
+        "bootstrap",
+        "shard",
+        "rollout",
+        "features",
+        "advantages",
+        "train",
+        "evaluate",
+        "report",
+        "scaling",
+        "variance_pool",
+        "variance",
+    ]:
         assert list((r / "logs" / rule).glob("*.log")), f"no log for {rule}"
     # the long stages log their progress (items done, rate, time left) while they work
-    for rule, label in [("rollout", "generation (4 per prompt)"), ("evaluate", "greedy generation"),
-                        ("features", "features"), ("scaling", "exact gradient norms"),
-                        ("variance", "per-token gradients")]:
+    for rule, label in [
+        ("rollout", "generation (4 per prompt)"),
+        ("evaluate", "greedy generation"),
+        ("features", "features"),
+        ("scaling", "exact gradient norms"),
+        ("variance", "per-token gradients"),
+    ]:
         text = "".join(p.read_text() for p in (r / "logs" / rule).glob("*.log"))
         assert re.search(rf"{re.escape(label)}: \d+/\d+ \w+ \(100%\), [\d.e+]+ \w+/s, done", text), (rule, text[-800:])
 
@@ -166,11 +190,14 @@ def test_evaluate_every_picks_the_evaluated_policies(tmp_path):
     assert evaluated == {"initial", "iter_1", "iter_3", "iter_4"}, res.stdout[-3000:]
 
 
-@pytest.mark.parametrize("override, key", [
-    ("advantages={estimator: foo}", "advantages.estimator"),
-    ("rollout={group_size: 0}", "rollout.group_size"),
-    ("rollout={groupsize: 4}", "rollout.groupsize"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("advantages={estimator: foo}", "advantages.estimator"),
+        ("rollout={group_size: 0}", "rollout.group_size"),
+        ("rollout={groupsize: 4}", "rollout.groupsize"),
+    ],
+)
 def test_bad_config_fails_before_any_job(tmp_path, override, key):
     res = snakemake(tmp_path, "--config", override, check=False)
     assert res.returncode != 0

@@ -14,14 +14,15 @@ from pathlib import Path
 import polars as pl
 import pytest
 import yaml
+from conftest import QWEN2_BPE_CHAT, REPO, SMALL, TINY, vllm_python
 
 from otbflow import schemas
 from otbflow.io import read_metadata, read_table
 
-from conftest import QWEN2_BPE_CHAT, REPO, SMALL, TINY, vllm_python
-
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+
 def snakemake(workdir: Path, extra: dict | None = None, env=None) -> subprocess.CompletedProcess:
     """The workflow on tiny.yaml + qwen2_bpe_chat.yaml + SMALL (+ extra), each a YAML config file
     (typed values: Snakemake's --config reads nested values as strings)."""
@@ -30,8 +31,19 @@ def snakemake(workdir: Path, extra: dict | None = None, env=None) -> subprocess.
         if layer:
             (workdir / name).write_text(yaml.safe_dump(layer))
             files.append(str(workdir / name))
-    cmd = [SNAKEMAKE, "-s", str(REPO / "Snakefile"), "--directory", str(workdir), "--cores", "2",
-           "--configfile", str(TINY), str(QWEN2_BPE_CHAT), *files]
+    cmd = [
+        SNAKEMAKE,
+        "-s",
+        str(REPO / "Snakefile"),
+        "--directory",
+        str(workdir),
+        "--cores",
+        "2",
+        "--configfile",
+        str(TINY),
+        str(QWEN2_BPE_CHAT),
+        *files,
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, env=env)
     if res.returncode != 0:
         logs = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in (workdir / "results/logs").rglob("*.log"))
@@ -61,8 +73,12 @@ def test_vllm_workflow_end_to_end(vllm_run):
 
     work, res = vllm_run
     r = work / "results"
-    for path in ("iter_0/rollout/shard_0.parquet", "variance/pool.parquet", "initial/eval/samples.parquet",
-                 "iter_0/eval/samples.parquet"):
+    for path in (
+        "iter_0/rollout/shard_0.parquet",
+        "variance/pool.parquet",
+        "initial/eval/samples.parquet",
+        "iter_0/eval/samples.parquet",
+    ):
         meta = read_metadata(r / path)
         assert meta["backend"] == "vllm" and meta["chat"] is True, path
     assert read_metadata(r / "iter_0/rollout/shard_0.parquet")["vllm_version"] == "0.32.0"
@@ -77,7 +93,13 @@ def test_vllm_workflow_end_to_end(vllm_run):
     samples = read_table(r / "initial/eval/samples.parquet", schemas.EVAL_SAMPLES).filter(pl.col("mode") == "greedy")
     model, tok = load_policy(r / "bootstrap/policy")
     ids = render_prompts(tok, ev["prompt"].to_list(), ev["messages"].to_list(), True, "Solve step by step.")
-    hf = hf_generate(model, tok, ids, greedy=True, max_new_tokens=16, stop_ids=read_metadata(
-        r / "iter_0/rollout/shard_0.parquet")["stop_token_ids"])
+    hf = hf_generate(
+        model,
+        tok,
+        ids,
+        greedy=True,
+        max_new_tokens=16,
+        stop_ids=read_metadata(r / "iter_0/rollout/shard_0.parquet")["stop_token_ids"],
+    )
     by_id = dict(zip(samples["prompt_id"].to_list(), samples["response_text"].to_list()))
     assert [by_id[i] for i in ev["prompt_id"].to_list()] == [s.text for s in hf]

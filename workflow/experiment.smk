@@ -33,8 +33,10 @@ OTBFLOW = f"PYTHONPATH={_SRC}${{PYTHONPATH:+:$PYTHONPATH}} {sys.executable} -m o
 
 def inner(directory, configfile, targets, threads):
     """The default workflow in its own folder (standard input closed, as for any Snakemake run)."""
-    return (f"{SNAKEMAKE} -s {REPO}/Snakefile --directory {directory} --configfile {os.path.abspath(configfile)} "
-            f"--cores {threads} {' '.join(targets)} < /dev/null")
+    return (
+        f"{SNAKEMAKE} -s {REPO}/Snakefile --directory {directory} --configfile {os.path.abspath(configfile)} "
+        f"--cores {threads} {' '.join(targets)} < /dev/null"
+    )
 
 
 wildcard_constraints:
@@ -43,9 +45,9 @@ wildcard_constraints:
 
 
 rule all:
+    default_target: True
     input:
         f"{ROOT}/summary.parquet",
-    default_target: True
 
 
 rule shared:
@@ -69,6 +71,7 @@ rule shared:
         f"{ROOT}/logs/shared.log",
     conda:
         ENV
+    threads: 2
     params:
         cmd=lambda wildcards, threads: inner(
             f"{ROOT}/shared",
@@ -76,7 +79,6 @@ rule shared:
             ["results/bootstrap/policy", "results/scaling/summary.json", "results/variance/summary.parquet"],
             threads,
         ),
-    threads: 2
     shell:
         "{params.cmd} > {log} 2>&1"
 
@@ -110,6 +112,10 @@ rule member:
         f"{ROOT}/logs/member/{{run}}_seed_{{seed}}.log",
     conda:
         ENV
+    threads: 1
+    resources:
+        mem_mb=8000,
+        runtime=24 * 60,
     params:
         cmd=lambda wildcards, input, threads: inner(
             f"{ROOT}/{wildcards.run}/seed_{wildcards.seed}",
@@ -117,10 +123,6 @@ rule member:
             ["results/report/progress.parquet", "results/report/metrics.parquet"],
             threads,
         ),
-    threads: 1
-    resources:
-        mem_mb=8000,
-        runtime=24 * 60,
     shell:
         "{params.cmd} > {log} 2>&1"
 

@@ -137,8 +137,16 @@ def make_batch(table: pl.DataFrame) -> Batch:
         returns = seq_end - csum + r
     else:
         returns = np.repeat(reward, lengths)
-    return Batch(reward, group.astype(np.int64), int(group.max()) + 1 if len(group) else 0, lengths, offsets,
-                 has_mask, returns, table)
+    return Batch(
+        reward,
+        group.astype(np.int64),
+        int(group.max()) + 1 if len(group) else 0,
+        lengths,
+        offsets,
+        has_mask,
+        returns,
+        table,
+    )
 
 
 def _segment_sum(values: np.ndarray, index: np.ndarray, size: int) -> np.ndarray:
@@ -177,15 +185,17 @@ def register(name: str, needs: tuple[str, ...] = ()) -> Callable:
     def deco(fn: Callable) -> Callable:
         if name in ESTIMATORS:
             raise ValueError(f"estimator '{name}' is registered twice")
-        ESTIMATORS[name] = Estimator(name, fn, ("group_id", "reward", "logprobs") + tuple(needs),
-                                     (fn.__doc__ or "").strip().splitlines()[0])
+        ESTIMATORS[name] = Estimator(
+            name, fn, ("group_id", "reward", "logprobs") + tuple(needs), (fn.__doc__ or "").strip().splitlines()[0]
+        )
         return fn
 
     return deco
 
 
-def _with_seq_baseline(b: Batch, base_seq: np.ndarray, shift: float,
-                       scale_seq: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def _with_seq_baseline(
+    b: Batch, base_seq: np.ndarray, shift: float, scale_seq: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Broadcast a per-sequence baseline b_i. Without a scale: A_t = (G_t - b_i - shift) m_t and the
     baseline column is b_i + shift. With a scale s_i (std-normalised GRPO) the shift acts on the
     normalised scale: A_t = ((G_t - b_i) / s_i - shift) m_t, i.e. the baseline b_i + shift s_i."""
@@ -303,8 +313,9 @@ def opo(b: Batch, baseline_shift: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
 
 
 @register("length_power")
-def length_power(b: Batch, exponent: float = 1.0, leave_one_out: bool = False,
-                 baseline_shift: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+def length_power(
+    b: Batch, exponent: float = 1.0, leave_one_out: bool = False, baseline_shift: float = 0.0
+) -> tuple[np.ndarray, np.ndarray]:
     """Length-power baseline: weights T_i^s (s=0: group mean, s=1: OPO)."""
     t = b.valid_len
     weight = np.ones_like(t) if exponent == 0 else np.where(t > 0, np.power(np.maximum(t, 1e-300), exponent), 0.0)
@@ -349,8 +360,14 @@ def _zero_tail_sequences(group: np.ndarray, length: np.ndarray, member: np.ndarr
     return order[top[ok]], ln[nxt[ok]]
 
 
-def _otb(b: Batch, pos: np.ndarray | None, length: np.ndarray, member: np.ndarray, handle_zero_tail: bool,
-         baseline_shift: float) -> tuple[np.ndarray, np.ndarray]:
+def _otb(
+    b: Batch,
+    pos: np.ndarray | None,
+    length: np.ndarray,
+    member: np.ndarray,
+    handle_zero_tail: bool,
+    baseline_shift: float,
+) -> tuple[np.ndarray, np.ndarray]:
     """OTB over token positions ``pos`` (the compacted index for TIR; None: absolute positions).
     ``length`` is each sequence's number of mask = 1 tokens (verl: mask.sum(-1)); ``member``
     marks the sequences that count in their group's size (a group of one member gets no baseline)
@@ -424,8 +441,7 @@ def otb(b: Batch, handle_zero_tail: bool = True, baseline_shift: float = 0.0) ->
     As verl's compute_optimal_token_baseline_advantage: lengths and the zero-tail come from the
     loss_mask (its count of 1s), every row of a group counts as a member (an empty response
     too), the zero-tail starts at the absolute position L2."""
-    return _otb(b, None, b.valid_len.astype(np.int64), np.ones(len(b.lengths), bool), handle_zero_tail,
-                baseline_shift)
+    return _otb(b, None, b.valid_len.astype(np.int64), np.ones(len(b.lengths), bool), handle_zero_tail, baseline_shift)
 
 
 @register("otb_tir", needs=("sum_pi_sq", "loss_mask"))
@@ -447,8 +463,9 @@ def otb_tir(b: Batch, handle_zero_tail: bool = True, baseline_shift: float = 0.0
 def _check_input(table: pl.DataFrame, est: Estimator) -> None:
     for col in est.needs:
         if col not in table.columns:
-            raise SchemaError(f"estimator '{est.name}' needs column '{col}', which the table lacks "
-                              f"({est.name}: {est.doc})")
+            raise SchemaError(
+                f"estimator '{est.name}' needs column '{col}', which the table lacks ({est.name}: {est.doc})"
+            )
     reward = table["reward"].cast(pl.Float64)
     bad = (~reward.is_finite() | reward.is_null()).arg_true()
     if len(bad):
@@ -460,8 +477,7 @@ def _check_input(table: pl.DataFrame, est: Estimator) -> None:
             diff = (table[col].list.len() != n).arg_true()
             if len(diff):
                 i = int(diff[0])
-                raise SchemaError(f"row {i}: '{col}' has {table[col].list.len()[i]} entries but 'logprobs' "
-                                  f"has {n[i]}")
+                raise SchemaError(f"row {i}: '{col}' has {table[col].list.len()[i]} entries but 'logprobs' has {n[i]}")
 
 
 def _to_list_column(name: str, flat: np.ndarray, offsets: np.ndarray) -> pl.Series:
@@ -477,13 +493,16 @@ def compute_advantages(table: pl.DataFrame, estimator: str, **options) -> pl.Dat
     accepted = estimator_parameters(estimator)
     unknown = sorted(set(options) - set(accepted))
     if unknown:
-        raise ValueError(f"estimator '{estimator}' takes no option {', '.join(map(repr, unknown))}; its options: "
-                         f"{', '.join(accepted) or 'none'}")
+        raise ValueError(
+            f"estimator '{estimator}' takes no option {', '.join(map(repr, unknown))}; its options: "
+            f"{', '.join(accepted) or 'none'}"
+        )
     _check_input(table, est)
     b = make_batch(table)
     base, adv = est.fn(b, **options)
-    return table.with_columns(_to_list_column("advantages", adv, b.offsets),
-                              _to_list_column("baselines", base, b.offsets))
+    return table.with_columns(
+        _to_list_column("advantages", adv, b.offsets), _to_list_column("baselines", base, b.offsets)
+    )
 
 
 def estimator_parameters(name: str) -> list[str]:
@@ -526,8 +545,11 @@ def diagnostics(table: pl.DataFrame) -> dict[str, float]:
     t = np.maximum(b.valid_len, 1e-12)
     abar = _segment_sum(adv * m, b.seq, len(b.reward)) / t
     w_hat = np.maximum(_segment_sum(b.energy() * m, b.seq, len(b.reward)), 0.0)
-    rho = (_segment_sum(_flat(table["is_weights"]) * m, b.seq, len(b.reward)) / t
-           if "is_weights" in table.columns else None)
+    rho = (
+        _segment_sum(_flat(table["is_weights"]) * m, b.seq, len(b.reward)) / t
+        if "is_weights" in table.columns
+        else None
+    )
     power = total_power(w_hat, abar, rho)
     valid = m > 0
     base_seq = _segment_sum(base * m, b.seq, len(b.reward)) / t
@@ -554,8 +576,14 @@ def run(cfg: DictConfig, args: Args) -> None:
     for name in dict.fromkeys(list(a.compare) + [a.estimator]):
         options = estimator_options(cfg, name)  # the one rule: the advantages.* options it takes
         out = compute_advantages(table, name, **options)
-        rows.append({"iteration": args.iteration, "estimator": name,
-                     "baseline_shift": float(options.get("baseline_shift", 0.0)), **diagnostics(out)})
+        rows.append(
+            {
+                "iteration": args.iteration,
+                "estimator": name,
+                "baseline_shift": float(options.get("baseline_shift", 0.0)),
+                **diagnostics(out),
+            }
+        )
         if name == a.estimator:
             train = out.with_columns(pl.lit(name).alias("estimator"))
             train = train.select(schemas.ADVANTAGES.present(train.columns))
@@ -563,5 +591,12 @@ def run(cfg: DictConfig, args: Args) -> None:
     comparison = pl.DataFrame(rows, schema=schemas.COMPARISON.columns)
     write_parquet(comparison, args.comparison)
     for r in rows:
-        log.info("%-22s delta=%+.3g  P=%.4g  E[A^2]=%.4g  zero-adv=%.3f  pessimism=%+.4f", r["estimator"],
-                 r["baseline_shift"], r["total_power"], r["expected_a_squared"], r["zero_adv_fraction"], r["pessimism"])
+        log.info(
+            "%-22s delta=%+.3g  P=%.4g  E[A^2]=%.4g  zero-adv=%.3f  pessimism=%+.4f",
+            r["estimator"],
+            r["baseline_shift"],
+            r["total_power"],
+            r["expected_a_squared"],
+            r["zero_adv_fraction"],
+            r["pessimism"],
+        )

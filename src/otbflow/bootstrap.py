@@ -28,7 +28,7 @@ from otbflow.hf_engine import hf_generate
 from otbflow.io import atomic_dir, write_parquet
 from otbflow.model import build_tiny_model, build_tokenizer, encode, set_threads
 from otbflow.rewards import arithmetic_reward
-from otbflow.tasks import arithmetic_prompts, arithmetic_problem, arithmetic_solution
+from otbflow.tasks import arithmetic_problem, arithmetic_prompts, arithmetic_solution
 
 log = logging.getLogger("otbflow.bootstrap")
 SECTIONS = ("model", "bootstrap", "task")
@@ -63,12 +63,21 @@ def sft_batch(tok, rng: random.Random, cfg: DictConfig, exclude: set[str], chat:
     return ids, mask, lab
 
 
-def sampled_accuracy(model, tok, problems: list[dict], seed: int, max_new_tokens: int, chat: bool,
-                     system_prompt: str | None, stops: list[int]) -> float:
+def sampled_accuracy(
+    model,
+    tok,
+    problems: list[dict],
+    seed: int,
+    max_new_tokens: int,
+    chat: bool,
+    system_prompt: str | None,
+    stops: list[int],
+) -> float:
     model.eval()
     ids = render_prompts(tok, [p["prompt"] for p in problems], None, chat, system_prompt)
-    samples = hf_generate(model, tok, ids, n=1, temperature=1.0, max_new_tokens=max_new_tokens, seed=seed,
-                          stop_ids=stops)
+    samples = hf_generate(
+        model, tok, ids, n=1, temperature=1.0, max_new_tokens=max_new_tokens, seed=seed, stop_ids=stops
+    )
     model.train()
     return sum(arithmetic_reward(s.text, problems[s.prompt_index]["answer"]) for s in samples) / len(samples)
 
@@ -83,15 +92,19 @@ def tokenizer_corpus(cfg: DictConfig) -> list[str]:
     chat roles and system prompt as the template writes them."""
     t = cfg.task
     rng = random.Random(derive_seed(cfg.seed, "bootstrap-tokenizer"))
-    problems = [arithmetic_problem(rng, t.min_terms, t.max_terms, t.max_operand) for _ in range(2048)]  # repeats allowed
+    problems = [
+        arithmetic_problem(rng, t.min_terms, t.max_terms, t.max_operand) for _ in range(2048)
+    ]  # repeats allowed
     chat = [f"{role}\n" for role in ("system", "user", "assistant")] + ([t.system_prompt] if t.system_prompt else [])
     return [p + arithmetic_solution(p)[0] for p in problems] + chat * 16
 
 
 def run(cfg: DictConfig, args: Args) -> None:
     if cfg.task.name != "arithmetic":
-        raise ValueError("the bootstrap builds a policy for the synthetic task only; set model.path "
-                         "to a local HF causal-LM folder for task.name=dataset")
+        raise ValueError(
+            "the bootstrap builds a policy for the synthetic task only; set model.path "
+            "to a local HF causal-LM folder for task.name=dataset"
+        )
     set_threads()
     b, t = cfg.bootstrap, cfg.task
     tok = build_tokenizer(cfg.model, tokenizer_corpus(cfg))
@@ -102,16 +115,23 @@ def run(cfg: DictConfig, args: Args) -> None:
     from otbflow.shard import synthetic_splits
 
     _, eval_split = synthetic_splits(cfg)
-    heldout = arithmetic_prompts(b.n_eval_prompts, derive_seed(cfg.seed, "bootstrap-heldout"), t.min_terms,
-                                 t.max_terms, t.max_operand, exclude=set(eval_split["prompt"]))
+    heldout = arithmetic_prompts(
+        b.n_eval_prompts,
+        derive_seed(cfg.seed, "bootstrap-heldout"),
+        t.min_terms,
+        t.max_terms,
+        t.max_operand,
+        exclude=set(eval_split["prompt"]),
+    )
     exclude = set(eval_split["prompt"]) | {p["prompt"] for p in heldout}
     rng = random.Random(derive_seed(cfg.seed, "bootstrap-sft"))
     torch.manual_seed(derive_seed(cfg.seed, "bootstrap-torch"))
     opt = torch.optim.AdamW(model.parameters(), lr=b.sft_lr, weight_decay=0.0)
     max_new = cfg.rollout.max_new_tokens
     curve = []
-    acc = sampled_accuracy(model, tok, heldout, derive_seed(cfg.seed, "bootstrap-acc", 0), max_new, chat,
-                           t.system_prompt, stops)
+    acc = sampled_accuracy(
+        model, tok, heldout, derive_seed(cfg.seed, "bootstrap-acc", 0), max_new, chat, t.system_prompt, stops
+    )
     curve.append({"step": 0, "loss": float("nan"), "heldout_accuracy": acc, "time_s": 0.0})
     start = time.perf_counter()
     model.train()
@@ -128,19 +148,35 @@ def run(cfg: DictConfig, args: Args) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if step % b.eval_every == 0:
-            acc = sampled_accuracy(model, tok, heldout, derive_seed(cfg.seed, "bootstrap-acc", step), max_new, chat,
-                                   t.system_prompt, stops)
-            curve.append({"step": step, "loss": loss.item(), "heldout_accuracy": acc,
-                          "time_s": time.perf_counter() - start})
+            acc = sampled_accuracy(
+                model, tok, heldout, derive_seed(cfg.seed, "bootstrap-acc", step), max_new, chat, t.system_prompt, stops
+            )
+            curve.append(
+                {"step": step, "loss": loss.item(), "heldout_accuracy": acc, "time_s": time.perf_counter() - start}
+            )
             log.info("sft step %d loss %.4f held-out sampled accuracy %.3f", step, loss.item(), acc)
     if acc < b.target_accuracy:
-        log.warning("warm-start stopped at sft_max_steps=%d with held-out accuracy %.3f < target %.3f",
-                    b.sft_max_steps, acc, b.target_accuracy)
+        log.warning(
+            "warm-start stopped at sft_max_steps=%d with held-out accuracy %.3f < target %.3f",
+            b.sft_max_steps,
+            acc,
+            b.target_accuracy,
+        )
     model.eval()
     with atomic_dir(args.out) as tmp:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-    write_parquet(pl.DataFrame(curve), args.metrics,
-                  metadata={"target_accuracy": b.target_accuracy, "final_accuracy": acc, "steps": step,
-                            "arch": cfg.model.arch, "tokenizer": cfg.model.tokenizer, "vocab_size": len(tok),
-                            "parameters": sum(p.numel() for p in model.parameters()), "chat": chat})
+    write_parquet(
+        pl.DataFrame(curve),
+        args.metrics,
+        metadata={
+            "target_accuracy": b.target_accuracy,
+            "final_accuracy": acc,
+            "steps": step,
+            "arch": cfg.model.arch,
+            "tokenizer": cfg.model.tokenizer,
+            "vocab_size": len(tok),
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "chat": chat,
+        },
+    )

@@ -53,19 +53,32 @@ def _add_args_dataclass(parser: argparse.ArgumentParser, cls: type) -> None:
         if typing.get_origin(kind) is typing.Union:  # Optional[X]
             kind = next(a for a in typing.get_args(kind) if a is not type(None))
         if typing.get_origin(kind) is list:
-            parser.add_argument(flag, dest=f.name, nargs="+", type=typing.get_args(kind)[0],
-                                required=required, default=None if required else f.default_factory(),
-                                help=docs.get(f.name, ""))
+            parser.add_argument(
+                flag,
+                dest=f.name,
+                nargs="+",
+                type=typing.get_args(kind)[0],
+                required=required,
+                default=None if required else f.default_factory(),
+                help=docs.get(f.name, ""),
+            )
             continue
-        parser.add_argument(flag, dest=f.name, type=kind, required=required,
-                            default=None if required else f.default, help=docs.get(f.name, ""))
+        parser.add_argument(
+            flag,
+            dest=f.name,
+            type=kind,
+            required=required,
+            default=None if required else f.default,
+            help=docs.get(f.name, ""),
+        )
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The full parser of ``command``; the other sub-commands are listed without importing
     their modules (so ``otbflow rollout`` does not import DeepSpeed)."""
-    parser = argparse.ArgumentParser(prog="otbflow", description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="otbflow", description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, help_text in STAGES.items():
         if name != command:
@@ -73,8 +86,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             continue
         mod = importlib.import_module(f"otbflow.{name}")
         epilog = "config keys read by this stage:\n" + "\n".join(describe_section(s) for s in mod.SECTIONS)
-        p = sub.add_parser(name, help=help_text, description=(mod.__doc__ or help_text).strip(),
-                           epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+        p = sub.add_parser(
+            name,
+            help=help_text,
+            description=(mod.__doc__ or help_text).strip(),
+            epilog=epilog,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         p.add_argument("--config", default=None, help="config YAML (default: config/config.yaml)")
         _add_args_dataclass(p, mod.Args)
         p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. rollout.group_size=8")
@@ -82,8 +100,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         if name == "submit":
             from otbflow import submit
 
-            p = sub.add_parser(name, help=help_text, description=submit.__doc__,
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
+            p = sub.add_parser(
+                name, help=help_text, description=submit.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+            )
             submit.add_arguments(p)
             continue
         p = sub.add_parser(name, help=help_text)

@@ -11,8 +11,19 @@ import hashlib
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent
-SHARED = ("__init__", "__main__", "cli", "config", "io", "schemas", "model", "tasks", "rewards", "codeversion",
-          "progress")
+SHARED = (
+    "__init__",
+    "__main__",
+    "cli",
+    "config",
+    "io",
+    "schemas",
+    "model",
+    "tasks",
+    "rewards",
+    "codeversion",
+    "progress",
+)
 STAGE_MODULES = {
     "bootstrap": ("bootstrap", "shard", "generation", "hf_engine"),
     "shard": ("shard",),

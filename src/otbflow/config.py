@@ -421,8 +421,9 @@ class Config:
 # ------------------------------------------------------------------------------------------
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                extra: dict | None = None) -> DictConfig:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, extra: dict | None = None
+) -> DictConfig:
     """Merge ``path`` (a YAML file; None: only the schema defaults), then ``extra`` (a nested
     or dotted-key dict, e.g. Snakemake's ``config``), then ``key=value`` overrides onto the
     schema, and validate. Raises ConfigError naming the key on any problem."""
@@ -465,8 +466,12 @@ def from_snakemake(config: dict) -> dict:
             tp = hints.get(key)
             if isinstance(value, dict):
                 value = walk(value, tp)
-            elif (isinstance(value, str) and value in ("null", "~", "Null", "NULL")
-                  and typing.get_origin(tp) is typing.Union and type(None) in typing.get_args(tp)):
+            elif (
+                isinstance(value, str)
+                and value in ("null", "~", "Null", "NULL")
+                and typing.get_origin(tp) is typing.Union
+                and type(None) in typing.get_args(tp)
+            ):
                 value = None
             out[key] = value
         return out
@@ -523,9 +528,13 @@ def validate_workflow(cfg: DictConfig) -> None:
     """What the whole workflow needs beyond what each stage checks: the bootstrap builds policies
     for the built-in task only, so a dataset run needs its policy in model.path. (A stage alone,
     such as `otbflow shard` on a dataset, does not.)"""
-    _require(cfg.task.name != "dataset" or cfg.model.path is not None, "model.path",
-             "a local HF causal-LM folder when task.name is 'dataset' (the bootstrap builds policies for the "
-             "built-in task only)", cfg.model.path)
+    _require(
+        cfg.task.name != "dataset" or cfg.model.path is not None,
+        "model.path",
+        "a local HF causal-LM folder when task.name is 'dataset' (the bootstrap builds policies for the "
+        "built-in task only)",
+        cfg.model.path,
+    )
 
 
 def validate(cfg: DictConfig) -> None:
@@ -542,15 +551,26 @@ def validate(cfg: DictConfig) -> None:
     _require(m.n_embd % m.n_head == 0, "model.n_head", "a divisor of model.n_embd", m.n_head)
     _require(m.arch in ARCHITECTURES, "model.arch", f"one of {', '.join(ARCHITECTURES)}", m.arch)
     _require(m.tokenizer in TOKENIZERS, "model.tokenizer", f"one of {', '.join(TOKENIZERS)}", m.tokenizer)
-    _require(m.vocab_size >= 260, "model.vocab_size", ">= 260 (256 bytes + 3 special tokens + a merge)",
-             m.vocab_size)
-    _require(m.n_kv_head >= 0 and (m.n_kv_head == 0 or m.n_head % m.n_kv_head == 0), "model.n_kv_head",
-             "0 or a divisor of model.n_head", m.n_kv_head)
-    _require(m.arch != "gpt2" or m.n_kv_head in (0, m.n_head), "model.n_kv_head",
-             "0 for model.arch gpt2 (no grouped-query attention)", m.n_kv_head)
+    _require(m.vocab_size >= 260, "model.vocab_size", ">= 260 (256 bytes + 3 special tokens + a merge)", m.vocab_size)
+    _require(
+        m.n_kv_head >= 0 and (m.n_kv_head == 0 or m.n_head % m.n_kv_head == 0),
+        "model.n_kv_head",
+        "0 or a divisor of model.n_head",
+        m.n_kv_head,
+    )
+    _require(
+        m.arch != "gpt2" or m.n_kv_head in (0, m.n_head),
+        "model.n_kv_head",
+        "0 for model.arch gpt2 (no grouped-query attention)",
+        m.n_kv_head,
+    )
     if m.path is None and t.name == "arithmetic":
-        _require(chat_setting(cfg) != "true" or m.tokenizer == "bpe", "task.chat",
-                 "'auto' or 'false' with model.tokenizer char (it has no chat template)", t.chat)
+        _require(
+            chat_setting(cfg) != "true" or m.tokenizer == "bpe",
+            "task.chat",
+            "'auto' or 'false' with model.tokenizer char (it has no chat template)",
+            t.chat,
+        )
     _require(b.sft_max_steps >= 0, "bootstrap.sft_max_steps", ">= 0", b.sft_max_steps)
     _require(b.sft_batch_size >= 1, "bootstrap.sft_batch_size", ">= 1", b.sft_batch_size)
     _require(b.sft_lr > 0, "bootstrap.sft_lr", "> 0", b.sft_lr)
@@ -559,20 +579,32 @@ def validate(cfg: DictConfig) -> None:
     _require(0 <= b.slip_rate < 1, "bootstrap.slip_rate", "in [0, 1)", b.slip_rate)
     _require(b.n_eval_prompts >= 1, "bootstrap.n_eval_prompts", ">= 1", b.n_eval_prompts)
     _require(t.name in ("arithmetic", "dataset"), "task.name", "one of arithmetic, dataset", t.name)
-    _require(t.reward == "auto" or t.reward in REWARDS, "task.reward",
-             f"'auto' or one of {', '.join(sorted(REWARDS))}", t.reward)
+    _require(
+        t.reward == "auto" or t.reward in REWARDS,
+        "task.reward",
+        f"'auto' or one of {', '.join(sorted(REWARDS))}",
+        t.reward,
+    )
     _require(t.n_train >= 1, "task.n_train", ">= 1", t.n_train)
     _require(t.n_eval >= 1, "task.n_eval", ">= 1", t.n_eval)
     _require(1 <= t.min_terms <= t.max_terms, "task.min_terms", "in [1, task.max_terms]", t.min_terms)
     _require(t.max_operand >= 1, "task.max_operand", ">= 1", t.max_operand)
     if t.name == "dataset":
         _require(t.path is not None, "task.path", "a JSONL or Parquet file when task.name is 'dataset'", t.path)
-    _require("{prompt}" in t.prompt_template, "task.prompt_template", "a format string containing {prompt}",
-             t.prompt_template)
+    _require(
+        "{prompt}" in t.prompt_template,
+        "task.prompt_template",
+        "a format string containing {prompt}",
+        t.prompt_template,
+    )
     _require(t.format in DATASET_FORMATS, "task.format", f"one of {', '.join(DATASET_FORMATS)}", t.format)
     _require(chat_setting(cfg) in ("auto", "true", "false"), "task.chat", "one of auto, true, false", t.chat)
-    _require(t.system_prompt is None or chat_setting(cfg) != "false", "task.system_prompt",
-             "null when task.chat is false (a system message needs the chat template)", t.system_prompt)
+    _require(
+        t.system_prompt is None or chat_setting(cfg) != "false",
+        "task.system_prompt",
+        "null when task.chat is false (a system message needs the chat template)",
+        t.system_prompt,
+    )
     _require(cfg.shard.n_shards >= 1, "shard.n_shards", ">= 1", cfg.shard.n_shards)
     _require(r.backend in ("hf", "vllm"), "rollout.backend", "one of hf, vllm", r.backend)
     _require(r.group_size >= 1, "rollout.group_size", ">= 1", r.group_size)
@@ -582,8 +614,7 @@ def validate(cfg: DictConfig) -> None:
     _require(r.max_new_tokens >= 1, "rollout.max_new_tokens", ">= 1", r.max_new_tokens)
     _require(r.batch_size >= 1, "rollout.batch_size", ">= 1", r.batch_size)
     _require(r.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", ">= 1", r.tensor_parallel_size)
-    _require(0 < r.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "in (0, 1]",
-             r.gpu_memory_utilization)
+    _require(0 < r.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "in (0, 1]", r.gpu_memory_utilization)
     _require(r.kv_cache_gib >= 0, "rollout.kv_cache_gib", ">= 0", r.kv_cache_gib)
     _require(cfg.features.batch_size >= 1, "features.batch_size", ">= 1", cfg.features.batch_size)
     _require(cfg.features.chunk_size >= 1, "features.chunk_size", ">= 1", cfg.features.chunk_size)
@@ -593,38 +624,57 @@ def validate(cfg: DictConfig) -> None:
     _require(a.estimator in ESTIMATORS, "advantages.estimator", f"one of {names}", a.estimator)
     for i, name in enumerate(a.compare):
         _require(name in ESTIMATORS, f"advantages.compare[{i}]", f"one of {names}", name)
-    for key, name in [("advantages.estimator", a.estimator), *((f"advantages.compare[{i}]", n)
-                                                               for i, n in enumerate(a.compare))]:
-        _require(name != "otb_tir", key, "another estimator: otb_tir aligns positions by a per-token loss_mask "
-                 "(multi-turn data), which no stage writes; use otb", name)
-        _require(name != "eob" or cfg.features.exact_grad_norm, key,
-                 "another estimator unless features.exact_grad_norm is true (eob needs "
-                 "grad_sq_norm)", name)
+    for key, name in [
+        ("advantages.estimator", a.estimator),
+        *((f"advantages.compare[{i}]", n) for i, n in enumerate(a.compare)),
+    ]:
+        _require(
+            name != "otb_tir",
+            key,
+            "another estimator: otb_tir aligns positions by a per-token loss_mask "
+            "(multi-turn data), which no stage writes; use otb",
+            name,
+        )
+        _require(
+            name != "eob" or cfg.features.exact_grad_norm,
+            key,
+            "another estimator unless features.exact_grad_norm is true (eob needs grad_sq_norm)",
+            name,
+        )
     _require(math.isfinite(a.baseline_shift), "advantages.baseline_shift", "a finite number", a.baseline_shift)
     if a.baseline_shift != 0 and "baseline_shift" not in estimator_parameters(a.estimator):
-        raise ConfigError(f"config key 'advantages.baseline_shift': must be 0 when advantages.estimator is "
-                          f"'{a.estimator}', which takes no shift ({ESTIMATORS[a.estimator].doc}) "
-                          f"(got {a.baseline_shift!r})")
+        raise ConfigError(
+            f"config key 'advantages.baseline_shift': must be 0 when advantages.estimator is "
+            f"'{a.estimator}', which takes no shift ({ESTIMATORS[a.estimator].doc}) "
+            f"(got {a.baseline_shift!r})"
+        )
     tr = cfg.train
     _require(tr.lr > 0, "train.lr", "> 0", tr.lr)
     _require(tr.weight_decay >= 0, "train.weight_decay", ">= 0", tr.weight_decay)
     _require(tr.micro_batch_size >= 1, "train.micro_batch_size", ">= 1", tr.micro_batch_size)
     _require(tr.logprob_chunk_size >= 1, "train.logprob_chunk_size", ">= 1", tr.logprob_chunk_size)
-    _require(tr.mini_batch_size >= tr.micro_batch_size and tr.mini_batch_size % tr.micro_batch_size == 0,
-             "train.mini_batch_size", "a multiple of train.micro_batch_size", tr.mini_batch_size)
+    _require(
+        tr.mini_batch_size >= tr.micro_batch_size and tr.mini_batch_size % tr.micro_batch_size == 0,
+        "train.mini_batch_size",
+        "a multiple of train.micro_batch_size",
+        tr.mini_batch_size,
+    )
     _require(tr.ppo_epochs >= 1, "train.ppo_epochs", ">= 1", tr.ppo_epochs)
     _require(0 <= tr.clip_ratio_low < 1, "train.clip_ratio_low", "in [0, 1)", tr.clip_ratio_low)
     _require(tr.clip_ratio_high >= 0, "train.clip_ratio_high", ">= 0", tr.clip_ratio_high)
     modes = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
     _require(tr.loss_agg_mode in modes, "train.loss_agg_mode", f"one of {', '.join(modes)}", tr.loss_agg_mode)
     _require(tr.loss_scale_factor >= 0, "train.loss_scale_factor", ">= 0", tr.loss_scale_factor)
-    _require(tr.loss_type in ("ppo_clip", "reinforce"), "train.loss_type", "one of ppo_clip, reinforce",
-             tr.loss_type)
+    _require(tr.loss_type in ("ppo_clip", "reinforce"), "train.loss_type", "one of ppo_clip, reinforce", tr.loss_type)
     _require(tr.clip_ratio_c > 1, "train.clip_ratio_c", "> 1", tr.clip_ratio_c)
     _require(tr.kl_coef >= 0, "train.kl_coef", ">= 0", tr.kl_coef)
     _require(tr.entropy_coef >= 0, "train.entropy_coef", ">= 0", tr.entropy_coef)
-    _require(tr.rollout_is in ("none", "token", "sequence"), "train.rollout_is", "one of none, token, sequence",
-             tr.rollout_is)
+    _require(
+        tr.rollout_is in ("none", "token", "sequence"),
+        "train.rollout_is",
+        "one of none, token, sequence",
+        tr.rollout_is,
+    )
     _require(tr.rollout_is_threshold >= 1, "train.rollout_is_threshold", ">= 1", tr.rollout_is_threshold)
     schedules = ("constant", "cosine", "length_decay")
     _require(tr.lr_schedule in schedules, "train.lr_schedule", f"one of {', '.join(schedules)}", tr.lr_schedule)
@@ -652,12 +702,17 @@ def validate(cfg: DictConfig) -> None:
     _require(va.sketch_dim >= 0, "variance.sketch_dim", ">= 0", va.sketch_dim)
     for i, name in enumerate(va.estimators):
         _require(name in ESTIMATORS, f"variance.estimators[{i}]", f"one of {names}", name)
-        _require(name != "otb_tir", f"variance.estimators[{i}]", "not otb_tir (the pool has no loss_mask; use otb)",
-                 name)
+        _require(
+            name != "otb_tir", f"variance.estimators[{i}]", "not otb_tir (the pool has no loss_mask; use otb)", name
+        )
     for stage, res in cfg.resources.items():
         for key, value in res.items():
-            _require(value >= (0 if key == "gpu" else 1), f"resources.{stage}.{key}", ">= 0" if key == "gpu" else ">= 1",
-                     value)
+            _require(
+                value >= (0 if key == "gpu" else 1),
+                f"resources.{stage}.{key}",
+                ">= 0" if key == "gpu" else ">= 1",
+                value,
+            )
     e = cfg.evaluate
     _require(e.n_samples >= 1, "evaluate.n_samples", ">= 1", e.n_samples)
     _require(e.temperature > 0, "evaluate.temperature", "> 0", e.temperature)
@@ -676,6 +731,7 @@ def to_container(cfg: DictConfig) -> dict:
 
 def section_digest(cfg: DictConfig, *keys: str) -> str:
     """A short stable digest of some config sections, for Snakemake params (rerun triggers)."""
+
     def plain(v: Any) -> Any:
         return OmegaConf.to_container(v, resolve=True) if isinstance(v, DictConfig | ListConfig) else v
 
@@ -695,9 +751,13 @@ def field_docs(cls: type) -> dict[str, str]:
         tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
         body = tree.body[0].body  # type: ignore[attr-defined]
         for node, nxt in zip(body, body[1:]):
-            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                    and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                    and isinstance(nxt.value.value, str)):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
                 docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs
 

@@ -53,23 +53,52 @@ def run(cfg: DictConfig, args: Args) -> None:
     backend = open_backend(cfg, args.policy)
     rows, meta = [], {"backend": cfg.rollout.backend, "policy": args.policy}
     for mode in ("greedy", "sampled"):
-        sampling = Sampling(e.n_samples, e.temperature, 1.0, e.max_new_tokens, greedy=mode == "greedy",
-                            seed=derive_seed(cfg.seed, "evaluate", args.name))
+        sampling = Sampling(
+            e.n_samples,
+            e.temperature,
+            1.0,
+            e.max_new_tokens,
+            greedy=mode == "greedy",
+            seed=derive_seed(cfg.seed, "evaluate", args.name),
+        )
         samples = backend.generate(prompt_ids, sampling)
         meta[mode] = backend.metadata(sampling)
-        rows += [{"policy": args.name, "prompt_id": ids[s.prompt_index], "mode": mode, "sample_idx": s.sample_idx,
-                  "response_text": s.text, "response_length": len(s.response_ids),
-                  "reward": reward_fn(s.text, answers[s.prompt_index])} for s in samples]
+        rows += [
+            {
+                "policy": args.name,
+                "prompt_id": ids[s.prompt_index],
+                "mode": mode,
+                "sample_idx": s.sample_idx,
+                "response_text": s.text,
+                "response_length": len(s.response_ids),
+                "reward": reward_fn(s.text, answers[s.prompt_index]),
+            }
+            for s in samples
+        ]
     df = pl.DataFrame(rows, schema=schemas.EVAL_SAMPLES.columns)
     write_parquet(df, args.samples, metadata={**meta, **prompt_metadata(cfg, tok, chat, backend.stops)})
     greedy = df.filter(pl.col("mode") == "greedy")
     sampled = df.filter(pl.col("mode") == "sampled")
-    summary = pl.DataFrame([{
-        "policy": args.name, "iteration": args.iteration,
-        "greedy_accuracy": greedy["reward"].mean(), "sampled_accuracy": sampled["reward"].mean(),
-        "k": e.n_samples, "mean_response_length": float(sampled["response_length"].mean()),
-        "n_prompts": prompts.height,
-    }], schema=schemas.EVAL_SUMMARY.columns)
+    summary = pl.DataFrame(
+        [
+            {
+                "policy": args.name,
+                "iteration": args.iteration,
+                "greedy_accuracy": greedy["reward"].mean(),
+                "sampled_accuracy": sampled["reward"].mean(),
+                "k": e.n_samples,
+                "mean_response_length": float(sampled["response_length"].mean()),
+                "n_prompts": prompts.height,
+            }
+        ],
+        schema=schemas.EVAL_SUMMARY.columns,
+    )
     write_parquet(summary, args.summary)
-    log.info("%s: greedy accuracy %.3f, avg@%d %.3f, mean length %.1f", args.name, summary["greedy_accuracy"][0],
-             e.n_samples, summary["sampled_accuracy"][0], summary["mean_response_length"][0])
+    log.info(
+        "%s: greedy accuracy %.3f, avg@%d %.3f, mean length %.1f",
+        args.name,
+        summary["greedy_accuracy"][0],
+        e.n_samples,
+        summary["sampled_accuracy"][0],
+        summary["mean_response_length"][0],
+    )

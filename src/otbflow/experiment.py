@@ -40,8 +40,14 @@ log = logging.getLogger("otbflow.experiment")
 SECTIONS = ()
 KEYS = {"experiment", "seeds", "base", "runs"}
 OPTIONAL_KEYS = {"analysis"}
-ANALYSIS_DEFAULTS = {"reference": None, "target_fraction": 0.9, "pairs": [], "bootstrap": 2000, "confidence": 0.95,
-                     "plateau_window": 4}
+ANALYSIS_DEFAULTS = {
+    "reference": None,
+    "target_fraction": 0.9,
+    "pairs": [],
+    "bootstrap": 2000,
+    "confidence": 0.95,
+    "plateau_window": 4,
+}
 """``analysis`` of an experiment file: ``reference`` (a run; default the first), the target avg@k
 = ``target_fraction`` x the reference's final avg@k (mean over seeds), ``pairs`` of runs [a, b]
 compared seed by seed, the bootstrap resamples and confidence level of every interval, and the
@@ -73,8 +79,10 @@ def load_experiment(path: str | Path) -> dict:
     data = yaml.safe_load(Path(path).read_text()) or {}
     unknown = set(data) - KEYS - OPTIONAL_KEYS
     if unknown or not KEYS <= set(data):
-        raise ConfigError(f"{path}: an experiment needs the keys {sorted(KEYS)} and may have {sorted(OPTIONAL_KEYS)} "
-                          f"(unknown: {sorted(unknown)}, missing: {sorted(KEYS - set(data))})")
+        raise ConfigError(
+            f"{path}: an experiment needs the keys {sorted(KEYS)} and may have {sorted(OPTIONAL_KEYS)} "
+            f"(unknown: {sorted(unknown)}, missing: {sorted(KEYS - set(data))})"
+        )
     if not (isinstance(data["seeds"], list) and data["seeds"] and all(isinstance(s, int) for s in data["seeds"])):
         raise ConfigError(f"{path}: 'seeds' must be a non-empty list of integers (got {data['seeds']!r})")
     if not (isinstance(data["runs"], dict) and data["runs"]):
@@ -103,8 +111,9 @@ def analysis_options(path: str | Path, exp: dict) -> dict:
         raise ConfigError(f"{path}: analysis.target_fraction must be in (0, 1] (got {a['target_fraction']!r})")
     for pair in a["pairs"]:
         if not (isinstance(pair, list) and len(pair) == 2 and all(r in runs for r in pair) and pair[0] != pair[1]):
-            raise ConfigError(f"{path}: analysis.pairs must list [a, b] pairs of two different runs of {runs} "
-                              f"(got {pair!r})")
+            raise ConfigError(
+                f"{path}: analysis.pairs must list [a, b] pairs of two different runs of {runs} (got {pair!r})"
+            )
     if int(a["bootstrap"]) < 100 or not 0 < float(a["confidence"]) < 1:
         raise ConfigError(f"{path}: analysis.bootstrap must be >= 100 and analysis.confidence in (0, 1)")
     if isinstance(a["plateau_window"], bool) or not isinstance(a["plateau_window"], int) or a["plateau_window"] < 1:
@@ -120,8 +129,10 @@ def shared_config(exp: dict) -> dict:
 def member_config(exp: dict, run: str, seed: int, policy: str, exponent: float) -> dict:
     """One member's config: base, then the run's overrides, then its seed, the shared policy
     and prompt seed; ``advantages.exponent: scaling`` becomes the measured ``exponent``."""
-    cfg = _merge(_merge(nest(exp.get("base") or {}), nest(exp["runs"][run] or {})),
-                 {"seed": seed, "model": {"path": policy}, "task": {"seed": exp["seeds"][0]}})
+    cfg = _merge(
+        _merge(nest(exp.get("base") or {}), nest(exp["runs"][run] or {})),
+        {"seed": seed, "model": {"path": policy}, "task": {"seed": exp["seeds"][0]}},
+    )
     if cfg.get("advantages", {}).get("exponent") == "scaling":
         cfg["advantages"]["exponent"] = float(exponent)
     return cfg
@@ -132,8 +143,10 @@ def write_member_config(experiment: str, run: str, seed: int, policy: str, scali
     exp = load_experiment(experiment)
     slope = json.loads(Path(scaling).read_text())["grad_sq_norm_slope"]
     if slope is None or not math.isfinite(slope):
-        raise ValueError(f"{scaling}: the shared scaling fit has no slope (all responses of one length?); "
-                         "the length-power exponent cannot be derived from it")
+        raise ValueError(
+            f"{scaling}: the shared scaling fit has no slope (all responses of one length?); "
+            "the length-power exponent cannot be derived from it"
+        )
     cfg = load_config(DEFAULT_CONFIG, extra=member_config(exp, run, seed, str(Path(policy).resolve()), slope))
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -171,8 +184,7 @@ def tokens_to_target(tokens: np.ndarray, accuracy: np.ndarray, target: float) ->
     return float("nan")
 
 
-def bootstrap_ci(values: np.ndarray, resamples: int, confidence: float, seed: int,
-                 stat=np.mean) -> tuple[float, float]:
+def bootstrap_ci(values: np.ndarray, resamples: int, confidence: float, seed: int, stat=np.mean) -> tuple[float, float]:
     """Percentile interval of ``stat`` over ``values`` resampled with replacement (nan for fewer
     than 2 values). With few seeds the interval is rough: it shows the spread, not a guarantee."""
     values = np.asarray(values, dtype=float)
@@ -194,8 +206,10 @@ def per_seed_table(exp: dict, curves: pl.DataFrame, metrics: pl.DataFrame) -> pl
     last = curves.filter(pl.col("iteration") == pl.col("iteration").max().over("run", "seed"))
     reference = last.filter(pl.col("run") == a["reference"])["sampled_accuracy"].mean()
     target = float(a["target_fraction"]) * float(reference)
-    trained = metrics.group_by("run", "seed").agg(pl.col("tokens").sum().cast(pl.Float64).alias("tokens_trained"),
-                                                  pl.col("grad_norm").max().alias("max_grad_norm"))
+    trained = metrics.group_by("run", "seed").agg(
+        pl.col("tokens").sum().cast(pl.Float64).alias("tokens_trained"),
+        pl.col("grad_norm").max().alias("max_grad_norm"),
+    )
     window = int(a["plateau_window"])
     rows = []
     for (run, seed), part in curves.sort("iteration").group_by(["run", "seed"], maintain_order=True):
@@ -204,13 +218,22 @@ def per_seed_table(exp: dict, curves: pl.DataFrame, metrics: pl.DataFrame) -> pl
         its = part["iteration"].to_numpy()
         before = np.flatnonzero(its <= its[-1] - window)  # evaluations >= window iterations before the last
         late_gain = float(acc[-1] - acc[before[-1]]) if len(before) else float("nan")
-        rows.append({"run": run, "seed": seed, "initial_accuracy": acc[0], "final_accuracy": acc[-1],
-                     "late_gain": late_gain,
-                     "final_greedy_accuracy": part["greedy_accuracy"][-1], "min_accuracy": float(acc.min()),
-                     "tokens_generated": float(part["tokens_generated"][-1]), "target_accuracy": target,
-                     "tokens_to_target": tokens_to_target(part["tokens_generated"].to_numpy(), acc, target),
-                     "final_response_length": float(length[-1]),
-                     "max_length_ratio": float(length.max() / max(length[0], 1e-9))})
+        rows.append(
+            {
+                "run": run,
+                "seed": seed,
+                "initial_accuracy": acc[0],
+                "final_accuracy": acc[-1],
+                "late_gain": late_gain,
+                "final_greedy_accuracy": part["greedy_accuracy"][-1],
+                "min_accuracy": float(acc.min()),
+                "tokens_generated": float(part["tokens_generated"][-1]),
+                "target_accuracy": target,
+                "tokens_to_target": tokens_to_target(part["tokens_generated"].to_numpy(), acc, target),
+                "final_response_length": float(length[-1]),
+                "max_length_ratio": float(length.max() / max(length[0], 1e-9)),
+            }
+        )
     out = pl.DataFrame(rows).join(trained, on=["run", "seed"], how="left")
     order = {r: i for i, r in enumerate(exp["runs"])}
     return out.sort(pl.col("run").replace_strict(order), "seed").select(list(schemas.EXPERIMENT_SEEDS.columns))
@@ -230,23 +253,33 @@ def summary_table(exp: dict, per_seed: pl.DataFrame) -> pl.DataFrame:
         late = part["late_gain"].to_numpy()
         late = late[np.isfinite(late)]  # members with fewer evaluations than the window have none
         lci = bootstrap_ci(late, a["bootstrap"], a["confidence"], seed=4000 + i)
-        rows.append({
-            "run": run, "seeds": part.height, "initial_accuracy": float(part["initial_accuracy"].mean()),
-            "final_accuracy": float(final.mean()), "final_accuracy_lo": ci[0], "final_accuracy_hi": ci[1],
-            "final_accuracy_std": float(final.std(ddof=1)) if len(final) > 1 else 0.0,
-            "final_greedy_accuracy": float(part["final_greedy_accuracy"].mean()),
-            "accuracy_gain": float(final.mean() - part["initial_accuracy"].mean()),
-            "late_gain": float(late.mean()) if len(late) else float("nan"), "late_gain_lo": lci[0],
-            "late_gain_hi": lci[1],
-            "target_accuracy": float(part["target_accuracy"][0]), "reached_target": int(len(reached)),
-            "tokens_to_target": float(reached.mean()) if len(reached) else float("nan"),
-            "tokens_to_target_lo": tci[0], "tokens_to_target_hi": tci[1],
-            "tokens_generated": float(part["tokens_generated"].mean()),
-            "tokens_trained": float(part["tokens_trained"].mean()),
-            "final_response_length": float(part["final_response_length"].mean()),
-            "max_length_ratio": float(part["max_length_ratio"].max()),
-            "min_accuracy": float(part["min_accuracy"].min()), "max_grad_norm": float(part["max_grad_norm"].max()),
-        })
+        rows.append(
+            {
+                "run": run,
+                "seeds": part.height,
+                "initial_accuracy": float(part["initial_accuracy"].mean()),
+                "final_accuracy": float(final.mean()),
+                "final_accuracy_lo": ci[0],
+                "final_accuracy_hi": ci[1],
+                "final_accuracy_std": float(final.std(ddof=1)) if len(final) > 1 else 0.0,
+                "final_greedy_accuracy": float(part["final_greedy_accuracy"].mean()),
+                "accuracy_gain": float(final.mean() - part["initial_accuracy"].mean()),
+                "late_gain": float(late.mean()) if len(late) else float("nan"),
+                "late_gain_lo": lci[0],
+                "late_gain_hi": lci[1],
+                "target_accuracy": float(part["target_accuracy"][0]),
+                "reached_target": int(len(reached)),
+                "tokens_to_target": float(reached.mean()) if len(reached) else float("nan"),
+                "tokens_to_target_lo": tci[0],
+                "tokens_to_target_hi": tci[1],
+                "tokens_generated": float(part["tokens_generated"].mean()),
+                "tokens_trained": float(part["tokens_trained"].mean()),
+                "final_response_length": float(part["final_response_length"].mean()),
+                "max_length_ratio": float(part["max_length_ratio"].max()),
+                "min_accuracy": float(part["min_accuracy"].min()),
+                "max_grad_norm": float(part["max_grad_norm"].max()),
+            }
+        )
     return pl.DataFrame(rows, schema=schemas.EXPERIMENT_SUMMARY.columns)
 
 
@@ -257,22 +290,32 @@ def paired_table(exp: dict, per_seed: pl.DataFrame) -> pl.DataFrame:
     an = exp["analysis"]
     rows = []
     for i, (a, b) in enumerate(an["pairs"]):
-        joined = per_seed.filter(pl.col("run") == a).join(per_seed.filter(pl.col("run") == b), on="seed",
-                                                          suffix="_b")
+        joined = per_seed.filter(pl.col("run") == a).join(per_seed.filter(pl.col("run") == b), on="seed", suffix="_b")
         diff = (joined["final_accuracy"] - joined["final_accuracy_b"]).to_numpy()
         # seeds where both reached the target after some training (0 tokens: the initial policy was already
         # there, and a ratio of it means nothing)
         reached = [pl.col(c).is_not_nan() & (pl.col(c) > 0) for c in ("tokens_to_target", "tokens_to_target_b")]
         both = joined.filter(reached[0] & reached[1])  # (polars orders NaN above every number)
-        log_ratio = np.log(both["tokens_to_target"].to_numpy() / np.maximum(both["tokens_to_target_b"].to_numpy(), 1e-9))
+        log_ratio = np.log(
+            both["tokens_to_target"].to_numpy() / np.maximum(both["tokens_to_target_b"].to_numpy(), 1e-9)
+        )
         dci = bootstrap_ci(diff, an["bootstrap"], an["confidence"], seed=2000 + i)
         rci = bootstrap_ci(log_ratio, an["bootstrap"], an["confidence"], seed=3000 + i)
-        rows.append({"a": a, "b": b, "seeds": joined.height,
-                     "accuracy_diff": float(diff.mean()) if len(diff) else float("nan"),
-                     "accuracy_diff_lo": dci[0], "accuracy_diff_hi": dci[1],
-                     "a_better_seeds": int((diff > 0).sum()), "both_reached": both.height,
-                     "tokens_ratio": float(np.exp(log_ratio.mean())) if len(log_ratio) else float("nan"),
-                     "tokens_ratio_lo": float(np.exp(rci[0])), "tokens_ratio_hi": float(np.exp(rci[1]))})
+        rows.append(
+            {
+                "a": a,
+                "b": b,
+                "seeds": joined.height,
+                "accuracy_diff": float(diff.mean()) if len(diff) else float("nan"),
+                "accuracy_diff_lo": dci[0],
+                "accuracy_diff_hi": dci[1],
+                "a_better_seeds": int((diff > 0).sum()),
+                "both_reached": both.height,
+                "tokens_ratio": float(np.exp(log_ratio.mean())) if len(log_ratio) else float("nan"),
+                "tokens_ratio_lo": float(np.exp(rci[0])),
+                "tokens_ratio_hi": float(np.exp(rci[1])),
+            }
+        )
     return pl.DataFrame(rows, schema=schemas.EXPERIMENT_PAIRS.columns)
 
 

@@ -36,8 +36,8 @@ from omegaconf import DictConfig
 
 from otbflow import schemas
 from otbflow.io import read_table, write_parquet
-from otbflow.model import cast_parameters, load_policy, set_threads, trainer_dtype
 from otbflow.logits import STAT_COLUMNS, exact_grad_sq_norms, sequence_token_stats
+from otbflow.model import cast_parameters, load_policy, set_threads, trainer_dtype
 from otbflow.progress import Progress
 from otbflow.rollout_is import rollout_is_weights
 
@@ -70,28 +70,32 @@ def mismatch_columns(df: pl.DataFrame) -> pl.DataFrame:
         pl.col("k1").list.mean().cast(pl.Float64).fill_null(0.0).alias("seq_mean_k1"),
         pl.col("k2").list.max().cast(pl.Float64).fill_null(0.0).alias("seq_max_k2"),
         pl.col("k3").list.mean().cast(pl.Float64).fill_null(0.0).alias("seq_mean_k3"),
-        (pl.col("logprobs").list.mean() - pl.col("rollout_logprobs").list.mean()).abs().cast(pl.Float64)
-        .fill_null(0.0).alias("log_ppl_abs_diff"),
+        (pl.col("logprobs").list.mean() - pl.col("rollout_logprobs").list.mean())
+        .abs()
+        .cast(pl.Float64)
+        .fill_null(0.0)
+        .alias("log_ppl_abs_diff"),
     )
 
 
-def is_weights_column(logprobs: pl.Series, rollout_logprobs: pl.Series, level: str, threshold: float,
-                      rows_per_batch: int = 256) -> pl.Series:
+def is_weights_column(
+    logprobs: pl.Series, rollout_logprobs: pl.Series, level: str, threshold: float, rows_per_batch: int = 256
+) -> pl.Series:
     """Per-token ``is_weights``: rollout_is_weights(log pi_old - log pi_rollout) of every row, from
     the stored fp32 log-probs, padded ``rows_per_batch`` rows at a time (the train stage computes
     the same weights from the same columns for its decoupled PPO loss)."""
     out: list[list[float]] = []
     lp_all, rp_all = logprobs.to_list(), rollout_logprobs.to_list()
     for start in range(0, len(lp_all), rows_per_batch):
-        lp, rp = lp_all[start:start + rows_per_batch], rp_all[start:start + rows_per_batch]
+        lp, rp = lp_all[start : start + rows_per_batch], rp_all[start : start + rows_per_batch]
         width = max((len(x) for x in lp), default=0)
         log_rho = torch.zeros(len(lp), width)
         mask = torch.zeros(len(lp), width)
         for i, (a, b) in enumerate(zip(lp, rp)):
-            log_rho[i, :len(a)] = torch.tensor(a, dtype=torch.float32) - torch.tensor(b, dtype=torch.float32)
-            mask[i, :len(a)] = 1.0
+            log_rho[i, : len(a)] = torch.tensor(a, dtype=torch.float32) - torch.tensor(b, dtype=torch.float32)
+            mask[i, : len(a)] = 1.0
         w = rollout_is_weights(log_rho, mask, level, threshold)
-        out += [w[i, :len(a)].tolist() for i, a in enumerate(lp)]
+        out += [w[i, : len(a)].tolist() for i, a in enumerate(lp)]
     return pl.Series("is_weights", out, dtype=schemas.F32L)
 
 
@@ -106,24 +110,48 @@ def run(cfg: DictConfig, args: Args) -> None:
     stats: list[dict[str, list[float]]] = []
     progress = Progress(log, "features", df.height, "sequences")
     for start in range(0, df.height, f.batch_size):
-        part = df[start:start + f.batch_size]
-        stats += sequence_token_stats(model, part["prompt_ids"].to_list(), part["response_ids"].to_list(),
-                                      cfg.rollout.temperature, f.chunk_size, tok.pad_token_id, f.vocab_chunk_size)
+        part = df[start : start + f.batch_size]
+        stats += sequence_token_stats(
+            model,
+            part["prompt_ids"].to_list(),
+            part["response_ids"].to_list(),
+            cfg.rollout.temperature,
+            f.chunk_size,
+            tok.pad_token_id,
+            f.vocab_chunk_size,
+        )
         progress.update(part.height)
     df = df.with_columns(*(pl.Series(k, [s[k] for s in stats], dtype=schemas.F32L) for k in STAT_COLUMNS))
     if f.exact_grad_norm:
-        df = df.with_columns(pl.Series("grad_sq_norm", exact_grad_sq_norms(
-            model, df["prompt_ids"].to_list(), df["response_ids"].to_list(), cfg.rollout.temperature,
-            tok.pad_token_id, Progress(log, "exact gradient norms", df.height, "sequences")), dtype=pl.Float64))
+        df = df.with_columns(
+            pl.Series(
+                "grad_sq_norm",
+                exact_grad_sq_norms(
+                    model,
+                    df["prompt_ids"].to_list(),
+                    df["response_ids"].to_list(),
+                    cfg.rollout.temperature,
+                    tok.pad_token_id,
+                    Progress(log, "exact gradient norms", df.height, "sequences"),
+                ),
+                dtype=pl.Float64,
+            )
+        )
     tc = cfg.train
     if tc.rollout_is != "none":
-        df = df.with_columns(is_weights_column(df["logprobs"], df["rollout_logprobs"], tc.rollout_is,
-                                               tc.rollout_is_threshold))
+        df = df.with_columns(
+            is_weights_column(df["logprobs"], df["rollout_logprobs"], tc.rollout_is, tc.rollout_is_threshold)
+        )
     df = mismatch_columns(df).select(schemas.FEATURES.present(df.columns))
     meta = {"temperature": cfg.rollout.temperature, "policy": args.policy}
     if tc.rollout_is != "none":
         meta |= {"rollout_is": tc.rollout_is, "rollout_is_threshold": tc.rollout_is_threshold}
     write_parquet(df, args.out, metadata=meta)
-    log.info("%d sequences, %d tokens; mean proxy %.4f, mean k3 %.2e, max k2 %.2e", df.height,
-             df["response_length"].sum(), df["proxy"].explode().mean(), df["seq_mean_k3"].mean(),
-             df["seq_max_k2"].max())
+    log.info(
+        "%d sequences, %d tokens; mean proxy %.4f, mean k3 %.2e, max k2 %.2e",
+        df.height,
+        df["response_length"].sum(),
+        df["proxy"].explode().mean(),
+        df["seq_mean_k3"].mean(),
+        df["seq_max_k2"].max(),
+    )

@@ -80,7 +80,9 @@ def stops_of(tok, generation_eos: int | list[int] | None, where: Any = "the poli
     """The tokenizer's eos id, then ``generation_eos`` (a generation config's eos_token_id: an id,
     a list of them or None), without repeats."""
     ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
-    ids += generation_eos if isinstance(generation_eos, list) else [generation_eos] if generation_eos is not None else []
+    ids += (
+        generation_eos if isinstance(generation_eos, list) else [generation_eos] if generation_eos is not None else []
+    )
     if not ids:
         raise ValueError(f"{where}: the tokenizer has no eos token and generation_config.json no eos_token_id")
     return list(dict.fromkeys(int(i) for i in ids))
@@ -99,13 +101,16 @@ def use_chat(cfg: DictConfig, tok) -> bool:
     mode = chat_setting(cfg)
     has_template = bool(getattr(tok, "chat_template", None))
     if mode == "true" and not has_template:
-        raise ValueError("task.chat is true but the policy's tokenizer has no chat template "
-                         "(set task.chat to auto or false, or use a tokenizer with one)")
+        raise ValueError(
+            "task.chat is true but the policy's tokenizer has no chat template "
+            "(set task.chat to auto or false, or use a tokenizer with one)"
+        )
     return has_template if mode == "auto" else mode == "true"
 
 
-def render_prompts(tok, prompts: list[str], messages: list[str] | None, chat: bool,
-                   system_prompt: str | None = None) -> list[list[int]]:
+def render_prompts(
+    tok, prompts: list[str], messages: list[str] | None, chat: bool, system_prompt: str | None = None
+) -> list[list[int]]:
     """Token ids of each prompt. ``chat``: its messages (a JSON list of {role, content}; None: one
     user message with the prompt text), after a ``system_prompt`` message unless they have a
     system message, through ``apply_chat_template(add_generation_prompt=True)``; else the text."""
@@ -114,8 +119,10 @@ def render_prompts(tok, prompts: list[str], messages: list[str] | None, chat: bo
         msgs = json.loads(messages[i]) if messages is not None else [{"role": "user", "content": text}]
         if not chat:
             if len(msgs) != 1 or msgs[0]["role"] != "user":
-                raise ValueError(f"prompt {i} has chat messages ({', '.join(m['role'] for m in msgs)}), which need "
-                                 "the chat template: set task.chat to auto or true with a tokenizer that has one")
+                raise ValueError(
+                    f"prompt {i} has chat messages ({', '.join(m['role'] for m in msgs)}), which need "
+                    "the chat template: set task.chat to auto or true with a tokenizer that has one"
+                )
             out.append(tok(text, add_special_tokens=False)["input_ids"])
             continue
         if system_prompt is not None and not any(m["role"] == "system" for m in msgs):
@@ -129,11 +136,16 @@ def render_table(cfg: DictConfig, tok, prompts) -> tuple[list[list[int]], bool]:
     """Token ids of a prompts table's rows (schemas.PROMPTS: prompt, messages), and whether the
     chat template rendered them (task.chat resolved for ``tok``)."""
     chat = use_chat(cfg, tok)
-    return render_prompts(tok, prompts["prompt"].to_list(), prompts["messages"].to_list(), chat,
-                          cfg.task.system_prompt), chat
+    return render_prompts(
+        tok, prompts["prompt"].to_list(), prompts["messages"].to_list(), chat, cfg.task.system_prompt
+    ), chat
 
 
 def prompt_metadata(cfg: DictConfig, tok, chat: bool, stops: list[int]) -> dict[str, Any]:
     """How the prompts were rendered and when responses stop, for the Parquet metadata."""
-    return {"chat": chat, "system_prompt": cfg.task.system_prompt if chat else None,
-            "stop_token_ids": stops, "stop_tokens": tok.convert_ids_to_tokens(stops)}
+    return {
+        "chat": chat,
+        "system_prompt": cfg.task.system_prompt if chat else None,
+        "stop_token_ids": stops,
+        "stop_tokens": tok.convert_ids_to_tokens(stops),
+    }

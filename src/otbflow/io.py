@@ -100,8 +100,10 @@ def check_schema(df: pl.DataFrame, schema: TableSchema, source: str) -> None:
         if col not in df.columns:
             if col in schema.optional:
                 continue
-            raise SchemaError(f"{source}: missing column '{col}' (table '{schema.name}' needs "
-                              f"{', '.join(c for c in schema.columns if c not in schema.optional)})")
+            raise SchemaError(
+                f"{source}: missing column '{col}' (table '{schema.name}' needs "
+                f"{', '.join(c for c in schema.columns if c not in schema.optional)})"
+            )
         if not _dtype_ok(df.schema[col], dtype):
             raise SchemaError(f"{source}: column '{col}' has dtype {df.schema[col]}, expected {dtype}")
         if df[col].null_count():
@@ -114,8 +116,10 @@ def check_schema(df: pl.DataFrame, schema: TableSchema, source: str) -> None:
         bad = (lengths != expected).arg_true()
         if len(bad):
             i = int(bad[0])
-            raise SchemaError(f"{source}: column '{col}' is ragged against '{length_col}': row {i} has "
-                              f"{lengths[i]} entries, expected {expected[i]} ({len(bad)} rows differ)")
+            raise SchemaError(
+                f"{source}: column '{col}' is ragged against '{length_col}': row {i} has "
+                f"{lengths[i]} entries, expected {expected[i]} ({len(bad)} rows differ)"
+            )
 
 
 def read_table(path: str | Path, schema: TableSchema) -> pl.DataFrame:

@@ -15,8 +15,14 @@ from otbflow.progress import Progress
 STAT_COLUMNS = ("logprobs", "entropy", "sum_pi_sq", "proxy")
 
 
-def token_stats(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float = 1.0, *,
-                inplace: bool = False, buffer: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def token_stats(
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    inplace: bool = False,
+    buffer: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
     """Per-token statistics of softmax(logits / temperature) at the sampled ``token_ids``.
 
     ``logits`` [..., V], ``token_ids`` [...]. Returns fp32 tensors of shape [...]: ``logprobs``,
@@ -52,8 +58,10 @@ def token_stats(logits: torch.Tensor, token_ids: torch.Tensor, temperature: floa
     entropy = m + log_s - ez / s
     pi = logp.exp()
     proxy = ((1.0 - pi) ** 2 + (sum_pi_sq - pi**2)).clamp_min(0.0)
-    return {k: v.reshape(shape) for k, v in
-            (("logprobs", logp), ("entropy", entropy), ("sum_pi_sq", sum_pi_sq), ("proxy", proxy))}
+    return {
+        k: v.reshape(shape)
+        for k, v in (("logprobs", logp), ("entropy", entropy), ("sum_pi_sq", sum_pi_sq), ("proxy", proxy))
+    }
 
 
 def has_logit_postprocessing(model) -> bool:
@@ -62,8 +70,9 @@ def has_logit_postprocessing(model) -> bool:
     return bool(getattr(c, "final_logit_softcapping", None) or getattr(c, "logit_scale", None))
 
 
-def pack(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int,
-         device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+def pack(
+    prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int, device: torch.device | str = "cpu"
+) -> dict[str, torch.Tensor]:
     """Right-padded prompt + response ids and, for each response token t of row i, flattened:
     ``rows`` = i, ``pos`` = len(prompt_i) - 1 + t (the position predicting it), ``cols`` = t and
     ``targets`` = the token id. Shared by the features and train stages, so both compute the
@@ -109,8 +118,9 @@ class ResponseLogits:
         return self.head(self.hidden(sl))
 
 
-def streamed_token_stats(hidden: torch.Tensor, head: torch.nn.Linear, token_ids: torch.Tensor, temperature: float,
-                         vocab_chunk: int) -> dict[str, torch.Tensor]:
+def streamed_token_stats(
+    hidden: torch.Tensor, head: torch.nn.Linear, token_ids: torch.Tensor, temperature: float, vocab_chunk: int
+) -> dict[str, torch.Tensor]:
     """token_stats with the output head applied over vocabulary slices (an online softmax), so
     that only n x vocab_chunk logits exist at a time. Same results as token_stats(head(hidden))."""
     n = hidden.shape[0]
@@ -136,13 +146,18 @@ def streamed_token_stats(hidden: torch.Tensor, head: torch.nn.Linear, token_ids:
     logp = z_y - m - log_s
     sum_pi_sq = ee / (s * s)
     pi = logp.exp()
-    return {"logprobs": logp, "entropy": m + log_s - ez / s, "sum_pi_sq": sum_pi_sq,
-            "proxy": ((1.0 - pi) ** 2 + (sum_pi_sq - pi**2)).clamp_min(0.0)}
+    return {
+        "logprobs": logp,
+        "entropy": m + log_s - ez / s,
+        "sum_pi_sq": sum_pi_sq,
+        "proxy": ((1.0 - pi) ** 2 + (sum_pi_sq - pi**2)).clamp_min(0.0),
+    }
 
 
 @torch.no_grad()
-def chunked_token_stats(project: ResponseLogits, targets: torch.Tensor, temperature: float, chunk_size: int,
-                        vocab_chunk: int = 0) -> dict[str, torch.Tensor]:
+def chunked_token_stats(
+    project: ResponseLogits, targets: torch.Tensor, temperature: float, chunk_size: int, vocab_chunk: int = 0
+) -> dict[str, torch.Tensor]:
     """token_stats of the flattened response tokens ``targets`` over chunks of ``chunk_size``
     positions (and, with ``vocab_chunk`` > 0, of the vocabulary). Flat fp32 CPU tensors."""
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in STAT_COLUMNS}
@@ -163,22 +178,34 @@ def chunked_token_stats(project: ResponseLogits, targets: torch.Tensor, temperat
 
 
 @torch.no_grad()
-def sequence_token_stats(model, prompt_ids: list[list[int]], response_ids: list[list[int]],
-                         temperature: float, chunk_size: int, pad_id: int,
-                         vocab_chunk: int = 0) -> list[dict[str, list[float]]]:
+def sequence_token_stats(
+    model,
+    prompt_ids: list[list[int]],
+    response_ids: list[list[int]],
+    temperature: float,
+    chunk_size: int,
+    pad_id: int,
+    vocab_chunk: int = 0,
+) -> list[dict[str, list[float]]]:
     """token_stats for every response token of a batch of (prompt, response) pairs, computed
     over chunks of ``chunk_size`` response tokens; one dict of lists per sequence."""
     batch = pack(prompt_ids, response_ids, pad_id, model.device)
     flat = chunked_token_stats(ResponseLogits(model, batch), batch["targets"], temperature, chunk_size, vocab_chunk)
     out, offset = [], 0
     for r in response_ids:
-        out.append({k: v[offset:offset + len(r)].tolist() for k, v in flat.items()})
+        out.append({k: v[offset : offset + len(r)].tolist() for k, v in flat.items()})
         offset += len(r)
     return out
 
 
-def exact_grad_sq_norms(model, prompt_ids: list[list[int]], response_ids: list[list[int]],
-                        temperature: float, pad_id: int, progress: Progress | None = None) -> list[float]:
+def exact_grad_sq_norms(
+    model,
+    prompt_ids: list[list[int]],
+    response_ids: list[list[int]],
+    temperature: float,
+    pad_id: int,
+    progress: Progress | None = None,
+) -> list[float]:
     """||grad_theta sum_t log pi(y_t)||^2 over all parameters, one backward pass per sequence
     (the EOB oracle and the length-scaling fit; meant for small models). ``progress`` counts the
     sequences done."""

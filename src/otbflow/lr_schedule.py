@@ -62,8 +62,9 @@ class LRSchedule:
         """Fix the cosine horizon once (at the first iteration)."""
         if self.state.total_steps is None:
             t = self.tc
-            self.state.total_steps = (t.lr_decay_steps + t.lr_warmup_steps if t.lr_decay_steps
-                                      else max(1, steps_this_iteration * iterations))
+            self.state.total_steps = (
+                t.lr_decay_steps + t.lr_warmup_steps if t.lr_decay_steps else max(1, steps_this_iteration * iterations)
+            )
 
     def lr(self) -> float:
         """The learning rate of the next step (index ``state.step``)."""
@@ -93,16 +94,18 @@ class LRSchedule:
             if len(s.lengths) < n + t.length_surge_patience:
                 return ""
             baseline = sum(s.lengths[:n]) / n
-            recent = s.lengths[-t.length_surge_patience:]
+            recent = s.lengths[-t.length_surge_patience :]
             if all(x > t.length_surge_factor * baseline for x in recent):
                 s.surge_step = k
                 s.period = max(1, round(t.length_period_factor * k))
-                return (f"length surge at step {k}: mean response length {mean_length:.1f} > "
-                        f"{t.length_surge_factor} x baseline {baseline:.1f}; halving the LR every {s.period} steps "
-                        f"down to {t.lr_min_ratio} x {t.lr:g}")
+                return (
+                    f"length surge at step {k}: mean response length {mean_length:.1f} > "
+                    f"{t.length_surge_factor} x baseline {baseline:.1f}; halving the LR every {s.period} steps "
+                    f"down to {t.lr_min_ratio} x {t.lr:g}"
+                )
             return ""
         before = (k - s.surge_step) // s.period
         after = (s.step - s.surge_step) // s.period
-        if after > before and 2.0 ** -before > t.lr_min_ratio:
+        if after > before and 2.0**-before > t.lr_min_ratio:
             return f"LR halved after step {k}: next lr {self.lr():.3g}"
         return ""

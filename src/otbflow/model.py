@@ -42,8 +42,9 @@ def build_char_tokenizer():
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(""), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
-                                   unk_token="<unk>", padding_side="left")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", padding_side="left"
+    )
 
 
 def build_bpe_tokenizer(texts: list[str], vocab_size: int):
@@ -56,12 +57,23 @@ def build_bpe_tokenizer(texts: list[str], vocab_size: int):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=BPE_SPECIAL,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=BPE_SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   bos_token=None, unk_token=None, padding_side="left",
-                                   chat_template=CHATML_TEMPLATE)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        unk_token=None,
+        padding_side="left",
+        chat_template=CHATML_TEMPLATE,
+    )
 
 
 def build_tokenizer(mcfg: DictConfig, texts: list[str]):
@@ -73,24 +85,49 @@ def build_tokenizer(mcfg: DictConfig, texts: list[str]):
 
 def build_tiny_model(mcfg: DictConfig, tokenizer, seed: int):
     """A randomly initialised ``model.arch`` model of the configured size for ``tokenizer``."""
-    from transformers import (GenerationConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
-                              Qwen2Config, Qwen2ForCausalLM)
+    from transformers import (
+        GenerationConfig,
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     torch.manual_seed(seed)
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id
     arch = mcfg.arch
     if arch == "gpt2":
-        config = GPT2Config(vocab_size=len(tokenizer), n_positions=mcfg.n_positions, n_embd=mcfg.n_embd,
-                            n_layer=mcfg.n_layer, n_head=mcfg.n_head, bos_token_id=eos, eos_token_id=eos,
-                            pad_token_id=pad, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        config = GPT2Config(
+            vocab_size=len(tokenizer),
+            n_positions=mcfg.n_positions,
+            n_embd=mcfg.n_embd,
+            n_layer=mcfg.n_layer,
+            n_head=mcfg.n_head,
+            bos_token_id=eos,
+            eos_token_id=eos,
+            pad_token_id=pad,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
         model = GPT2LMHeadModel(config)
     else:
-        common = dict(vocab_size=len(tokenizer), hidden_size=mcfg.n_embd, intermediate_size=4 * mcfg.n_embd,
-                      num_hidden_layers=mcfg.n_layer, num_attention_heads=mcfg.n_head,
-                      num_key_value_heads=mcfg.n_kv_head or mcfg.n_head,
-                      max_position_embeddings=mcfg.n_positions, bos_token_id=pad, eos_token_id=eos,
-                      pad_token_id=pad, attention_dropout=0.0)
+        common = dict(
+            vocab_size=len(tokenizer),
+            hidden_size=mcfg.n_embd,
+            intermediate_size=4 * mcfg.n_embd,
+            num_hidden_layers=mcfg.n_layer,
+            num_attention_heads=mcfg.n_head,
+            num_key_value_heads=mcfg.n_kv_head or mcfg.n_head,
+            max_position_embeddings=mcfg.n_positions,
+            bos_token_id=pad,
+            eos_token_id=eos,
+            pad_token_id=pad,
+            attention_dropout=0.0,
+        )
         if arch == "llama":
             model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False))
         elif arch == "qwen2":
@@ -99,8 +136,9 @@ def build_tiny_model(mcfg: DictConfig, tokenizer, seed: int):
             raise ValueError(f"model.arch: unknown architecture {arch!r}; one of {', '.join(ARCHITECTURES)}")
     # Stop on every end token the tokenizer has (ChatML: <|im_end|> and <|endoftext|>), as Qwen2.5 does.
     stops = list(dict.fromkeys(i for i in (eos, pad if tokenizer.chat_template else None) if i is not None))
-    model.generation_config = GenerationConfig(eos_token_id=stops if len(stops) > 1 else stops[0],
-                                               pad_token_id=pad, bos_token_id=model.config.bos_token_id)
+    model.generation_config = GenerationConfig(
+        eos_token_id=stops if len(stops) > 1 else stops[0], pad_token_id=pad, bos_token_id=model.config.bos_token_id
+    )
     return model
 
 
@@ -135,8 +173,7 @@ def load_policy(path: str | Path, dtype: str = "float32"):
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path}: not an HF model folder (no config.json)")
     tok = load_tokenizer(path)
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
-                                                 dtype=getattr(torch, dtype)).to(device())
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=getattr(torch, dtype)).to(device())
     model.eval()
     return model, tok
 

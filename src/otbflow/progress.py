@@ -17,8 +17,9 @@ import time
 
 
 class Progress:
-    def __init__(self, log: logging.Logger, label: str, total: int, unit: str = "items", every: float = 0.1,
-                 min_items: int = 2):
+    def __init__(
+        self, log: logging.Logger, label: str, total: int, unit: str = "items", every: float = 0.1, min_items: int = 2
+    ):
         self.log, self.label, self.total, self.unit = log, label, max(int(total), 0), unit
         self.step = max(1, int(self.total * every))
         self.quiet = self.total < min_items
@@ -36,6 +37,14 @@ class Progress:
         elapsed = time.perf_counter() - self.start
         rate = self.done / elapsed if elapsed > 0 else float("inf")
         left = (self.total - self.done) / rate if rate > 0 else float("inf")
-        self.log.info("%s: %d/%d %s (%.0f%%), %.3g %s/s, %s", self.label, self.done, self.total, self.unit,
-                      100 * self.done / max(self.total, 1), rate, self.unit,
-                      "done" if self.done >= self.total else f"{left:.0f} s left")
+        self.log.info(
+            "%s: %d/%d %s (%.0f%%), %.3g %s/s, %s",
+            self.label,
+            self.done,
+            self.total,
+            self.unit,
+            100 * self.done / max(self.total, 1),
+            rate,
+            self.unit,
+            "done" if self.done >= self.total else f"{left:.0f} s left",
+        )

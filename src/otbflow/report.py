@@ -4,7 +4,8 @@ Writes ``progress.parquet`` (accuracy of each policy with the tokens generated s
 ``metrics.parquet`` (all train steps), ``comparison.parquet`` (estimator diagnostics of every
 iteration), ``mismatch.parquet`` (trainer vs rollout engine per iteration) and PNG plots of
 accuracy and reward against iteration and tokens generated, grad norm, response length and the
-mismatch dashboard (log-ratio and k3 distributions, log-PPL gap, TRM acceptance). ``snakemake --report report.html`` embeds the plots with captions.
+mismatch dashboard (log-ratio and k3 distributions, log-PPL gap, TRM acceptance).
+``snakemake --report report.html`` embeds the plots with captions.
 """
 
 from __future__ import annotations
@@ -46,13 +47,17 @@ def rollout_table(rollouts: list[str]) -> pl.DataFrame:
     including it."""
     cols = ["iteration", "response_length", "reward"]
     roll = pl.concat([read_table(p, schemas.ROLLOUTS).select(cols) for p in rollouts])
-    return (roll.group_by("iteration")
-            .agg(pl.col("response_length").sum().alias("tokens"),
-                 pl.col("reward").mean().alias("mean_reward"),
-                 pl.col("response_length").mean().cast(pl.Float64).alias("mean_rollout_length"))
-            .sort("iteration")
-            .with_columns(pl.col("tokens").cum_sum().alias("tokens_generated"))
-            .drop("tokens"))
+    return (
+        roll.group_by("iteration")
+        .agg(
+            pl.col("response_length").sum().alias("tokens"),
+            pl.col("reward").mean().alias("mean_reward"),
+            pl.col("response_length").mean().cast(pl.Float64).alias("mean_rollout_length"),
+        )
+        .sort("iteration")
+        .with_columns(pl.col("tokens").cum_sum().alias("tokens_generated"))
+        .drop("tokens")
+    )
 
 
 def progress_table(summaries: list[str], per_iteration: pl.DataFrame) -> pl.DataFrame:
@@ -73,11 +78,15 @@ def mismatch_table(features: pl.DataFrame, max_k2: float, mean_k3: float) -> pl.
         pl.len().cast(pl.Int64).alias("tokens"),
         pl.col("log_ratio").cast(pl.Float64).mean().alias("log_ratio_mean"),
         pl.col("log_ratio").cast(pl.Float64).abs().max().alias("log_ratio_abs_max"),
-        pl.col("k3").cast(pl.Float64).mean().alias("k3_mean"))
+        pl.col("k3").cast(pl.Float64).mean().alias("k3_mean"),
+    )
     per_seq = features.group_by("iteration").agg(
         pl.col("log_ppl_abs_diff").mean().alias("log_ppl_abs_diff_mean"),
-        ((pl.col("seq_max_k2") <= max_k2) & (pl.col("seq_mean_k3") <= mean_k3)).mean().cast(pl.Float64)
-        .alias("trm_acceptance"))
+        ((pl.col("seq_max_k2") <= max_k2) & (pl.col("seq_mean_k3") <= mean_k3))
+        .mean()
+        .cast(pl.Float64)
+        .alias("trm_acceptance"),
+    )
     return per_token.join(per_seq, on="iteration").sort("iteration").select(list(schemas.MISMATCH.columns))
 
 
@@ -129,8 +138,11 @@ def run(cfg: DictConfig, args: Args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     per_iteration = rollout_table(args.rollouts)
     progress = progress_table(args.summaries, per_iteration)
-    metrics = (pl.concat([read_table(p, schemas.TRAIN_METRICS) for p in args.metrics]).sort("iteration", "step")
-               .with_columns(pl.int_range(pl.len(), dtype=pl.Int64).alias("global_step")))
+    metrics = (
+        pl.concat([read_table(p, schemas.TRAIN_METRICS) for p in args.metrics])
+        .sort("iteration", "step")
+        .with_columns(pl.int_range(pl.len(), dtype=pl.Int64).alias("global_step"))
+    )
     comparison = pl.concat([read_table(p, schemas.COMPARISON) for p in args.comparisons])
     write_parquet(progress, out / "progress.parquet")
     write_parquet(metrics.select(list(schemas.METRICS.columns)), out / "metrics.parquet")
@@ -143,28 +155,59 @@ def run(cfg: DictConfig, args: Args) -> None:
 
     it = progress["iteration"].to_numpy() + 1  # policy index: 0 = initial, k+1 = after iteration k
     tok = progress["tokens_generated"].to_numpy()
-    acc = [("greedy", progress["greedy_accuracy"].to_numpy()),
-           (f"avg@{int(progress['k'][0])}", progress["sampled_accuracy"].to_numpy())]
-    _plot(out / "accuracy.png", [
-        ("policy (iterations trained)", "held-out accuracy", [(n, it, y) for n, y in acc]),
-        ("rollout tokens generated", "held-out accuracy", [(n, tok, y) for n, y in acc]),
-    ])
+    acc = [
+        ("greedy", progress["greedy_accuracy"].to_numpy()),
+        (f"avg@{int(progress['k'][0])}", progress["sampled_accuracy"].to_numpy()),
+    ]
+    _plot(
+        out / "accuracy.png",
+        [
+            ("policy (iterations trained)", "held-out accuracy", [(n, it, y) for n, y in acc]),
+            ("rollout tokens generated", "held-out accuracy", [(n, tok, y) for n, y in acc]),
+        ],
+    )
     rolled = per_iteration["iteration"].to_numpy()
-    _plot(out / "reward.png", [
-        ("iteration", "mean rollout reward", [("reward", rolled, per_iteration["mean_reward"].to_numpy())]),
-        ("rollout tokens generated", "mean rollout reward", [("reward", per_iteration["tokens_generated"].to_numpy(),
-                                                              per_iteration["mean_reward"].to_numpy())]),
-    ])
-    _plot(out / "grad_norm.png", [
-        ("optimizer step", "grad norm (before clipping)", [("grad norm", metrics["global_step"].to_numpy(),
-                                                            metrics["grad_norm"].to_numpy())]),
-    ])
-    _plot(out / "response_length.png", [
-        ("iteration", "mean response length (tokens)", [
-            ("rollout", rolled, per_iteration["mean_rollout_length"].to_numpy()),
-            ("eval (sampled)", progress["iteration"].to_numpy(), progress["mean_response_length"].to_numpy())]),
-    ])
+    _plot(
+        out / "reward.png",
+        [
+            ("iteration", "mean rollout reward", [("reward", rolled, per_iteration["mean_reward"].to_numpy())]),
+            (
+                "rollout tokens generated",
+                "mean rollout reward",
+                [("reward", per_iteration["tokens_generated"].to_numpy(), per_iteration["mean_reward"].to_numpy())],
+            ),
+        ],
+    )
+    _plot(
+        out / "grad_norm.png",
+        [
+            (
+                "optimizer step",
+                "grad norm (before clipping)",
+                [("grad norm", metrics["global_step"].to_numpy(), metrics["grad_norm"].to_numpy())],
+            ),
+        ],
+    )
+    _plot(
+        out / "response_length.png",
+        [
+            (
+                "iteration",
+                "mean response length (tokens)",
+                [
+                    ("rollout", rolled, per_iteration["mean_rollout_length"].to_numpy()),
+                    ("eval (sampled)", progress["iteration"].to_numpy(), progress["mean_response_length"].to_numpy()),
+                ],
+            ),
+        ],
+    )
     first, last = progress.row(0, named=True), progress.row(-1, named=True)
-    log.info("accuracy (avg@k) %.3f -> %.3f, greedy %.3f -> %.3f over %d iterations, %d tokens generated",
-             first["sampled_accuracy"], last["sampled_accuracy"], first["greedy_accuracy"],
-             last["greedy_accuracy"], last["iteration"] + 1, last["tokens_generated"])
+    log.info(
+        "accuracy (avg@k) %.3f -> %.3f, greedy %.3f -> %.3f over %d iterations, %d tokens generated",
+        first["sampled_accuracy"],
+        last["sampled_accuracy"],
+        first["greedy_accuracy"],
+        last["greedy_accuracy"],
+        last["iteration"] + 1,
+        last["tokens_generated"],
+    )

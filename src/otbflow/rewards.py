@@ -28,6 +28,7 @@ def register(name: str) -> Callable[[RewardFn], RewardFn]:
             raise ValueError(f"reward '{name}' is registered twice")
         REWARDS[name] = fn
         return fn
+
     return deco
 
 
@@ -130,8 +131,11 @@ def math_reward(response: str, answer: str) -> float:
 
     timeout = MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
     gold = parse(_reference_text(answer), extraction_config=[LatexExtractionConfig()], parsing_timeout=timeout)
-    pred = parse(response, extraction_config=[LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()],
-                 parsing_timeout=timeout)
+    pred = parse(
+        response,
+        extraction_config=[LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()],
+        parsing_timeout=timeout,
+    )
     if not gold or not pred:
         return fallback_math_reward(response, answer)
     return float(verify(gold, pred, timeout_seconds=timeout))

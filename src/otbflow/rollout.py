@@ -57,27 +57,31 @@ def select_prompts(df: pl.DataFrame, iteration: int, per_shard: int) -> pl.DataF
     return df[rows]
 
 
-def rollout_table(samples: list[Sample], batch: pl.DataFrame, iteration: int, shard: int, seed: int,
-                  reward_fn) -> pl.DataFrame:
+def rollout_table(
+    samples: list[Sample], batch: pl.DataFrame, iteration: int, shard: int, seed: int, reward_fn
+) -> pl.DataFrame:
     """The rollouts table (schemas.ROLLOUTS) of any backend's samples of ``batch``'s prompts."""
     rows = batch.to_dicts()
-    return pl.DataFrame({
-        "iteration": [iteration] * len(samples),
-        "shard": [shard] * len(samples),
-        "seed": [seed] * len(samples),
-        "prompt_id": [rows[s.prompt_index]["prompt_id"] for s in samples],
-        "group_id": [rows[s.prompt_index]["prompt_id"] for s in samples],
-        "sample_idx": [s.sample_idx for s in samples],
-        "prompt": [rows[s.prompt_index]["prompt"] for s in samples],
-        "answer": [rows[s.prompt_index]["answer"] for s in samples],
-        "prompt_ids": [s.prompt_ids for s in samples],
-        "response_ids": [s.response_ids for s in samples],
-        "response_text": [s.text for s in samples],
-        "rollout_logprobs": [s.logprobs for s in samples],
-        "response_length": [len(s.response_ids) for s in samples],
-        "finish_reason": [s.finish_reason for s in samples],
-        "reward": [reward_fn(s.text, rows[s.prompt_index]["answer"]) for s in samples],
-    }, schema=schemas.ROLLOUTS.columns)
+    return pl.DataFrame(
+        {
+            "iteration": [iteration] * len(samples),
+            "shard": [shard] * len(samples),
+            "seed": [seed] * len(samples),
+            "prompt_id": [rows[s.prompt_index]["prompt_id"] for s in samples],
+            "group_id": [rows[s.prompt_index]["prompt_id"] for s in samples],
+            "sample_idx": [s.sample_idx for s in samples],
+            "prompt": [rows[s.prompt_index]["prompt"] for s in samples],
+            "answer": [rows[s.prompt_index]["answer"] for s in samples],
+            "prompt_ids": [s.prompt_ids for s in samples],
+            "response_ids": [s.response_ids for s in samples],
+            "response_text": [s.text for s in samples],
+            "rollout_logprobs": [s.logprobs for s in samples],
+            "response_length": [len(s.response_ids) for s in samples],
+            "finish_reason": [s.finish_reason for s in samples],
+            "reward": [reward_fn(s.text, rows[s.prompt_index]["answer"]) for s in samples],
+        },
+        schema=schemas.ROLLOUTS.columns,
+    )
 
 
 def run(cfg: DictConfig, args: Args) -> None:
@@ -95,9 +99,21 @@ def run(cfg: DictConfig, args: Args) -> None:
     samples = backend.generate(ids, sampling)
     reward_fn = get_reward(resolve_reward_name(cfg.task.name, cfg.task.reward))
     df = rollout_table(samples, batch, args.iteration, shard, seed, reward_fn)
-    meta = {"backend": r.backend, "policy": str(Path(args.policy)), "iteration": args.iteration, "seed": seed,
-            "torch_version": torch.__version__, **backend.metadata(sampling),
-            **prompt_metadata(cfg, tok, chat, backend.stops)}
+    meta = {
+        "backend": r.backend,
+        "policy": str(Path(args.policy)),
+        "iteration": args.iteration,
+        "seed": seed,
+        "torch_version": torch.__version__,
+        **backend.metadata(sampling),
+        **prompt_metadata(cfg, tok, chat, backend.stops),
+    }
     write_parquet(df, args.out, metadata=meta)
-    log.info("iteration %d shard %d: %d responses, mean reward %.3f, mean length %.1f", args.iteration, shard,
-             df.height, df["reward"].mean(), df["response_length"].mean())
+    log.info(
+        "iteration %d shard %d: %d responses, mean reward %.3f, mean length %.1f",
+        args.iteration,
+        shard,
+        df.height,
+        df["reward"].mean(),
+        df["response_length"].mean(),
+    )

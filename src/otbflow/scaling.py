@@ -75,8 +75,9 @@ def spread_by_length(df: pl.DataFrame, n: int) -> pl.DataFrame:
     return df[np.unique(np.linspace(0, df.height - 1, n).round().astype(int)).tolist()]
 
 
-FIT_KEYS = [f"{name}_{k}" for name in ("grad_sq_norm", "w_hat") for k in ("slope", "intercept", "slope_ci_low",
-                                                                          "slope_ci_high")]
+FIT_KEYS = [
+    f"{name}_{k}" for name in ("grad_sq_norm", "w_hat") for k in ("slope", "intercept", "slope_ci_low", "slope_ci_high")
+]
 FIT_KEYS += ["alpha_blog", "pearson_w_hat_grad_sq_norm", "spearman_w_hat_grad_sq_norm", "pearson_log"]
 
 
@@ -97,8 +98,12 @@ def fit_summary(lengths: np.ndarray, grad_sq: np.ndarray, w_hat: np.ndarray, n_b
         keep = y > 0
         slope, intercept = ols(logt[keep], np.log(y[keep]))
         lo, hi = bootstrap_slope(logt[keep], np.log(y[keep]), n_boot, seed)
-        out |= {f"{name}_slope": slope, f"{name}_intercept": intercept, f"{name}_slope_ci_low": lo,
-                f"{name}_slope_ci_high": hi}
+        out |= {
+            f"{name}_slope": slope,
+            f"{name}_intercept": intercept,
+            f"{name}_slope_ci_low": lo,
+            f"{name}_slope_ci_high": hi,
+        }
     out["alpha_blog"] = out["grad_sq_norm_slope"] / 2
     out["pearson_w_hat_grad_sq_norm"] = float(np.corrcoef(w_hat, grad_sq)[0, 1])
     out["spearman_w_hat_grad_sq_norm"] = spearman(w_hat, grad_sq)
@@ -114,11 +119,17 @@ def plot(path: Path, lengths: np.ndarray, grad_sq: np.ndarray, w_hat: np.ndarray
         save_figure(fig, path)
         return
     t = np.linspace(lengths.min(), lengths.max(), 50)
-    for ax, y, name, label in ((axes[0], grad_sq, "grad_sq_norm", "exact ||grad log pi(y)||^2"),
-                               (axes[1], w_hat, "w_hat", "proxy energy W = sum_t w_t")):
+    for ax, y, name, label in (
+        (axes[0], grad_sq, "grad_sq_norm", "exact ||grad log pi(y)||^2"),
+        (axes[1], w_hat, "w_hat", "proxy energy W = sum_t w_t"),
+    ):
         ax.loglog(lengths, y, ".", alpha=0.5)
-        ax.loglog(t, np.exp(s[f"{name}_intercept"]) * t ** s[f"{name}_slope"], "-",
-                  label=f"slope {s[f'{name}_slope']:.2f} [{s[f'{name}_slope_ci_low']:.2f}, {s[f'{name}_slope_ci_high']:.2f}]")
+        ax.loglog(
+            t,
+            np.exp(s[f"{name}_intercept"]) * t ** s[f"{name}_slope"],
+            "-",
+            label=f"slope {s[f'{name}_slope']:.2f} [{s[f'{name}_slope_ci_low']:.2f}, {s[f'{name}_slope_ci_high']:.2f}]",
+        )
         ax.set_xlabel("response length T (tokens)")
         ax.set_ylabel(label)
         ax.legend()
@@ -137,27 +148,52 @@ def run(cfg: DictConfig, args: Args) -> None:
     if df.height == 0:
         raise ValueError("scaling: no non-empty response in the rollouts")
     if not can_fit(df["response_length"].to_numpy()):
-        log.warning("%d responses, all of length(s) %s: no length scaling can be fitted (slopes are NaN); "
-                    "raise rollout.max_new_tokens if every response is cut there", df.height,
-                    sorted(df["response_length"].unique().to_list()))
+        log.warning(
+            "%d responses, all of length(s) %s: no length scaling can be fitted (slopes are NaN); "
+            "raise rollout.max_new_tokens if every response is cut there",
+            df.height,
+            sorted(df["response_length"].unique().to_list()),
+        )
     model, tok = load_policy(args.policy, "float32")
     prompts, responses = df["prompt_ids"].to_list(), df["response_ids"].to_list()
     t = cfg.rollout.temperature
-    grad_sq = np.asarray(exact_grad_sq_norms(model, prompts, responses, t, tok.pad_token_id,
-                                             Progress(log, "exact gradient norms", len(prompts), "sequences")))
-    w_hat = np.asarray([sum(s["proxy"]) for s in
-                        sequence_token_stats(model, prompts, responses, t, cfg.features.chunk_size, tok.pad_token_id)])
+    grad_sq = np.asarray(
+        exact_grad_sq_norms(
+            model,
+            prompts,
+            responses,
+            t,
+            tok.pad_token_id,
+            Progress(log, "exact gradient norms", len(prompts), "sequences"),
+        )
+    )
+    w_hat = np.asarray(
+        [
+            sum(s["proxy"])
+            for s in sequence_token_stats(model, prompts, responses, t, cfg.features.chunk_size, tok.pad_token_id)
+        ]
+    )
     lengths = df["response_length"].to_numpy().astype(np.float64)
     summary = fit_summary(lengths, grad_sq, w_hat, sc.bootstrap, derive_seed(cfg.seed, "scaling"))
     out = Path(args.out_dir)
     table = df.select("iteration", "group_id", "sample_idx", "response_length", "reward").with_columns(
-        pl.Series("grad_sq_norm", grad_sq), pl.Series("w_hat", w_hat))
+        pl.Series("grad_sq_norm", grad_sq), pl.Series("w_hat", w_hat)
+    )
     write_parquet(table, out / "sequences.parquet", metadata={"policy": args.policy})
     write_parquet(pl.DataFrame([summary]), out / "summary.parquet", metadata={"policy": args.policy})
     write_json(summary, out / "summary.json")
     plot(out / "scaling.png", lengths, grad_sq, w_hat, summary)
-    log.info("%d responses, T in [%d, %d]: slope of log ||g||^2 vs log T = %.3f [%.3f, %.3f] (alpha %.3f); "
-             "proxy slope %.3f; Pearson(W, ||g||^2) %.3f, Spearman %.3f", summary["n_sequences"],
-             summary["min_length"], summary["max_length"], summary["grad_sq_norm_slope"],
-             summary["grad_sq_norm_slope_ci_low"], summary["grad_sq_norm_slope_ci_high"], summary["alpha_blog"],
-             summary["w_hat_slope"], summary["pearson_w_hat_grad_sq_norm"], summary["spearman_w_hat_grad_sq_norm"])
+    log.info(
+        "%d responses, T in [%d, %d]: slope of log ||g||^2 vs log T = %.3f [%.3f, %.3f] (alpha %.3f); "
+        "proxy slope %.3f; Pearson(W, ||g||^2) %.3f, Spearman %.3f",
+        summary["n_sequences"],
+        summary["min_length"],
+        summary["max_length"],
+        summary["grad_sq_norm_slope"],
+        summary["grad_sq_norm_slope_ci_low"],
+        summary["grad_sq_norm_slope_ci_high"],
+        summary["alpha_blog"],
+        summary["w_hat_slope"],
+        summary["pearson_w_hat_grad_sq_norm"],
+        summary["spearman_w_hat_grad_sq_norm"],
+    )

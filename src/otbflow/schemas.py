@@ -26,12 +26,20 @@ class TableSchema:
     ragged: dict[str, str] = field(default_factory=dict)
     """per-token list column -> the column its length must match."""
 
-    def extend(self, name: str, where: str, doc: str, cols: list[tuple[str, pl.DataType, str]],
-               ragged: dict[str, str] | None = None, optional: tuple[str, ...] = ()) -> "TableSchema":
+    def extend(
+        self,
+        name: str,
+        where: str,
+        doc: str,
+        cols: list[tuple[str, pl.DataType, str]],
+        ragged: dict[str, str] | None = None,
+        optional: tuple[str, ...] = (),
+    ) -> "TableSchema":
         columns = dict(self.columns) | {c: t for c, t, _ in cols}
         meaning = dict(self.meaning) | {c: m for c, _, m in cols}
-        return TableSchema(name, where, doc, columns, meaning, self.optional | frozenset(optional),
-                           dict(self.ragged) | (ragged or {}))
+        return TableSchema(
+            name, where, doc, columns, meaning, self.optional | frozenset(optional), dict(self.ragged) | (ragged or {})
+        )
 
     def present(self, available: list[str]) -> list[str]:
         """The table's columns in order, optional ones only where ``available``."""
@@ -39,30 +47,44 @@ class TableSchema:
 
 
 def _table(name, where, doc, cols, optional=(), ragged=None) -> TableSchema:
-    return TableSchema(name, where, doc, {c: t for c, t, _ in cols}, {c: m for c, _, m in cols},
-                       frozenset(optional), ragged or {})
+    return TableSchema(
+        name, where, doc, {c: t for c, t, _ in cols}, {c: m for c, _, m in cols}, frozenset(optional), ragged or {}
+    )
 
 
 PROMPTS = _table(
-    "prompts", "results/data/train/shard_{s}.parquet, results/data/eval.parquet",
+    "prompts",
+    "results/data/train/shard_{s}.parquet, results/data/eval.parquet",
     "Prompts with their verifiable answers, split into train shards and one eval set.",
     [
         ("prompt_id", pl.Int64, "stable id of the prompt within its split"),
         ("prompt", pl.String, "raw prompt text (after task.prompt_template; verl layout: the last user message)"),
-        ("messages", pl.String, "the prompt as chat messages, a JSON list of {role, content}: one user message "
-                                "with `prompt`, or verl's messages as given (system messages included); the "
-                                "chat template renders these (task.chat)"),
-        ("answer", pl.String, "reference answer the reward checks against (GSM8K: after '####'; MATH: the "
-                              "solution's last \\boxed{}; verl: reward_model.ground_truth)"),
-        ("data_source", pl.String, "verl's data_source column, else the layout ('arithmetic', 'prompt_answer', "
-                                   "'gsm8k', 'math')"),
+        (
+            "messages",
+            pl.String,
+            "the prompt as chat messages, a JSON list of {role, content}: one user message "
+            "with `prompt`, or verl's messages as given (system messages included); the "
+            "chat template renders these (task.chat)",
+        ),
+        (
+            "answer",
+            pl.String,
+            "reference answer the reward checks against (GSM8K: after '####'; MATH: the "
+            "solution's last \\boxed{}; verl: reward_model.ground_truth)",
+        ),
+        (
+            "data_source",
+            pl.String,
+            "verl's data_source column, else the layout ('arithmetic', 'prompt_answer', 'gsm8k', 'math')",
+        ),
         ("split", pl.String, "'train' or 'eval'"),
         ("shard", pl.Int64, "shard index (eval: 0)"),
     ],
 )
 
 ROLLOUTS = _table(
-    "rollouts", "results/iter_{k}/rollout/shard_{s}.parquet",
+    "rollouts",
+    "results/iter_{k}/rollout/shard_{s}.parquet",
     "G sampled responses per prompt, scored. Sampling parameters are in the Parquet metadata "
     "(`otbflow.io.read_metadata`).",
     [
@@ -74,13 +96,23 @@ ROLLOUTS = _table(
         ("sample_idx", pl.Int64, "index of the response within its group, 0..G-1"),
         ("prompt", pl.String, "raw prompt text (see prompts)"),
         ("answer", pl.String, "reference answer"),
-        ("prompt_ids", I64L, "token ids of the rendered prompt the policy saw (the chat template's output when "
-                             "task.chat resolved to true; metadata: chat, system_prompt)"),
-        ("response_ids", I64L, "sampled response token ids, ending with the stop token (metadata: stop_token_ids) "
-                               "when one was generated"),
+        (
+            "prompt_ids",
+            I64L,
+            "token ids of the rendered prompt the policy saw (the chat template's output when "
+            "task.chat resolved to true; metadata: chat, system_prompt)",
+        ),
+        (
+            "response_ids",
+            I64L,
+            "sampled response token ids, ending with the stop token (metadata: stop_token_ids) when one was generated",
+        ),
         ("response_text", pl.String, "decoded response (special tokens removed)"),
-        ("rollout_logprobs", F32L, "rollout engine's log-prob of each sampled token, from the "
-                                   "temperature-scaled logits before top-p"),
+        (
+            "rollout_logprobs",
+            F32L,
+            "rollout engine's log-prob of each sampled token, from the temperature-scaled logits before top-p",
+        ),
         ("response_length", pl.Int64, "number of response tokens"),
         ("finish_reason", pl.String, "'stop' (a stop token) or 'length' (hit max_new_tokens)"),
         ("reward", pl.Float64, "verifiable outcome reward"),
@@ -89,7 +121,8 @@ ROLLOUTS = _table(
 )
 
 FEATURES = ROLLOUTS.extend(
-    "features", "results/iter_{k}/features/shard_{s}.parquet",
+    "features",
+    "results/iter_{k}/features/shard_{s}.parquet",
     "Rollouts plus one teacher-forced forward pass of the training model (temperature-scaled "
     "logits, as in the rollout).",
     [
@@ -106,25 +139,35 @@ FEATURES = ROLLOUTS.extend(
         ("seq_mean_k3", pl.Float64, "mean over tokens of k3 (TRM's average criterion)"),
         ("log_ppl_abs_diff", pl.Float64, "|mean_t logprobs - mean_t rollout_logprobs| (TRM's PPL gap)"),
         ("grad_sq_norm", pl.Float64, "optional (features.exact_grad_norm): exact ||grad_theta sum_t log pi(y_t)||^2"),
-        ("is_weights", F32L, "optional (train.rollout_is token or sequence): truncated rollout IS weight "
-                             "min(rho, train.rollout_is_threshold), rho = exp(logprobs - rollout_logprobs) per token, "
-                             "or exp(sum_t of it) broadcast to the sequence; OTB weights its energy by it squared"),
+        (
+            "is_weights",
+            F32L,
+            "optional (train.rollout_is token or sequence): truncated rollout IS weight "
+            "min(rho, train.rollout_is_threshold), rho = exp(logprobs - rollout_logprobs) per token, "
+            "or exp(sum_t of it) broadcast to the sequence; OTB weights its energy by it squared",
+        ),
     ],
-    ragged={c: "response_length" for c in ("logprobs", "entropy", "sum_pi_sq", "proxy", "log_ratio", "k1", "k2",
-                                           "k3", "is_weights")},
+    ragged={
+        c: "response_length"
+        for c in ("logprobs", "entropy", "sum_pi_sq", "proxy", "log_ratio", "k1", "k2", "k3", "is_weights")
+    },
     optional=("grad_sq_norm", "is_weights"),
 )
 
 ADVANTAGE_INPUT = _table(
-    "advantage input", "(any table given to otbflow.advantages.compute_advantages)",
+    "advantage input",
+    "(any table given to otbflow.advantages.compute_advantages)",
     "The columns estimators read.",
     [
         ("group_id", pl.Int64, "prompt group"),
         ("reward", pl.Float64, "outcome reward"),
         ("logprobs", F32L, "trainer log-probs of the sampled tokens"),
         ("sum_pi_sq", F32L, "sum_v pi_v^2 (OTB; other estimators do not read it)"),
-        ("loss_mask", pl.List(pl.Boolean), "optional: false on tokens that are not trained (tool output); "
-                                           "required by otb_tir"),
+        (
+            "loss_mask",
+            pl.List(pl.Boolean),
+            "optional: false on tokens that are not trained (tool output); required by otb_tir",
+        ),
         ("token_rewards", F32L, "optional: per-token rewards; the return becomes the reward-to-go"),
         ("is_weights", F32L, "optional: truncated rollout IS weights (OTB's energy and P are weighted by them)"),
         ("grad_sq_norm", pl.Float64, "optional: exact per-sequence squared gradient norm (eob)"),
@@ -134,7 +177,8 @@ ADVANTAGE_INPUT = _table(
 )
 
 ADVANTAGES = FEATURES.extend(
-    "advantages", "results/iter_{k}/advantages/advantages.parquet",
+    "advantages",
+    "results/iter_{k}/advantages/advantages.parquet",
     "Features of all shards plus the training estimator's per-token advantages and baselines.",
     [
         ("estimator", pl.String, "estimator name that produced advantages"),
@@ -145,15 +189,24 @@ ADVANTAGES = FEATURES.extend(
 )
 
 COMPARISON = _table(
-    "estimator comparison", "results/iter_{k}/advantages/comparison.parquet",
+    "estimator comparison",
+    "results/iter_{k}/advantages/comparison.parquet",
     "Variance diagnostics of every estimator in advantages.compare on the same rollouts.",
     [
         ("iteration", pl.Int64, "RL iteration"),
         ("estimator", pl.String, "estimator name"),
-        ("baseline_shift", pl.Float64, "delta this row used: advantages.baseline_shift for every estimator that "
-                                       "takes one, 0 for reinforce_pp_baseline (its whitening would remove it)"),
-        ("total_power", pl.Float64, "P = mean_i W_i * Abar_i^2 (W_i: summed proxy energy), times (mean_t "
-                                    "is_weights)^2 per sequence when the features carry is_weights"),
+        (
+            "baseline_shift",
+            pl.Float64,
+            "delta this row used: advantages.baseline_shift for every estimator that "
+            "takes one, 0 for reinforce_pp_baseline (its whitening would remove it)",
+        ),
+        (
+            "total_power",
+            pl.Float64,
+            "P = mean_i W_i * Abar_i^2 (W_i: summed proxy energy), times (mean_t "
+            "is_weights)^2 per sequence when the features carry is_weights",
+        ),
         ("expected_a_squared", pl.Float64, "mean_i Abar_i^2"),
         ("expected_w", pl.Float64, "mean_i W_i"),
         ("adv_mean", pl.Float64, "mean of per-token advantages over valid tokens"),
@@ -166,7 +219,8 @@ COMPARISON = _table(
 )
 
 TRAIN_METRICS = _table(
-    "train metrics", "results/iter_{k}/train/metrics.parquet",
+    "train metrics",
+    "results/iter_{k}/train/metrics.parquet",
     "One row per optimizer step of the policy update.",
     [
         ("iteration", pl.Int64, "RL iteration"),
@@ -177,13 +231,21 @@ TRAIN_METRICS = _table(
         ("lr", pl.Float64, "learning rate of the step"),
         ("entropy", pl.Float64, "mean token entropy of the current policy"),
         ("approx_kl", pl.Float64, "mean k3 estimate of KL(pi_old || pi_theta) over valid tokens"),
-        ("max_abs_log_ratio", pl.Float64, "largest |log pi_theta - log pi_old| over the step's valid tokens (0 "
-                                          "at an iteration's first step: features and train compute log pi alike)"),
+        (
+            "max_abs_log_ratio",
+            pl.Float64,
+            "largest |log pi_theta - log pi_old| over the step's valid tokens (0 "
+            "at an iteration's first step: features and train compute log pi alike)",
+        ),
         ("kl_ref", pl.Float64, "mean k3 estimate of KL(pi_theta || pi_ref) (0 unless train.kl_coef > 0)"),
         ("is_weight_mean", pl.Float64, "mean truncated rollout IS weight over valid tokens (1: train.rollout_is none)"),
         ("is_weight_max", pl.Float64, "largest rollout IS weight of the step"),
-        ("trm_acceptance", pl.Float64, "fraction of the step's sequences inside the TRM trust region "
-                                       "(mismatch.max_k2, mismatch.mean_k3); the rest are masked with train.trm"),
+        (
+            "trm_acceptance",
+            pl.Float64,
+            "fraction of the step's sequences inside the TRM trust region "
+            "(mismatch.max_k2, mismatch.mean_k3); the rest are masked with train.trm",
+        ),
         ("log_ppl_abs_diff", pl.Float64, "mean |log-PPL gap| trainer vs rollout engine of the step's sequences"),
         ("tokens", pl.Int64, "valid response tokens in the step (before TRM masking)"),
         ("sequences", pl.Int64, "sequences in the step"),
@@ -198,7 +260,8 @@ TRAIN_METRICS = _table(
 )
 
 EVAL_SAMPLES = _table(
-    "eval samples", "results/{policy}/eval/samples.parquet",
+    "eval samples",
+    "results/{policy}/eval/samples.parquet",
     "Every evaluation response: one greedy and evaluate.n_samples sampled per held-out prompt.",
     [
         ("policy", pl.String, "evaluated policy: 'initial' or 'iter_{k}'"),
@@ -212,7 +275,8 @@ EVAL_SAMPLES = _table(
 )
 
 EVAL_SUMMARY = _table(
-    "eval summary", "results/{policy}/eval/summary.parquet",
+    "eval summary",
+    "results/{policy}/eval/summary.parquet",
     "One row: accuracy and length of one policy on the held-out prompts.",
     [
         ("policy", pl.String, "'initial' or 'iter_{k}'"),
@@ -226,7 +290,8 @@ EVAL_SUMMARY = _table(
 )
 
 PROGRESS = EVAL_SUMMARY.extend(
-    "progress", "results/report/progress.parquet",
+    "progress",
+    "results/report/progress.parquet",
     "Eval summaries of every evaluated policy in order (evaluate.every), with the token accounting of the run so far.",
     [
         ("tokens_generated", pl.Int64, "rollout tokens generated by all iterations up to this policy"),
@@ -236,13 +301,15 @@ PROGRESS = EVAL_SUMMARY.extend(
 )
 
 METRICS = TRAIN_METRICS.extend(
-    "metrics", "results/report/metrics.parquet",
+    "metrics",
+    "results/report/metrics.parquet",
     "Train metrics of every iteration, concatenated in order.",
     [("global_step", pl.Int64, "optimizer step counted over all iterations")],
 )
 
 SCALING_SEQUENCES = _table(
-    "scaling sequences", "results/scaling/sequences.parquet",
+    "scaling sequences",
+    "results/scaling/sequences.parquet",
     "One row per measured response of the length-scaling study (otbflow scaling).",
     [
         ("iteration", pl.Int64, "iteration whose rollouts were measured"),
@@ -256,7 +323,8 @@ SCALING_SEQUENCES = _table(
 )
 
 MISMATCH = _table(
-    "mismatch", "results/report/mismatch.parquet",
+    "mismatch",
+    "results/report/mismatch.parquet",
     "Trainer vs rollout engine, per iteration (from the features tables): the mismatch dashboard.",
     [
         ("iteration", pl.Int64, "RL iteration"),
@@ -265,34 +333,60 @@ MISMATCH = _table(
         ("log_ratio_abs_max", pl.Float64, "max |log r| over tokens"),
         ("k3_mean", pl.Float64, "mean token k3: estimate of KL(rollout || trainer)"),
         ("log_ppl_abs_diff_mean", pl.Float64, "mean over sequences of the |log-PPL gap| (TRM's PPL gap)"),
-        ("trm_acceptance", pl.Float64, "fraction of sequences with max k2 <= mismatch.max_k2 and mean k3 <= mismatch.mean_k3"),
+        (
+            "trm_acceptance",
+            pl.Float64,
+            "fraction of sequences with max k2 <= mismatch.max_k2 and mean k3 <= mismatch.mean_k3",
+        ),
     ],
 )
 
 VARIANCE = _table(
-    "variance study", "results/variance/summary.parquet",
+    "variance study",
+    "results/variance/summary.parquet",
     "Offline variance of the group-averaged policy gradient per estimator (otbflow variance), on "
     "resampled groups of one pool of responses, with exact per-token gradients (CountSketch-compressed).",
     [
-        ("estimator", pl.String, "estimator name ('none': REINFORCE, 'eob': the oracle, weights from the same "
-                                 "centred score vectors as g_hat)"),
-        ("trace_cov", pl.Float64, "tr Cov of g_hat = (1/N) sum_i sum_t A_it grad log pi over a prompt's "
-                                  "resampled groups, averaged over prompts"),
+        (
+            "estimator",
+            pl.String,
+            "estimator name ('none': REINFORCE, 'eob': the oracle, weights from the same "
+            "centred score vectors as g_hat)",
+        ),
+        (
+            "trace_cov",
+            pl.Float64,
+            "tr Cov of g_hat = (1/N) sum_i sum_t A_it grad log pi over a prompt's "
+            "resampled groups, averaged over prompts",
+        ),
         ("trace_cov_se", pl.Float64, "standard error of trace_cov over prompts"),
-        ("trace_cov_diff", pl.Float64, "paired difference to REINFORCE: mean over prompts of tr Cov_p(g_hat) - "
-                                       "tr Cov_p(g_hat of 'none'), both over the same resampled groups of prompt p"),
+        (
+            "trace_cov_diff",
+            pl.Float64,
+            "paired difference to REINFORCE: mean over prompts of tr Cov_p(g_hat) - "
+            "tr Cov_p(g_hat of 'none'), both over the same resampled groups of prompt p",
+        ),
         ("trace_cov_diff_se", pl.Float64, "standard error of trace_cov_diff over prompts (0 for 'none')"),
         ("signal", pl.Float64, "||E g_hat||^2 per prompt (Monte-Carlo noise removed), averaged over prompts"),
         ("noise_to_signal", pl.Float64, "trace_cov / signal: scale-free (a self-inclusive baseline shrinks both)"),
-        ("sq_bias", pl.Float64, "||E[g_hat - g_hat of REINFORCE]||^2 on the same groups, minus its Monte-Carlo "
-                                "noise (about 0 for unbiased estimators), averaged over prompts"),
-        ("sq_bias_noise", pl.Float64, "the Monte-Carlo noise subtracted from sq_bias: tr Cov(g_hat - g_hat_none) / resamples"),
+        (
+            "sq_bias",
+            pl.Float64,
+            "||E[g_hat - g_hat of REINFORCE]||^2 on the same groups, minus its Monte-Carlo "
+            "noise (about 0 for unbiased estimators), averaged over prompts",
+        ),
+        (
+            "sq_bias_noise",
+            pl.Float64,
+            "the Monte-Carlo noise subtracted from sq_bias: tr Cov(g_hat - g_hat_none) / resamples",
+        ),
         ("ratio_to_none", pl.Float64, "trace_cov / trace_cov of REINFORCE"),
     ],
 )
 
 EXPERIMENT_SEEDS = _table(
-    "experiment seeds", "results/<experiment>/seeds.parquet",
+    "experiment seeds",
+    "results/<experiment>/seeds.parquet",
     "One row per member (run x seed) of an experiment (otbflow experiment).",
     [
         ("run", pl.String, "run name (config/experiments/*.yaml)"),
@@ -300,23 +394,34 @@ EXPERIMENT_SEEDS = _table(
         ("initial_accuracy", pl.Float64, "avg@k of the shared initial policy"),
         ("final_accuracy", pl.Float64, "avg@k after the last iteration"),
         ("final_greedy_accuracy", pl.Float64, "greedy accuracy after the last iteration"),
-        ("late_gain", pl.Float64, "avg@k gain over the last analysis.plateau_window iterations, from the last "
-                                  "evaluation at least that many iterations before the final one (NaN: none)"),
+        (
+            "late_gain",
+            pl.Float64,
+            "avg@k gain over the last analysis.plateau_window iterations, from the last "
+            "evaluation at least that many iterations before the final one (NaN: none)",
+        ),
         ("min_accuracy", pl.Float64, "lowest avg@k of any evaluated policy of the member"),
         ("target_accuracy", pl.Float64, "analysis.target_fraction x the reference run's final avg@k (mean over seeds)"),
-        ("tokens_to_target", pl.Float64, "rollout tokens generated when avg@k first reached the target (linear "
-                                         "between evaluations; NaN: never)"),
+        (
+            "tokens_to_target",
+            pl.Float64,
+            "rollout tokens generated when avg@k first reached the target (linear between evaluations; NaN: never)",
+        ),
         ("tokens_generated", pl.Float64, "rollout tokens generated by all iterations"),
         ("tokens_trained", pl.Float64, "valid tokens in all optimizer steps (x ppo_epochs)"),
         ("final_response_length", pl.Float64, "mean sampled eval response length after the last iteration"),
-        ("max_length_ratio", pl.Float64, "largest mean eval response length over the initial one (> 1.5: an "
-                                         "explosion, < 0.67: a collapse)"),
+        (
+            "max_length_ratio",
+            pl.Float64,
+            "largest mean eval response length over the initial one (> 1.5: an explosion, < 0.67: a collapse)",
+        ),
         ("max_grad_norm", pl.Float64, "largest grad norm of any optimizer step"),
     ],
 )
 
 EXPERIMENT_SUMMARY = _table(
-    "experiment summary", "results/<experiment>/summary.parquet",
+    "experiment summary",
+    "results/<experiment>/summary.parquet",
     "One row per run of an experiment (otbflow experiment): means over its seeds, with bootstrap intervals "
     "(`analysis.confidence`, resampling the seeds; with few seeds they are rough).",
     [
@@ -329,8 +434,12 @@ EXPERIMENT_SUMMARY = _table(
         ("final_accuracy_std", pl.Float64, "its std over seeds"),
         ("final_greedy_accuracy", pl.Float64, "greedy accuracy after the last iteration, mean over seeds"),
         ("accuracy_gain", pl.Float64, "final_accuracy - initial_accuracy"),
-        ("late_gain", pl.Float64, "avg@k gain over the last analysis.plateau_window iterations, mean over seeds "
-                                  "(a plateau: its interval holds 0)"),
+        (
+            "late_gain",
+            pl.Float64,
+            "avg@k gain over the last analysis.plateau_window iterations, mean over seeds "
+            "(a plateau: its interval holds 0)",
+        ),
         ("late_gain_lo", pl.Float64, "lower end of its bootstrap interval"),
         ("late_gain_hi", pl.Float64, "upper end of its bootstrap interval"),
         ("target_accuracy", pl.Float64, "analysis.target_fraction x the reference run's final avg@k"),
@@ -348,7 +457,8 @@ EXPERIMENT_SUMMARY = _table(
 )
 
 EXPERIMENT_PAIRS = _table(
-    "experiment pairs", "results/<experiment>/pairs.parquet",
+    "experiment pairs",
+    "results/<experiment>/pairs.parquet",
     "Paired comparisons of two runs of an experiment over the same seeds (`analysis.pairs`), with bootstrap "
     "intervals that resample the seeds.",
     [
@@ -360,26 +470,57 @@ EXPERIMENT_PAIRS = _table(
         ("accuracy_diff_hi", pl.Float64, "upper end of its bootstrap interval"),
         ("a_better_seeds", pl.Int64, "seeds where a ended above b"),
         ("both_reached", pl.Int64, "seeds where both reached the target"),
-        ("tokens_ratio", pl.Float64, "tokens to the target of a over b, geometric mean over those seeds (< 1: a "
-                                     "needs fewer tokens; the saving is 1 - ratio)"),
+        (
+            "tokens_ratio",
+            pl.Float64,
+            "tokens to the target of a over b, geometric mean over those seeds (< 1: a "
+            "needs fewer tokens; the saving is 1 - ratio)",
+        ),
         ("tokens_ratio_lo", pl.Float64, "lower end of its bootstrap interval"),
         ("tokens_ratio_hi", pl.Float64, "upper end of its bootstrap interval"),
     ],
 )
 
-ALL_TABLES = [PROMPTS, ROLLOUTS, FEATURES, ADVANTAGES, COMPARISON, TRAIN_METRICS, EVAL_SAMPLES,
-              EVAL_SUMMARY, PROGRESS, METRICS, SCALING_SEQUENCES,
-              MISMATCH, VARIANCE, EXPERIMENT_SEEDS, EXPERIMENT_SUMMARY, EXPERIMENT_PAIRS]
+ALL_TABLES = [
+    PROMPTS,
+    ROLLOUTS,
+    FEATURES,
+    ADVANTAGES,
+    COMPARISON,
+    TRAIN_METRICS,
+    EVAL_SAMPLES,
+    EVAL_SUMMARY,
+    PROGRESS,
+    METRICS,
+    SCALING_SEQUENCES,
+    MISMATCH,
+    VARIANCE,
+    EXPERIMENT_SEEDS,
+    EXPERIMENT_SUMMARY,
+    EXPERIMENT_PAIRS,
+]
 
 
 def schema_markdown() -> str:
-    out = ["# Parquet tables", "",
-           "Generated from `src/otbflow/schemas.py` by `otbflow schema-doc > docs/schema.md`; "
-           "every stage checks its inputs against these schemas before it starts work. "
-           "Per-token list columns have one entry per response token.", ""]
+    out = [
+        "# Parquet tables",
+        "",
+        "Generated from `src/otbflow/schemas.py` by `otbflow schema-doc > docs/schema.md`; "
+        "every stage checks its inputs against these schemas before it starts work. "
+        "Per-token list columns have one entry per response token.",
+        "",
+    ]
     for t in ALL_TABLES:
-        out += [f"## {t.name}", "", f"Path: `{t.where}`", "", t.doc, "",
-                "| column | dtype | meaning |", "| --- | --- | --- |"]
+        out += [
+            f"## {t.name}",
+            "",
+            f"Path: `{t.where}`",
+            "",
+            t.doc,
+            "",
+            "| column | dtype | meaning |",
+            "| --- | --- | --- |",
+        ]
         out += [f"| `{c}` | `{d}` | {t.meaning[c]} |" for c, d in t.columns.items()]
         out.append("")
     return "\n".join(out)

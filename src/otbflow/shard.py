@@ -33,12 +33,18 @@ class Args:
 
 def synthetic_splits(cfg: DictConfig) -> tuple[pl.DataFrame, pl.DataFrame]:
     t = cfg.task
-    rows = arithmetic_prompts(t.n_train + t.n_eval, derive_seed(task_seed(cfg), "task"), t.min_terms, t.max_terms,
-                              t.max_operand)
-    df = pl.DataFrame(rows).select("prompt", "answer").with_columns(
-        pl.col("prompt").map_elements(user_message, return_dtype=pl.String).alias("messages"),
-        pl.lit("arithmetic").alias("data_source"))
-    return df[t.n_eval:], df[:t.n_eval]
+    rows = arithmetic_prompts(
+        t.n_train + t.n_eval, derive_seed(task_seed(cfg), "task"), t.min_terms, t.max_terms, t.max_operand
+    )
+    df = (
+        pl.DataFrame(rows)
+        .select("prompt", "answer")
+        .with_columns(
+            pl.col("prompt").map_elements(user_message, return_dtype=pl.String).alias("messages"),
+            pl.lit("arithmetic").alias("data_source"),
+        )
+    )
+    return df[t.n_eval :], df[: t.n_eval]
 
 
 def dataset_splits(cfg: DictConfig) -> tuple[pl.DataFrame, pl.DataFrame]:
@@ -48,9 +54,10 @@ def dataset_splits(cfg: DictConfig) -> tuple[pl.DataFrame, pl.DataFrame]:
     if t.eval_path:
         return df, load_dataset_file(t.eval_path, t.format, t.prompt_template)
     if df.height <= t.n_eval:
-        raise ValueError(f"{t.path}: {df.height} rows cannot give task.n_eval={t.n_eval} eval rows and "
-                         f"a training split")
-    return df[t.n_eval:], df[:t.n_eval]
+        raise ValueError(
+            f"{t.path}: {df.height} rows cannot give task.n_eval={t.n_eval} eval rows and a training split"
+        )
+    return df[t.n_eval :], df[: t.n_eval]
 
 
 def run(cfg: DictConfig, args: Args) -> None:
@@ -59,10 +66,13 @@ def run(cfg: DictConfig, args: Args) -> None:
     if train.height < n:
         raise ValueError(f"{train.height} training prompts cannot fill shard.n_shards={n} shards")
     train = train.with_row_index("prompt_id").with_columns(
-        pl.col("prompt_id").cast(pl.Int64), pl.lit("train").alias("split"),
-        (pl.col("prompt_id").cast(pl.Int64) % n).alias("shard"))
+        pl.col("prompt_id").cast(pl.Int64),
+        pl.lit("train").alias("split"),
+        (pl.col("prompt_id").cast(pl.Int64) % n).alias("shard"),
+    )
     ev = ev.with_row_index("prompt_id").with_columns(
-        pl.col("prompt_id").cast(pl.Int64), pl.lit("eval").alias("split"), pl.lit(0, pl.Int64).alias("shard"))
+        pl.col("prompt_id").cast(pl.Int64), pl.lit("eval").alias("split"), pl.lit(0, pl.Int64).alias("shard")
+    )
     cols = list(schemas.PROMPTS.columns)
     for s in range(n):
         write_parquet(train.filter(pl.col("shard") == s).select(cols), f"{args.out_dir}/train/shard_{s}.parquet")

@@ -23,8 +23,13 @@ SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rerun", metavar="STAGE", nargs="+", default=[],
-                   help="run these stages again and everything after them (snakemake --forcerun)")
+    p.add_argument(
+        "--rerun",
+        metavar="STAGE",
+        nargs="+",
+        default=[],
+        help="run these stages again and everything after them (snakemake --forcerun)",
+    )
     p.add_argument("--until", metavar="STAGE", help="stop after this stage (snakemake --until)")
     p.add_argument("--configfile", nargs="+", default=[], help="config YAML(s) layered over config/config.yaml")
     p.add_argument("--profile", default="slurm", help="workflow profile folder (default: %(default)s)")
@@ -32,8 +37,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--account", help="Slurm account of the head job")
     p.add_argument("--time", type=int, default=3 * 24 * 60, help="head job time limit, minutes (default: 3 days)")
     p.add_argument("--logs", default="logs/submit", help="folder of the head job's logs (default: %(default)s)")
-    p.add_argument("snakemake_args", nargs="*", metavar="-- SNAKEMAKE_ARGS",
-                   help="passed to snakemake, e.g. -- --config 'advantages={estimator: grpo}' --dry-run")
+    p.add_argument(
+        "snakemake_args",
+        nargs="*",
+        metavar="-- SNAKEMAKE_ARGS",
+        help="passed to snakemake, e.g. -- --config 'advantages={estimator: grpo}' --dry-run",
+    )
 
 
 def profile_path(profile: str) -> str:
@@ -69,8 +78,14 @@ def submit(ns: argparse.Namespace):
     import submitit
 
     executor = submitit.AutoExecutor(folder=Path(ns.logs).resolve() / "%j", cluster="slurm")
-    executor.update_parameters(name="otbflow-head", timeout_min=ns.time, cpus_per_task=1, mem_gb=2,
-                               slurm_partition=ns.partition, slurm_account=ns.account)
+    executor.update_parameters(
+        name="otbflow-head",
+        timeout_min=ns.time,
+        cpus_per_task=1,
+        mem_gb=2,
+        slurm_partition=ns.partition,
+        slurm_account=ns.account,
+    )
     return executor.submit(run_head, snakemake_command(ns), os.getcwd())
 
 

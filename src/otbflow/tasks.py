@@ -55,8 +55,9 @@ def arithmetic_solution(prompt: str, rng: random.Random | None = None, slip_rate
     return "".join(steps) + f"#{acc}", str(acc)
 
 
-def arithmetic_prompts(n: int, seed: int, min_terms: int, max_terms: int, max_operand: int,
-                       exclude: set[str] | None = None) -> list[dict]:
+def arithmetic_prompts(
+    n: int, seed: int, min_terms: int, max_terms: int, max_operand: int, exclude: set[str] | None = None
+) -> list[dict]:
     """``n`` distinct problems (prompt, answer, target) from ``seed``, none in ``exclude``."""
     rng = random.Random(seed)
     seen = set(exclude or ())
@@ -65,8 +66,10 @@ def arithmetic_prompts(n: int, seed: int, min_terms: int, max_terms: int, max_op
     while len(out) < n:
         attempts += 1
         if attempts > 50 * n + 1000:
-            raise ValueError(f"cannot draw {n} distinct arithmetic problems with max_terms={max_terms}, "
-                             f"max_operand={max_operand}: raise task.max_terms or task.max_operand")
+            raise ValueError(
+                f"cannot draw {n} distinct arithmetic problems with max_terms={max_terms}, "
+                f"max_operand={max_operand}: raise task.max_terms or task.max_operand"
+            )
         p = arithmetic_problem(rng, min_terms, max_terms, max_operand)
         if p in seen:
             continue
@@ -78,8 +81,12 @@ def arithmetic_prompts(n: int, seed: int, min_terms: int, max_terms: int, max_op
 
 DATASET_FORMATS = ("auto", "prompt_answer", "verl", "gsm8k", "math")
 # The columns each layout needs (verl: `prompt` holds a list of {role, content} messages).
-LAYOUT_COLUMNS = {"prompt_answer": ("prompt", "answer"), "verl": ("prompt", "reward_model"),
-                  "gsm8k": ("question", "answer"), "math": ("problem", "solution")}
+LAYOUT_COLUMNS = {
+    "prompt_answer": ("prompt", "answer"),
+    "verl": ("prompt", "reward_model"),
+    "gsm8k": ("question", "answer"),
+    "math": ("problem", "solution"),
+}
 
 
 def read_dataset_file(path: str | Path) -> pl.DataFrame:
@@ -107,9 +114,11 @@ def detect_format(df: pl.DataFrame, path: str | Path) -> str:
         need = LAYOUT_COLUMNS[partial[0]]
         missing = next(c for c in need if c not in cols)
         raise SchemaError(f"{path}: missing column '{missing}' (the {partial[0]} layout needs {', '.join(need)})")
-    raise SchemaError(f"{path}: cannot tell the dataset layout from its columns ({', '.join(df.columns)}): "
-                      "expected prompt + answer (prompt_answer), prompt as a list of messages + reward_model "
-                      "(verl), question + answer (gsm8k) or problem + solution (math); set task.format")
+    raise SchemaError(
+        f"{path}: cannot tell the dataset layout from its columns ({', '.join(df.columns)}): "
+        "expected prompt + answer (prompt_answer), prompt as a list of messages + reward_model "
+        "(verl), question + answer (gsm8k) or problem + solution (math); set task.format"
+    )
 
 
 def _bad_rows(path, column: str, bad: list[int], what: str) -> SchemaError:
@@ -118,18 +127,23 @@ def _bad_rows(path, column: str, bad: list[int], what: str) -> SchemaError:
 
 def _verl_rows(df: pl.DataFrame, path) -> pl.DataFrame:
     if not isinstance(df.schema["prompt"], pl.List) or not isinstance(df.schema["prompt"].inner, pl.Struct):
-        raise SchemaError(f"{path}: column 'prompt' has dtype {df.schema['prompt']}; the verl layout needs a "
-                          "list of {role, content} messages")
+        raise SchemaError(
+            f"{path}: column 'prompt' has dtype {df.schema['prompt']}; the verl layout needs a "
+            "list of {role, content} messages"
+        )
     fields = {f.name for f in df.schema["prompt"].inner.fields}
     for f in ("role", "content"):
         if f not in fields:
             raise SchemaError(f"{path}: column 'prompt' messages have no field '{f}' (verl: {{role, content}})")
     rm = df.schema["reward_model"]
     if not isinstance(rm, pl.Struct) or "ground_truth" not in {f.name for f in rm.fields}:
-        raise SchemaError(f"{path}: missing column 'reward_model.ground_truth' (verl: reward_model is a struct "
-                          f"with ground_truth; got {rm})")
-    messages = [[{"role": str(m["role"]), "content": str(m["content"])} for m in msgs or []]
-                for msgs in df["prompt"].to_list()]
+        raise SchemaError(
+            f"{path}: missing column 'reward_model.ground_truth' (verl: reward_model is a struct "
+            f"with ground_truth; got {rm})"
+        )
+    messages = [
+        [{"role": str(m["role"]), "content": str(m["content"])} for m in msgs or []] for msgs in df["prompt"].to_list()
+    ]
     bad = [i for i, msgs in enumerate(messages) if not any(m["role"] == "user" for m in msgs)]
     if bad:
         raise _bad_rows(path, "prompt", bad, "no user message")
@@ -138,19 +152,33 @@ def _verl_rows(df: pl.DataFrame, path) -> pl.DataFrame:
     bad = [i for i, v in enumerate(truth.to_list()) if v is None]
     if bad:
         raise _bad_rows(path, "reward_model.ground_truth", bad, "null")
-    source = (df["data_source"].cast(pl.String).fill_null("verl").to_list() if "data_source" in df.columns
-              else ["verl"] * df.height)
-    return pl.DataFrame({
-        "prompt": [[m for m in msgs if m["role"] == "user"][-1]["content"] for msgs in messages],
-        "messages": [json.dumps(msgs, ensure_ascii=False) for msgs in messages],
-        "answer": answers, "data_source": source}, schema=DATASET_COLUMNS)
+    source = (
+        df["data_source"].cast(pl.String).fill_null("verl").to_list()
+        if "data_source" in df.columns
+        else ["verl"] * df.height
+    )
+    return pl.DataFrame(
+        {
+            "prompt": [[m for m in msgs if m["role"] == "user"][-1]["content"] for msgs in messages],
+            "messages": [json.dumps(msgs, ensure_ascii=False) for msgs in messages],
+            "answer": answers,
+            "data_source": source,
+        },
+        schema=DATASET_COLUMNS,
+    )
 
 
 def _text_rows(prompts: list, answers: list, source: list[str], template: str) -> pl.DataFrame:
     prompts = [template.format(prompt=str(p)) for p in prompts]
-    return pl.DataFrame({"prompt": prompts,
-                         "messages": [user_message(p) for p in prompts],
-                         "answer": [str(a) for a in answers], "data_source": source}, schema=DATASET_COLUMNS)
+    return pl.DataFrame(
+        {
+            "prompt": prompts,
+            "messages": [user_message(p) for p in prompts],
+            "answer": [str(a) for a in answers],
+            "data_source": source,
+        },
+        schema=DATASET_COLUMNS,
+    )
 
 
 def user_message(prompt: str) -> str:
@@ -178,12 +206,15 @@ def load_dataset_file(path: str | Path, fmt: str = "auto", prompt_template: str 
         nulls = df[col].null_count()
         if nulls:
             raise _bad_rows(path, col, df[col].is_null().arg_true().to_list(), "null")
-    source = (df["data_source"].cast(pl.String).fill_null(fmt).to_list() if "data_source" in df.columns
-              else [fmt] * df.height)
+    source = (
+        df["data_source"].cast(pl.String).fill_null(fmt).to_list() if "data_source" in df.columns else [fmt] * df.height
+    )
     if fmt == "verl":
         if prompt_template != "{prompt}":
-            raise SchemaError(f"{path}: task.prompt_template applies to text prompts; this verl file's prompts "
-                              "are chat messages, used as they are (set task.prompt_template to '{prompt}')")
+            raise SchemaError(
+                f"{path}: task.prompt_template applies to text prompts; this verl file's prompts "
+                "are chat messages, used as they are (set task.prompt_template to '{prompt}')"
+            )
         return _verl_rows(df, path)
     if fmt == "prompt_answer":
         if isinstance(df.schema["prompt"], pl.List):

@@ -91,9 +91,18 @@ from otbflow.logits import ResponseLogits, pack
 from otbflow.lr_schedule import LRSchedule
 from otbflow.model import set_threads
 from otbflow.rollout_is import rollout_is_weights
-from otbflow.train_state import (Checkpoints, OptimizerStateError, check_optimizer_state, fingerprint,
-                                 full_fp32_state_dict, load_optimizer_state, optimizer_layout, policy_digest,
-                                 save_optimizer_state, save_policy)
+from otbflow.train_state import (
+    Checkpoints,
+    OptimizerStateError,
+    check_optimizer_state,
+    fingerprint,
+    full_fp32_state_dict,
+    load_optimizer_state,
+    optimizer_layout,
+    policy_digest,
+    save_optimizer_state,
+    save_policy,
+)
 
 log = logging.getLogger("otbflow.train")
 SECTIONS = ("train", "rollout", "mismatch", "model")
@@ -133,8 +142,14 @@ class Args:
 # ------------------------------------------------------------------------------------------
 
 
-def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, clip_low: float,
-                  clip_high: float, clip_ratio_c: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def ppo_clip_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    clip_ratio_c: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token PPO-clip loss max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)), with the dual
     clip min(L, -A clip_ratio_c) for A < 0 when ``clip_ratio_c`` is given; and the mask of tokens
     where a clip is active (the loss is flat in r there: no gradient)."""
@@ -161,8 +176,15 @@ def low_var_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.clamp(torch.exp(d) - d - 1.0, -10.0, 10.0)
 
 
-def aggregate_loss(token_loss: torch.Tensor, mask: torch.Tensor, mode: str, global_tokens: int,
-                   global_seqs: int, scale: float = 1.0, seq_tokens: torch.Tensor | None = None) -> torch.Tensor:
+def aggregate_loss(
+    token_loss: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    global_tokens: int,
+    global_seqs: int,
+    scale: float = 1.0,
+    seq_tokens: torch.Tensor | None = None,
+) -> torch.Tensor:
     """This micro-batch's share of the optimizer step's loss (algorithms.md §6.3).
 
     ``token_loss`` and ``mask`` are [B, T]. ``global_tokens`` (valid tokens) and ``global_seqs``
@@ -202,8 +224,9 @@ def trm_keep(seq_max_k2: np.ndarray, seq_mean_k3: np.ndarray, max_k2: float, mea
 # ------------------------------------------------------------------------------------------
 
 
-def logit_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
-                entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def logit_stats(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy_grad: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(log pi(y_t), entropy) of rows of logits [n, V] at ``targets`` [n], with the features
     stage's fp32 arithmetic (``logits.token_stats``): z = logits / temperature, m = max z,
     e = exp(z - m), s = sum e; log pi = z_y - m - log s and entropy = m + log s - sum e z / s.
@@ -226,8 +249,17 @@ def _head_stats(head, hidden, targets, temperature: float, entropy_grad: bool):
     return logit_stats(head(hidden), targets, temperature, entropy_grad)
 
 
-def response_token_stats(model, input_ids, attention_mask, rows, pos, targets, temperature: float,
-                         chunk_size: int = 256, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def response_token_stats(
+    model,
+    input_ids,
+    attention_mask,
+    rows,
+    pos,
+    targets,
+    temperature: float,
+    chunk_size: int = 256,
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(log pi(y_t), entropy) of every response token, flattened, computed over chunks of
     ``chunk_size`` tokens. The transformer body runs once; the output head and ``logit_stats``
     run per chunk, under activation checkpointing when gradients are on: the graph keeps each
@@ -248,8 +280,16 @@ def response_token_stats(model, input_ids, attention_mask, rows, pos, targets, t
         if project.head is None:
             out = logit_stats(project(sl), targets[sl], temperature, entropy_grad)
         elif torch.is_grad_enabled():
-            out = checkpoint(_head_stats, project.head, project.hidden(sl), targets[sl], temperature, entropy_grad,
-                             use_reentrant=False, preserve_rng_state=False)
+            out = checkpoint(
+                _head_stats,
+                project.head,
+                project.hidden(sl),
+                targets[sl],
+                temperature,
+                entropy_grad,
+                use_reentrant=False,
+                preserve_rng_state=False,
+            )
         else:
             out = _head_stats(project.head, project.hidden(sl), targets[sl], temperature, entropy_grad)
         logps.append(out[0])
@@ -270,8 +310,9 @@ class ResponseLogprobs(torch.nn.Module):
         self.chunk_size = chunk_size
 
     def forward(self, input_ids, attention_mask, rows, pos, targets, temperature: float, entropy_grad: bool = False):
-        return response_token_stats(self.policy, input_ids, attention_mask, rows, pos, targets, temperature,
-                                    self.chunk_size, entropy_grad)
+        return response_token_stats(
+            self.policy, input_ids, attention_mask, rows, pos, targets, temperature, self.chunk_size, entropy_grad
+        )
 
 
 def to_padded(flat: torch.Tensor, batch: dict[str, torch.Tensor], n_rows: int) -> torch.Tensor:
@@ -281,12 +322,26 @@ def to_padded(flat: torch.Tensor, batch: dict[str, torch.Tensor], n_rows: int) -
     return flat.new_zeros(n_rows, width).index_put((batch["rows"], batch["cols"]), flat)
 
 
-def policy_logprobs(model, prompt_ids: list[list[int]], response_ids: list[list[int]], temperature: float,
-                    pad_id: int, chunk_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+def policy_logprobs(
+    model,
+    prompt_ids: list[list[int]],
+    response_ids: list[list[int]],
+    temperature: float,
+    pad_id: int,
+    chunk_size: int = 256,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(log pi(y_t) [B, T] zero-padded, mask [B, T]) of an HF causal LM, differentiable."""
     batch = pack(prompt_ids, response_ids, pad_id, model.device)
-    logp, _ = response_token_stats(model, batch["input_ids"], batch["attention_mask"], batch["rows"],
-                                   batch["pos"], batch["targets"], temperature, chunk_size)
+    logp, _ = response_token_stats(
+        model,
+        batch["input_ids"],
+        batch["attention_mask"],
+        batch["rows"],
+        batch["pos"],
+        batch["targets"],
+        temperature,
+        chunk_size,
+    )
     mask = to_padded(torch.ones_like(logp), batch, len(response_ids)).bool()
     return to_padded(logp, batch, len(response_ids)), mask
 
@@ -308,8 +363,13 @@ def _free_port() -> int:
 
 def _slurm_master_addr() -> str:
     try:
-        out = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
-                             capture_output=True, text=True, check=True, timeout=30).stdout.split()
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        ).stdout.split()
         return out[0] if out else "127.0.0.1"
     except (KeyError, OSError, subprocess.SubprocessError):
         return "127.0.0.1"
@@ -359,8 +419,7 @@ def deepspeed_config(tc: DictConfig, world_size: int) -> dict:
     return {
         "train_micro_batch_size_per_gpu": tc.micro_batch_size,
         "gradient_accumulation_steps": max(1, tc.mini_batch_size // (tc.micro_batch_size * world_size)),
-        "optimizer": {"type": "AdamW",
-                      "params": {"lr": tc.lr, "weight_decay": tc.weight_decay, "torch_adam": True}},
+        "optimizer": {"type": "AdamW", "params": {"lr": tc.lr, "weight_decay": tc.weight_decay, "torch_adam": True}},
         "gradient_clipping": tc.max_grad_norm,
         "zero_optimization": {"stage": tc.zero_stage},
         "bf16": {"enabled": bool(tc.bf16)},
@@ -382,8 +441,9 @@ def build_engine(policy_dir: str, tc: DictConfig, world_size: int):
     # checkpoints do set dropout, such as GPT-2's 0.1. Gradients are unaffected by the mode.
     module = ResponseLogprobs(policy, tc.logprob_chunk_size).eval()
     skip_cpu_shm_op()  # the op is CPU-only: nothing changes on GPUs
-    engine, *_ = deepspeed.initialize(model=module, model_parameters=module.parameters(),
-                                      config=deepspeed_config(tc, world_size))
+    engine, *_ = deepspeed.initialize(
+        model=module, model_parameters=module.parameters(), config=deepspeed_config(tc, world_size)
+    )
     return engine
 
 
@@ -402,16 +462,33 @@ SUMS = ("loss", "clipped", "entropy", "k3", "kl_ref", "is_w", "power", "bad")
 MAXES = ("is_w", "log_ratio")
 
 
-def micro_step(engine, ref_model, data: dict, rows: list[int], weight: float, cfg: DictConfig, pad_id: int,
-               global_tokens: int, global_seqs: int, world_size: int) -> tuple[dict[str, float], dict[str, float]]:
+def micro_step(
+    engine,
+    ref_model,
+    data: dict,
+    rows: list[int],
+    weight: float,
+    cfg: DictConfig,
+    pad_id: int,
+    global_tokens: int,
+    global_seqs: int,
+    world_size: int,
+) -> tuple[dict[str, float], dict[str, float]]:
     """Forward and backward of one micro-batch; returns its sums and its maxima (largest IS
     weight, largest |log pi_theta - log pi_old|) for the step's metrics. ``weight`` 0 turns it
     into a no-op that still runs the collectives (empty rank slice)."""
     tc = cfg.train
     dev = engine.device
     batch = pack([data["prompt_ids"][i] for i in rows], [data["response_ids"][i] for i in rows], pad_id, dev)
-    flat_logp, flat_entropy = engine(batch["input_ids"], batch["attention_mask"], batch["rows"], batch["pos"],
-                                     batch["targets"], cfg.rollout.temperature, tc.entropy_coef > 0)
+    flat_logp, flat_entropy = engine(
+        batch["input_ids"],
+        batch["attention_mask"],
+        batch["rows"],
+        batch["pos"],
+        batch["targets"],
+        cfg.rollout.temperature,
+        tc.entropy_coef > 0,
+    )
     logp = to_padded(flat_logp, batch, len(rows))
     width = logp.shape[1]
 
@@ -424,8 +501,7 @@ def micro_step(engine, ref_model, data: dict, rows: list[int], weight: float, cf
     is_base = old_logp if tc.loss_type == "ppo_clip" else logp  # decoupled vs bypass (algorithms.md §6.5)
     is_w = rollout_is_weights(is_base - column("rollout_logprobs"), mask, tc.rollout_is, tc.rollout_is_threshold)
     if tc.loss_type == "ppo_clip":
-        token_loss, clipped = ppo_clip_loss(logp, old_logp, adv, tc.clip_ratio_low, tc.clip_ratio_high,
-                                            tc.clip_ratio_c)
+        token_loss, clipped = ppo_clip_loss(logp, old_logp, adv, tc.clip_ratio_low, tc.clip_ratio_high, tc.clip_ratio_c)
         token_loss = token_loss * is_w
     else:
         token_loss, clipped = reinforce_loss(logp, adv, is_w), torch.zeros_like(mask, dtype=torch.bool)
@@ -435,9 +511,16 @@ def micro_step(engine, ref_model, data: dict, rows: list[int], weight: float, cf
     kl_ref = torch.zeros_like(mask)
     if ref_model is not None:
         with torch.no_grad():
-            ref_flat, _ = response_token_stats(ref_model, batch["input_ids"], batch["attention_mask"],
-                                               batch["rows"], batch["pos"], batch["targets"], cfg.rollout.temperature,
-                                               tc.logprob_chunk_size)
+            ref_flat, _ = response_token_stats(
+                ref_model,
+                batch["input_ids"],
+                batch["attention_mask"],
+                batch["rows"],
+                batch["pos"],
+                batch["targets"],
+                cfg.rollout.temperature,
+                tc.logprob_chunk_size,
+            )
         kl_ref = low_var_kl(logp, to_padded(ref_flat, batch, len(rows)))
         token_loss = token_loss + tc.kl_coef * kl_ref
     scale = tc.loss_scale_factor or cfg.rollout.max_new_tokens
@@ -456,13 +539,21 @@ def micro_step(engine, ref_model, data: dict, rows: list[int], weight: float, cf
         rho = (is_w * mask).sum(-1) / t if tc.rollout_is != "none" else None
         to_np = lambda x: x.double().cpu().numpy()  # noqa: E731
         power = total_power(to_np(w_hat), to_np(abar), None if rho is None else to_np(rho)) * len(rows) * weight
-        sums = {"loss": float(loss.detach()), "clipped": float((clipped * mask).sum()),
-                "entropy": float((entropy * mask).sum()), "k3": float((k3 * mask).sum()),
-                "kl_ref": float((kl_ref * mask).sum()), "is_w": float((is_w * mask).sum()), "power": power,
-                "bad": 0.0 if math.isfinite(float(loss.detach())) else 1.0}
+        sums = {
+            "loss": float(loss.detach()),
+            "clipped": float((clipped * mask).sum()),
+            "entropy": float((entropy * mask).sum()),
+            "k3": float((k3 * mask).sum()),
+            "kl_ref": float((kl_ref * mask).sum()),
+            "is_w": float((is_w * mask).sum()),
+            "power": power,
+            "bad": 0.0 if math.isfinite(float(loss.detach())) else 1.0,
+        }
         valid = mask > 0
-        maxes = {"is_w": float(is_w[valid].max()) if valid.any() else 0.0,
-                 "log_ratio": float((logp - old_logp).abs()[valid].max()) if valid.any() else 0.0}
+        maxes = {
+            "is_w": float(is_w[valid].max()) if valid.any() else 0.0,
+            "log_ratio": float((logp - old_logp).abs()[valid].max()) if valid.any() else 0.0,
+        }
     return sums, maxes
 
 
@@ -470,7 +561,9 @@ def all_reduce(values: list[float], world_size: int, device, op: str = "sum") ->
     if world_size == 1:
         return values
     t = torch.tensor(values, dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM if op == "sum" else torch.distributed.ReduceOp.MAX)
+    torch.distributed.all_reduce(
+        t, op=torch.distributed.ReduceOp.SUM if op == "sum" else torch.distributed.ReduceOp.MAX
+    )
     return t.tolist()
 
 
@@ -478,8 +571,9 @@ def grads_finite(module) -> bool:
     return all(bool(torch.isfinite(p.grad).all()) for p in module.parameters() if p.grad is not None)
 
 
-def train_step(engine, ref_model, data: dict, mini: list[int], cfg: DictConfig, pad_id: int, rank: int,
-               world_size: int, lr: float) -> dict:
+def train_step(
+    engine, ref_model, data: dict, mini: list[int], cfg: DictConfig, pad_id: int, rank: int, world_size: int, lr: float
+) -> dict:
     """One optimizer step on the mini-batch ``mini`` (row indices; every rank gets the same list
     and takes every world_size-th row) at learning rate ``lr``."""
     tc = cfg.train
@@ -494,11 +588,21 @@ def train_step(engine, ref_model, data: dict, mini: list[int], cfg: DictConfig, 
     maxes = dict.fromkeys(MAXES, 0.0)
     norm_before_step = None
     for j in range(n_micro):
-        rows = local[j * tc.micro_batch_size:(j + 1) * tc.micro_batch_size]
+        rows = local[j * tc.micro_batch_size : (j + 1) * tc.micro_batch_size]
         last = j == n_micro - 1
         engine.set_gradient_accumulation_boundary(last)
-        out, mx = micro_step(engine, ref_model, data, rows or mini[:1], 1.0 if rows else 0.0, cfg, pad_id,
-                             global_tokens, global_seqs, world_size)
+        out, mx = micro_step(
+            engine,
+            ref_model,
+            data,
+            rows or mini[:1],
+            1.0 if rows else 0.0,
+            cfg,
+            pad_id,
+            global_tokens,
+            global_seqs,
+            world_size,
+        )
         sums = {k: sums[k] + out[k] for k in SUMS}
         maxes = {k: max(maxes[k], mx[k]) for k in MAXES}
         if last:
@@ -519,16 +623,25 @@ def train_step(engine, ref_model, data: dict, mini: list[int], cfg: DictConfig, 
         norm = float("nan") if norm is None or skipped else norm
     tokens = max(global_tokens, 1)
     accept = np.asarray([data["accept"][i] for i in mini])
-    return {"loss": sums["loss"], "clip_fraction": sums["clipped"] / tokens, "grad_norm": norm,
-            "lr": float(engine.get_lr()[0]),  # what the optimizer used
-            "entropy": sums["entropy"] / tokens, "approx_kl": sums["k3"] / tokens,
-            "max_abs_log_ratio": maxes["log_ratio"], "kl_ref": sums["kl_ref"] / tokens,
-            "is_weight_mean": sums["is_w"] / tokens, "is_weight_max": maxes["is_w"],
-            "trm_acceptance": float(accept.mean()),
-            "log_ppl_abs_diff": float(np.mean([data["log_ppl_abs_diff"][i] for i in mini])),
-            "tokens": global_tokens, "sequences": len(mini),
-            "mean_response_length": float(np.mean([len(data["response_ids"][i]) for i in mini])),
-            **variance_proxies(sums["power"] / len(mini), norm, len(mini)), "skipped": skipped}
+    return {
+        "loss": sums["loss"],
+        "clip_fraction": sums["clipped"] / tokens,
+        "grad_norm": norm,
+        "lr": float(engine.get_lr()[0]),  # what the optimizer used
+        "entropy": sums["entropy"] / tokens,
+        "approx_kl": sums["k3"] / tokens,
+        "max_abs_log_ratio": maxes["log_ratio"],
+        "kl_ref": sums["kl_ref"] / tokens,
+        "is_weight_mean": sums["is_w"] / tokens,
+        "is_weight_max": maxes["is_w"],
+        "trm_acceptance": float(accept.mean()),
+        "log_ppl_abs_diff": float(np.mean([data["log_ppl_abs_diff"][i] for i in mini])),
+        "tokens": global_tokens,
+        "sequences": len(mini),
+        "mean_response_length": float(np.mean([len(data["response_ids"][i]) for i in mini])),
+        **variance_proxies(sums["power"] / len(mini), norm, len(mini)),
+        "skipped": skipped,
+    }
 
 
 def load_rows(path: str, cfg: DictConfig) -> dict:
@@ -536,15 +649,18 @@ def load_rows(path: str, cfg: DictConfig) -> dict:
     absent. ``accept`` is the TRM verdict of each sequence, ``keep`` what the loss uses (all
     ones unless train.trm)."""
     df = read_table(path, schemas.ADVANTAGES)
-    data = {c: df[c].to_list() for c in ("prompt_ids", "response_ids", "logprobs", "rollout_logprobs", "advantages",
-                                         "proxy")}
+    data = {
+        c: df[c].to_list()
+        for c in ("prompt_ids", "response_ids", "logprobs", "rollout_logprobs", "advantages", "proxy")
+    }
     if "loss_mask" in df.columns:
         data["loss_mask"] = df["loss_mask"].cast(pl.List(pl.Float64)).to_list()
     else:
         data["loss_mask"] = [[1.0] * len(r) for r in data["response_ids"]]
     data["log_ppl_abs_diff"] = df["log_ppl_abs_diff"].to_list()
-    data["accept"] = trm_keep(df["seq_max_k2"].to_numpy(), df["seq_mean_k3"].to_numpy(), cfg.mismatch.max_k2,
-                              cfg.mismatch.mean_k3)
+    data["accept"] = trm_keep(
+        df["seq_max_k2"].to_numpy(), df["seq_mean_k3"].to_numpy(), cfg.mismatch.max_k2, cfg.mismatch.mean_k3
+    )
     data["keep"] = data["accept"] if cfg.train.trm else np.ones(df.height)
     return data
 
@@ -555,7 +671,7 @@ def mini_batches(n: int, tc: DictConfig, seed: int) -> list[list[int]]:
     plan = []
     for _ in range(tc.ppo_epochs):
         order = torch.randperm(n, generator=order_rng).tolist()
-        plan += [order[s:s + tc.mini_batch_size] for s in range(0, n, tc.mini_batch_size)]
+        plan += [order[s : s + tc.mini_batch_size] for s in range(0, n, tc.mini_batch_size)]
     return plan
 
 
@@ -585,8 +701,9 @@ def run(cfg: DictConfig, args: Args) -> None:
     if tc.kl_coef > 0 and not args.reference:
         raise SchemaError("train.kl_coef > 0 needs --reference, the reference policy (e.g. the initial one)")
     if tc.reset_optimizer and args.prev_optimizer:
-        raise OptimizerStateError(f"train.reset_optimizer is true but --prev-optimizer {args.prev_optimizer} was "
-                                  f"given: drop one of them")
+        raise OptimizerStateError(
+            f"train.reset_optimizer is true but --prev-optimizer {args.prev_optimizer} was given: drop one of them"
+        )
     rank, world_size = init_distributed_env()
     if args.prev_optimizer:
         prev_meta = check_optimizer_state(args.prev_optimizer, tc, world_size, args.policy)  # before any work
@@ -596,8 +713,11 @@ def run(cfg: DictConfig, args: Args) -> None:
     if args.prev_optimizer:
         load_optimizer_state(engine, args.prev_optimizer)
         if rank == 0:
-            log.info("AdamW resumes from %s (%s optimizer steps before this iteration)", args.prev_optimizer,
-                     prev_meta.get("optimizer_steps"))
+            log.info(
+                "AdamW resumes from %s (%s optimizer steps before this iteration)",
+                args.prev_optimizer,
+                prev_meta.get("optimizer_steps"),
+            )
     atexit.register(_destroy_process_group)
     ref_model = load_reference(args.reference, engine.device) if tc.kl_coef > 0 else None
     from transformers import AutoTokenizer
@@ -609,8 +729,9 @@ def run(cfg: DictConfig, args: Args) -> None:
     schedule = LRSchedule.from_dict(tc, json.loads(Path(args.prev_state).read_text()) if args.prev_state else None)
     schedule.set_horizon(len(plan), cfg.iterations)
     fp = fingerprint(cfg, args, world_size)
-    ckpt = Checkpoints(args.checkpoint_dir or str(Path(args.out).with_name("checkpoint")), fp, tc.checkpoint_every,
-                       rank, world_size)
+    ckpt = Checkpoints(
+        args.checkpoint_dir or str(Path(args.out).with_name("checkpoint")), fp, tc.checkpoint_every, rank, world_size
+    )
     metrics: list[dict] = []
     start, skips = 0, 0
     client = ckpt.load(engine)
@@ -627,21 +748,48 @@ def run(cfg: DictConfig, args: Args) -> None:
         events = ["skipped: non-finite loss or gradient"] if m["skipped"] else []
         events += [e for e in [schedule.observe(m["mean_response_length"])] if e]
         skips = skips + 1 if m["skipped"] else 0
-        metrics.append({"iteration": args.iteration, "step": i, **m, "event": "; ".join(events),
-                        "step_time_s": time.perf_counter() - t0})
+        metrics.append(
+            {
+                "iteration": args.iteration,
+                "step": i,
+                **m,
+                "event": "; ".join(events),
+                "step_time_s": time.perf_counter() - t0,
+            }
+        )
         if rank == 0:
             for e in events:
                 log.warning("step %d: %s", i, e)
-            log.info("step %d/%d: loss %.5f grad_norm %.4f lr %.2e clip %.3f kl %.2e entropy %.3f trm %.2f",
-                     i + 1, len(plan), m["loss"], m["grad_norm"], m["lr"], m["clip_fraction"], m["approx_kl"],
-                     m["entropy"], m["trm_acceptance"])
+            log.info(
+                "step %d/%d: loss %.5f grad_norm %.4f lr %.2e clip %.3f kl %.2e entropy %.3f trm %.2f",
+                i + 1,
+                len(plan),
+                m["loss"],
+                m["grad_norm"],
+                m["lr"],
+                m["clip_fraction"],
+                m["approx_kl"],
+                m["entropy"],
+                m["trm_acceptance"],
+            )
         if skips >= tc.max_consecutive_skips:
-            raise RuntimeError(f"{skips} consecutive optimizer steps had a non-finite loss or gradient (last: step "
-                               f"{i}); stopping (train.max_consecutive_skips={tc.max_consecutive_skips}). The "
-                               f"checkpoint in {ckpt.folder} holds the last good state.")
+            raise RuntimeError(
+                f"{skips} consecutive optimizer steps had a non-finite loss or gradient (last: step "
+                f"{i}); stopping (train.max_consecutive_skips={tc.max_consecutive_skips}). The "
+                f"checkpoint in {ckpt.folder} holds the last good state."
+            )
         if ckpt.due(i + 1, len(plan)):
-            ckpt.save(engine, i + 1, {"next_step": i + 1, "metrics": metrics, "consecutive_skips": skips,
-                                      "schedule": schedule.to_dict(), "torch_rng": torch.get_rng_state()})
+            ckpt.save(
+                engine,
+                i + 1,
+                {
+                    "next_step": i + 1,
+                    "metrics": metrics,
+                    "consecutive_skips": skips,
+                    "schedule": schedule.to_dict(),
+                    "torch_rng": torch.get_rng_state(),
+                },
+            )
 
     state = full_fp32_state_dict(engine, keep=rank == 0)  # collective: all ranks
     if rank == 0:
@@ -651,18 +799,34 @@ def run(cfg: DictConfig, args: Args) -> None:
         import deepspeed
 
         digest = policy_digest(args.out) if rank == 0 else ""
-        meta = {**optimizer_layout(tc, world_size), "deepspeed": deepspeed.__version__, "iteration": args.iteration,
-                "optimizer_steps": schedule.to_dict().get("step"), "policy_sha256": digest, "job_fingerprint": fp}
+        meta = {
+            **optimizer_layout(tc, world_size),
+            "deepspeed": deepspeed.__version__,
+            "iteration": args.iteration,
+            "optimizer_steps": schedule.to_dict().get("step"),
+            "policy_sha256": digest,
+            "job_fingerprint": fp,
+        }
         save_optimizer_state(engine, args.optimizer, meta, rank, world_size)  # collective
     if rank == 0:
         df = pl.DataFrame(metrics, schema=schemas.TRAIN_METRICS.columns)
         import deepspeed
 
-        write_parquet(df, args.metrics, metadata={
-            "policy": args.policy, "iteration": args.iteration, "world_size": world_size, "seed": seed,
-            "deepspeed": dict(deepspeed_config(tc, world_size), version=deepspeed.__version__),
-            "loss_agg_mode": tc.loss_agg_mode, "temperature": cfg.rollout.temperature,
-            "resumed_at_step": start, "schedule": schedule.to_dict()})
+        write_parquet(
+            df,
+            args.metrics,
+            metadata={
+                "policy": args.policy,
+                "iteration": args.iteration,
+                "world_size": world_size,
+                "seed": seed,
+                "deepspeed": dict(deepspeed_config(tc, world_size), version=deepspeed.__version__),
+                "loss_agg_mode": tc.loss_agg_mode,
+                "temperature": cfg.rollout.temperature,
+                "resumed_at_step": start,
+                "schedule": schedule.to_dict(),
+            },
+        )
         if args.state:
             write_json(schedule.to_dict(), args.state)
         log.info("%d steps on %d sequences; next policy in %s", len(plan), n, args.out)

@@ -67,8 +67,9 @@ def save_policy(engine, state: dict[str, torch.Tensor], policy_dir: str, out: st
 
 
 def fingerprint(cfg: DictConfig, args, world_size: int) -> str:
-    """What a checkpoint belongs to (``args``: the train stage's Args): the inputs (advantages bytes, policy, previous schedule
-    state, previous optimizer state), the config, the code and the number of ranks."""
+    """What a checkpoint belongs to (``args``: the train stage's Args): the inputs (advantages
+    bytes, policy, previous schedule state, previous optimizer state), the config, the code and
+    the number of ranks."""
     from otbflow.codeversion import code_version
 
     h = hashlib.sha256()
@@ -78,10 +79,23 @@ def fingerprint(cfg: DictConfig, args, world_size: int) -> str:
     prev = Path(args.prev_state).read_text() if args.prev_state else ""
     # the optimizer state's meta.json names the job that wrote it (its fingerprint) and its policy
     prev_opt = (Path(args.prev_optimizer) / OPTIMIZER_META).read_text() if args.prev_optimizer else ""
-    config = section_digest(cfg, "seed", "iterations", "train", "mismatch", "rollout.temperature",
-                            "rollout.max_new_tokens")  # not resources: a retry with more memory resumes
-    h.update(json.dumps([config, str(Path(args.policy).resolve()), prev, prev_opt, args.reference, args.iteration,
-                         world_size, code_version("train")]).encode())
+    config = section_digest(
+        cfg, "seed", "iterations", "train", "mismatch", "rollout.temperature", "rollout.max_new_tokens"
+    )  # not resources: a retry with more memory resumes
+    h.update(
+        json.dumps(
+            [
+                config,
+                str(Path(args.policy).resolve()),
+                prev,
+                prev_opt,
+                args.reference,
+                args.iteration,
+                world_size,
+                code_version("train"),
+            ]
+        ).encode()
+    )
     return h.hexdigest()[:16]
 
 
@@ -122,12 +136,15 @@ def check_optimizer_state(folder: str, tc: DictConfig, world_size: int, policy_d
     path = Path(folder)
     meta_path = path / OPTIMIZER_META
     if not meta_path.is_file():
-        raise OptimizerStateError(f"{path}: not a finished optimizer state (no {OPTIMIZER_META}); it is written "
-                                  f"by the previous iteration's train job (--optimizer)")
+        raise OptimizerStateError(
+            f"{path}: not a finished optimizer state (no {OPTIMIZER_META}); it is written "
+            f"by the previous iteration's train job (--optimizer)"
+        )
     meta = json.loads(meta_path.read_text())
     want = optimizer_layout(tc, world_size)
     have = {k: meta.get(k) for k in want}
     if have != want:
+
         def fmt(d):
             return f"{d['world_size']} rank(s), ZeRO stage {d['zero_stage']}, bf16 {'on' if d['bf16'] else 'off'}"
 
@@ -135,21 +152,24 @@ def check_optimizer_state(folder: str, tc: DictConfig, world_size: int, policy_d
             f"{path}: the optimizer state was saved by {fmt(have)}; this job runs {fmt(want)}. DeepSpeed "
             f"loads an optimizer state only into the layout that saved it (ZeRO shards it per rank). Keep "
             f"train.zero_stage, train.bf16 and resources.train.tasks as they were, or set "
-            f"train.reset_optimizer=true to start this iteration with a fresh AdamW.")
+            f"train.reset_optimizer=true to start this iteration with a fresh AdamW."
+        )
     digest = policy_digest(policy_dir)
     if meta.get("policy_sha256") != digest:
         raise OptimizerStateError(
             f"{path}: the optimizer state belongs to another policy than --policy {policy_dir} (weights digest "
             f"{str(meta.get('policy_sha256'))[:12]}... vs {digest[:12]}...); pass the policy written by the same "
-            f"train job, or set train.reset_optimizer=true")
+            f"train job, or set train.reset_optimizer=true"
+        )
     return meta
 
 
 def load_optimizer_state(engine, folder: str) -> None:
     """Load the DeepSpeed checkpoint in ``folder`` into ``engine``: AdamW moments and step counts
     (and with bf16 ZeRO's fp32 master weights); the module weights it holds are those of --policy."""
-    path, _ = engine.load_checkpoint(folder, tag=OPTIMIZER_TAG, load_module_strict=True, load_optimizer_states=True,
-                                     load_lr_scheduler_states=False)
+    path, _ = engine.load_checkpoint(
+        folder, tag=OPTIMIZER_TAG, load_module_strict=True, load_optimizer_states=True, load_lr_scheduler_states=False
+    )
     if path is None:
         raise OptimizerStateError(f"{folder}: DeepSpeed could not load the optimizer state")
 

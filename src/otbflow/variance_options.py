@@ -24,6 +24,10 @@ def study_options(cfg: DictConfig, name: str) -> dict:
 
 def read_keys(cfg: DictConfig) -> list[str]:
     """The config keys the study reads (the variance rule's rerun trigger)."""
-    options = {f"advantages.{k}" for name in studied(cfg) for k in study_options(cfg, name)
-               if not (name == "grpo" and k == "std_normalize")}
+    options = {
+        f"advantages.{k}"
+        for name in studied(cfg)
+        for k in study_options(cfg, name)
+        if not (name == "grpo" and k == "std_normalize")
+    }
     return ["seed", "variance", "rollout.temperature", "features.chunk_size", *sorted(options)]

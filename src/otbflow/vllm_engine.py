@@ -33,9 +33,17 @@ def logprobs_mode(temperature: float) -> str:
     return "raw_logprobs" if temperature == 1.0 else "processed_logprobs"
 
 
-def engine_kwargs(policy: str, dtype: str, seed: int, tensor_parallel_size: int, temperature: float,
-                  gpu_memory_utilization: float, max_model_len: int | None = None,
-                  enforce_eager: bool = False, kv_cache_gib: float = 0.0) -> dict[str, Any]:
+def engine_kwargs(
+    policy: str,
+    dtype: str,
+    seed: int,
+    tensor_parallel_size: int,
+    temperature: float,
+    gpu_memory_utilization: float,
+    max_model_len: int | None = None,
+    enforce_eager: bool = False,
+    kv_cache_gib: float = 0.0,
+) -> dict[str, Any]:
     """Arguments of ``vllm.LLM`` for a local HF folder (no download)."""
     kwargs = {
         "model": policy,
@@ -56,16 +64,39 @@ def engine_kwargs(policy: str, dtype: str, seed: int, tensor_parallel_size: int,
     return kwargs
 
 
-def sampling_kwargs(n: int, temperature: float, top_p: float, max_new_tokens: int, greedy: bool,
-                    seed: int, stop_ids: list[int] | None = None) -> dict[str, Any]:
+def sampling_kwargs(
+    n: int,
+    temperature: float,
+    top_p: float,
+    max_new_tokens: int,
+    greedy: bool,
+    seed: int,
+    stop_ids: list[int] | None = None,
+) -> dict[str, Any]:
     """Arguments of ``vllm.SamplingParams``: n samples, the sampled token's log-prob only, ending
     at the first of ``stop_ids`` (kept as the last token)."""
     stops = {"stop_token_ids": list(stop_ids)} if stop_ids else {}
     if greedy:
-        return {"n": 1, "temperature": 0.0, "max_tokens": max_new_tokens, "logprobs": 0, "seed": seed,
-                "skip_special_tokens": True, **stops}
-    return {"n": n, "temperature": temperature, "top_p": top_p, "top_k": -1, "max_tokens": max_new_tokens,
-            "logprobs": 0, "seed": seed, "skip_special_tokens": True, **stops}
+        return {
+            "n": 1,
+            "temperature": 0.0,
+            "max_tokens": max_new_tokens,
+            "logprobs": 0,
+            "seed": seed,
+            "skip_special_tokens": True,
+            **stops,
+        }
+    return {
+        "n": n,
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": -1,
+        "max_tokens": max_new_tokens,
+        "logprobs": 0,
+        "seed": seed,
+        "skip_special_tokens": True,
+        **stops,
+    }
 
 
 def _token_logprob(entry: Any, token: int) -> float:
@@ -83,8 +114,10 @@ def samples_from_outputs(outputs: Iterable[Any], prompt_ids: list[list[int]]) ->
         for completion in sorted(request.outputs, key=lambda c: c.index):
             tokens = list(completion.token_ids)
             if completion.logprobs is None or len(completion.logprobs) != len(tokens):
-                raise ValueError(f"prompt {pi} sample {completion.index}: vLLM returned no per-token log-probs "
-                                 f"(SamplingParams.logprobs must be 0)")
+                raise ValueError(
+                    f"prompt {pi} sample {completion.index}: vLLM returned no per-token log-probs "
+                    f"(SamplingParams.logprobs must be 0)"
+                )
             reason = "stop" if completion.finish_reason == "stop" else "length"
             logprobs = [_token_logprob(entry, tok) for entry, tok in zip(completion.logprobs, tokens)]
             samples.append(Sample(pi, completion.index, prompt_ids[pi], tokens, logprobs, reason, completion.text))
@@ -113,9 +146,16 @@ class VLLMBackend:
         if self.llm is None or (self.engine["logprobs_mode"] != mode and not sampling.greedy):
             r = self.cfg.rollout
             self.llm = None
-            self.engine = engine_kwargs(self.policy, self.cfg.model.dtype, sampling.seed, r.tensor_parallel_size,
-                                        1.0 if sampling.greedy else sampling.temperature, r.gpu_memory_utilization,
-                                        enforce_eager=r.enforce_eager, kv_cache_gib=r.kv_cache_gib)
+            self.engine = engine_kwargs(
+                self.policy,
+                self.cfg.model.dtype,
+                sampling.seed,
+                r.tensor_parallel_size,
+                1.0 if sampling.greedy else sampling.temperature,
+                r.gpu_memory_utilization,
+                enforce_eager=r.enforce_eager,
+                kv_cache_gib=r.kv_cache_gib,
+            )
             self.llm = vllm.LLM(**self.engine)
         return self.llm
 
@@ -124,8 +164,9 @@ class VLLMBackend:
 
         s = sampling
         llm = self._engine(s)
-        params = vllm.SamplingParams(**sampling_kwargs(s.n, s.temperature, s.top_p, s.max_new_tokens, s.greedy,
-                                                       s.seed, self.stops))
+        params = vllm.SamplingParams(
+            **sampling_kwargs(s.n, s.temperature, s.top_p, s.max_new_tokens, s.greedy, s.seed, self.stops)
+        )
         outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
         return samples_from_outputs(outputs, prompt_ids)
 
@@ -133,6 +174,8 @@ class VLLMBackend:
         import vllm
 
         s = sampling
-        return {"vllm_version": vllm.__version__, "engine": self.engine,
-                "sampling": sampling_kwargs(s.n, s.temperature, s.top_p, s.max_new_tokens, s.greedy, s.seed,
-                                            self.stops)}
+        return {
+            "vllm_version": vllm.__version__,
+            "engine": self.engine,
+            "sampling": sampling_kwargs(s.n, s.temperature, s.top_p, s.max_new_tokens, s.greedy, s.seed, self.stops),
+        }

@@ -8,18 +8,18 @@ rule advantages:
         f"{R}/logs/advantages/iter_{{k}}.log",
     benchmark:
         f"{R}/benchmarks/advantages/iter_{{k}}.tsv"
+    # the chain from one policy to the next first; evaluation, scaling and variance fill free cores
+    priority: 1
     conda:
         ENV
+    threads: 1
+    resources:
+        mem_mb=CFG.resources.advantages.mem_mb,
+        runtime=runtime(CFG.resources.advantages.runtime),
     params:
         cmd=stage_cmd("advantages"),
         cfg=digest("advantages"),
         code=code_version("advantages"),
-    threads: 1
-    # the chain from one policy to the next first; evaluation, scaling and variance fill free cores
-    priority: 1
-    resources:
-        mem_mb=CFG.resources.advantages.mem_mb,
-        runtime=runtime(CFG.resources.advantages.runtime),
     shell:
         "{params.cmd} --features {input.features} --out {output.advantages} "
         "--comparison {output.comparison} --iteration {wildcards.k} > {log} 2>&1"

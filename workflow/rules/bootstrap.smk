@@ -8,13 +8,13 @@ rule bootstrap:
         f"{R}/benchmarks/bootstrap/bootstrap.tsv"
     conda:
         ENV
-    params:
-        cmd=stage_cmd("bootstrap"),
-        cfg=digest("seed", "model", "bootstrap", "task", "rollout.max_new_tokens"),
-        code=code_version("bootstrap"),
     threads: 2
     resources:
         mem_mb=4000,
         runtime=60,
+    params:
+        cmd=stage_cmd("bootstrap"),
+        cfg=digest("seed", "model", "bootstrap", "task", "rollout.max_new_tokens"),
+        code=code_version("bootstrap"),
     shell:
         "{params.cmd} --out {output.policy} --metrics {output.curve} > {log} 2>&1"

@@ -7,8 +7,16 @@ from snakemake.utils import validate
 
 import otbflow
 from otbflow.codeversion import code_version
-from otbflow.config import (DEFAULT_CONFIG, evaluated_iterations, from_snakemake, load_config, section_digest,
-                            to_container, to_yaml, validate_workflow)
+from otbflow.config import (
+    DEFAULT_CONFIG,
+    evaluated_iterations,
+    from_snakemake,
+    load_config,
+    section_digest,
+    to_container,
+    to_yaml,
+    validate_workflow,
+)
 from otbflow.io import write_text_if_changed
 
 # Snakemake's `config` holds what --configfile/--config gave (`--config 'rollout={group_size: 8}'`,
@@ -42,8 +50,11 @@ def stage_cmd(stage, python=None, launcher=""):
     """Start of the shell command of one stage: the CLI with the resolved config, told how
     many threads the job has. ``python`` overrides the interpreter (rollout.python);
     ``launcher`` starts several processes of it (``launch_processes``)."""
-    cli = OTBFLOW if python is None and not launcher else (
-        f"PYTHONPATH={_SRC}${{PYTHONPATH:+:$PYTHONPATH}} {launcher}{python or _PY} -m otbflow")
+    cli = (
+        OTBFLOW
+        if python is None and not launcher
+        else (f"PYTHONPATH={_SRC}${{PYTHONPATH:+:$PYTHONPATH}} {launcher}{python or _PY} -m otbflow")
+    )
     return lambda wildcards, threads: f"OTBFLOW_THREADS={threads} {cli} {stage} --config {RESOLVED_CONFIG}"
 
 
@@ -141,4 +152,3 @@ def policy_by_name(wildcards):
 
 def policy_iteration(wildcards):
     return -1 if wildcards.policy == "initial" else int(wildcards.policy.split("_")[1])
-

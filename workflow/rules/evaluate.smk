@@ -11,18 +11,25 @@ rule evaluate:
         f"{R}/benchmarks/evaluate/{{policy}}.tsv"
     conda:
         GENERATE_ENV
-    params:
-        cmd=stage_cmd("evaluate", python=CFG.rollout.python),
-        cfg=digest("seed", "evaluate.n_samples", "evaluate.temperature", "evaluate.max_new_tokens", "task",
-                   "model.dtype", "rollout.backend"),
-        code=code_version("evaluate"),
-        iteration=policy_iteration,
     threads: CFG.resources.evaluate.threads
     resources:
         gpu=CFG.resources.evaluate.gpu,
         cpus_per_gpu=CFG.resources.evaluate.cpus_per_gpu,
         mem_mb=CFG.resources.evaluate.mem_mb,
         runtime=runtime(CFG.resources.evaluate.runtime),
+    params:
+        cmd=stage_cmd("evaluate", python=CFG.rollout.python),
+        cfg=digest(
+            "seed",
+            "evaluate.n_samples",
+            "evaluate.temperature",
+            "evaluate.max_new_tokens",
+            "task",
+            "model.dtype",
+            "rollout.backend",
+        ),
+        code=code_version("evaluate"),
+        iteration=policy_iteration,
     shell:
         "{params.cmd} --prompts {input.prompts} --policy {input.policy} --name {wildcards.policy} "
         "--samples {output.samples} --summary {output.summary} --iteration {params.iteration} > {log} 2>&1"

@@ -8,20 +8,20 @@ rule features:
         f"{R}/logs/features/iter_{{k}}_shard_{{s}}.log",
     benchmark:
         f"{R}/benchmarks/features/iter_{{k}}_shard_{{s}}.tsv"
-    conda:
-        ENV
-    params:
-        cmd=stage_cmd("features"),
-        # pi_old at the trainer's precision (train.bf16), not model.dtype (rollout/evaluate)
-        cfg=digest("features", "rollout.temperature", "train.bf16", "train.rollout_is", "train.rollout_is_threshold"),
-        code=code_version("features"),
-    threads: CFG.resources.features.threads
     # the chain from one policy to the next first; evaluation, scaling and variance fill free cores
     priority: 1
+    conda:
+        ENV
+    threads: CFG.resources.features.threads
     resources:
         gpu=CFG.resources.features.gpu,
         cpus_per_gpu=CFG.resources.features.cpus_per_gpu,
         mem_mb=CFG.resources.features.mem_mb,
         runtime=runtime(CFG.resources.features.runtime),
+    params:
+        cmd=stage_cmd("features"),
+        # pi_old at the trainer's precision (train.bf16), not model.dtype (rollout/evaluate)
+        cfg=digest("features", "rollout.temperature", "train.bf16", "train.rollout_is", "train.rollout_is_threshold"),
+        code=code_version("features"),
     shell:
         "{params.cmd} --rollouts {input.rollouts} --policy {input.policy} --out {output} > {log} 2>&1"

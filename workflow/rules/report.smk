@@ -1,7 +1,6 @@
 rule report:
     input:
-        summaries=[f"{R}/initial/eval/summary.parquet"]
-        + expand(f"{R}/iter_{{k}}/eval/summary.parquet", k=EVALUATED),
+        summaries=[f"{R}/initial/eval/summary.parquet"] + expand(f"{R}/iter_{{k}}/eval/summary.parquet", k=EVALUATED),
         metrics=expand(rules.train.output.metrics, k=ITERATIONS),
         rollouts=expand(rules.rollout.output[0], k=ITERATIONS, s=SHARDS),
         comparisons=expand(rules.advantages.output.comparison, k=ITERATIONS),
@@ -42,15 +41,15 @@ rule report:
         f"{R}/benchmarks/report/report.tsv"
     conda:
         ENV
+    threads: 1
+    resources:
+        mem_mb=CFG.resources.report.mem_mb,
+        runtime=runtime(CFG.resources.report.runtime),
     params:
         cmd=stage_cmd("report"),
         cfg=digest("mismatch"),
         code=code_version("report"),
         out_dir=lambda wildcards, output: os.path.dirname(output.progress),
-    threads: 1
-    resources:
-        mem_mb=CFG.resources.report.mem_mb,
-        runtime=runtime(CFG.resources.report.runtime),
     shell:
         "{params.cmd} --summaries {input.summaries} --metrics {input.metrics} --rollouts {input.rollouts} "
         "--comparisons {input.comparisons} --features {input.features} --out-dir {params.out_dir} > {log} 2>&1"

@@ -8,20 +8,20 @@ rule rollout:
         f"{R}/logs/rollout/iter_{{k}}_shard_{{s}}.log",
     benchmark:
         f"{R}/benchmarks/rollout/iter_{{k}}_shard_{{s}}.tsv"
-    conda:
-        GENERATE_ENV
-    params:
-        cmd=stage_cmd("rollout", python=CFG.rollout.python),
-        cfg=digest("seed", "rollout", "task", "model.dtype", "shard"),
-        code=code_version("rollout"),
-    threads: CFG.resources.rollout.threads
     # the chain from one policy to the next first; evaluation, scaling and variance fill free cores
     priority: 1
+    conda:
+        GENERATE_ENV
+    threads: CFG.resources.rollout.threads
     resources:
         gpu=CFG.resources.rollout.gpu,
         cpus_per_gpu=CFG.resources.rollout.cpus_per_gpu,
         mem_mb=CFG.resources.rollout.mem_mb,
         runtime=runtime(CFG.resources.rollout.runtime),
+    params:
+        cmd=stage_cmd("rollout", python=CFG.rollout.python),
+        cfg=digest("seed", "rollout", "task", "model.dtype", "shard"),
+        code=code_version("rollout"),
     shell:
         "{params.cmd} --prompts {input.prompts} --policy {input.policy} --out {output} "
         "--iteration {wildcards.k} > {log} 2>&1"

@@ -17,14 +17,14 @@ rule scaling:
         f"{R}/benchmarks/scaling/scaling.tsv"
     conda:
         ENV
+    threads: CFG.resources.features.threads  # forward and backward passes, as in features
+    resources:
+        mem_mb=8000,
+        runtime=60,
     params:
         cmd=stage_cmd("scaling"),
         cfg=digest("seed", "scaling", "rollout.temperature", "features.chunk_size"),
         code=code_version("scaling"),
         out_dir=lambda wildcards, output: os.path.dirname(output.summary),
-    threads: CFG.resources.features.threads  # forward and backward passes, as in features
-    resources:
-        mem_mb=8000,
-        runtime=60,
     shell:
         "{params.cmd} --rollouts {input.rollouts} --policy {input.policy} --out-dir {params.out_dir} > {log} 2>&1"

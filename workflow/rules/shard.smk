@@ -8,14 +8,14 @@ rule shard:
         f"{R}/benchmarks/shard/shard.tsv"
     conda:
         ENV
+    threads: 1
+    resources:
+        mem_mb=CFG.resources.shard.mem_mb,
+        runtime=runtime(CFG.resources.shard.runtime),
     params:
         cmd=stage_cmd("shard"),
         cfg=digest("seed", "task", "shard"),
         code=code_version("shard"),
         out_dir=lambda wildcards, output: os.path.dirname(output.eval),
-    threads: 1
-    resources:
-        mem_mb=CFG.resources.shard.mem_mb,
-        runtime=runtime(CFG.resources.shard.runtime),
     shell:
         "{params.cmd} --out-dir {params.out_dir} > {log} 2>&1"

@@ -6,21 +6,30 @@ rule train:
         prev_optimizer=previous_optimizer_state,
         reference=reference_policy,
     output:
+        **train_optional_outputs(),
         policy=directory(f"{R}/iter_{{k}}/train/policy"),
         metrics=f"{R}/iter_{{k}}/train/metrics.parquet",
         state=f"{R}/iter_{{k}}/train/schedule.json",
         # AdamW state for iteration k+1 (a DeepSpeed checkpoint); none with train.reset_optimizer
-        **train_optional_outputs(),
     log:
         f"{R}/logs/train/iter_{{k}}.log",
     benchmark:
         f"{R}/benchmarks/train/iter_{{k}}.tsv"
+    # the chain from one policy to the next first; evaluation, scaling and variance fill free cores
+    priority: 1
     conda:
         ENV
+    threads: CFG.resources.train.cpus_per_task
+    resources:
+        **task_resources(CFG.resources.train),
+        gpu=CFG.resources.train.gpu,
+        cpus_per_gpu=CFG.resources.train.cpus_per_gpu,
+        mem_mb=CFG.resources.train.mem_mb,
+        runtime=runtime(CFG.resources.train.runtime),
+        tasks=CFG.resources.train.tasks,
+        nodes=CFG.resources.train.nodes,
     params:
-        cmd=stage_cmd(
-            "train", launcher=launch_processes(CFG.resources.train.tasks, CFG.resources.train.cpus_per_task)
-        ),
+        cmd=stage_cmd("train", launcher=launch_processes(CFG.resources.train.tasks, CFG.resources.train.cpus_per_task)),
         cfg=train_digest(),
         code=code_version("train"),
         # resumable DeepSpeed checkpoints live outside the outputs: a failed job's are kept
@@ -33,17 +42,6 @@ rule train:
             ]
             + ([f"--optimizer {output.optimizer}"] if hasattr(output, "optimizer") else [])
         ),
-    threads: CFG.resources.train.cpus_per_task
-    # the chain from one policy to the next first; evaluation, scaling and variance fill free cores
-    priority: 1
-    resources:
-        gpu=CFG.resources.train.gpu,
-        cpus_per_gpu=CFG.resources.train.cpus_per_gpu,
-        mem_mb=CFG.resources.train.mem_mb,
-        runtime=runtime(CFG.resources.train.runtime),
-        tasks=CFG.resources.train.tasks,
-        nodes=CFG.resources.train.nodes,
-        **task_resources(CFG.resources.train),
     shell:
         "{params.cmd} --advantages {input.advantages} --policy {input.policy} --out {output.policy} "
         "--metrics {output.metrics} --state {output.state} --checkpoint-dir {params.checkpoint_dir} "

@@ -10,18 +10,18 @@ rule variance_pool:
         f"{R}/benchmarks/variance_pool/variance_pool.tsv"
     conda:
         GENERATE_ENV
-    params:
-        cmd=stage_cmd("rollout", python=CFG.rollout.python),
-        cfg=variance_pool_digest(),
-        code=code_version("rollout"),
-        n_prompts=CFG.variance.pool_prompts,
-        pool_size=CFG.variance.pool_size,
     threads: CFG.resources.rollout.threads
     resources:
         gpu=CFG.resources.rollout.gpu,
         cpus_per_gpu=CFG.resources.rollout.cpus_per_gpu,
         mem_mb=CFG.resources.rollout.mem_mb,
         runtime=runtime(CFG.resources.rollout.runtime),
+    params:
+        cmd=stage_cmd("rollout", python=CFG.rollout.python),
+        cfg=variance_pool_digest(),
+        code=code_version("rollout"),
+        n_prompts=CFG.variance.pool_prompts,
+        pool_size=CFG.variance.pool_size,
     shell:
         "{params.cmd} --prompts {input.prompts} --policy {input.policy} --out {output} --n-prompts {params.n_prompts} "
         "rollout.group_size={params.pool_size} > {log} 2>&1"
@@ -45,14 +45,14 @@ rule variance:
         f"{R}/benchmarks/variance/variance.tsv"
     conda:
         ENV
+    threads: CFG.resources.features.threads  # forward and backward passes, as in features
+    resources:
+        mem_mb=8000,
+        runtime=60,
     params:
         cmd=stage_cmd("variance"),
         cfg=variance_digest(),
         code=code_version("variance"),
         out_dir=lambda wildcards, output: os.path.dirname(output.summary),
-    threads: CFG.resources.features.threads  # forward and backward passes, as in features
-    resources:
-        mem_mb=8000,
-        runtime=60,
     shell:
         "{params.cmd} --rollouts {input.pool} --policy {input.policy} --out-dir {params.out_dir} > {log} 2>&1"
