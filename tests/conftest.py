@@ -166,7 +166,7 @@ def qwen2_bpe_policy(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory, cfg):
-    from otbflow import shard
+    from otbflow.stages import shard
 
     out = tmp_path_factory.mktemp("data")
     shard.run(cfg, shard.Args(out_dir=str(out)))
@@ -175,7 +175,7 @@ def data_dir(tmp_path_factory, cfg):
 
 @pytest.fixture(scope="session")
 def rollouts_path(tmp_path_factory, cfg, tiny_policy, data_dir):
-    from otbflow import rollout
+    from otbflow.stages import rollout
 
     out = tmp_path_factory.mktemp("rollout") / "shard_0.parquet"
     rollout.run(
@@ -189,7 +189,7 @@ def rollouts_path(tmp_path_factory, cfg, tiny_policy, data_dir):
 
 @pytest.fixture(scope="session")
 def features_path(tmp_path_factory, cfg, tiny_policy, rollouts_path):
-    from otbflow import features
+    from otbflow.stages import features
 
     out = tmp_path_factory.mktemp("features") / "shard_0.parquet"
     features.run(cfg, features.Args(rollouts=str(rollouts_path), policy=str(tiny_policy), out=str(out)))

@@ -9,9 +9,10 @@ import polars as pl
 import pytest
 import torch
 
-from otbflow import advantages, schemas
-from otbflow.advantages import ESTIMATORS, compute_advantages, diagnostics
+from otbflow import schemas
+from otbflow.estimators import ESTIMATORS, compute_advantages, diagnostics
 from otbflow.io import SchemaError, read_table
+from otbflow.stages import advantages
 
 
 def random_table(seed=0, n_groups=12, max_len=40, with_grad=False):
@@ -368,10 +369,12 @@ def test_bad_input_errors():
 
 
 def test_registry_is_one_decorated_function():
-    @advantages.register("half_mean_test")
+    from otbflow import estimators
+
+    @estimators.register("half_mean_test")
     def half_mean(b, baseline_shift=0.0):
         """Half the group mean (test only)."""
-        return advantages._with_seq_baseline(b, 0.5 * advantages._group_mean(b, b.reward), baseline_shift)
+        return estimators._with_seq_baseline(b, 0.5 * estimators._group_mean(b, b.reward), baseline_shift)
 
     try:
         t = pl.DataFrame({"group_id": [1, 1, 2], "reward": [1.0, 0.0, 3.0], "logprobs": [[-0.1, -0.2], [-0.3], [-1.0]]})
@@ -658,7 +661,7 @@ def test_is_weighted_otb_through_the_stages_matches_verl(level, tiny_policy, rol
     equals verl's proxy 2 with IS (metric_utils.compute_variance_proxy_metrics)."""
     from conftest import tiny_config
 
-    from otbflow import features
+    from otbflow.stages import features
 
     # the rollout engine is the same fp32 model here (rho = 1): shift its stored log-probs so that
     # rho = pi_old / pi_rollout moves on both sides of 1 and beyond the threshold C = 1.3; seeded

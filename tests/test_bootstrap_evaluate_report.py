@@ -3,8 +3,9 @@ import pytest
 import torch
 from conftest import tiny_config
 
-from otbflow import bootstrap, evaluate, report, schemas
+from otbflow import schemas
 from otbflow.io import read_metadata, read_table, write_parquet
+from otbflow.stages import bootstrap, evaluate, report
 
 
 def test_bootstrap_builds_an_offline_hf_folder(tmp_path):

@@ -19,8 +19,8 @@ from conftest import REPO
 
 from otbflow import schemas
 from otbflow.config import ConfigError
-from otbflow.experiment import load_experiment, member_config
 from otbflow.io import read_metadata, read_table
+from otbflow.stages.experiment import load_experiment, member_config
 
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
 TINY_EXPERIMENT = REPO / "config" / "experiments" / "tiny.yaml"
@@ -181,7 +181,7 @@ def test_bad_experiment_stops_the_workflow_before_any_job(tmp_path):
 
 
 def test_tokens_to_target_interpolates_the_first_crossing():
-    from otbflow.experiment import tokens_to_target
+    from otbflow.stages.experiment import tokens_to_target
 
     tokens = np.array([0.0, 100.0, 300.0, 600.0])
     assert tokens_to_target(tokens, np.array([0.2, 0.4, 0.8, 0.5]), 0.6) == pytest.approx(200.0)  # halfway 100..300
@@ -192,7 +192,7 @@ def test_tokens_to_target_interpolates_the_first_crossing():
 def test_bootstrap_interval_of_two_values_is_their_range():
     """Resampling {0, 1} twice gives means 0, 0.5, 1 with probabilities 1/4, 1/2, 1/4: the
     central 95% interval is [0, 1]; a constant has a point interval."""
-    from otbflow.experiment import bootstrap_ci
+    from otbflow.stages.experiment import bootstrap_ci
 
     assert bootstrap_ci(np.array([0.0, 1.0]), 4000, 0.95, seed=0) == (0.0, 1.0)
     lo, hi = bootstrap_ci(np.array([0.0, 1.0]), 4000, 0.40, seed=0)
@@ -205,7 +205,7 @@ def test_per_seed_table_on_hand_made_curves():
     0.9 x 0.8 = 0.72; s crosses it between 0.6 at 100 tokens and 0.9 at 400 tokens, at 100 +
     (0.12 / 0.3) x 300 = 220 tokens; r between 0.4 at 100 and 0.8 at 300: 100 + (0.32 / 0.4) x 200
     = 260 tokens."""
-    from otbflow.experiment import per_seed_table
+    from otbflow.stages.experiment import per_seed_table
 
     curves = pl.DataFrame(
         [
@@ -253,7 +253,7 @@ def test_late_gain_with_evaluations_every_other_iteration():
     """evaluate.every = 2 over 6 iterations: the initial policy (iteration -1), then iterations 1, 3
     and 5. The gain over the last 2 iterations is from iteration 3 (0.6) to 5 (0.65); over the last
     3 or 4, from iteration 1 (0.5): the last evaluation at least that many iterations before."""
-    from otbflow.experiment import per_seed_table
+    from otbflow.stages.experiment import per_seed_table
 
     curves = pl.DataFrame(
         [("r", 0, it, acc, acc, 100.0 * (it + 1), 10.0) for it, acc in [(-1, 0.3), (1, 0.5), (3, 0.6), (5, 0.65)]],
@@ -281,7 +281,7 @@ def test_late_gain_with_evaluations_every_other_iteration():
 
 
 def test_paired_table_on_hand_made_seeds():
-    from otbflow.experiment import paired_table
+    from otbflow.stages.experiment import paired_table
 
     nan = float("nan")
     rows = [  # run a needs half the tokens of b on the seeds where both reach the target by training

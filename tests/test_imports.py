@@ -45,7 +45,7 @@ def test_no_import_circle():
 
 
 def test_both_backends_implement_the_interface():
-    from otbflow.generation import BACKENDS
+    from otbflow.engines import BACKENDS
 
     for name, target in BACKENDS.items():
         module, cls = target.split(":")

@@ -10,12 +10,12 @@ import pytest
 import torch
 from conftest import tiny_config
 
-from otbflow import bootstrap
-from otbflow.generation import render_prompts, stop_token_ids, truncate_at_stop, use_chat
-from otbflow.hf_engine import hf_generate
+from otbflow.engines import render_prompts, stop_token_ids, truncate_at_stop, use_chat
+from otbflow.engines.hf import hf_generate
 from otbflow.io import read_metadata
 from otbflow.logits import sequence_token_stats
 from otbflow.model import build_tiny_model, build_tokenizer, load_policy
+from otbflow.stages import bootstrap
 
 ARCHS = [("gpt2", "char"), ("llama", "char"), ("llama", "bpe"), ("qwen2", "bpe")]
 CORPUS = ["7+3=10;10-5=5;#5", "12+4=16;#16", "user\n", "assistant\n", "system\n"] * 4

@@ -4,11 +4,12 @@ import polars as pl
 import pytest
 import torch
 
-from otbflow import features, schemas
-from otbflow.hf_engine import hf_generate
+from otbflow import schemas
+from otbflow.engines.hf import hf_generate
 from otbflow.io import read_metadata, read_table
 from otbflow.logits import sequence_token_stats, token_stats
 from otbflow.model import encode, load_policy
+from otbflow.stages import features
 
 
 def test_rollout_table(rollouts_path, cfg):
@@ -123,7 +124,7 @@ def test_exact_grad_sq_norm_matches_autograd(tiny_policy, rollouts_path):
 def test_features_stage_exact_mode_feeds_eob(tmp_path, rollouts_path, tiny_policy):
     from conftest import tiny_config
 
-    from otbflow.advantages import compute_advantages
+    from otbflow.estimators import compute_advantages
 
     cfg = tiny_config("features.exact_grad_norm=true")
     features.run(
@@ -143,7 +144,7 @@ def test_mismatch_columns_are_consistent(features_path):
     torch.testing.assert_close(torch.tensor(row["k3"], dtype=torch.float64), lr.exp() - 1 - lr, atol=1e-7, rtol=0)
     assert row["seq_max_k2"] == pytest.approx(max(row["k2"]), abs=1e-12)
     # a perturbed rollout log-prob shows up in every mismatch statistic
-    from otbflow.features import mismatch_columns
+    from otbflow.stages.features import mismatch_columns
 
     shifted = df.head(1).with_columns(pl.col("rollout_logprobs").list.eval(pl.element() - 0.1))
     m = mismatch_columns(shifted.drop("log_ratio", "k1", "k2", "k3")).row(0, named=True)

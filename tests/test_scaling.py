@@ -4,8 +4,9 @@ import numpy as np
 import polars as pl
 import pytest
 
-from otbflow import scaling, schemas
+from otbflow import schemas
 from otbflow.io import read_table
+from otbflow.stages import scaling
 
 
 def test_fit_recovers_a_known_power_law():

@@ -4,7 +4,7 @@ import polars as pl
 import pytest
 from conftest import tiny_config
 
-from otbflow import schemas, shard
+from otbflow import schemas
 from otbflow.io import SchemaError, read_table
 from otbflow.rewards import (
     REWARDS,
@@ -14,6 +14,7 @@ from otbflow.rewards import (
     get_reward,
     math_reward,
 )
+from otbflow.stages import shard
 from otbflow.tasks import arithmetic_prompts, arithmetic_solution, load_dataset_file
 
 
@@ -291,8 +292,8 @@ def test_a_wrong_layout_names_the_file_and_the_column(tmp_path, name, fmt, error
 def test_verl_prompts_keep_their_system_message_through_the_chat_template(tmp_path, qwen2_bpe_policy):
     from transformers import AutoTokenizer
 
-    from otbflow import rollout
     from otbflow.io import read_metadata
+    from otbflow.stages import rollout
 
     write_layouts(tmp_path)
     cfg = tiny_config(

@@ -12,23 +12,16 @@ import polars as pl
 import pytest
 import torch
 
-from otbflow import features, logits, schemas
+from otbflow import logits, schemas
 from otbflow.config import load_config
+from otbflow.distributed import init_distributed_env
 from otbflow.io import SchemaError, read_table, write_parquet
+from otbflow.logits import policy_logprobs, response_token_stats
+from otbflow.losses import aggregate_loss, low_var_kl, ppo_clip_loss, reinforce_loss, trm_keep
 from otbflow.model import build_char_tokenizer, build_tiny_model
-from otbflow.train import (
-    Args,
-    aggregate_loss,
-    init_distributed_env,
-    low_var_kl,
-    policy_logprobs,
-    ppo_clip_loss,
-    reinforce_loss,
-    response_token_stats,
-    rollout_is_weights,
-    run,
-    trm_keep,
-)
+from otbflow.rollout_is import rollout_is_weights
+from otbflow.stages import features
+from otbflow.stages.train import Args, run
 from otbflow.train_state import OptimizerStateError
 
 MODEL = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.n_positions=64"]
@@ -760,9 +753,10 @@ def test_the_first_ratio_is_one(dropout_policy_dir, tmp_path, precision):
 def one_engine_reference(cfg, policy_dir, tables: list[Path]) -> dict[str, torch.Tensor]:
     """One DeepSpeed engine (one AdamW) stepping over the mini-batches of every table in turn,
     iteration k's in the train stage's seeded order: the weights one uninterrupted run ends with."""
-    from otbflow.config import derive_seed
-    from otbflow.train import build_engine, load_rows, mini_batches, train_step
+    from otbflow.distributed import build_engine
+    from otbflow.seeds import derive_seed
     from otbflow.train_state import full_fp32_state_dict
+    from otbflow.trainer import load_rows, mini_batches, train_step
 
     init_distributed_env()
     engine = build_engine(str(policy_dir), cfg.train, 1)

@@ -8,9 +8,10 @@ import pytest
 import torch
 from conftest import tiny_config
 
-from otbflow import rollout, schemas, variance
+from otbflow import schemas
 from otbflow.io import read_table, write_parquet
-from otbflow.variance import CountSketch, center_scores, group_gradients, resample_groups, study, token_gradients
+from otbflow.stages import rollout, variance
+from otbflow.stages.variance import CountSketch, center_scores, group_gradients, resample_groups, study, token_gradients
 
 
 def test_token_gradients_are_the_per_token_scores(tiny_policy):

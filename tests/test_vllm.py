@@ -14,12 +14,14 @@ import polars as pl
 import pytest
 from conftest import TINY, tiny_config, vllm_env, vllm_python
 
-from otbflow import features, schemas, vllm_engine
-from otbflow.generation import render_prompts
+from otbflow import schemas
+from otbflow.engines import render_prompts
+from otbflow.engines import vllm as vllm_engine
 from otbflow.io import check_schema, read_metadata, read_table
 from otbflow.model import load_tokenizer
 from otbflow.rewards import arithmetic_reward
-from otbflow.rollout import rollout_table
+from otbflow.stages import features
+from otbflow.stages.rollout import rollout_table
 
 DATA = Path(__file__).parent / "data" / "vllm_request_outputs.json"
 

@@ -67,8 +67,8 @@ def vllm_run(tmp_path_factory):
 
 
 def test_vllm_workflow_end_to_end(vllm_run):
-    from otbflow.generation import render_prompts
-    from otbflow.hf_engine import hf_generate
+    from otbflow.engines import render_prompts
+    from otbflow.engines.hf import hf_generate
     from otbflow.model import load_policy
 
     work, res = vllm_run

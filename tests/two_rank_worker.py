@@ -1,12 +1,12 @@
 """Run under torchrun by tests/test_train.py: several train-stage runs in one 2-process group
 (one process start for all loss-aggregation modes). argv[1] is a JSON list of jobs, each with
-``config`` (a YAML file) and the fields of ``otbflow.train.Args``."""
+``config`` (a YAML file) and the fields of ``otbflow.stages.train.Args``."""
 
 import json
 import sys
 
-from otbflow import train
 from otbflow.config import load_config
+from otbflow.stages import train
 
 for job in json.loads(open(sys.argv[1]).read()):
     cfg = load_config(job.pop("config"))

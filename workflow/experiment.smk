@@ -12,7 +12,7 @@ import yaml
 
 import otbflow
 from otbflow.codeversion import code_version
-from otbflow.experiment import load_experiment, shared_config
+from otbflow.stages.experiment import load_experiment, shared_config
 from otbflow.io import write_text_if_changed
 
 REPO = Path(workflow.basedir).resolve().parent

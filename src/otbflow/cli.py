@@ -84,7 +84,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         if name != command:
             sub.add_parser(name, help=help_text)
             continue
-        mod = importlib.import_module(f"otbflow.{name}")
+        mod = importlib.import_module(f"otbflow.stages.{name}")
         epilog = "config keys read by this stage:\n" + "\n".join(describe_section(s) for s in mod.SECTIONS)
         p = sub.add_parser(
             name,
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return submit_main(ns)
         if ns.command == "experiment-member":
-            from otbflow.experiment import write_member_config
+            from otbflow.stages.experiment import write_member_config
 
             write_member_config(ns.experiment, ns.run, ns.seed, ns.policy, ns.scaling, ns.out)
             return 0
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             print(to_yaml(load_config(ns.config or DEFAULT_CONFIG, ns.overrides)), end="")
             return 0
         cfg = load_config(ns.config or DEFAULT_CONFIG, ns.overrides)
-        mod = importlib.import_module(f"otbflow.{ns.command}")
+        mod = importlib.import_module(f"otbflow.stages.{ns.command}")
         args = mod.Args(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(mod.Args)})
         start = time.perf_counter()
         mod.run(cfg, args)

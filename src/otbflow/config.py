@@ -185,7 +185,7 @@ class FeaturesConfig:
 @dataclass
 class AdvantagesConfig:
     estimator: str = "otb"
-    """Estimator used for training, by registry name (see otbflow.advantages.ESTIMATORS)."""
+    """Estimator used for training, by registry name (see otbflow.estimators.ESTIMATORS)."""
     compare: list[str] = field(default_factory=lambda: ["grpo", "rloo", "opo", "otb"])
     """Estimators whose variance diagnostics are computed on the same rollouts for comparison."""
     std_normalize: bool = True
@@ -539,7 +539,7 @@ def validate_workflow(cfg: DictConfig) -> None:
 
 def validate(cfg: DictConfig) -> None:
     """Reject impossible values; every message names the key and what is allowed."""
-    from otbflow.advantages import ESTIMATORS, estimator_parameters
+    from otbflow.estimators import ESTIMATORS, estimator_parameters
     from otbflow.rewards import REWARDS
     from otbflow.tasks import DATASET_FORMATS
 
@@ -784,17 +784,6 @@ def describe_all() -> str:
 def chat_setting(cfg: DictConfig) -> str:
     """task.chat as 'auto' | 'true' | 'false' (YAML's true/false arrive as 'True'/'False')."""
     return str(cfg.task.chat).lower()
-
-
-def task_seed(cfg: DictConfig) -> int:
-    """The prompt set's seed: task.seed, or the global seed."""
-    return cfg.seed if cfg.task.seed is None else cfg.task.seed
-
-
-def derive_seed(seed: int, *parts: object) -> int:
-    """A seed for one job (stage, iteration, shard...) derived from the global seed."""
-    key = ":".join(str(p) for p in (seed, *parts))
-    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "little") & 0x7FFFFFFF
 
 
 def json_schema() -> dict:

@@ -224,3 +224,134 @@ def exact_grad_sq_norms(
         if progress is not None:
             progress.update()
     return out
+
+
+# ------------------------------------------------------------------------------------------
+# With autograd: the current policy's log-probs in the train stage (the same fp32 arithmetic, in chunks)
+# ------------------------------------------------------------------------------------------
+
+
+def logit_stats(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy_grad: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log pi(y_t), entropy) of rows of logits [n, V] at ``targets`` [n], with the features
+    stage's fp32 arithmetic (``logits.token_stats``): z = logits / temperature, m = max z,
+    e = exp(z - m), s = sum e; log pi = z_y - m - log s and entropy = m + log s - sum e z / s.
+    m is a constant for autograd (it cancels). The entropy carries a gradient only with
+    ``entropy_grad`` (an entropy bonus)."""
+    z = logits.float() / temperature
+    m = torch.amax(z, dim=-1, keepdim=True).detach()
+    e = torch.exp(z - m)
+    s = e.sum(-1)
+    log_s = torch.log(s)
+    m = m.squeeze(-1)
+    logp = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - m - log_s
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        ez = torch.bmm(e.unsqueeze(1), z.unsqueeze(2)).reshape(-1)
+        entropy = m + log_s - ez / s
+    return logp, entropy
+
+
+def _head_stats(head, hidden, targets, temperature: float, entropy_grad: bool):
+    return logit_stats(head(hidden), targets, temperature, entropy_grad)
+
+
+def response_token_stats(
+    model,
+    input_ids,
+    attention_mask,
+    rows,
+    pos,
+    targets,
+    temperature: float,
+    chunk_size: int = 256,
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log pi(y_t), entropy) of every response token, flattened, computed over chunks of
+    ``chunk_size`` tokens. The transformer body runs once; the output head and ``logit_stats``
+    run per chunk, under activation checkpointing when gradients are on: the graph keeps each
+    chunk's hidden states [chunk, H] and its per-token results, never its logits, and the
+    backward recomputes one chunk's logits at a time. Peak: a few chunk x V fp32 tensors instead
+    of several [tokens x V] ones. The head is called as a module inside the caller's forward, so
+    ZeRO-3 gathers its weight for every chunk (and again for the recomputation).
+
+    Models whose logits are post-processed (soft-capping) return full logits from their own
+    forward: then only the statistics are chunked."""
+    from torch.utils.checkpoint import checkpoint
+
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "rows": rows, "pos": pos}
+    project = ResponseLogits(model, batch)
+    logps, entropies = [], []
+    for start in range(0, len(targets), chunk_size):
+        sl = slice(start, start + chunk_size)
+        if project.head is None:
+            out = logit_stats(project(sl), targets[sl], temperature, entropy_grad)
+        elif torch.is_grad_enabled():
+            out = checkpoint(
+                _head_stats,
+                project.head,
+                project.hidden(sl),
+                targets[sl],
+                temperature,
+                entropy_grad,
+                use_reentrant=False,
+                preserve_rng_state=False,
+            )
+        else:
+            out = _head_stats(project.head, project.hidden(sl), targets[sl], temperature, entropy_grad)
+        logps.append(out[0])
+        entropies.append(out[1])
+    if not logps:
+        empty = torch.zeros(0, device=input_ids.device)
+        return empty, empty
+    return torch.cat(logps), torch.cat(entropies)
+
+
+class ResponseLogprobs(torch.nn.Module):
+    """The policy with a forward that returns ``response_token_stats``. DeepSpeed wraps this
+    module, so that the whole computation runs inside ``engine(...)`` (ZeRO's hooks)."""
+
+    def __init__(self, policy, chunk_size: int):
+        super().__init__()
+        self.policy = policy
+        self.chunk_size = chunk_size
+
+    def forward(self, input_ids, attention_mask, rows, pos, targets, temperature: float, entropy_grad: bool = False):
+        return response_token_stats(
+            self.policy, input_ids, attention_mask, rows, pos, targets, temperature, self.chunk_size, entropy_grad
+        )
+
+
+def to_padded(flat: torch.Tensor, batch: dict[str, torch.Tensor], n_rows: int) -> torch.Tensor:
+    """Scatter flat per-token values into [n_rows, longest response], zeros elsewhere
+    (differentiable)."""
+    width = int(batch["cols"].max()) + 1 if len(batch["cols"]) else 0
+    return flat.new_zeros(n_rows, width).index_put((batch["rows"], batch["cols"]), flat)
+
+
+def policy_logprobs(
+    model,
+    prompt_ids: list[list[int]],
+    response_ids: list[list[int]],
+    temperature: float,
+    pad_id: int,
+    chunk_size: int = 256,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log pi(y_t) [B, T] zero-padded, mask [B, T]) of an HF causal LM, differentiable."""
+    batch = pack(prompt_ids, response_ids, pad_id, model.device)
+    logp, _ = response_token_stats(
+        model,
+        batch["input_ids"],
+        batch["attention_mask"],
+        batch["rows"],
+        batch["pos"],
+        batch["targets"],
+        temperature,
+        chunk_size,
+    )
+    mask = to_padded(torch.ones_like(logp), batch, len(response_ids)).bool()
+    return to_padded(logp, batch, len(response_ids)), mask
+
+
+def pad_right(lists: list[list[float]], width: int, device) -> torch.Tensor:
+    return torch.tensor([list(x) + [0.0] * (width - len(x)) for x in lists], dtype=torch.float32, device=device)

@@ -7,7 +7,10 @@ by stages, importing none of them.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # tensor methods only: importing this module (the config does) imports no torch
+    import torch
 
 LEVELS = ("none", "token", "sequence")
 
@@ -21,9 +24,9 @@ def rollout_is_weights(log_rho: torch.Tensor, mask: torch.Tensor, level: str, th
     if level == "none":
         return m.clone()
     if level == "token":
-        w = torch.exp(torch.clamp(log_rho, -20.0, 20.0))
+        w = log_rho.clamp(-20.0, 20.0).exp()
     elif level == "sequence":
-        w = torch.exp(torch.clamp((log_rho * m).sum(-1, keepdim=True), -20.0, 20.0)).expand_as(log_rho)
+        w = (log_rho * m).sum(-1, keepdim=True).clamp(-20.0, 20.0).exp().expand_as(log_rho)
     else:
-        raise ValueError(f"unknown rollout_is level {level!r}; one of none, token, sequence")
-    return torch.clamp(w, max=threshold) * m
+        raise ValueError(f"unknown rollout_is level {level!r}; one of {', '.join(LEVELS)}")
+    return w.clamp(max=threshold) * m

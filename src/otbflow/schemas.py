@@ -156,7 +156,7 @@ FEATURES = ROLLOUTS.extend(
 
 ADVANTAGE_INPUT = _table(
     "advantage input",
-    "(any table given to otbflow.advantages.compute_advantages)",
+    "(any table given to otbflow.estimators.compute_advantages)",
     "The columns estimators read.",
     [
         ("group_id", pl.Int64, "prompt group"),

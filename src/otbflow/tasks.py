@@ -17,9 +17,11 @@ import random
 from pathlib import Path
 
 import polars as pl
+from omegaconf import DictConfig
 
 from otbflow.io import SchemaError
 from otbflow.rewards import last_boxed
+from otbflow.seeds import derive_seed, task_seed
 
 
 def arithmetic_problem(rng: random.Random, min_terms: int, max_terms: int, max_operand: int) -> str:
@@ -232,3 +234,37 @@ def load_dataset_file(path: str | Path, fmt: str = "auto", prompt_template: str 
     if bad:
         raise _bad_rows(path, "solution", bad, "no \\boxed{} answer (MATH layout)")
     return _text_rows(df["problem"].to_list(), [b.strip() for b in boxed], source, prompt_template)
+
+
+def synthetic_splits(cfg: DictConfig) -> tuple[pl.DataFrame, pl.DataFrame]:
+    t = cfg.task
+    rows = arithmetic_prompts(
+        t.n_train + t.n_eval, derive_seed(task_seed(cfg), "task"), t.min_terms, t.max_terms, t.max_operand
+    )
+    df = (
+        pl.DataFrame(rows)
+        .select("prompt", "answer")
+        .with_columns(
+            pl.col("prompt").map_elements(user_message, return_dtype=pl.String).alias("messages"),
+            pl.lit("arithmetic").alias("data_source"),
+        )
+    )
+    return df[t.n_eval :], df[: t.n_eval]
+
+
+def dataset_splits(cfg: DictConfig) -> tuple[pl.DataFrame, pl.DataFrame]:
+    t = cfg.task
+    df = load_dataset_file(t.path, t.format, t.prompt_template)
+    df = df.sample(fraction=1.0, shuffle=True, seed=derive_seed(task_seed(cfg), "task"))
+    if t.eval_path:
+        return df, load_dataset_file(t.eval_path, t.format, t.prompt_template)
+    if df.height <= t.n_eval:
+        raise ValueError(
+            f"{t.path}: {df.height} rows cannot give task.n_eval={t.n_eval} eval rows and a training split"
+        )
+    return df[t.n_eval :], df[: t.n_eval]
+
+
+def prompt_splits(cfg: DictConfig) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(training prompts, eval prompts) of the task, shuffled and split with the prompt set's seed."""
+    return synthetic_splits(cfg) if cfg.task.name == "arithmetic" else dataset_splits(cfg)

@@ -1,5 +1,5 @@
 """What a train job keeps on disk: the next policy, the AdamW state across iterations, and the
-resumable checkpoints within one job (``otbflow.train`` explains the stage).
+resumable checkpoints within one job (``otbflow.stages.train`` explains the stage).
 
 - ``save_policy``: the next policy as an HF folder of fp32 weights (ZeRO's fp32 master weights
   where it keeps them) with the input policy's tokenizer, written atomically.

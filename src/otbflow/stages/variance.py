@@ -51,13 +51,12 @@ import torch
 from omegaconf import DictConfig
 
 from otbflow import schemas
-from otbflow.advantages import compute_advantages
-from otbflow.config import derive_seed
+from otbflow.estimators import compute_advantages, studied, study_options
 from otbflow.io import pyplot, read_table, save_figure, write_json, write_parquet
 from otbflow.logits import ResponseLogits, pack, sequence_token_stats
 from otbflow.model import load_policy, set_threads
 from otbflow.progress import Progress
-from otbflow.variance_options import studied, study_options
+from otbflow.seeds import derive_seed
 
 log = logging.getLogger("otbflow.variance")
 SECTIONS = ("variance", "advantages", "rollout", "features")

@@ -22,11 +22,11 @@ import polars as pl
 from omegaconf import DictConfig
 
 from otbflow import schemas
-from otbflow.config import derive_seed
 from otbflow.io import pyplot, read_table, save_figure, write_json, write_parquet
 from otbflow.logits import exact_grad_sq_norms, sequence_token_stats
 from otbflow.model import load_policy, set_threads
 from otbflow.progress import Progress
+from otbflow.seeds import derive_seed
 
 log = logging.getLogger("otbflow.scaling")
 SECTIONS = ("scaling", "rollout", "model")

@@ -17,9 +17,8 @@ import polars as pl
 from omegaconf import DictConfig
 
 from otbflow import schemas
-from otbflow.config import derive_seed, task_seed
 from otbflow.io import write_parquet
-from otbflow.tasks import arithmetic_prompts, load_dataset_file, user_message
+from otbflow.tasks import prompt_splits
 
 log = logging.getLogger("otbflow.shard")
 SECTIONS = ("task", "shard")
@@ -31,37 +30,8 @@ class Args:
     """Output folder: train/shard_{s}.parquet for each shard, and eval.parquet."""
 
 
-def synthetic_splits(cfg: DictConfig) -> tuple[pl.DataFrame, pl.DataFrame]:
-    t = cfg.task
-    rows = arithmetic_prompts(
-        t.n_train + t.n_eval, derive_seed(task_seed(cfg), "task"), t.min_terms, t.max_terms, t.max_operand
-    )
-    df = (
-        pl.DataFrame(rows)
-        .select("prompt", "answer")
-        .with_columns(
-            pl.col("prompt").map_elements(user_message, return_dtype=pl.String).alias("messages"),
-            pl.lit("arithmetic").alias("data_source"),
-        )
-    )
-    return df[t.n_eval :], df[: t.n_eval]
-
-
-def dataset_splits(cfg: DictConfig) -> tuple[pl.DataFrame, pl.DataFrame]:
-    t = cfg.task
-    df = load_dataset_file(t.path, t.format, t.prompt_template)
-    df = df.sample(fraction=1.0, shuffle=True, seed=derive_seed(task_seed(cfg), "task"))
-    if t.eval_path:
-        return df, load_dataset_file(t.eval_path, t.format, t.prompt_template)
-    if df.height <= t.n_eval:
-        raise ValueError(
-            f"{t.path}: {df.height} rows cannot give task.n_eval={t.n_eval} eval rows and a training split"
-        )
-    return df[t.n_eval :], df[: t.n_eval]
-
-
 def run(cfg: DictConfig, args: Args) -> None:
-    train, ev = synthetic_splits(cfg) if cfg.task.name == "arithmetic" else dataset_splits(cfg)
+    train, ev = prompt_splits(cfg)
     n = cfg.shard.n_shards
     if train.height < n:
         raise ValueError(f"{train.height} training prompts cannot fill shard.n_shards={n} shards")

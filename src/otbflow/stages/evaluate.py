@@ -16,11 +16,11 @@ import polars as pl
 from omegaconf import DictConfig
 
 from otbflow import schemas
-from otbflow.config import derive_seed
-from otbflow.generation import Sampling, open_backend, prompt_metadata, render_table
+from otbflow.engines import Sampling, open_backend, prompt_metadata, render_table
 from otbflow.io import read_table, write_parquet
 from otbflow.model import load_tokenizer, set_threads
 from otbflow.rewards import get_reward, resolve_reward_name
+from otbflow.seeds import derive_seed
 
 log = logging.getLogger("otbflow.evaluate")
 SECTIONS = ("evaluate", "task", "model")

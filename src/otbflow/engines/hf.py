@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from otbflow.generation import Sample, Sampling, stop_token_ids, truncate_at_stop
+from otbflow.engines import Sample, Sampling, stop_token_ids, truncate_at_stop
 from otbflow.model import load_policy
 from otbflow.progress import Progress
 

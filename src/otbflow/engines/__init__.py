@@ -3,8 +3,8 @@
 - ``Sample``: one generated response, the same record from every backend.
 - ``Sampling``: what to generate (n samples per prompt, temperature, top_p, length, greedy, seed).
 - ``Backend``: ``generate(prompt_ids, sampling) -> list[Sample]`` and ``metadata(sampling)``;
-  implemented by ``otbflow.hf_engine.HFBackend`` (transformers) and
-  ``otbflow.vllm_engine.VLLMBackend`` (vLLM). ``open_backend`` builds one by name; the engine
+  implemented by ``otbflow.engines.hf.HFBackend`` (transformers) and
+  ``otbflow.engines.vllm.VLLMBackend`` (vLLM). ``open_backend`` builds one by name; the engine
   modules depend on this one, never the other way round (the table below names them by path).
 - Prompt rendering (``render_prompts``): the text of each prompt or, with ``task.chat``, its
   messages through the tokenizer's chat template (``add_generation_prompt=True``), to token ids.
@@ -26,7 +26,7 @@ from omegaconf import DictConfig
 
 from otbflow.config import chat_setting
 
-BACKENDS = {"hf": "otbflow.hf_engine:HFBackend", "vllm": "otbflow.vllm_engine:VLLMBackend"}
+BACKENDS = {"hf": "otbflow.engines.hf:HFBackend", "vllm": "otbflow.engines.vllm:VLLMBackend"}
 
 
 @dataclass

@@ -22,13 +22,13 @@ import polars as pl
 import torch
 from omegaconf import DictConfig
 
-from otbflow.config import derive_seed
-from otbflow.generation import render_prompts, stops_of, use_chat
-from otbflow.hf_engine import hf_generate
+from otbflow.engines import render_prompts, stops_of, use_chat
+from otbflow.engines.hf import hf_generate
 from otbflow.io import atomic_dir, write_parquet
 from otbflow.model import build_tiny_model, build_tokenizer, encode, set_threads
 from otbflow.rewards import arithmetic_reward
-from otbflow.tasks import arithmetic_problem, arithmetic_prompts, arithmetic_solution
+from otbflow.seeds import derive_seed
+from otbflow.tasks import arithmetic_problem, arithmetic_prompts, arithmetic_solution, synthetic_splits
 
 log = logging.getLogger("otbflow.bootstrap")
 SECTIONS = ("model", "bootstrap", "task")
@@ -112,8 +112,6 @@ def run(cfg: DictConfig, args: Args) -> None:
     chat = use_chat(cfg, tok)
     stops = generation_stops(tok, model)
     # Held-out checks use their own problems; training problems avoid them and the eval split's.
-    from otbflow.shard import synthetic_splits
-
     _, eval_split = synthetic_splits(cfg)
     heldout = arithmetic_prompts(
         b.n_eval_prompts,

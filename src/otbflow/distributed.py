@@ -1,0 +1,131 @@
+"""Distributed set-up of the train stage: ranks from torchrun or Slurm, the DeepSpeed engine."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+
+import torch
+from omegaconf import DictConfig
+
+from otbflow.logits import ResponseLogprobs
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _slurm_master_addr() -> str:
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        ).stdout.split()
+        return out[0] if out else "127.0.0.1"
+    except (KeyError, OSError, subprocess.SubprocessError):
+        return "127.0.0.1"
+
+
+def init_distributed_env() -> tuple[int, int]:
+    """Set the torch.distributed variables DeepSpeed needs; returns (rank, world_size).
+
+    - A launcher (torchrun, deepspeed) already set RANK: keep everything.
+    - Under srun (SLURM_PROCID set): RANK / LOCAL_RANK / WORLD_SIZE from SLURM_PROCID /
+      SLURM_LOCALID / SLURM_NTASKS, MASTER_ADDR the first node of the job, MASTER_PORT derived
+      from the job id (the same on every rank).
+    - Otherwise one process: rank 0 of 1 on 127.0.0.1 and a free port.
+
+    DS_ACCELERATOR=cpu is set when there is no CUDA (before deepspeed is imported).
+    """
+    env = os.environ
+    if "RANK" not in env and "SLURM_PROCID" in env:
+        env["RANK"] = env["SLURM_PROCID"]
+        env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+        env["WORLD_SIZE"] = env.get("SLURM_NTASKS", "1")
+        env.setdefault("MASTER_ADDR", _slurm_master_addr())
+        env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+    elif "RANK" not in env:
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    env.setdefault("LOCAL_RANK", "0")
+    if not torch.cuda.is_available():
+        env.setdefault("DS_ACCELERATOR", "cpu")
+    return int(env["RANK"]), int(env["WORLD_SIZE"])
+
+
+def skip_cpu_shm_op() -> None:
+    """On CPU, DeepSpeed's communication backend JIT-compiles a shared-memory all-reduce op when
+    it starts (about a minute of C++ on 2 cores, in the first train job) and takes a ``lock``
+    file in torch's extension cache on every load, which a killed job (preempted, ``kill -9``)
+    leaves behind for every later job to wait on forever. That op serves only
+    ``inference_all_reduce`` (tensor-parallel inference); training's all-reduce goes through
+    torch.distributed (gloo) either way. Marked unavailable, it is neither built nor loaded."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def deepspeed_config(tc: DictConfig, world_size: int) -> dict:
+    """DeepSpeed config from the train section. The accumulation boundary is set explicitly
+    per mini-batch (the last one may be partial), so gradient_accumulation_steps is nominal."""
+    return {
+        "train_micro_batch_size_per_gpu": tc.micro_batch_size,
+        "gradient_accumulation_steps": max(1, tc.mini_batch_size // (tc.micro_batch_size * world_size)),
+        "optimizer": {"type": "AdamW", "params": {"lr": tc.lr, "weight_decay": tc.weight_decay, "torch_adam": True}},
+        "gradient_clipping": tc.max_grad_norm,
+        "zero_optimization": {"stage": tc.zero_stage},
+        "bf16": {"enabled": bool(tc.bf16)},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def build_engine(policy_dir: str, tc: DictConfig, world_size: int):
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    policy = AutoModelForCausalLM.from_pretrained(policy_dir, local_files_only=True, dtype=torch.float32)
+    # Eval mode, as in the features stage: no dropout (nor any other train-only randomness), so that
+    # log pi_theta at the first step is the stored log pi_old. verl keeps dropout out of RL too
+    # (its supported models have zero dropout, `override_config` exists "mainly [for] dropout",
+    # its Megatron attention hard-codes dropout_rate = 0.0); eval() also covers models whose
+    # checkpoints do set dropout, such as GPT-2's 0.1. Gradients are unaffected by the mode.
+    module = ResponseLogprobs(policy, tc.logprob_chunk_size).eval()
+    skip_cpu_shm_op()  # the op is CPU-only: nothing changes on GPUs
+    engine, *_ = deepspeed.initialize(
+        model=module, model_parameters=module.parameters(), config=deepspeed_config(tc, world_size)
+    )
+    return engine
+
+
+def all_reduce(values: list[float], world_size: int, device, op: str = "sum") -> list[float]:
+    if world_size == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(
+        t, op=torch.distributed.ReduceOp.SUM if op == "sum" else torch.distributed.ReduceOp.MAX
+    )
+    return t.tolist()
+
+
+def _destroy_process_group() -> None:
+    """At exit: NCCL warns about (and may leak) a process group that was never destroyed."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def param_grad_norm(module) -> float | None:
+    """L2 norm of the .grad of all parameters (None when no parameter holds one, as under ZeRO)."""
+    grads = [p.grad.detach().float() for p in module.parameters() if p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) if grads else None
+
+
+def grads_finite(module) -> bool:
+    return all(bool(torch.isfinite(p.grad).all()) for p in module.parameters() if p.grad is not None)

@@ -1,0 +1,97 @@
+"""Policy losses and the one loss aggregation (algorithms.md §6.3-6.4).
+
+The functions take and return torch tensors but call only tensor methods, so that importing this
+module (the config reads its registries) imports no torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def ppo_clip_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    clip_ratio_c: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token PPO-clip loss max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)), with the dual
+    clip min(L, -A clip_ratio_c) for A < 0 when ``clip_ratio_c`` is given; and the mask of tokens
+    where a clip is active (the loss is flat in r there: no gradient)."""
+    ratio = (logp - old_logp).clamp(-20.0, 20.0).exp()
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss, active = unclipped.maximum(clipped), clipped > unclipped
+    if clip_ratio_c is not None:
+        dual = -adv * clip_ratio_c
+        lower = (adv < 0) & (dual < loss)
+        loss, active = dual.where(lower, loss), active | lower
+    return loss, active
+
+
+def reinforce_loss(logp: torch.Tensor, adv: torch.Tensor, is_weights: torch.Tensor) -> torch.Tensor:
+    """L_t = -A_t log pi_theta(y_t) sg(w_t) (algorithms.md §6.4)."""
+    return -adv * logp * is_weights.detach()
+
+
+def low_var_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k3 estimate of KL(pi_theta || pi_ref) per token: exp(d) - d - 1, d = log pi_ref - log pi_theta,
+    clamped to [-10, 10] (verl's low_var_kl); >= 0, gradient through pi_theta."""
+    d = (ref_logp - logp).clamp(-20.0, 20.0)
+    return (d.exp() - d - 1.0).clamp(-10.0, 10.0)
+
+
+def aggregate_loss(
+    token_loss: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    global_tokens: int,
+    global_seqs: int,
+    scale: float = 1.0,
+    seq_tokens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """This micro-batch's share of the optimizer step's loss (algorithms.md §6.3).
+
+    ``token_loss`` and ``mask`` are [B, T]. ``global_tokens`` (valid tokens) and ``global_seqs``
+    (sequences with at least one valid token) count the whole step's batch over all micro-batches
+    and ranks, so the shares of all micro-batches add up to the full-batch value:
+
+    - token-mean:              sum_{i,t} m L / global_tokens
+    - seq-mean-token-sum:      sum_i sum_t m L / global_seqs
+    - seq-mean-token-mean:     sum_i (sum_t m L / (T_i + 1e-8)) / global_seqs
+    - seq-mean-token-sum-norm: sum_i sum_t m L / global_seqs / scale   (Dr.GRPO's constant C;
+      the Aug-2026 verl form, which keeps the 1/N_seq)
+
+    T_i is ``seq_tokens`` (default: sum_t m). Masking a sequence out of the loss (TRM) while
+    keeping it in the counts is done by zeroing its ``token_loss`` rows.
+    """
+    m = mask.to(token_loss.dtype)
+    per_seq = (token_loss * m).sum(-1)
+    if mode == "token-mean":
+        return per_seq.sum() / max(global_tokens, 1)
+    if mode == "seq-mean-token-sum":
+        return per_seq.sum() / max(global_seqs, 1)
+    if mode == "seq-mean-token-mean":
+        t = m.sum(-1) if seq_tokens is None else seq_tokens
+        return (per_seq / (t + 1e-8)).sum() / max(global_seqs, 1)
+    if mode == "seq-mean-token-sum-norm":
+        return per_seq.sum() / max(global_seqs, 1) / scale
+    raise ValueError(f"unknown loss_agg_mode {mode!r}; one of {', '.join(LOSS_AGG_MODES)}")
+
+
+def trm_keep(seq_max_k2: np.ndarray, seq_mean_k3: np.ndarray, max_k2: float, mean_k3: float) -> np.ndarray:
+    """TRM-Max and TRM-Avg together: 1.0 for accepted sequences, 0.0 for masked ones."""
+    return ((seq_max_k2 <= max_k2) & (seq_mean_k3 <= mean_k3)).astype(np.float64)
+
+
+# The policy losses by name (train.loss_type); the config's choices are these keys.
+POLICY_LOSSES = {"ppo_clip": ppo_clip_loss, "reinforce": reinforce_loss}

@@ -1,0 +1,273 @@
+"""Train: one policy update with DeepSpeed, from an iteration's advantages.
+
+Input is the advantages table: per response token the sampled id, pi_old's log-prob (the
+``logprobs`` column of the features stage), the rollout engine's log-prob, the proxy energy and
+the advantage A_t. For ``train.ppo_epochs`` passes over the rows, in a seeded shuffled order,
+each mini-batch of ``train.mini_batch_size`` sequences (the last, partial one included) is one
+optimizer step, accumulated over micro-batches of ``train.micro_batch_size`` sequences per rank.
+
+- log pi_theta(y_t) is computed as the features stage computes pi_old: the prompt and response
+  are right-padded together, the temperature-scaled logits (``rollout.temperature``) are taken at
+  the positions that predict response tokens (len(prompt) - 1 + t), with the same module mode
+  (eval: dropout off, as in the features stage) and precision (fp32, or bf16 with ``train.bf16``,
+  which the features stage then uses too), and the same fp32 arithmetic, so the first ratio of an
+  iteration is 1 (``max_abs_log_ratio`` in the metrics).
+- Memory: the output head and the log-softmax run over chunks of ``train.logprob_chunk_size``
+  response positions, each under activation checkpointing: the graph keeps only the chunk's
+  hidden states and per-token results, and the backward recomputes one chunk's logits at a time;
+  no [tokens x V] tensor exists (``benchmarks/bench_train_memory.py``). The entropy is computed
+  in the same pass, with a gradient only for an entropy bonus.
+- Policy loss (``train.loss_type``, algorithms.md §6.3-6.4), r_t = exp(clamp(log pi_theta -
+  log pi_old, +-20)):
+  - ``ppo_clip``: L_t = max(-A r, -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high)), and for
+    A < 0 the dual clip L_t = min(L_t, -A clip_ratio_c); times the rollout IS weight w_t.
+  - ``reinforce``: L_t = -A_t log pi_theta(y_t) sg(w_t) (REINFORCE in bypass mode).
+- Rollout correction (``train.rollout_is``): truncated IS weights w = min(rho, C), token- or
+  sequence-level, stop-gradient, rho = pi_old / pi_rollout from the stored log-probs for
+  ppo_clip (decoupled) and pi_theta / pi_rollout for reinforce (bypass); none: w = 1.
+  ``train.trm`` (Trust Region Masking) removes every sequence whose max k2 or mean k3 against
+  the rollout engine exceeds ``mismatch.max_k2`` / ``mismatch.mean_k3`` from the loss while the
+  normalisers keep the pre-mask counts, as the paper's 1/N does (algorithms.md §3.3).
+- Optional terms: ``kl_coef`` x k3 estimate of KL(pi_theta || pi_ref) (verl's low_var_kl, pi_ref
+  the initial policy) and ``- entropy_coef`` x entropy.
+- ``aggregate_loss`` (the one shared aggregation) divides every micro-batch by counts of the
+  whole optimizer step's batch, so accumulating micro-batches and ranks gives the gradient of
+  one big batch. An optional ``loss_mask`` list column (1 = train on the token) removes tokens
+  from the loss and from those counts.
+
+Learning rate: ``otbflow.lr_schedule`` (constant, cosine, response-length-triggered decay), its
+state read from the previous iteration (``--prev-state``) and written for the next (``--state``).
+Optimizer: the AdamW state (moments and step counts, with bf16 also ZeRO's fp32 master weights)
+is written as a DeepSpeed checkpoint (``--optimizer``, ZeRO-sharded as DeepSpeed saves it) and
+loaded by the next iteration (``--prev-optimizer``), so the iterations form one optimizer run;
+``train.reset_optimizer`` starts every iteration from a fresh AdamW instead. The stored state
+must come from the same world size, ZeRO stage and bf16 setting, and from the job that wrote
+``--policy``: anything else is refused before training starts.
+
+Robustness (checkpoints, optimizer state and the written policy: ``otbflow.train_state``):
+gradients are clipped at ``max_grad_norm``. A step whose loss or gradient is not
+finite is skipped (no update, logged, ``skipped`` in the metrics; under ZeRO >= 1 DeepSpeed's own
+overflow check skips it); ``max_consecutive_skips`` in a row fail the job. Every
+``checkpoint_every`` steps a DeepSpeed checkpoint (weights, optimizer, data position, schedule,
+RNG, metrics so far) goes to ``--checkpoint-dir``, outside the Snakemake outputs; a rerun with
+the same inputs and config resumes from the latest one and ends with the same weights as an
+uninterrupted run. It is deleted when the stage finishes.
+
+Metrics per optimizer step (table 'train metrics'): loss, clip fraction, grad norm, lr, entropy,
+k3 KL to pi_old (and to pi_ref), IS weight mean/max, TRM acceptance and |log-PPL gap|, tokens and
+sequences, mean response length, verl's variance proxies S, P, V, and skip/LR events.
+
+The next policy is written as an HF folder of fp32 weights (with bf16, ZeRO's fp32 master
+weights; bf16 therefore needs zero_stage >= 1) with the input policy's tokenizer.
+
+Launch: ``otbflow train ...`` as one process, or one process per device under ``torchrun``,
+the ``deepspeed`` launcher (``--no_local_rank``) or Slurm's ``srun`` (the Slurm variables are
+mapped to RANK / LOCAL_RANK / WORLD_SIZE here; DeepSpeed does not do it itself).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import polars as pl
+import torch
+from omegaconf import DictConfig
+
+from otbflow import schemas
+from otbflow.distributed import _destroy_process_group, build_engine, deepspeed_config, init_distributed_env
+from otbflow.io import SchemaError, write_json, write_parquet
+from otbflow.lr_schedule import LRSchedule
+from otbflow.model import set_threads
+from otbflow.seeds import derive_seed
+from otbflow.train_state import (
+    Checkpoints,
+    OptimizerStateError,
+    check_optimizer_state,
+    fingerprint,
+    full_fp32_state_dict,
+    load_optimizer_state,
+    optimizer_layout,
+    policy_digest,
+    save_optimizer_state,
+    save_policy,
+)
+from otbflow.trainer import load_reference, load_rows, mini_batches, train_step
+
+log = logging.getLogger("otbflow.train")
+SECTIONS = ("train", "rollout", "mismatch", "model")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+@dataclass
+class Args:
+    advantages: str
+    """Advantages Parquet (table 'advantages') of one iteration."""
+    policy: str
+    """HF folder of the policy that sampled the rollouts (pi_old); training starts from it."""
+    out: str
+    """Output HF folder of the next policy (model and tokenizer)."""
+    metrics: str
+    """Output Parquet with one row per optimizer step (table 'train metrics')."""
+    iteration: int = 0
+    """RL iteration k (seeds the data order, labels the metrics)."""
+    state: str = ""
+    """Output JSON of the LR schedule's state after this iteration (for the next one's --prev-state)."""
+    prev_state: str = ""
+    """The previous iteration's --state JSON: the LR schedule resumes from it. Empty: a fresh schedule."""
+    reference: str = ""
+    """HF folder of the reference policy of the KL term (train.kl_coef > 0), e.g. the initial policy."""
+    checkpoint_dir: str = ""
+    """Folder of the resumable checkpoints (not an output). Empty: a 'checkpoint' folder beside --out."""
+    optimizer: str = ""
+    """Output folder of the optimizer state after this iteration (a DeepSpeed checkpoint, for the next
+    one's --prev-optimizer). Empty: not written."""
+    prev_optimizer: str = ""
+    """The previous iteration's --optimizer folder: AdamW resumes from it (same world size, ZeRO stage
+    and bf16). Empty: a fresh optimizer."""
+
+
+def run(cfg: DictConfig, args: Args) -> None:
+    set_threads()
+    tc = cfg.train
+    data = load_rows(args.advantages, cfg)
+    n = len(data["response_ids"])
+    if n == 0:
+        raise SchemaError(f"{args.advantages}: no rows to train on")
+    if tc.kl_coef > 0 and not args.reference:
+        raise SchemaError("train.kl_coef > 0 needs --reference, the reference policy (e.g. the initial one)")
+    if tc.reset_optimizer and args.prev_optimizer:
+        raise OptimizerStateError(
+            f"train.reset_optimizer is true but --prev-optimizer {args.prev_optimizer} was given: drop one of them"
+        )
+    rank, world_size = init_distributed_env()
+    if args.prev_optimizer:
+        prev_meta = check_optimizer_state(args.prev_optimizer, tc, world_size, args.policy)  # before any work
+    seed = derive_seed(cfg.seed, "train", args.iteration)
+    torch.manual_seed(seed)
+    engine = build_engine(args.policy, tc, world_size)
+    if args.prev_optimizer:
+        load_optimizer_state(engine, args.prev_optimizer)
+        if rank == 0:
+            log.info(
+                "AdamW resumes from %s (%s optimizer steps before this iteration)",
+                args.prev_optimizer,
+                prev_meta.get("optimizer_steps"),
+            )
+    atexit.register(_destroy_process_group)
+    ref_model = load_reference(args.reference, engine.device) if tc.kl_coef > 0 else None
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.policy, local_files_only=True)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+    plan = mini_batches(n, tc, seed)
+    schedule = LRSchedule.from_dict(tc, json.loads(Path(args.prev_state).read_text()) if args.prev_state else None)
+    schedule.set_horizon(len(plan), cfg.iterations)
+    fp = fingerprint(cfg, args, world_size)
+    ckpt = Checkpoints(
+        args.checkpoint_dir or str(Path(args.out).with_name("checkpoint")), fp, tc.checkpoint_every, rank, world_size
+    )
+    metrics: list[dict] = []
+    start, skips = 0, 0
+    client = ckpt.load(engine)
+    if client is not None:
+        metrics, start, skips = client["metrics"], client["next_step"], client["consecutive_skips"]
+        schedule = LRSchedule.from_dict(tc, client["schedule"])
+        torch.set_rng_state(client["torch_rng"])
+        if rank == 0:
+            log.warning("resuming from the checkpoint in %s after step %d of %d", ckpt.folder, start, len(plan))
+
+    for i in range(start, len(plan)):
+        t0 = time.perf_counter()
+        m = train_step(engine, ref_model, data, plan[i], cfg, pad_id, rank, world_size, schedule.lr())
+        events = ["skipped: non-finite loss or gradient"] if m["skipped"] else []
+        events += [e for e in [schedule.observe(m["mean_response_length"])] if e]
+        skips = skips + 1 if m["skipped"] else 0
+        metrics.append(
+            {
+                "iteration": args.iteration,
+                "step": i,
+                **m,
+                "event": "; ".join(events),
+                "step_time_s": time.perf_counter() - t0,
+            }
+        )
+        if rank == 0:
+            for e in events:
+                log.warning("step %d: %s", i, e)
+            log.info(
+                "step %d/%d: loss %.5f grad_norm %.4f lr %.2e clip %.3f kl %.2e entropy %.3f trm %.2f",
+                i + 1,
+                len(plan),
+                m["loss"],
+                m["grad_norm"],
+                m["lr"],
+                m["clip_fraction"],
+                m["approx_kl"],
+                m["entropy"],
+                m["trm_acceptance"],
+            )
+        if skips >= tc.max_consecutive_skips:
+            raise RuntimeError(
+                f"{skips} consecutive optimizer steps had a non-finite loss or gradient (last: step "
+                f"{i}); stopping (train.max_consecutive_skips={tc.max_consecutive_skips}). The "
+                f"checkpoint in {ckpt.folder} holds the last good state."
+            )
+        if ckpt.due(i + 1, len(plan)):
+            ckpt.save(
+                engine,
+                i + 1,
+                {
+                    "next_step": i + 1,
+                    "metrics": metrics,
+                    "consecutive_skips": skips,
+                    "schedule": schedule.to_dict(),
+                    "torch_rng": torch.get_rng_state(),
+                },
+            )
+
+    state = full_fp32_state_dict(engine, keep=rank == 0)  # collective: all ranks
+    if rank == 0:
+        save_policy(engine, state, args.policy, args.out)
+    del state
+    if args.optimizer:
+        import deepspeed
+
+        digest = policy_digest(args.out) if rank == 0 else ""
+        meta = {
+            **optimizer_layout(tc, world_size),
+            "deepspeed": deepspeed.__version__,
+            "iteration": args.iteration,
+            "optimizer_steps": schedule.to_dict().get("step"),
+            "policy_sha256": digest,
+            "job_fingerprint": fp,
+        }
+        save_optimizer_state(engine, args.optimizer, meta, rank, world_size)  # collective
+    if rank == 0:
+        df = pl.DataFrame(metrics, schema=schemas.TRAIN_METRICS.columns)
+        import deepspeed
+
+        write_parquet(
+            df,
+            args.metrics,
+            metadata={
+                "policy": args.policy,
+                "iteration": args.iteration,
+                "world_size": world_size,
+                "seed": seed,
+                "deepspeed": dict(deepspeed_config(tc, world_size), version=deepspeed.__version__),
+                "loss_agg_mode": tc.loss_agg_mode,
+                "temperature": cfg.rollout.temperature,
+                "resumed_at_step": start,
+                "schedule": schedule.to_dict(),
+            },
+        )
+        if args.state:
+            write_json(schedule.to_dict(), args.state)
+        log.info("%d steps on %d sequences; next policy in %s", len(plan), n, args.out)
+    ckpt.finish()
