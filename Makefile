@@ -43,7 +43,12 @@ run: setup
 test: setup
 	$(PY) -m pytest -q -n $(CORES) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
 
+# The field's checks (CI runs them before the tests): ruff (pinned in pyproject.toml's dev extra),
+# its formatter, snakefmt, Snakemake's own lint and a dry run.
 lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/snakefmt --check Snakefile workflow
 	$(VENV)/bin/snakemake --lint
 	$(VENV)/bin/snakemake -n --cores 1 > /dev/null
 

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from types import SimpleNamespace
 
 import torch
 from memory import reset_peak, rss_kib  # benchmarks/memory.py (this folder is on sys.path)
@@ -84,7 +85,8 @@ def worker(
         )
     else:
         logp, entropy = unchunked_stats(model, batch, 1.0)
-    token_loss, _ = ppo_clip_loss(logp, logp.detach(), adv, 0.2, 0.2, 3.0)
+    tc = SimpleNamespace(clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0)
+    token_loss, _ = ppo_clip_loss(logp, logp.detach(), adv, torch.ones_like(adv), tc)
     loss = token_loss.mean()
     loss.backward()
     seconds = time.perf_counter() - t0

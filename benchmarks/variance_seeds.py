@@ -29,7 +29,7 @@ import yaml
 from otbflow import schemas
 from otbflow.config import DEFAULT_CONFIG, load_config
 from otbflow.io import read_metadata, read_table
-from otbflow.stages import bootstrap, rollout, shard, variance
+from otbflow.stages import bootstrap, shard, variance, variance_pool
 
 COLUMNS = (
     "trace_cov",
@@ -69,14 +69,10 @@ def main() -> None:
         pool = folder / "pool.parquet"
         t0 = time.perf_counter()
         if not pool.is_file():
-            pool_cfg = config(f"seed={seed}", f"rollout.group_size={cfg.variance.pool_size}")
-            rollout.run(
-                pool_cfg,
-                rollout.Args(
-                    prompts=str(out / "data" / "train" / "shard_0.parquet"),
-                    policy=str(policy),
-                    out=str(pool),
-                    n_prompts=cfg.variance.pool_prompts,
+            variance_pool.run(
+                cfg,
+                variance_pool.Args(
+                    prompts=str(out / "data" / "train" / "shard_0.parquet"), policy=str(policy), out=str(pool)
                 ),
             )
         t1 = time.perf_counter()

@@ -26,7 +26,7 @@ SMALL = {
     "evaluate": {"n_samples": 2, "max_new_tokens": 16},
     "train": {"mini_batch_size": 16, "micro_batch_size": 8},
     "variance": {"pool_prompts": 2, "pool_size": 4, "resamples": 10, "sketch_dim": 256},
-    "scaling": {"max_sequences": 8, "bootstrap": 20},
+    "scaling": {"max_sequences": 8, "ci_resamples": 20},
 }
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 # torch threads per stage run in a test: 2 on its own, 1 per pytest-xdist worker (make test runs

@@ -1,13 +1,17 @@
+import copy
+import dataclasses
+import functools
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
 import yaml
 from conftest import REPO
 
-from otbflow.cli import STAGES
 from otbflow.config import DEFAULT_CONFIG, Config, ConfigError, json_schema, load_config
+from otbflow.pipeline import STAGES
 
 
 def test_default_config_file_and_schema_defaults_agree():
@@ -124,9 +128,17 @@ def test_cli_bad_config_exits_nonzero_with_key():
 
 @pytest.mark.parametrize("stage", list(STAGES))
 def test_every_stage_has_help(stage):
-    res = _otbflow(stage, "--help")
+    res = _otbflow(STAGES[stage].command, "--help")
     assert res.returncode == 0, res.stderr
-    assert "--config" in res.stdout and "config keys read by this stage" in res.stdout
+    assert "--config" in res.stdout and "config keys that change this stage's outputs" in res.stdout
+
+
+def test_stage_help_separates_output_keys_from_execution_keys():
+    out = _otbflow("rollout", "--help").stdout
+    outputs, execution = out.split("config keys that change how it runs")
+    assert "rollout.group_size (default 8)" in outputs and "rollout.batch_size" in outputs
+    assert "rollout.python" in execution and "rollout.python" not in outputs
+    assert "  train." not in out  # the rollout reads no training option
 
 
 def test_config_command_prints_resolved_yaml():
@@ -188,3 +200,189 @@ def test_snakemake_config_strings_are_typed_by_the_schema():
     assert list(cfg.advantages.compare) == ["grpo", "otb"]
     with pytest.raises(ConfigError, match="rollout.group_size"):
         load_config(DEFAULT_CONFIG, extra=from_snakemake({"rollout": {"group_size": "eight"}}))
+
+
+# ------------------------------------------------------------------------------------------
+# Bounds declared beside the fields (dataclass metadata), enforced and carried by the JSON schema
+# ------------------------------------------------------------------------------------------
+
+
+def _declared(cls=Config, prefix=""):
+    """(key, type, metadata) of every field of the schema that declares bounds or choices."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from _declared(hints[f.name], f"{prefix}{f.name}.")
+        elif f.metadata:
+            yield f"{prefix}{f.name}", hints[f.name], dict(f.metadata)
+
+
+DECLARED = {key: (tp, meta) for key, tp, meta in _declared()}
+# Overrides that a value needs to pass the rules between keys (which this test does not exercise)
+CONTEXT = {
+    "model.n_embd=1": ["model.n_head=1"],
+    "task.max_terms=1": ["task.min_terms=1"],
+    "train.mini_batch_size=1": ["train.micro_batch_size=1"],
+    "task.name=dataset": ["task.path=prompts.jsonl"],
+    "advantages.estimator=eob": ["features.exact_grad_norm=true"],
+    "advantages.compare=[eob]": ["features.exact_grad_norm=true"],
+}
+# Values inside the declared choices that a rule between keys always refuses
+REFUSED = {"advantages.estimator=otb_tir", "advantages.compare=[otb_tir]", "variance.estimators=[otb_tir]"}
+
+
+@functools.cache
+def _schema():
+    from omegaconf import OmegaConf
+
+    return OmegaConf.structured(Config)
+
+
+def _check(override: str) -> None:
+    """load_config's merge and validation, without re-reading the default file (faster)."""
+    from omegaconf import OmegaConf
+
+    from otbflow.config import validate
+
+    validate(OmegaConf.merge(_schema(), OmegaConf.from_dotlist([override, *CONTEXT.get(override, [])])))
+
+
+def _cases(key, tp, meta):
+    """(override, named key or None when it must pass) around each declared bound or choice."""
+    if "choices" in meta or "item_choices" in meta:
+        choices = meta.get("choices", meta.get("item_choices"))
+        bad = max(choices) + 1 if tp is int else "not-a-choice"
+        if "item_choices" in meta:
+            yield f"{key}=[{bad}]", f"{key}[0]"
+            yield from ((f"{key}=[{c}]", None) for c in choices)
+        else:
+            yield f"{key}={bad}", key
+            yield from ((f"{key}={c}", None) for c in choices)
+        return
+    step = 1 if tp is int else 1e-6
+    if "ge" in meta:
+        yield f"{key}={meta['ge'] - step}", key
+        yield f"{key}={meta['ge']}", None
+    if "gt" in meta:
+        yield f"{key}={meta['gt']}", key
+        yield f"{key}={meta['gt'] + step}", None
+    if "le" in meta:
+        yield f"{key}={meta['le'] + step}", key
+        yield f"{key}={meta['le']}", None
+    if "lt" in meta:
+        yield f"{key}={meta['lt']}", key
+        yield f"{key}={meta['lt'] - step}", None
+    if meta.get("finite"):
+        yield f"{key}=nan", key
+        yield f"{key}=inf", key
+        yield f"{key}=-0.5", None
+
+
+def test_bounds_are_declared_for_the_options_that_had_checks():
+    assert len(DECLARED) >= 90
+    assert DECLARED["rollout.group_size"][1] == {"ge": 1}
+    assert DECLARED["rollout.top_p"][1] == {"gt": 0, "le": 1}
+    assert DECLARED["resources.train.gpu"][1] == {"ge": 0}
+    assert DECLARED["scaling.ci_resamples"][1] == {"ge": 10}
+
+
+@pytest.mark.parametrize("key", sorted(DECLARED))
+def test_every_declared_bound_is_enforced(key):
+    """Just outside each declared bound (or choice list) fails naming the key, on or just inside
+    it passes."""
+    tp, meta = DECLARED[key]
+    cases = list(_cases(key, tp, meta))
+    assert cases, f"{key}: metadata {meta} declares nothing this test knows"
+    for override, named in cases:
+        if override in REFUSED:
+            continue
+        if named is None:
+            _check(override)
+            continue
+        with pytest.raises(ConfigError) as e:
+            _check(override)
+        assert str(e.value).startswith(f"config key '{named}': must be "), (override, str(e.value))
+    if "doc_allowed" in meta:
+        assert meta["doc_allowed"] in str(e.value)
+
+
+def test_bound_messages():
+    for override, message in [
+        ("rollout.group_size=0", "config key 'rollout.group_size': must be >= 1 (got 0)"),
+        ("rollout.top_p=0", "config key 'rollout.top_p': must be in (0, 1] (got 0.0)"),
+        ("bootstrap.slip_rate=1", "config key 'bootstrap.slip_rate': must be in [0, 1) (got 1.0)"),
+        ("train.rollout_is=all", "config key 'train.rollout_is': must be one of none, token, sequence (got 'all')"),
+        ("rollout.backend=sglang", "config key 'rollout.backend': must be one of hf, vllm (got 'sglang')"),
+        ("resources.train.nodes=0", "config key 'resources.train.nodes': must be >= 1 (got 0)"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            load_config(DEFAULT_CONFIG, [override])
+        assert str(e.value) == message
+
+
+def test_json_schema_carries_the_bounds():
+    import jsonschema
+
+    props = json_schema()["properties"]
+    rollout, train = props["rollout"]["properties"], props["train"]["properties"]
+    assert rollout["group_size"]["minimum"] == 1 and "maximum" not in rollout["group_size"]
+    assert (rollout["top_p"]["exclusiveMinimum"], rollout["top_p"]["maximum"]) == (0, 1)
+    assert props["bootstrap"]["properties"]["slip_rate"]["exclusiveMaximum"] == 1
+    assert rollout["backend"]["enum"] == ["hf", "vllm"]
+    assert train["rollout_is"]["enum"] == ["none", "token", "sequence"]
+    assert train["lr_schedule"]["enum"] == ["constant", "cosine", "length_decay"]
+    assert train["loss_type"]["enum"] == ["ppo_clip", "reinforce"]
+    assert train["loss_agg_mode"]["enum"] == [
+        "token-mean",
+        "seq-mean-token-sum",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum-norm",
+    ]
+    assert train["zero_stage"]["enum"] == [0, 1, 2, 3]
+    assert props["task"]["properties"]["format"]["enum"] == ["auto", "prompt_answer", "verl", "gsm8k", "math"]
+    estimators = ["eob", "grpo", "length_power", "none", "opo", "otb", "otb_tir", "reinforce_pp_baseline", "rloo"]
+    assert props["advantages"]["properties"]["estimator"]["enum"] == estimators
+    assert props["variance"]["properties"]["estimators"]["items"]["enum"] == estimators
+    assert props["resources"]["properties"]["train"]["properties"]["gpu"]["minimum"] == 0
+    assert props["scaling"]["properties"]["ci_resamples"]["minimum"] == 10
+    # what Snakemake's validate does with it: the default config passes, an out-of-bounds value fails
+    from otbflow.config import to_container
+
+    good = to_container(load_config(DEFAULT_CONFIG))
+    jsonschema.validate(good, json_schema())
+    for key, value in [("group_size", 0), ("backend", "sglang"), ("top_p", 0)]:
+        bad = copy.deepcopy(good)
+        bad["rollout"][key] = value
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, json_schema())
+
+
+def test_a_renamed_key_names_its_new_name(tmp_path):
+    old = tmp_path / "old.yaml"
+    old.write_text("scaling:\n  bootstrap: 100\n")
+    for how in (
+        {"overrides": ["scaling.bootstrap=100"]},
+        {"extra": {"scaling": {"bootstrap": 100}}},
+        {"extra": {"scaling.bootstrap": 100}},
+        {"path": old},
+    ):
+        with pytest.raises(ConfigError) as e:
+            load_config(**({"path": DEFAULT_CONFIG} | how))
+        assert str(e.value) == "config key 'scaling.bootstrap' was renamed to 'scaling.ci_resamples'"
+    assert load_config(DEFAULT_CONFIG, ["scaling.ci_resamples=100"]).scaling.ci_resamples == 100
+    res = _otbflow("config", "scaling.bootstrap=100")
+    assert res.returncode == 2 and "'scaling.bootstrap' was renamed to 'scaling.ci_resamples'" in res.stderr
+
+
+def test_every_field_has_a_docstring():
+    """The metadata helper keeps the docstring-under-field convention (field_docs reads both)."""
+    from otbflow.config import field_docs
+
+    hints = typing.get_type_hints(Config)
+    for cls in {Config, *(t for t in hints.values() if dataclasses.is_dataclass(t))}:
+        for klass in [cls, *(t for t in typing.get_type_hints(cls).values() if dataclasses.is_dataclass(t))]:
+            if klass is Config:
+                continue
+            docs = field_docs(klass)
+            assert {f.name for f in dataclasses.fields(klass)} <= set(docs), klass.__name__
+    assert "Most responses measured" in field_docs(type(Config().scaling))["max_sequences"]

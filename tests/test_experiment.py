@@ -19,8 +19,8 @@ from conftest import REPO
 
 from otbflow import schemas
 from otbflow.config import ConfigError
+from otbflow.experiment_config import load_experiment, member_config
 from otbflow.io import read_metadata, read_table
-from otbflow.stages.experiment import load_experiment, member_config
 
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
 TINY_EXPERIMENT = REPO / "config" / "experiments" / "tiny.yaml"
@@ -157,17 +157,20 @@ def test_member_config_layers_base_run_and_seed():
     [
         ({"runs": {"bad": {"advantages": {"estimator": "foo"}}}}, "run 'bad': config key 'advantages.estimator'"),
         ({"runs": {"bad": {"rollout": {"groupsize": 4}}}}, "run 'bad': config key 'rollout.groupsize'"),
-        ({"seeds": []}, "'seeds' must be a non-empty list"),
-        ({"extra": 1}, "unknown: ['extra']"),
-        ({"analysis": {"plateau_window": 0}}, "analysis.plateau_window must be an integer >= 1"),
-        ({"analysis": {"plateau_window": True}}, "analysis.plateau_window must be an integer >= 1"),
+        ({"seeds": []}, "config key 'seeds': must be a non-empty list of integers (got [])"),
+        ({"extra": 1}, "config key 'extra': unknown key. Allowed here: experiment, seeds, base, runs, analysis"),
+        ({"analysis": {"plateau_window": 0}}, "config key 'analysis.plateau_window': must be >= 1 (got 0)"),
+        ({"analysis": {"plateau_window": True}}, "config key 'analysis.plateau_window'"),
+        ({"analysis": {"ci_resamples": 99}}, "config key 'analysis.ci_resamples': must be >= 100 (got 99)"),
+        ({"analysis": {"confidence": 1.0}}, "config key 'analysis.confidence': must be in (0, 1) (got 1.0)"),
+        ({"analysis": {"bootstrap": 500}}, "config key 'analysis.bootstrap' was renamed to 'analysis.ci_resamples'"),
     ],
 )
 def test_bad_experiment_fails_before_any_job(tmp_path, change, message):
     exp = yaml.safe_load(TINY_EXPERIMENT.read_text()) | change
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(exp))
-    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(ConfigError, match=re.escape(f"{path}: {message}")):
         load_experiment(path)
 
 
@@ -295,7 +298,7 @@ def test_paired_table_on_hand_made_seeds():
         ("b", 3, 0.6, 100.0),
     ]
     per_seed = pl.DataFrame(rows, schema=["run", "seed", "final_accuracy", "tokens_to_target"], orient="row")
-    exp = {"analysis": {"pairs": [["a", "b"]], "bootstrap": 500, "confidence": 0.95}}
+    exp = {"analysis": {"pairs": [["a", "b"]], "ci_resamples": 500, "confidence": 0.95}}
     pairs = paired_table(exp, per_seed).row(0, named=True)
     assert pairs["seeds"] == 4 and pairs["both_reached"] == 2 and pairs["a_better_seeds"] == 3
     assert pairs["accuracy_diff"] == pytest.approx((0.1 + 0.2 - 0.1 + 0.1) / 4)
@@ -308,9 +311,26 @@ def test_analysis_section_is_checked(tmp_path):
         ({"reference": "nope"}, "analysis.reference"),
         ({"pairs": [["grpo_n4", "x"]]}, "analysis.pairs"),
         ({"target_fraction": 1.5}, "analysis.target_fraction"),
-        ({"colour": 1}, "'analysis' takes"),
+        ({"colour": 1}, "'analysis.colour': unknown key. Allowed here: reference, target_fraction, pairs"),
     ]:
         path = tmp_path / "bad.yaml"
         path.write_text(yaml.safe_dump(exp | {"analysis": bad}))
         with pytest.raises(ConfigError, match=message):
             load_experiment(path)
+
+
+def test_experiment_schema_documents_every_key_and_reads_every_file():
+    """The experiment file has a schema like the run config's: a docstring under each field, its
+    bounds beside it; every experiment in config/experiments loads with the defaults filled in."""
+    import dataclasses
+
+    from otbflow.config import field_docs
+    from otbflow.experiment_config import AnalysisConfig, ExperimentConfig
+
+    for cls in (ExperimentConfig, AnalysisConfig):
+        assert set(field_docs(cls)) == {f.name for f in dataclasses.fields(cls)}, cls.__name__
+    assert AnalysisConfig.__dataclass_fields__["ci_resamples"].metadata["ge"] == 100
+    for path in sorted((REPO / "config" / "experiments").glob("*.yaml")):
+        exp = load_experiment(path)
+        assert exp["analysis"]["ci_resamples"] == 2000 and exp["analysis"]["reference"] in exp["runs"]
+        assert set(exp) == {"experiment", "seeds", "base", "runs", "analysis"}

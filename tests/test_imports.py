@@ -1,31 +1,38 @@
-"""The import graph of otbflow's modules flows one way (stages -> core): no circles, counting the
-imports inside functions too; both generation backends implement the one interface."""
+"""The import graph of otbflow's modules flows one way (stages -> library): no circles, counting
+the imports inside functions too; no stage module imports another; both generation backends
+implement the one interface; a stage's code version covers what it imports and ignores formatting."""
 
 from __future__ import annotations
 
-import ast
 import importlib
-from pathlib import Path
+import shutil
+import subprocess
+import sys
 
 from conftest import REPO
+
+from otbflow.codeversion import closure, direct_imports
+from otbflow.pipeline import STAGES
 
 PACKAGE = REPO / "src" / "otbflow"
 
 
-def imports(path: Path) -> set[str]:
-    """otbflow modules that ``path`` imports anywhere in its body."""
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("otbflow"):
-            names = [node.module] if node.module != "otbflow" else [f"otbflow.{a.name}" for a in node.names]
-            out |= {n.split(".")[1] for n in names if "." in n}
-        elif isinstance(node, ast.Import):
-            out |= {a.name.split(".")[1] for a in node.names if a.name.startswith("otbflow.")}
-    return out - {path.stem}
+def module_names() -> list[str]:
+    names = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+def own_imports(name: str) -> set[str]:
+    """What ``name`` imports, less its parent packages (which Python runs first, not it)."""
+    parents = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
+    return direct_imports(name, named=False) - parents - {name}
 
 
 def test_no_import_circle():
-    graph = {p.stem: imports(p) for p in PACKAGE.glob("*.py")}
+    graph = {m: own_imports(m) for m in module_names()}
     state: dict[str, str] = {}
 
     def visit(node: str, trail: list[str]) -> None:
@@ -39,9 +46,23 @@ def test_no_import_circle():
     for module in sorted(graph):
         if module not in state:
             visit(module, [])
-    assert "rollout" not in graph["vllm_engine"] and "rollout" not in graph["hf_engine"]
-    assert {"generation"} <= graph["vllm_engine"] & graph["hf_engine"]
-    assert not {"hf_engine", "vllm_engine", "rollout"} & graph["generation"]
+
+
+def test_no_stage_imports_another_stage():
+    stages = {m for m in module_names() if m.startswith("otbflow.stages.")}
+    assert stages == {s.module for s in STAGES.values()}, "every stage module is in the stage table, and back"
+    for stage in sorted(stages):
+        assert not own_imports(stage) & (stages - {stage}), f"{stage} imports {own_imports(stage) & stages}"
+    library = [m for m in module_names() if not m.startswith("otbflow.stages") and m not in ("otbflow.cli",)]
+    for module in library:
+        assert not own_imports(module) & stages, f"library module {module} imports a stage"
+
+
+def test_engines_are_loaded_by_name():
+    """The engine interface imports neither backend (vLLM is not importable in every
+    environment); it names them, and the code versions follow the names."""
+    assert not {"otbflow.engines.hf", "otbflow.engines.vllm"} & own_imports("otbflow.engines")
+    assert {"otbflow.engines.hf", "otbflow.engines.vllm"} <= set(closure("otbflow.stages.rollout"))
 
 
 def test_both_backends_implement_the_interface():
@@ -55,32 +76,62 @@ def test_both_backends_implement_the_interface():
             assert callable(getattr(backend, method)), (name, method)
 
 
+def loaded_by(module: str) -> set[str]:
+    """The otbflow modules that importing ``module`` loads (in a fresh interpreter)."""
+    code = f"import sys, {module}; print(' '.join(m for m in sys.modules if m.startswith('otbflow')))"
+    return set(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.split())
+
+
 def test_code_versions_cover_what_each_stage_imports():
-    """A stage's code version (its rules' rerun trigger) hashes every otbflow module the stage
-    module imports, directly or through others, so that editing any of them reruns the stage.
-    The shared modules are hashed for every stage; what they import inside functions (the config
-    check's estimator names, the CLI's sub-commands) is not followed."""
-    from otbflow.codeversion import SHARED, STAGE_MODULES
-
-    graph = {p.stem: imports(p) for p in PACKAGE.glob("*.py")}
-    for stage, hashed in STAGE_MODULES.items():
-        reached, todo = set(), [stage]
-        while todo:
-            for nxt in graph.get(todo.pop(), ()):
-                if nxt not in reached:
-                    reached.add(nxt)
-                    if nxt not in SHARED:
-                        todo.append(nxt)
-        missing = reached - set(hashed) - set(SHARED) - {"codeversion"}
-        assert not missing, f"stage {stage} imports {sorted(missing)}, which its code version does not hash"
+    """Independent of the static reading: every otbflow module that importing a stage module
+    actually loads is in the closure its code version hashes, except what only the config module
+    loads (the registries it takes its choices from; codeversion.NOT_FOLLOWED)."""
+    via_config = loaded_by("otbflow.config")
+    for module in [s.module for s in STAGES.values()]:
+        missing = loaded_by(module) - set(closure(module)) - via_config
+        assert not missing, f"importing {module} loads {sorted(missing)}, which its code version does not hash"
 
 
-def test_the_snakefile_reads_the_variance_keys_without_torch():
-    """Every Snakemake start computes the variance rule's rerun trigger: without importing torch
-    (2-3 s on a small machine)."""
-    import subprocess
-    import sys
+def versions(src, stages: list[str]) -> dict[str, str]:
+    code = f"from otbflow.codeversion import code_version; print(' '.join(code_version(s) for s in {stages!r}))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={"PYTHONPATH": str(src)}, check=True, capture_output=True, text=True
+    ).stdout
+    return dict(zip(stages, out.split()))
 
-    code = "import sys, otbflow.variance_options; print('torch' in sys.modules)"
+
+def test_code_versions_ignore_formatting_and_follow_expressions(tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(PACKAGE, src / "otbflow", ignore=shutil.ignore_patterns("__pycache__"))
+    stages = ["advantages", "train", "shard"]
+    before = versions(src, stages)
+    est = src / "otbflow" / "estimators.py"
+    text = est.read_text()
+    # a reformat (line length 60), a comment and a changed docstring: no version moves
+    est.write_text(text.replace('"""Advantage estimators', '"""Estimators (reworded)', 1) + "\n# a comment\n")
+    ruff = shutil.which("ruff", path=str(REPO / ".venv" / "bin")) or shutil.which("ruff")
+    subprocess.run([ruff, "format", "--line-length", "60", "--no-cache", str(est)], check=True, capture_output=True)
+    assert est.read_text() != text
+    assert versions(src, stages) == before
+    # one changed expression: the stages that reach estimators move, shard does not
+    assert "EPS_STD = 1e-6" in est.read_text()
+    est.write_text(est.read_text().replace("EPS_STD = 1e-6", "EPS_STD = 1e-7"))
+    after = versions(src, stages)
+    assert after["advantages"] != before["advantages"] and after["train"] != before["train"]
+    assert after["shard"] == before["shard"]
+
+
+def test_planning_imports_no_torch():
+    """Every Snakemake start computes every rule's rerun trigger and code version: without
+    importing torch (2-3 s on a small machine)."""
+    code = (
+        "import sys\n"
+        "from otbflow.codeversion import code_version\n"
+        "from otbflow.config import DEFAULT_CONFIG, load_config\n"
+        "from otbflow.pipeline import STAGES, trigger\n"
+        "cfg = load_config(DEFAULT_CONFIG)\n"
+        "[(trigger(cfg, s), code_version(s)) for s in STAGES]\n"
+        "print('torch' in sys.modules)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

@@ -30,7 +30,7 @@ def test_cosine_from_peak_to_floor():
     s = schedule(
         "train.lr_schedule=cosine", "train.lr_warmup_steps=2", "train.lr_decay_steps=4", "train.lr_min_ratio=0.1"
     )
-    s.set_horizon(steps_this_iteration=3, iterations=10)  # lr_decay_steps wins over the auto horizon
+    s.set_horizon(steps_this_iteration=3, iterations=lambda: 10)  # lr_decay_steps wins over the auto horizon
     lrs, _ = walk(s, [10.0] * 8)
     assert lrs == pytest.approx(
         [0.5, 1.0, 1.0, 0.1 + 0.9 * 0.5 * (1 + 2**-0.5), 0.55, 0.1 + 0.9 * 0.5 * (1 - 2**-0.5), 0.1, 0.1]
@@ -39,8 +39,8 @@ def test_cosine_from_peak_to_floor():
 
 def test_cosine_auto_horizon_is_iterations_times_steps():
     s = schedule("train.lr_schedule=cosine")
-    s.set_horizon(steps_this_iteration=5, iterations=4)
-    s.set_horizon(steps_this_iteration=7, iterations=4)  # fixed at the first iteration
+    s.set_horizon(steps_this_iteration=5, iterations=lambda: 4)
+    s.set_horizon(steps_this_iteration=7, iterations=lambda: 4)  # fixed at the first iteration
     assert s.state.total_steps == 20
 
 

@@ -4,7 +4,7 @@ import polars as pl
 import pytest
 import torch
 
-from otbflow import schemas
+from otbflow import mismatch, schemas
 from otbflow.engines.hf import hf_generate
 from otbflow.io import read_metadata, read_table
 from otbflow.logits import sequence_token_stats, token_stats
@@ -144,7 +144,7 @@ def test_mismatch_columns_are_consistent(features_path):
     torch.testing.assert_close(torch.tensor(row["k3"], dtype=torch.float64), lr.exp() - 1 - lr, atol=1e-7, rtol=0)
     assert row["seq_max_k2"] == pytest.approx(max(row["k2"]), abs=1e-12)
     # a perturbed rollout log-prob shows up in every mismatch statistic
-    from otbflow.stages.features import mismatch_columns
+    from otbflow.mismatch import mismatch_columns
 
     shifted = df.head(1).with_columns(pl.col("rollout_logprobs").list.eval(pl.element() - 0.1))
     m = mismatch_columns(shifted.drop("log_ratio", "k1", "k2", "k3")).row(0, named=True)
@@ -192,7 +192,7 @@ def test_features_stage_with_vocab_chunks_matches(tmp_path, rollouts_path, tiny_
     ],
 )
 def test_is_weights_hand_computed(level, expected):
-    got = features.is_weights_column(
+    got = mismatch.is_weights_column(
         pl.Series([[-1.0, -2.0], []], dtype=schemas.F32L), pl.Series([[-1.5, -1.0], []], dtype=schemas.F32L), level, 1.5
     )
     assert got.dtype == schemas.F32L and got.name == "is_weights"

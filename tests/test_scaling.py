@@ -4,7 +4,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from otbflow import schemas
+from otbflow import scaling_fit, schemas
 from otbflow.io import read_table
 from otbflow.stages import scaling
 
@@ -14,7 +14,7 @@ def test_fit_recovers_a_known_power_law():
     T = rng.integers(5, 500, 300).astype(float)
     g = 3.0 * T**1.5 * np.exp(rng.normal(0, 0.3, T.size))
     w = 0.2 * T * np.exp(rng.normal(0, 0.1, T.size))
-    s = scaling.fit_summary(T, g, w, n_boot=400, seed=1)
+    s = scaling_fit.fit_summary(T, g, w, n_boot=400, seed=1)
     assert s["grad_sq_norm_slope_ci_low"] < 1.5 < s["grad_sq_norm_slope_ci_high"]
     assert s["grad_sq_norm_slope_ci_high"] - s["grad_sq_norm_slope_ci_low"] < 0.2
     assert s["w_hat_slope"] == pytest.approx(1.0, abs=0.05)
@@ -23,10 +23,10 @@ def test_fit_recovers_a_known_power_law():
 
 
 def test_spearman_and_spread():
-    assert scaling.spearman(np.array([1.0, 2, 3, 4]), np.array([10.0, 20, 25, 100])) == pytest.approx(1.0)
-    assert scaling.spearman(np.array([1.0, 2, 3]), np.array([3.0, 2, 1])) == pytest.approx(-1.0)
+    assert scaling_fit.spearman(np.array([1.0, 2, 3, 4]), np.array([10.0, 20, 25, 100])) == pytest.approx(1.0)
+    assert scaling_fit.spearman(np.array([1.0, 2, 3]), np.array([3.0, 2, 1])) == pytest.approx(-1.0)
     df = pl.DataFrame({"response_length": list(range(100))})
-    picked = scaling.spread_by_length(df, 10)["response_length"].to_list()
+    picked = scaling_fit.spread_by_length(df, 10)["response_length"].to_list()
     assert len(picked) == 10 and picked[0] == 0 and picked[-1] == 99
 
 

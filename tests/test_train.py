@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import polars as pl
@@ -13,11 +14,19 @@ import pytest
 import torch
 
 from otbflow import logits, schemas
-from otbflow.config import load_config
+from otbflow.config import ConfigError, load_config
 from otbflow.distributed import init_distributed_env
 from otbflow.io import SchemaError, read_table, write_parquet
 from otbflow.logits import policy_logprobs, response_token_stats
-from otbflow.losses import aggregate_loss, low_var_kl, ppo_clip_loss, reinforce_loss, trm_keep
+from otbflow.losses import (
+    POLICY_LOSSES,
+    aggregate_loss,
+    low_var_kl,
+    ppo_clip_loss,
+    register_policy_loss,
+    reinforce_loss,
+    trm_keep,
+)
 from otbflow.model import build_char_tokenizer, build_tiny_model
 from otbflow.rollout_is import rollout_is_weights
 from otbflow.stages import features
@@ -27,6 +36,11 @@ from otbflow.train_state import OptimizerStateError
 MODEL = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.n_positions=64"]
 TEMPERATURE = 0.8  # not 1, so that a missing temperature shows
 N_SEQ = 8
+
+
+def clip(low: float, high: float, c: float | None = None) -> SimpleNamespace:
+    """The train-section keys ppo_clip_loss reads (c None: no dual clip)."""
+    return SimpleNamespace(clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=c)
 
 
 def make_cfg(*overrides: str):
@@ -173,9 +187,7 @@ def full_batch_grad_norm(model, df, mode: str, cfg) -> tuple[float, float]:
         build_char_tokenizer().pad_token_id,
     )
     pad = lambda col: torch.tensor([x + [0.0] * (mask.shape[1] - len(x)) for x in df[col].to_list()])  # noqa: E731
-    token_loss, _ = ppo_clip_loss(
-        logp, pad("logprobs"), pad("advantages"), cfg.train.clip_ratio_low, cfg.train.clip_ratio_high
-    )
+    token_loss, _ = ppo_clip_loss(logp, pad("logprobs"), pad("advantages"), torch.ones_like(logp), cfg.train)
     loss = aggregate_loss(
         token_loss,
         mask,
@@ -300,7 +312,7 @@ def test_ppo_clip_loss_by_hand():
     ratio = torch.tensor([1.5, 0.5, 1.1, 0.5, 1.5])
     adv = torch.tensor([2.0, 2.0, 2.0, -1.0, -1.0])
     old = torch.full((5,), -2.0)
-    loss, clipped = ppo_clip_loss(old + ratio.log(), old, adv, 0.2, 0.28)
+    loss, clipped = ppo_clip_loss(old + ratio.log(), old, adv, torch.ones(5), clip(0.2, 0.28))
     # A > 0, r = 1.5 > 1.28: max(-3, -2.56) = -2.56, clipped (no gradient to push r further up)
     # A > 0, r = 0.5 < 0.8: max(-1, -1.6) = -1, not clipped (the loss still pulls r back up)
     # A > 0, r = 1.1 inside the range: -2.2, not clipped
@@ -312,7 +324,7 @@ def test_ppo_clip_loss_by_hand():
 
 def test_ppo_clip_loss_gradient_vanishes_when_clipped():
     logp = torch.tensor([0.5, 0.0], requires_grad=True)  # r = e^0.5 (clipped), r = 1
-    loss, clipped = ppo_clip_loss(logp, torch.zeros(2), torch.ones(2), 0.2, 0.2)
+    loss, clipped = ppo_clip_loss(logp, torch.zeros(2), torch.ones(2), torch.ones(2), clip(0.2, 0.2))
     loss.sum().backward()
     assert clipped.tolist() == [True, False]
     torch.testing.assert_close(logp.grad, torch.tensor([0.0, -1.0]))
@@ -405,7 +417,7 @@ def test_run_is_reproducible_with_partial_mini_batches(policy_dir, features_path
 def test_dual_clip_caps_the_loss_of_negative_advantages():
     ratio = torch.tensor([5.0, 2.0, 5.0])
     adv = torch.tensor([-1.0, -1.0, 1.0])
-    loss, active = ppo_clip_loss(ratio.log(), torch.zeros(3), adv, 0.2, 0.2, clip_ratio_c=3.0)
+    loss, active = ppo_clip_loss(ratio.log(), torch.zeros(3), adv, torch.ones(3), clip(0.2, 0.2, 3.0))
     # A < 0, r = 5: max(5, 1.2) = 5 > 3 -> capped at 3 (no gradient); r = 2: 2 < 3, unchanged;
     # A > 0: the dual clip does not apply (max(-5, -1.2) = -1.2, the ordinary clip)
     torch.testing.assert_close(loss, torch.tensor([3.0, 2.0, -1.2]))
@@ -415,9 +427,19 @@ def test_dual_clip_caps_the_loss_of_negative_advantages():
 def test_reinforce_loss_weights_are_stop_gradient():
     logp = torch.tensor([-1.0, -2.0], requires_grad=True)
     w = torch.tensor([2.0, 0.5], requires_grad=True)
-    reinforce_loss(logp, torch.tensor([1.0, -1.0]), w).sum().backward()
+    loss, clipped = reinforce_loss(logp, logp.detach(), torch.tensor([1.0, -1.0]), w, None)
+    loss.sum().backward()
     torch.testing.assert_close(logp.grad, torch.tensor([-2.0, 0.5]))  # -A w
     assert w.grad is None or torch.all(w.grad == 0)
+    assert clipped.tolist() == [False, False]
+
+
+def test_ppo_clip_loss_is_times_the_is_weight():
+    logp, adv, w = torch.tensor([0.3, -0.1, 0.0]), torch.tensor([1.0, -1.0, 2.0]), torch.tensor([0.5, 2.0, 1.5])
+    plain, active = ppo_clip_loss(logp, torch.zeros(3), adv, torch.ones(3), clip(0.2, 0.2, 3.0))
+    weighted, active_w = ppo_clip_loss(logp, torch.zeros(3), adv, w, clip(0.2, 0.2, 3.0))
+    torch.testing.assert_close(weighted, plain * w)
+    assert active_w.tolist() == active.tolist()
 
 
 def test_rollout_is_weights_token_and_sequence():
@@ -548,6 +570,40 @@ def test_reinforce_loss_on_policy_has_the_ppo_gradient(policy_dir, features_path
     assert rf["loss"][0] == pytest.approx(-sum(np.dot(a, x) for a, x in zip(adv, lp)) / tokens, rel=1e-5)
     # at r = 1 both gradients are -sum A grad log pi / tokens
     assert rf["grad_norm"][0] == pytest.approx(ppo["grad_norm"][0], rel=1e-5)
+
+
+def test_loss_type_takes_the_registered_losses(policy_dir, features_path, tmp_path):
+    """train.loss_type's values are the registry's names: the config refuses a name nobody
+    registered, accepts it once a function is registered under it, and the train stage then trains
+    with that function; unregistered, the name is refused again."""
+    df = read_table(features_path, schemas.FEATURES)
+    adv = random_advantages(features_path)
+    assert {n: POLICY_LOSSES[n].is_mode for n in ("ppo_clip", "reinforce")} == {
+        "ppo_clip": "decoupled",  # rho = pi_old / pi_rollout (algorithms.md §6.5)
+        "reinforce": "bypass",  # rho = pi_theta / pi_rollout (algorithms.md §6.4)
+    }
+    with pytest.raises(ConfigError, match="train.loss_type"):
+        make_cfg("train.loss_type=half_reinforce")
+    with pytest.raises(ValueError, match="already registered"):
+        register_policy_loss("reinforce", is_mode="bypass")(reinforce_loss)
+    with pytest.raises(ValueError, match="is_mode"):
+        register_policy_loss("half_reinforce", is_mode="coupled")
+
+    @register_policy_loss("half_reinforce", is_mode="bypass")
+    def half_reinforce(logp, old_logp, adv, is_w, tc):
+        return -0.5 * adv * logp * is_w.detach(), logp.new_zeros(logp.shape).bool()
+
+    try:
+        m, _ = run_stage(
+            policy_dir, features_path, tmp_path, "train.mini_batch_size=8", "train.loss_type=half_reinforce", adv=adv
+        )
+    finally:
+        del POLICY_LOSSES["half_reinforce"]
+    tokens = int(df["response_length"].sum())
+    lp = df["logprobs"].to_list()
+    assert m["loss"][0] == pytest.approx(-0.5 * sum(np.dot(a, x) for a, x in zip(adv, lp)) / tokens, rel=1e-5)
+    with pytest.raises(ConfigError, match="train.loss_type"):
+        make_cfg("train.loss_type=half_reinforce")
 
 
 def test_kl_and_entropy_terms(policy_dir, features_path, tmp_path):
@@ -756,15 +812,16 @@ def one_engine_reference(cfg, policy_dir, tables: list[Path]) -> dict[str, torch
     from otbflow.distributed import build_engine
     from otbflow.seeds import derive_seed
     from otbflow.train_state import full_fp32_state_dict
-    from otbflow.trainer import load_rows, mini_batches, train_step
+    from otbflow.trainer import Trainer, load_rows, mini_batches
 
     init_distributed_env()
     engine = build_engine(str(policy_dir), cfg.train, 1)
     pad_id = build_char_tokenizer().pad_token_id
     for k, table in enumerate(tables):
         data = load_rows(str(table), cfg)
+        trainer = Trainer(engine, data, cfg, pad_id)
         for mini in mini_batches(len(data["response_ids"]), cfg.train, derive_seed(cfg.seed, "train", k)):
-            train_step(engine, None, data, mini, cfg, pad_id, 0, 1, cfg.train.lr)
+            trainer.step(mini, cfg.train.lr)
     return full_fp32_state_dict(engine, keep=True)
 
 

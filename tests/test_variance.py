@@ -10,8 +10,8 @@ from conftest import tiny_config
 
 from otbflow import schemas
 from otbflow.io import read_table, write_parquet
-from otbflow.stages import rollout, variance
-from otbflow.stages.variance import CountSketch, center_scores, group_gradients, resample_groups, study, token_gradients
+from otbflow.stages import variance, variance_pool
+from otbflow.variance_study import CountSketch, center_scores, group_gradients, resample_groups, study, token_gradients
 
 
 def test_token_gradients_are_the_per_token_scores(tiny_policy):
@@ -101,13 +101,10 @@ def pool_path(tmp_path_factory, tiny_policy, data_dir):
     """8 responses to each of 4 prompts from the tiny policy, with seeded random 0/1 rewards (the
     untrained policy solves nothing)."""
     out = tmp_path_factory.mktemp("pool")
-    rollout.run(
-        tiny_config("rollout.group_size=8"),
-        rollout.Args(
-            prompts=str(data_dir / "train" / "shard_0.parquet"),
-            policy=str(tiny_policy),
-            out=str(out / "raw.parquet"),
-            n_prompts=4,
+    variance_pool.run(
+        tiny_config("variance.pool_size=8", "variance.pool_prompts=4"),
+        variance_pool.Args(
+            prompts=str(data_dir / "train" / "shard_0.parquet"), policy=str(tiny_policy), out=str(out / "raw.parquet")
         ),
     )
     df = read_table(out / "raw.parquet", schemas.ROLLOUTS)

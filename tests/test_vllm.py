@@ -20,8 +20,8 @@ from otbflow.engines import vllm as vllm_engine
 from otbflow.io import check_schema, read_metadata, read_table
 from otbflow.model import load_tokenizer
 from otbflow.rewards import arithmetic_reward
+from otbflow.sampling import rollout_table
 from otbflow.stages import features
-from otbflow.stages.rollout import rollout_table
 
 DATA = Path(__file__).parent / "data" / "vllm_request_outputs.json"
 

@@ -1,5 +1,5 @@
 # An experiment: several runs x seeds of the whole workflow on one shared initial policy and
-# prompt set, compared in one report (src/otbflow/experiment.py explains the layout).
+# prompt set, compared in one report (src/otbflow/stages/experiment.py explains the layout).
 #   snakemake -s workflow/experiment.smk --configfile config/experiments/otb_vs_grpo.yaml --cores 2
 #   snakemake -s workflow/experiment.smk --configfile ... --report results/otb_vs_grpo/report.html
 # Every member is the default workflow (the root Snakefile) run in its own folder, so each one
@@ -12,7 +12,7 @@ import yaml
 
 import otbflow
 from otbflow.codeversion import code_version
-from otbflow.stages.experiment import load_experiment, shared_config
+from otbflow.experiment_config import load_experiment, shared_config
 from otbflow.io import write_text_if_changed
 
 REPO = Path(workflow.basedir).resolve().parent

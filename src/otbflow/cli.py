@@ -1,9 +1,9 @@
-"""``otbflow <stage>``: one sub-command per stage module.
+"""``otbflow <stage>``: one sub-command per stage of the stage table (``otbflow.pipeline``).
 
-Each stage module defines ``SECTIONS`` (the config sections it reads), an ``Args`` dataclass
-(its inputs and outputs; the field docstrings are the help text) and ``run(cfg, args)``.
-Every sub-command takes ``--config FILE`` and trailing ``key.sub=value`` overrides, loaded by
-the same ``otbflow.config.load_config`` that the Snakefile uses.
+Each stage module defines an ``Args`` dataclass (its inputs and outputs; the field docstrings are
+the help text) and ``run(cfg, args)``; the table gives its one-line help and the config keys of
+its ``--help``. Every sub-command takes ``--config FILE`` and trailing ``key.sub=value``
+overrides, loaded by the same ``otbflow.config.load_config`` that the Snakefile uses.
 """
 
 from __future__ import annotations
@@ -16,22 +16,10 @@ import sys
 import time
 import typing
 
-from otbflow.config import ConfigError, describe_section, field_docs, load_config
+from otbflow.config import DEFAULT_CONFIG, Config, ConfigError, describe_section, field_docs, load_config
 from otbflow.io import SchemaError
+from otbflow.pipeline import STAGES, Stage, by_command
 
-STAGES = {
-    "bootstrap": "build and warm-start the tiny policy (skipped when model.path is set)",
-    "shard": "split the prompts into train shards and an eval set",
-    "rollout": "sample G responses per prompt and score them",
-    "features": "teacher-forced forward pass: log-probs, entropy, sum pi^2, proxy energy, mismatch",
-    "advantages": "baselines and advantages from stored features, plus estimator diagnostics",
-    "train": "DeepSpeed policy update producing the next policy",
-    "evaluate": "greedy and avg@k accuracy of a policy on held-out prompts",
-    "report": "collect metrics of all iterations and plot them",
-    "scaling": "exact squared gradient norm vs response length, and the proxy's agreement with it",
-    "variance": "offline variance of the policy gradient per estimator, on resampled groups with exact gradients",
-    "experiment": "compare the runs x seeds of an experiment (workflow/experiment.smk): summary table and plots",
-}
 TOOLS = {
     "config": "print the validated config (or every key with its help)",
     "schema-doc": "print the Parquet schema reference (docs/schema.md)",
@@ -73,6 +61,30 @@ def _add_args_dataclass(parser: argparse.ArgumentParser, cls: type) -> None:
         )
 
 
+def describe_key(key: str) -> str:
+    """One line of help for a config key (a whole section: every key of it)."""
+    node, cls = Config(), Config
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = getattr(node, part)
+        cls = type(node)
+    value = getattr(node, parts[-1])
+    if dataclasses.is_dataclass(value):
+        return describe_section(key)
+    return f"  {key} (default {value!r}): {field_docs(cls).get(parts[-1], '')}"
+
+
+def keys_epilog(stage: Stage) -> str:
+    """The config keys of a stage, as the stage table declares them for the default config."""
+    cfg = load_config(DEFAULT_CONFIG)
+    lines = ["config keys that change this stage's outputs (with the default config):"]
+    lines += [describe_key(k) for k in stage.outputs(cfg)]
+    if stage.execution:
+        lines += ["config keys that change how it runs, not what it writes:"]
+        lines += [describe_key(k) for k in stage.execution]
+    return "\n".join(lines)
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The full parser of ``command``; the other sub-commands are listed without importing
     their modules (so ``otbflow rollout`` does not import DeepSpeed)."""
@@ -80,17 +92,17 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         prog="otbflow", description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, help_text in STAGES.items():
+    for stage in STAGES.values():
+        name, help_text = stage.command, stage.help
         if name != command:
             sub.add_parser(name, help=help_text)
             continue
-        mod = importlib.import_module(f"otbflow.stages.{name}")
-        epilog = "config keys read by this stage:\n" + "\n".join(describe_section(s) for s in mod.SECTIONS)
+        mod = importlib.import_module(stage.module)
         p = sub.add_parser(
             name,
             help=help_text,
             description=(mod.__doc__ or help_text).strip(),
-            epilog=epilog,
+            epilog=keys_epilog(stage),
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         p.add_argument("--config", default=None, help="config YAML (default: config/config.yaml)")
@@ -131,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return submit_main(ns)
         if ns.command == "experiment-member":
-            from otbflow.stages.experiment import write_member_config
+            from otbflow.experiment_config import write_member_config
 
             write_member_config(ns.experiment, ns.run, ns.seed, ns.policy, ns.scaling, ns.out)
             return 0
@@ -154,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             print(to_yaml(load_config(ns.config or DEFAULT_CONFIG, ns.overrides)), end="")
             return 0
         cfg = load_config(ns.config or DEFAULT_CONFIG, ns.overrides)
-        mod = importlib.import_module(f"otbflow.stages.{ns.command}")
+        mod = importlib.import_module(by_command(ns.command).module)
         args = mod.Args(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(mod.Args)})
         start = time.perf_counter()
         mod.run(cfg, args)

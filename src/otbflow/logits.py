@@ -4,7 +4,7 @@ positions' logits (``ResponseLogits``), and log pi, entropy, sum pi^2 and the Lo
 energy over chunks of positions without a vocabulary-sized tensor per token (``token_stats``,
 ``chunked_token_stats``, ``streamed_token_stats``, ``sequence_token_stats``), plus the exact
 sequence gradient norms of the EOB oracle (``exact_grad_sq_norms``). The formulas are in
-``otbflow.features``' docstring and docs/features.md."""
+docs/features.md."""
 
 from __future__ import annotations
 

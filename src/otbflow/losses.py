@@ -1,4 +1,4 @@
-"""Policy losses and the one loss aggregation (algorithms.md §6.3-6.4).
+"""Policy losses, their registry, and the one loss aggregation (algorithms.md §6.3-6.5).
 
 The functions take and return torch tensors but call only tensor methods, so that importing this
 module (the config reads its registries) imports no torch.
@@ -6,7 +6,9 @@ module (the config reads its registries) imports no torch.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -15,32 +17,70 @@ if TYPE_CHECKING:
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
+# What the rollout IS ratio rho is taken against (algorithms.md §6.5): the proximal policy
+# pi_old (decoupled: the loss's own ratio handles pi_theta / pi_old) or pi_theta itself (bypass).
+IS_MODES = ("decoupled", "bypass")
 
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """A registered policy loss: ``fn(logp, old_logp, adv, is_w, tc) -> (token_loss, clipped)``,
+    all [B, T] (``tc`` the config's train section, ``is_w`` the stop-gradient rollout IS weights,
+    which the loss applies itself; ``clipped`` the tokens where a clip is active), and which
+    log-prob its IS weights are taken against (one of IS_MODES)."""
+
+    fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    is_mode: str
+
+    def is_logp(self, logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:
+        """log pi_x of rho = pi_x / pi_rollout: pi_old (decoupled) or pi_theta (bypass)."""
+        return old_logp if self.is_mode == "decoupled" else logp
+
+
+# The policy losses by name (train.loss_type): the config's choices are these keys.
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
+
+
+def register_policy_loss(name: str, is_mode: str) -> Callable[[Callable], Callable]:
+    """Decorator: register ``fn`` as the policy loss ``name`` (a value of train.loss_type) whose
+    rollout IS weights are taken in ``is_mode`` (see IS_MODES). Returns ``fn`` unchanged."""
+    if is_mode not in IS_MODES:
+        raise ValueError(f"unknown is_mode {is_mode!r} for policy loss {name!r}; one of {', '.join(IS_MODES)}")
+
+    def decorate(fn: Callable) -> Callable:
+        if name in POLICY_LOSSES:
+            raise ValueError(f"policy loss {name!r} is already registered")
+        POLICY_LOSSES[name] = PolicyLoss(fn, is_mode)
+        return fn
+
+    return decorate
+
+
+@register_policy_loss("ppo_clip", is_mode="decoupled")
 def ppo_clip_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    adv: torch.Tensor,
-    clip_low: float,
-    clip_high: float,
-    clip_ratio_c: float | None = None,
+    logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, is_w: torch.Tensor, tc: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token PPO-clip loss max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)), with the dual
-    clip min(L, -A clip_ratio_c) for A < 0 when ``clip_ratio_c`` is given; and the mask of tokens
-    where a clip is active (the loss is flat in r there: no gradient)."""
+    """Per-token PPO-clip loss max(-A r, -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high)),
+    r = exp(clamp(log pi_theta - log pi_old, +-20)), with the dual clip min(L, -A clip_ratio_c) for
+    A < 0 when ``tc.clip_ratio_c`` is not None; times the IS weight w. And the mask of tokens where a
+    clip is active (the loss is flat in r there: no gradient)."""
     ratio = (logp - old_logp).clamp(-20.0, 20.0).exp()
     unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    clipped = -adv * ratio.clamp(1.0 - tc.clip_ratio_low, 1.0 + tc.clip_ratio_high)
     loss, active = unclipped.maximum(clipped), clipped > unclipped
-    if clip_ratio_c is not None:
-        dual = -adv * clip_ratio_c
+    if tc.clip_ratio_c is not None:
+        dual = -adv * tc.clip_ratio_c
         lower = (adv < 0) & (dual < loss)
         loss, active = dual.where(lower, loss), active | lower
-    return loss, active
+    return loss * is_w, active
 
 
-def reinforce_loss(logp: torch.Tensor, adv: torch.Tensor, is_weights: torch.Tensor) -> torch.Tensor:
-    """L_t = -A_t log pi_theta(y_t) sg(w_t) (algorithms.md §6.4)."""
-    return -adv * logp * is_weights.detach()
+@register_policy_loss("reinforce", is_mode="bypass")
+def reinforce_loss(
+    logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, is_w: torch.Tensor, tc: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """L_t = -A_t log pi_theta(y_t) sg(w_t), REINFORCE in bypass mode (algorithms.md §6.4); no clip."""
+    return -adv * logp * is_w.detach(), logp.new_zeros(logp.shape).bool()
 
 
 def low_var_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -91,7 +131,3 @@ def aggregate_loss(
 def trm_keep(seq_max_k2: np.ndarray, seq_mean_k3: np.ndarray, max_k2: float, mean_k3: float) -> np.ndarray:
     """TRM-Max and TRM-Avg together: 1.0 for accepted sequences, 0.0 for masked ones."""
     return ((seq_max_k2 <= max_k2) & (seq_mean_k3 <= mean_k3)).astype(np.float64)
-
-
-# The policy losses by name (train.loss_type); the config's choices are these keys.
-POLICY_LOSSES = {"ppo_clip": ppo_clip_loss, "reinforce": reinforce_loss}

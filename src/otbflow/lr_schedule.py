@@ -27,9 +27,14 @@ iterations: the train stage of iteration k+1 resumes the state that iteration k 
 from __future__ import annotations
 
 import math
+import typing
 from dataclasses import asdict, dataclass, field
 
 from omegaconf import DictConfig
+
+SCHEDULES = ("constant", "cosine", "length_decay")
+"""The ``train.lr_schedule`` names (the config takes its choices from here)."""
+CONSTANT, COSINE, LENGTH_DECAY = SCHEDULES
 
 
 @dataclass
@@ -48,6 +53,8 @@ class ScheduleState:
 
 class LRSchedule:
     def __init__(self, tc: DictConfig, state: ScheduleState | None = None):
+        if tc.lr_schedule not in SCHEDULES:
+            raise ValueError(f"train.lr_schedule: unknown schedule {tc.lr_schedule!r} (one of {', '.join(SCHEDULES)})")
         self.tc = tc
         self.state = state or ScheduleState()
 
@@ -58,12 +65,16 @@ class LRSchedule:
     def to_dict(self) -> dict:
         return asdict(self.state)
 
-    def set_horizon(self, steps_this_iteration: int, iterations: int) -> None:
-        """Fix the cosine horizon once (at the first iteration)."""
-        if self.state.total_steps is None:
-            t = self.tc
+    def set_horizon(self, steps_this_iteration: int, iterations: typing.Callable[[], int]) -> None:
+        """Fix the cosine horizon once (at the first iteration); ``iterations()`` (the run's
+        iteration count) is asked for only where it sets the horizon (cosine, no lr_decay_steps),
+        so that any other schedule's outputs do not depend on it."""
+        t = self.tc
+        if t.lr_schedule == COSINE and self.state.total_steps is None:
             self.state.total_steps = (
-                t.lr_decay_steps + t.lr_warmup_steps if t.lr_decay_steps else max(1, steps_this_iteration * iterations)
+                t.lr_decay_steps + t.lr_warmup_steps
+                if t.lr_decay_steps
+                else max(1, steps_this_iteration * iterations())
             )
 
     def lr(self) -> float:
@@ -71,12 +82,12 @@ class LRSchedule:
         t, s, k = self.tc, self.state, self.state.step
         if t.lr_warmup_steps and k < t.lr_warmup_steps:
             return t.lr * (k + 1) / t.lr_warmup_steps
-        floor = t.lr_min_ratio * t.lr
-        if t.lr_schedule == "cosine":
+        if t.lr_schedule == COSINE:
+            floor = t.lr_min_ratio * t.lr
             span = max(1, (s.total_steps or 1) - t.lr_warmup_steps)
             progress = min(1.0, (k - t.lr_warmup_steps) / span)
             return floor + (t.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-        if t.lr_schedule == "length_decay" and s.surge_step is not None:
+        if t.lr_schedule == LENGTH_DECAY and s.surge_step is not None:
             return t.lr * max(t.lr_min_ratio, 2.0 ** -((k - s.surge_step) // s.period))
         return t.lr
 
@@ -87,7 +98,7 @@ class LRSchedule:
         k = s.step
         s.lengths.append(float(mean_length))
         s.step += 1
-        if t.lr_schedule != "length_decay":
+        if t.lr_schedule != LENGTH_DECAY:
             return ""
         if s.surge_step is None:
             n = t.length_baseline_steps

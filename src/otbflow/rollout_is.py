@@ -15,10 +15,11 @@ if TYPE_CHECKING:  # tensor methods only: importing this module (the config does
 LEVELS = ("none", "token", "sequence")
 
 
-def rollout_is_weights(log_rho: torch.Tensor, mask: torch.Tensor, level: str, threshold: float) -> torch.Tensor:
+def rollout_is_weights(log_rho: torch.Tensor, mask: torch.Tensor, level: str, threshold: float | None) -> torch.Tensor:
     """Truncated IS weights (algorithms.md §6.5), detached, 0 on padding. ``log_rho`` [B, T] is
     log pi_x - log pi_rollout per token; ``level``: none (all 1) | token: min(exp(clamp(log rho,
-    +-20)), C) | sequence: min(exp(clamp(sum_t log rho, +-20)), C) broadcast to the sequence."""
+    +-20)), C) | sequence: min(exp(clamp(sum_t log rho, +-20)), C) broadcast to the sequence.
+    ``threshold`` is C (None only with level none)."""
     log_rho = log_rho.detach()
     m = mask.to(log_rho.dtype)
     if level == "none":

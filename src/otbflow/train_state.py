@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from otbflow.config import section_digest
 from otbflow.io import atomic_dir, write_json
 
 # ------------------------------------------------------------------------------------------
@@ -71,6 +70,7 @@ def fingerprint(cfg: DictConfig, args, world_size: int) -> str:
     bytes, policy, previous schedule state, previous optimizer state), the config, the code and
     the number of ranks."""
     from otbflow.codeversion import code_version
+    from otbflow.pipeline import trigger
 
     h = hashlib.sha256()
     with open(args.advantages, "rb") as f:
@@ -79,9 +79,7 @@ def fingerprint(cfg: DictConfig, args, world_size: int) -> str:
     prev = Path(args.prev_state).read_text() if args.prev_state else ""
     # the optimizer state's meta.json names the job that wrote it (its fingerprint) and its policy
     prev_opt = (Path(args.prev_optimizer) / OPTIMIZER_META).read_text() if args.prev_optimizer else ""
-    config = section_digest(
-        cfg, "seed", "iterations", "train", "mismatch", "rollout.temperature", "rollout.max_new_tokens"
-    )  # not resources: a retry with more memory resumes
+    config = trigger(cfg, "train")  # what changes the outputs; not resources: a retry with more memory resumes
     h.update(
         json.dumps(
             [

@@ -1,8 +1,10 @@
-"""The training loop of one iteration: micro-batches, optimizer steps and their metrics."""
+"""The training loop of one iteration (``Trainer``): micro-batches, optimizer steps and their metrics."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -10,11 +12,11 @@ import torch
 from omegaconf import DictConfig
 
 from otbflow import schemas
-from otbflow.estimators import total_power, variance_proxies
 from otbflow.distributed import all_reduce, grads_finite, param_grad_norm
+from otbflow.estimators import total_power, variance_proxies
 from otbflow.io import read_table
 from otbflow.logits import pack, pad_right, response_token_stats, to_padded
-from otbflow.losses import aggregate_loss, low_var_kl, ppo_clip_loss, reinforce_loss, trm_keep
+from otbflow.losses import POLICY_LOSSES, aggregate_loss, low_var_kl, trm_keep
 from otbflow.rollout_is import rollout_is_weights
 
 SUMS = ("loss", "clipped", "entropy", "k3", "kl_ref", "is_w", "power", "bad")
@@ -22,172 +24,165 @@ SUMS = ("loss", "clipped", "entropy", "k3", "kl_ref", "is_w", "power", "bad")
 MAXES = ("is_w", "log_ratio")
 
 
-def micro_step(
-    engine,
-    ref_model,
-    data: dict,
-    rows: list[int],
-    weight: float,
-    cfg: DictConfig,
-    pad_id: int,
-    global_tokens: int,
-    global_seqs: int,
-    world_size: int,
-) -> tuple[dict[str, float], dict[str, float]]:
-    """Forward and backward of one micro-batch; returns its sums and its maxima (largest IS
-    weight, largest |log pi_theta - log pi_old|) for the step's metrics. ``weight`` 0 turns it
-    into a no-op that still runs the collectives (empty rank slice)."""
-    tc = cfg.train
-    dev = engine.device
-    batch = pack([data["prompt_ids"][i] for i in rows], [data["response_ids"][i] for i in rows], pad_id, dev)
-    flat_logp, flat_entropy = engine(
-        batch["input_ids"],
-        batch["attention_mask"],
-        batch["rows"],
-        batch["pos"],
-        batch["targets"],
-        cfg.rollout.temperature,
-        tc.entropy_coef > 0,
-    )
-    logp = to_padded(flat_logp, batch, len(rows))
-    width = logp.shape[1]
+@dataclass
+class Trainer:
+    """The policy updates of one iteration on one rank: a DeepSpeed ``engine``, the iteration's rows
+    (``load_rows``), the config, the pad id of the policy's tokenizer, this rank among
+    ``world_size``, and the frozen reference policy of the KL term (None: no KL term)."""
 
-    def column(name: str) -> torch.Tensor:
-        return pad_right([data[name][i] for i in rows], width, dev)
+    engine: Any
+    data: dict
+    cfg: DictConfig
+    pad_id: int
+    rank: int = 0
+    world_size: int = 1
+    ref_model: Any = None
 
-    old_logp, adv = column("logprobs"), column("advantages")
-    mask = column("loss_mask") * weight
-    keep = torch.tensor([[data["keep"][i]] for i in rows], dtype=torch.float32, device=dev)
-    is_base = old_logp if tc.loss_type == "ppo_clip" else logp  # decoupled vs bypass (algorithms.md §6.5)
-    is_w = rollout_is_weights(is_base - column("rollout_logprobs"), mask, tc.rollout_is, tc.rollout_is_threshold)
-    if tc.loss_type == "ppo_clip":
-        token_loss, clipped = ppo_clip_loss(logp, old_logp, adv, tc.clip_ratio_low, tc.clip_ratio_high, tc.clip_ratio_c)
-        token_loss = token_loss * is_w
-    else:
-        token_loss, clipped = reinforce_loss(logp, adv, is_w), torch.zeros_like(mask, dtype=torch.bool)
-    entropy = to_padded(flat_entropy, batch, len(rows))
-    if tc.entropy_coef > 0:
-        token_loss = token_loss - tc.entropy_coef * entropy
-    kl_ref = torch.zeros_like(mask)
-    if ref_model is not None:
-        with torch.no_grad():
-            ref_flat, _ = response_token_stats(
-                ref_model,
-                batch["input_ids"],
-                batch["attention_mask"],
-                batch["rows"],
-                batch["pos"],
-                batch["targets"],
-                cfg.rollout.temperature,
-                tc.logprob_chunk_size,
-            )
-        kl_ref = low_var_kl(logp, to_padded(ref_flat, batch, len(rows)))
-        token_loss = token_loss + tc.kl_coef * kl_ref
-    scale = tc.loss_scale_factor or cfg.rollout.max_new_tokens
-    loss = aggregate_loss(token_loss * keep, mask, tc.loss_agg_mode, global_tokens, global_seqs, scale)
-    # DeepSpeed averages gradients over ranks, and scale_wrt_gas=False stops it from also
-    # dividing by the accumulation steps: the step-wide normalisers already did both.
-    engine.backward(loss * world_size, scale_wrt_gas=False)
-
-    with torch.no_grad():
-        log_ratio = torch.clamp(logp - old_logp, -20.0, 20.0)
-        k3 = torch.exp(log_ratio) - 1.0 - log_ratio  # r - 1 - log r, r = pi_theta / pi_old
-        n_tok = mask.sum(-1)
-        t = n_tok.clamp_min(1e-12)
-        w_hat = (column("proxy") * mask).sum(-1)
-        abar = (adv * mask).sum(-1) / t
-        rho = (is_w * mask).sum(-1) / t if tc.rollout_is != "none" else None
-        to_np = lambda x: x.double().cpu().numpy()  # noqa: E731
-        power = total_power(to_np(w_hat), to_np(abar), None if rho is None else to_np(rho)) * len(rows) * weight
-        sums = {
-            "loss": float(loss.detach()),
-            "clipped": float((clipped * mask).sum()),
-            "entropy": float((entropy * mask).sum()),
-            "k3": float((k3 * mask).sum()),
-            "kl_ref": float((kl_ref * mask).sum()),
-            "is_w": float((is_w * mask).sum()),
-            "power": power,
-            "bad": 0.0 if math.isfinite(float(loss.detach())) else 1.0,
+    def step(self, mini: list[int], lr: float) -> dict:
+        """One optimizer step on the mini-batch ``mini`` (row indices; every rank gets the same list
+        and takes every world_size-th row) at learning rate ``lr``; returns the step's metrics."""
+        engine, data, tc, world_size = self.engine, self.data, self.cfg.train, self.world_size
+        for group in engine.optimizer.param_groups:
+            group["lr"] = lr
+        mask_sums = [sum(data["loss_mask"][i]) for i in mini]
+        global_tokens = int(sum(mask_sums))  # pre-TRM counts: masked sequences count, as the paper's 1/N
+        global_seqs = sum(1 for s in mask_sums if s > 0)
+        local = mini[self.rank :: world_size]
+        n_micro = math.ceil(math.ceil(len(mini) / world_size) / tc.micro_batch_size)  # the same on every rank
+        sums = dict.fromkeys(SUMS, 0.0)
+        maxes = dict.fromkeys(MAXES, 0.0)
+        norm_before_step = None
+        for j in range(n_micro):
+            rows = local[j * tc.micro_batch_size : (j + 1) * tc.micro_batch_size]
+            last = j == n_micro - 1
+            engine.set_gradient_accumulation_boundary(last)
+            out, mx = self._micro(rows or mini[:1], 1.0 if rows else 0.0, global_tokens, global_seqs)
+            sums = {k: sums[k] + out[k] for k in SUMS}
+            maxes = {k: max(maxes[k], mx[k]) for k in MAXES}
+            if last:
+                if tc.zero_stage == 0 and not grads_finite(engine.module):
+                    sums["bad"] += 1.0
+                norm_before_step = param_grad_norm(engine.module)  # fp32 without ZeRO reports no norm
+        sums = dict(zip(SUMS, all_reduce([sums[k] for k in SUMS], world_size, engine.device)))
+        maxes = dict(zip(MAXES, all_reduce([maxes[k] for k in MAXES], world_size, engine.device, op="max")))
+        if sums["bad"] and tc.zero_stage == 0:
+            engine.zero_grad()  # discard the step; ZeRO >= 1 runs its own overflow check in step()
+            skipped, norm = True, float("nan")
+        else:
+            before = engine.skipped_steps
+            engine.step()
+            skipped = engine.skipped_steps > before
+            norm = engine.get_global_grad_norm()
+            norm = float(norm) if norm is not None else norm_before_step
+            norm = float("nan") if norm is None or skipped else norm
+        tokens = max(global_tokens, 1)
+        accept = np.asarray([data["accept"][i] for i in mini])
+        return {
+            "loss": sums["loss"],
+            "clip_fraction": sums["clipped"] / tokens,
+            "grad_norm": norm,
+            "lr": float(engine.get_lr()[0]),  # what the optimizer used
+            "entropy": sums["entropy"] / tokens,
+            "approx_kl": sums["k3"] / tokens,
+            "max_abs_log_ratio": maxes["log_ratio"],
+            "kl_ref": sums["kl_ref"] / tokens,
+            "is_weight_mean": sums["is_w"] / tokens,
+            "is_weight_max": maxes["is_w"],
+            "trm_acceptance": float(accept.mean()),
+            "log_ppl_abs_diff": float(np.mean([data["log_ppl_abs_diff"][i] for i in mini])),
+            "tokens": global_tokens,
+            "sequences": len(mini),
+            "mean_response_length": float(np.mean([len(data["response_ids"][i]) for i in mini])),
+            **variance_proxies(sums["power"] / len(mini), norm, len(mini)),
+            "skipped": skipped,
         }
-        valid = mask > 0
-        maxes = {
-            "is_w": float(is_w[valid].max()) if valid.any() else 0.0,
-            "log_ratio": float((logp - old_logp).abs()[valid].max()) if valid.any() else 0.0,
-        }
-    return sums, maxes
 
-
-def train_step(
-    engine, ref_model, data: dict, mini: list[int], cfg: DictConfig, pad_id: int, rank: int, world_size: int, lr: float
-) -> dict:
-    """One optimizer step on the mini-batch ``mini`` (row indices; every rank gets the same list
-    and takes every world_size-th row) at learning rate ``lr``."""
-    tc = cfg.train
-    for group in engine.optimizer.param_groups:
-        group["lr"] = lr
-    mask_sums = [sum(data["loss_mask"][i]) for i in mini]
-    global_tokens = int(sum(mask_sums))  # pre-TRM counts: masked sequences count, as the paper's 1/N
-    global_seqs = sum(1 for s in mask_sums if s > 0)
-    local = mini[rank::world_size]
-    n_micro = math.ceil(math.ceil(len(mini) / world_size) / tc.micro_batch_size)  # the same on every rank
-    sums = dict.fromkeys(SUMS, 0.0)
-    maxes = dict.fromkeys(MAXES, 0.0)
-    norm_before_step = None
-    for j in range(n_micro):
-        rows = local[j * tc.micro_batch_size : (j + 1) * tc.micro_batch_size]
-        last = j == n_micro - 1
-        engine.set_gradient_accumulation_boundary(last)
-        out, mx = micro_step(
-            engine,
-            ref_model,
-            data,
-            rows or mini[:1],
-            1.0 if rows else 0.0,
-            cfg,
-            pad_id,
-            global_tokens,
-            global_seqs,
-            world_size,
+    def _micro(
+        self, rows: list[int], weight: float, global_tokens: int, global_seqs: int
+    ) -> tuple[dict[str, float], dict[str, float]]:
+        """Forward and backward of one micro-batch; returns its sums and its maxima (largest IS
+        weight, largest |log pi_theta - log pi_old|) for the step's metrics. ``global_tokens`` and
+        ``global_seqs`` count the whole step's batch (``aggregate_loss``). ``weight`` 0 turns it
+        into a no-op that still runs the collectives (empty rank slice)."""
+        engine, data, cfg = self.engine, self.data, self.cfg
+        tc = cfg.train
+        dev = engine.device
+        batch = pack([data["prompt_ids"][i] for i in rows], [data["response_ids"][i] for i in rows], self.pad_id, dev)
+        flat_logp, flat_entropy = engine(
+            batch["input_ids"],
+            batch["attention_mask"],
+            batch["rows"],
+            batch["pos"],
+            batch["targets"],
+            cfg.rollout.temperature,
+            tc.entropy_coef > 0,
         )
-        sums = {k: sums[k] + out[k] for k in SUMS}
-        maxes = {k: max(maxes[k], mx[k]) for k in MAXES}
-        if last:
-            if tc.zero_stage == 0 and not grads_finite(engine.module):
-                sums["bad"] += 1.0
-            norm_before_step = param_grad_norm(engine.module)  # fp32 without ZeRO reports no norm
-    sums = dict(zip(SUMS, all_reduce([sums[k] for k in SUMS], world_size, engine.device)))
-    maxes = dict(zip(MAXES, all_reduce([maxes[k] for k in MAXES], world_size, engine.device, op="max")))
-    if sums["bad"] and tc.zero_stage == 0:
-        engine.zero_grad()  # discard the step; ZeRO >= 1 runs its own overflow check in step()
-        skipped, norm = True, float("nan")
-    else:
-        before = engine.skipped_steps
-        engine.step()
-        skipped = engine.skipped_steps > before
-        norm = engine.get_global_grad_norm()
-        norm = float(norm) if norm is not None else norm_before_step
-        norm = float("nan") if norm is None or skipped else norm
-    tokens = max(global_tokens, 1)
-    accept = np.asarray([data["accept"][i] for i in mini])
-    return {
-        "loss": sums["loss"],
-        "clip_fraction": sums["clipped"] / tokens,
-        "grad_norm": norm,
-        "lr": float(engine.get_lr()[0]),  # what the optimizer used
-        "entropy": sums["entropy"] / tokens,
-        "approx_kl": sums["k3"] / tokens,
-        "max_abs_log_ratio": maxes["log_ratio"],
-        "kl_ref": sums["kl_ref"] / tokens,
-        "is_weight_mean": sums["is_w"] / tokens,
-        "is_weight_max": maxes["is_w"],
-        "trm_acceptance": float(accept.mean()),
-        "log_ppl_abs_diff": float(np.mean([data["log_ppl_abs_diff"][i] for i in mini])),
-        "tokens": global_tokens,
-        "sequences": len(mini),
-        "mean_response_length": float(np.mean([len(data["response_ids"][i]) for i in mini])),
-        **variance_proxies(sums["power"] / len(mini), norm, len(mini)),
-        "skipped": skipped,
-    }
+        logp = to_padded(flat_logp, batch, len(rows))
+        width = logp.shape[1]
+
+        def column(name: str) -> torch.Tensor:
+            return pad_right([data[name][i] for i in rows], width, dev)
+
+        old_logp, adv = column("logprobs"), column("advantages")
+        mask = column("loss_mask") * weight
+        keep = torch.tensor([[data["keep"][i]] for i in rows], dtype=torch.float32, device=dev)
+        policy_loss = POLICY_LOSSES[tc.loss_type]
+        log_rho = policy_loss.is_logp(logp, old_logp) - column("rollout_logprobs")
+        threshold = tc.rollout_is_threshold if tc.rollout_is != "none" else None  # read only where it is used
+        is_w = rollout_is_weights(log_rho, mask, tc.rollout_is, threshold)
+        token_loss, clipped = policy_loss.fn(logp, old_logp, adv, is_w, tc)
+        entropy = to_padded(flat_entropy, batch, len(rows))
+        if tc.entropy_coef > 0:
+            token_loss = token_loss - tc.entropy_coef * entropy
+        kl_ref = torch.zeros_like(mask)
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref_flat, _ = response_token_stats(
+                    self.ref_model,
+                    batch["input_ids"],
+                    batch["attention_mask"],
+                    batch["rows"],
+                    batch["pos"],
+                    batch["targets"],
+                    cfg.rollout.temperature,
+                    tc.logprob_chunk_size,
+                )
+            kl_ref = low_var_kl(logp, to_padded(ref_flat, batch, len(rows)))
+            token_loss = token_loss + tc.kl_coef * kl_ref
+        scale = 1.0  # Dr.GRPO's constant C, read only where it is used
+        if tc.loss_agg_mode == "seq-mean-token-sum-norm":
+            scale = tc.loss_scale_factor or cfg.rollout.max_new_tokens
+        loss = aggregate_loss(token_loss * keep, mask, tc.loss_agg_mode, global_tokens, global_seqs, scale)
+        # DeepSpeed averages gradients over ranks, and scale_wrt_gas=False stops it from also
+        # dividing by the accumulation steps: the step-wide normalisers already did both.
+        engine.backward(loss * self.world_size, scale_wrt_gas=False)
+
+        with torch.no_grad():
+            log_ratio = torch.clamp(logp - old_logp, -20.0, 20.0)
+            k3 = torch.exp(log_ratio) - 1.0 - log_ratio  # r - 1 - log r, r = pi_theta / pi_old
+            n_tok = mask.sum(-1)
+            t = n_tok.clamp_min(1e-12)
+            w_hat = (column("proxy") * mask).sum(-1)
+            abar = (adv * mask).sum(-1) / t
+            rho = (is_w * mask).sum(-1) / t if tc.rollout_is != "none" else None
+            to_np = lambda x: x.double().cpu().numpy()  # noqa: E731
+            power = total_power(to_np(w_hat), to_np(abar), None if rho is None else to_np(rho)) * len(rows) * weight
+            sums = {
+                "loss": float(loss.detach()),
+                "clipped": float((clipped * mask).sum()),
+                "entropy": float((entropy * mask).sum()),
+                "k3": float((k3 * mask).sum()),
+                "kl_ref": float((kl_ref * mask).sum()),
+                "is_w": float((is_w * mask).sum()),
+                "power": power,
+                "bad": 0.0 if math.isfinite(float(loss.detach())) else 1.0,
+            }
+            valid = mask > 0
+            maxes = {
+                "is_w": float(is_w[valid].max()) if valid.any() else 0.0,
+                "log_ratio": float((logp - old_logp).abs()[valid].max()) if valid.any() else 0.0,
+            }
+        return sums, maxes
 
 
 def load_rows(path: str, cfg: DictConfig) -> dict:

@@ -11,14 +11,14 @@ rule advantages:
     # the chain from one policy to the next first; evaluation, scaling and variance fill free cores
     priority: 1
     conda:
-        ENV
+        stage_env("advantages")
     threads: 1
     resources:
         mem_mb=CFG.resources.advantages.mem_mb,
         runtime=runtime(CFG.resources.advantages.runtime),
     params:
         cmd=stage_cmd("advantages"),
-        cfg=digest("advantages"),
+        cfg=stage_trigger("advantages"),
         code=code_version("advantages"),
     shell:
         "{params.cmd} --features {input.features} --out {output.advantages} "

@@ -7,14 +7,14 @@ rule bootstrap:
     benchmark:
         f"{R}/benchmarks/bootstrap/bootstrap.tsv"
     conda:
-        ENV
+        stage_env("bootstrap")
     threads: 2
     resources:
         mem_mb=4000,
         runtime=60,
     params:
         cmd=stage_cmd("bootstrap"),
-        cfg=digest("seed", "model", "bootstrap", "task", "rollout.max_new_tokens"),
+        cfg=stage_trigger("bootstrap"),
         code=code_version("bootstrap"),
     shell:
         "{params.cmd} --out {output.policy} --metrics {output.curve} > {log} 2>&1"

@@ -7,6 +7,7 @@ from snakemake.utils import validate
 
 import otbflow
 from otbflow.codeversion import code_version
+from otbflow.pipeline import STAGES, trigger
 from otbflow.config import (
     DEFAULT_CONFIG,
     evaluated_iterations,
@@ -31,8 +32,6 @@ ITERATIONS = list(range(CFG.iterations))
 EVALUATED = evaluated_iterations(CFG)  # evaluate.every; the last iteration always
 SHARDS = list(range(CFG.shard.n_shards))
 ENV = "../../envs/otbflow.yaml"
-# vLLM pins its own torch: rollout and evaluate use its environment when it is the backend.
-GENERATE_ENV = "../../envs/vllm.yaml" if CFG.rollout.backend == "vllm" else ENV
 
 
 RESOLVED_CONFIG = f"{R}/config.yaml"
@@ -46,16 +45,31 @@ _PY = "python" if "conda" in str(workflow.deployment_settings.deployment_method)
 OTBFLOW = f"PYTHONPATH={_SRC}${{PYTHONPATH:+:$PYTHONPATH}} {_PY} -m otbflow"
 
 
-def stage_cmd(stage, python=None, launcher=""):
-    """Start of the shell command of one stage: the CLI with the resolved config, told how
-    many threads the job has. ``python`` overrides the interpreter (rollout.python);
-    ``launcher`` starts several processes of it (``launch_processes``)."""
+def stage_cmd(stage):
+    """Start of the shell command of one stage: the CLI with the resolved config, told how many
+    threads the job has; the engine's interpreter (rollout.python) for a stage that generates, and
+    a launcher of several processes where the stage's resources ask for tasks (train)."""
+    python = CFG.rollout.python if STAGES[stage].engine else None
+    res = CFG.resources.get(stage, {})
+    launcher = launch_processes(res.tasks, res.cpus_per_task) if "tasks" in res else ""
     cli = (
         OTBFLOW
         if python is None and not launcher
-        else (f"PYTHONPATH={_SRC}${{PYTHONPATH:+:$PYTHONPATH}} {launcher}{python or _PY} -m otbflow")
+        else f"PYTHONPATH={_SRC}${{PYTHONPATH:+:$PYTHONPATH}} {launcher}{python or _PY} -m otbflow"
     )
-    return lambda wildcards, threads: f"OTBFLOW_THREADS={threads} {cli} {stage} --config {RESOLVED_CONFIG}"
+    command = STAGES[stage].command
+    return lambda wildcards, threads: f"OTBFLOW_THREADS={threads} {cli} {command} --config {RESOLVED_CONFIG}"
+
+
+def stage_trigger(stage):
+    """The rule's config trigger: a digest of the keys that change the stage's outputs (otbflow.pipeline)."""
+    return trigger(CFG, stage)
+
+
+def stage_env(stage):
+    """The conda environment of a stage: vLLM pins its own torch, so the stages that run the
+    generation engine use its environment when it is the backend."""
+    return "../../envs/vllm.yaml" if STAGES[stage].engine and CFG.rollout.backend == "vllm" else ENV
 
 
 def launch_processes(tasks, cpus_per_task):
@@ -80,35 +94,6 @@ def task_resources(res):
     if res.tasks == 1:
         return {}
     return {"mpi": "srun"} | ({"tasks_per_gpu": 1} if res.gpu else {})
-
-
-def digest(*sections):
-    """Rerun trigger: changes when any of these config sections changes."""
-    return section_digest(CFG, *sections)
-
-
-def train_digest():
-    """The train rule's config trigger; `iterations` only where it sets the cosine horizon, so
-    that extending a run by more iterations keeps the finished ones."""
-    auto_horizon = CFG.train.lr_schedule == "cosine" and CFG.train.lr_decay_steps == 0
-    sections = ["seed", "train", "mismatch", "rollout.temperature", "rollout.max_new_tokens"]
-    return digest(*sections, *(["iterations"] if auto_horizon else []))
-
-
-def variance_digest():
-    """The variance rule's config trigger: the keys the study reads (otbflow.variance_options.read_keys:
-    its own section and the advantages options its estimators take in the study; not
-    advantages.estimator, compare, baseline_shift or std_normalize, which it does not use)."""
-    from otbflow.variance_options import read_keys
-
-    return digest(*read_keys(CFG))
-
-
-def variance_pool_digest():
-    """The pool rollout's config trigger: what the rollout stage reads, less the group size and
-    prompt count that the rule overrides (variance.pool_size, variance.pool_prompts)."""
-    sampling = [f"rollout.{k}" for k in CFG.rollout if k not in ("group_size", "prompts_per_iteration", "python")]
-    return digest("seed", "task", "model.dtype", "shard", "variance.pool_prompts", "variance.pool_size", *sampling)
 
 
 def initial_policy():

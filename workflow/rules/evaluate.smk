@@ -10,7 +10,7 @@ rule evaluate:
     benchmark:
         f"{R}/benchmarks/evaluate/{{policy}}.tsv"
     conda:
-        GENERATE_ENV
+        stage_env("evaluate")
     threads: CFG.resources.evaluate.threads
     resources:
         gpu=CFG.resources.evaluate.gpu,
@@ -18,16 +18,8 @@ rule evaluate:
         mem_mb=CFG.resources.evaluate.mem_mb,
         runtime=runtime(CFG.resources.evaluate.runtime),
     params:
-        cmd=stage_cmd("evaluate", python=CFG.rollout.python),
-        cfg=digest(
-            "seed",
-            "evaluate.n_samples",
-            "evaluate.temperature",
-            "evaluate.max_new_tokens",
-            "task",
-            "model.dtype",
-            "rollout.backend",
-        ),
+        cmd=stage_cmd("evaluate"),
+        cfg=stage_trigger("evaluate"),
         code=code_version("evaluate"),
         iteration=policy_iteration,
     shell:

@@ -11,7 +11,7 @@ rule features:
     # the chain from one policy to the next first; evaluation, scaling and variance fill free cores
     priority: 1
     conda:
-        ENV
+        stage_env("features")
     threads: CFG.resources.features.threads
     resources:
         gpu=CFG.resources.features.gpu,
@@ -20,8 +20,7 @@ rule features:
         runtime=runtime(CFG.resources.features.runtime),
     params:
         cmd=stage_cmd("features"),
-        # pi_old at the trainer's precision (train.bf16), not model.dtype (rollout/evaluate)
-        cfg=digest("features", "rollout.temperature", "train.bf16", "train.rollout_is", "train.rollout_is_threshold"),
+        cfg=stage_trigger("features"),
         code=code_version("features"),
     shell:
         "{params.cmd} --rollouts {input.rollouts} --policy {input.policy} --out {output} > {log} 2>&1"

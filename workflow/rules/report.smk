@@ -40,14 +40,14 @@ rule report:
     benchmark:
         f"{R}/benchmarks/report/report.tsv"
     conda:
-        ENV
+        stage_env("report")
     threads: 1
     resources:
         mem_mb=CFG.resources.report.mem_mb,
         runtime=runtime(CFG.resources.report.runtime),
     params:
         cmd=stage_cmd("report"),
-        cfg=digest("mismatch"),
+        cfg=stage_trigger("report"),
         code=code_version("report"),
         out_dir=lambda wildcards, output: os.path.dirname(output.progress),
     shell:

@@ -11,7 +11,7 @@ rule rollout:
     # the chain from one policy to the next first; evaluation, scaling and variance fill free cores
     priority: 1
     conda:
-        GENERATE_ENV
+        stage_env("rollout")
     threads: CFG.resources.rollout.threads
     resources:
         gpu=CFG.resources.rollout.gpu,
@@ -19,8 +19,8 @@ rule rollout:
         mem_mb=CFG.resources.rollout.mem_mb,
         runtime=runtime(CFG.resources.rollout.runtime),
     params:
-        cmd=stage_cmd("rollout", python=CFG.rollout.python),
-        cfg=digest("seed", "rollout", "task", "model.dtype", "shard"),
+        cmd=stage_cmd("rollout"),
+        cfg=stage_trigger("rollout"),
         code=code_version("rollout"),
     shell:
         "{params.cmd} --prompts {input.prompts} --policy {input.policy} --out {output} "

@@ -16,14 +16,14 @@ rule scaling:
     benchmark:
         f"{R}/benchmarks/scaling/scaling.tsv"
     conda:
-        ENV
+        stage_env("scaling")
     threads: CFG.resources.features.threads  # forward and backward passes, as in features
     resources:
         mem_mb=8000,
         runtime=60,
     params:
         cmd=stage_cmd("scaling"),
-        cfg=digest("seed", "scaling", "rollout.temperature", "features.chunk_size"),
+        cfg=stage_trigger("scaling"),
         code=code_version("scaling"),
         out_dir=lambda wildcards, output: os.path.dirname(output.summary),
     shell:

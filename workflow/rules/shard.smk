@@ -7,14 +7,14 @@ rule shard:
     benchmark:
         f"{R}/benchmarks/shard/shard.tsv"
     conda:
-        ENV
+        stage_env("shard")
     threads: 1
     resources:
         mem_mb=CFG.resources.shard.mem_mb,
         runtime=runtime(CFG.resources.shard.runtime),
     params:
         cmd=stage_cmd("shard"),
-        cfg=digest("seed", "task", "shard"),
+        cfg=stage_trigger("shard"),
         code=code_version("shard"),
         out_dir=lambda wildcards, output: os.path.dirname(output.eval),
     shell:

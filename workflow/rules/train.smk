@@ -6,11 +6,11 @@ rule train:
         prev_optimizer=previous_optimizer_state,
         reference=reference_policy,
     output:
+        # AdamW state for iteration k+1 (a DeepSpeed checkpoint); none with train.reset_optimizer
         **train_optional_outputs(),
         policy=directory(f"{R}/iter_{{k}}/train/policy"),
         metrics=f"{R}/iter_{{k}}/train/metrics.parquet",
         state=f"{R}/iter_{{k}}/train/schedule.json",
-        # AdamW state for iteration k+1 (a DeepSpeed checkpoint); none with train.reset_optimizer
     log:
         f"{R}/logs/train/iter_{{k}}.log",
     benchmark:
@@ -18,7 +18,7 @@ rule train:
     # the chain from one policy to the next first; evaluation, scaling and variance fill free cores
     priority: 1
     conda:
-        ENV
+        stage_env("train")
     threads: CFG.resources.train.cpus_per_task
     resources:
         **task_resources(CFG.resources.train),
@@ -29,8 +29,8 @@ rule train:
         tasks=CFG.resources.train.tasks,
         nodes=CFG.resources.train.nodes,
     params:
-        cmd=stage_cmd("train", launcher=launch_processes(CFG.resources.train.tasks, CFG.resources.train.cpus_per_task)),
-        cfg=train_digest(),
+        cmd=stage_cmd("train"),
+        cfg=stage_trigger("train"),
         code=code_version("train"),
         # resumable DeepSpeed checkpoints live outside the outputs: a failed job's are kept
         checkpoint_dir=f"{R}/checkpoints/train/iter_{{k}}",

@@ -9,7 +9,7 @@ rule variance_pool:
     benchmark:
         f"{R}/benchmarks/variance_pool/variance_pool.tsv"
     conda:
-        GENERATE_ENV
+        stage_env("variance_pool")
     threads: CFG.resources.rollout.threads
     resources:
         gpu=CFG.resources.rollout.gpu,
@@ -17,14 +17,11 @@ rule variance_pool:
         mem_mb=CFG.resources.rollout.mem_mb,
         runtime=runtime(CFG.resources.rollout.runtime),
     params:
-        cmd=stage_cmd("rollout", python=CFG.rollout.python),
-        cfg=variance_pool_digest(),
-        code=code_version("rollout"),
-        n_prompts=CFG.variance.pool_prompts,
-        pool_size=CFG.variance.pool_size,
+        cmd=stage_cmd("variance_pool"),
+        cfg=stage_trigger("variance_pool"),
+        code=code_version("variance_pool"),
     shell:
-        "{params.cmd} --prompts {input.prompts} --policy {input.policy} --out {output} --n-prompts {params.n_prompts} "
-        "rollout.group_size={params.pool_size} > {log} 2>&1"
+        "{params.cmd} --prompts {input.prompts} --policy {input.policy} --out {output} > {log} 2>&1"
 
 
 rule variance:
@@ -44,14 +41,14 @@ rule variance:
     benchmark:
         f"{R}/benchmarks/variance/variance.tsv"
     conda:
-        ENV
+        stage_env("variance")
     threads: CFG.resources.features.threads  # forward and backward passes, as in features
     resources:
         mem_mb=8000,
         runtime=60,
     params:
         cmd=stage_cmd("variance"),
-        cfg=variance_digest(),
+        cfg=stage_trigger("variance"),
         code=code_version("variance"),
         out_dir=lambda wildcards, output: os.path.dirname(output.summary),
     shell:

@@ -24,9 +24,9 @@ from typing import Any, Protocol
 
 from omegaconf import DictConfig
 
-from otbflow.config import chat_setting
-
 BACKENDS = {"hf": "otbflow.engines.hf:HFBackend", "vllm": "otbflow.engines.vllm:VLLMBackend"}
+"""The generation engines by ``rollout.backend`` name (the config takes its choices from here, so
+this module imports neither the config nor the engines)."""
 
 
 @dataclass
@@ -94,6 +94,11 @@ def truncate_at_stop(tokens: list[int], stops: set[int] | list[int]) -> tuple[in
         if t in stops:
             return i + 1, "stop"
     return len(tokens), "length"
+
+
+def chat_setting(cfg: DictConfig) -> str:
+    """task.chat as 'auto' | 'true' | 'false' (YAML's true/false arrive as 'True'/'False')."""
+    return str(cfg.task.chat).lower()
 
 
 def use_chat(cfg: DictConfig, tok) -> bool:

@@ -15,44 +15,26 @@ shared ``otbflow scaling`` stage measured. ``workflow/experiment.smk`` runs:
   (mean and min-max band over seeds), grad norm and response length against step, the variance
   study and the scaling fit, and ``summary.parquet``.
 
-Every member config is validated when the experiment workflow loads, before any job runs.
+The experiment file's schema and loader are in ``otbflow.experiment_config`` (torch-free): every
+member config is validated when the experiment workflow loads, before any job runs.
 """
 
 from __future__ import annotations
 
-import copy
-import json
 import logging
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import polars as pl
-import yaml
 from omegaconf import DictConfig
 
 from otbflow import schemas
-from otbflow.config import DEFAULT_CONFIG, ConfigError, load_config, nest, to_yaml
+from otbflow.experiment_config import load_experiment
 from otbflow.io import pyplot, read_table, save_figure, write_parquet
 
 log = logging.getLogger("otbflow.experiment")
 SECTIONS = ()
-KEYS = {"experiment", "seeds", "base", "runs"}
-OPTIONAL_KEYS = {"analysis"}
-ANALYSIS_DEFAULTS = {
-    "reference": None,
-    "target_fraction": 0.9,
-    "pairs": [],
-    "bootstrap": 2000,
-    "confidence": 0.95,
-    "plateau_window": 4,
-}
-"""``analysis`` of an experiment file: ``reference`` (a run; default the first), the target avg@k
-= ``target_fraction`` x the reference's final avg@k (mean over seeds), ``pairs`` of runs [a, b]
-compared seed by seed, the bootstrap resamples and confidence level of every interval, and the
-``plateau_window``: a run's ``late_gain`` is its avg@k gain over its last that many iterations
-(a plateau: an interval of that gain that holds 0)."""
 
 
 @dataclass
@@ -64,95 +46,6 @@ class Args:
     out_dir: str
     """Output folder: summary.parquet (and .tsv), variance.tsv (the shared variance study), curves.parquet,
     metrics.parquet, accuracy_vs_tokens.png, training.png."""
-
-
-def _merge(a: dict, b: dict) -> dict:
-    out = copy.deepcopy(a)
-    for k, v in b.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
-    return out
-
-
-def load_experiment(path: str | Path) -> dict:
-    """The experiment file, checked: keys, seeds, runs, and every member's config (validated by
-    the same loader as any config; errors name the run and the key)."""
-    data = yaml.safe_load(Path(path).read_text()) or {}
-    unknown = set(data) - KEYS - OPTIONAL_KEYS
-    if unknown or not KEYS <= set(data):
-        raise ConfigError(
-            f"{path}: an experiment needs the keys {sorted(KEYS)} and may have {sorted(OPTIONAL_KEYS)} "
-            f"(unknown: {sorted(unknown)}, missing: {sorted(KEYS - set(data))})"
-        )
-    if not (isinstance(data["seeds"], list) and data["seeds"] and all(isinstance(s, int) for s in data["seeds"])):
-        raise ConfigError(f"{path}: 'seeds' must be a non-empty list of integers (got {data['seeds']!r})")
-    if not (isinstance(data["runs"], dict) and data["runs"]):
-        raise ConfigError(f"{path}: 'runs' must map run names to config overrides")
-    for name in data["runs"]:
-        for seed in data["seeds"]:
-            try:
-                load_config(DEFAULT_CONFIG, extra=member_config(data, name, seed, "/shared/policy", 1.0))
-            except ConfigError as e:
-                raise ConfigError(f"{path}: run '{name}': {e}") from None
-    data["analysis"] = analysis_options(path, data)
-    return data
-
-
-def analysis_options(path: str | Path, exp: dict) -> dict:
-    """The experiment's ``analysis`` section over its defaults, checked (errors name the key)."""
-    given = exp.get("analysis") or {}
-    if not isinstance(given, dict) or set(given) - set(ANALYSIS_DEFAULTS):
-        raise ConfigError(f"{path}: 'analysis' takes the keys {sorted(ANALYSIS_DEFAULTS)} (got {given!r})")
-    a = ANALYSIS_DEFAULTS | given
-    runs = list(exp.get("runs") or {})
-    a["reference"] = a["reference"] or (runs[0] if runs else None)
-    if a["reference"] not in runs:
-        raise ConfigError(f"{path}: analysis.reference must be one of the runs {runs} (got {a['reference']!r})")
-    if not 0 < float(a["target_fraction"]) <= 1:
-        raise ConfigError(f"{path}: analysis.target_fraction must be in (0, 1] (got {a['target_fraction']!r})")
-    for pair in a["pairs"]:
-        if not (isinstance(pair, list) and len(pair) == 2 and all(r in runs for r in pair) and pair[0] != pair[1]):
-            raise ConfigError(
-                f"{path}: analysis.pairs must list [a, b] pairs of two different runs of {runs} (got {pair!r})"
-            )
-    if int(a["bootstrap"]) < 100 or not 0 < float(a["confidence"]) < 1:
-        raise ConfigError(f"{path}: analysis.bootstrap must be >= 100 and analysis.confidence in (0, 1)")
-    if isinstance(a["plateau_window"], bool) or not isinstance(a["plateau_window"], int) or a["plateau_window"] < 1:
-        raise ConfigError(f"{path}: analysis.plateau_window must be an integer >= 1 (got {a['plateau_window']!r})")
-    return a
-
-
-def shared_config(exp: dict) -> dict:
-    """The shared part: base config, first seed (bootstrap, prompts, scaling, variance)."""
-    return _merge(nest(exp.get("base") or {}), {"seed": exp["seeds"][0]})
-
-
-def member_config(exp: dict, run: str, seed: int, policy: str, exponent: float) -> dict:
-    """One member's config: base, then the run's overrides, then its seed, the shared policy
-    and prompt seed; ``advantages.exponent: scaling`` becomes the measured ``exponent``."""
-    cfg = _merge(
-        _merge(nest(exp.get("base") or {}), nest(exp["runs"][run] or {})),
-        {"seed": seed, "model": {"path": policy}, "task": {"seed": exp["seeds"][0]}},
-    )
-    if cfg.get("advantages", {}).get("exponent") == "scaling":
-        cfg["advantages"]["exponent"] = float(exponent)
-    return cfg
-
-
-def write_member_config(experiment: str, run: str, seed: int, policy: str, scaling: str, out: str) -> None:
-    """The member's resolved config YAML (the exponent read from the shared scaling summary)."""
-    exp = load_experiment(experiment)
-    slope = json.loads(Path(scaling).read_text())["grad_sq_norm_slope"]
-    if slope is None or not math.isfinite(slope):
-        raise ValueError(
-            f"{scaling}: the shared scaling fit has no slope (all responses of one length?); "
-            "the length-power exponent cannot be derived from it"
-        )
-    cfg = load_config(DEFAULT_CONFIG, extra=member_config(exp, run, seed, str(Path(policy).resolve()), slope))
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(to_yaml(cfg))
-    tmp.replace(out)
 
 
 # ------------------------------------------------------------------------------------------
@@ -248,11 +141,11 @@ def summary_table(exp: dict, per_seed: pl.DataFrame) -> pl.DataFrame:
         final = part["final_accuracy"].to_numpy()
         ttt = part["tokens_to_target"].to_numpy()
         reached = ttt[np.isfinite(ttt)]
-        ci = bootstrap_ci(final, a["bootstrap"], a["confidence"], seed=i)
-        tci = bootstrap_ci(reached, a["bootstrap"], a["confidence"], seed=1000 + i)
+        ci = bootstrap_ci(final, a["ci_resamples"], a["confidence"], seed=i)
+        tci = bootstrap_ci(reached, a["ci_resamples"], a["confidence"], seed=1000 + i)
         late = part["late_gain"].to_numpy()
         late = late[np.isfinite(late)]  # members with fewer evaluations than the window have none
-        lci = bootstrap_ci(late, a["bootstrap"], a["confidence"], seed=4000 + i)
+        lci = bootstrap_ci(late, a["ci_resamples"], a["confidence"], seed=4000 + i)
         rows.append(
             {
                 "run": run,
@@ -299,8 +192,8 @@ def paired_table(exp: dict, per_seed: pl.DataFrame) -> pl.DataFrame:
         log_ratio = np.log(
             both["tokens_to_target"].to_numpy() / np.maximum(both["tokens_to_target_b"].to_numpy(), 1e-9)
         )
-        dci = bootstrap_ci(diff, an["bootstrap"], an["confidence"], seed=2000 + i)
-        rci = bootstrap_ci(log_ratio, an["bootstrap"], an["confidence"], seed=3000 + i)
+        dci = bootstrap_ci(diff, an["ci_resamples"], an["confidence"], seed=2000 + i)
+        rci = bootstrap_ci(log_ratio, an["ci_resamples"], an["confidence"], seed=3000 + i)
         rows.append(
             {
                 "a": a,

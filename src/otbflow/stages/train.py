@@ -1,68 +1,10 @@
 """Train: one policy update with DeepSpeed, from an iteration's advantages.
 
-Input is the advantages table: per response token the sampled id, pi_old's log-prob (the
-``logprobs`` column of the features stage), the rollout engine's log-prob, the proxy energy and
-the advantage A_t. For ``train.ppo_epochs`` passes over the rows, in a seeded shuffled order,
-each mini-batch of ``train.mini_batch_size`` sequences (the last, partial one included) is one
-optimizer step, accumulated over micro-batches of ``train.micro_batch_size`` sequences per rank.
-
-- log pi_theta(y_t) is computed as the features stage computes pi_old: the prompt and response
-  are right-padded together, the temperature-scaled logits (``rollout.temperature``) are taken at
-  the positions that predict response tokens (len(prompt) - 1 + t), with the same module mode
-  (eval: dropout off, as in the features stage) and precision (fp32, or bf16 with ``train.bf16``,
-  which the features stage then uses too), and the same fp32 arithmetic, so the first ratio of an
-  iteration is 1 (``max_abs_log_ratio`` in the metrics).
-- Memory: the output head and the log-softmax run over chunks of ``train.logprob_chunk_size``
-  response positions, each under activation checkpointing: the graph keeps only the chunk's
-  hidden states and per-token results, and the backward recomputes one chunk's logits at a time;
-  no [tokens x V] tensor exists (``benchmarks/bench_train_memory.py``). The entropy is computed
-  in the same pass, with a gradient only for an entropy bonus.
-- Policy loss (``train.loss_type``, algorithms.md §6.3-6.4), r_t = exp(clamp(log pi_theta -
-  log pi_old, +-20)):
-  - ``ppo_clip``: L_t = max(-A r, -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high)), and for
-    A < 0 the dual clip L_t = min(L_t, -A clip_ratio_c); times the rollout IS weight w_t.
-  - ``reinforce``: L_t = -A_t log pi_theta(y_t) sg(w_t) (REINFORCE in bypass mode).
-- Rollout correction (``train.rollout_is``): truncated IS weights w = min(rho, C), token- or
-  sequence-level, stop-gradient, rho = pi_old / pi_rollout from the stored log-probs for
-  ppo_clip (decoupled) and pi_theta / pi_rollout for reinforce (bypass); none: w = 1.
-  ``train.trm`` (Trust Region Masking) removes every sequence whose max k2 or mean k3 against
-  the rollout engine exceeds ``mismatch.max_k2`` / ``mismatch.mean_k3`` from the loss while the
-  normalisers keep the pre-mask counts, as the paper's 1/N does (algorithms.md §3.3).
-- Optional terms: ``kl_coef`` x k3 estimate of KL(pi_theta || pi_ref) (verl's low_var_kl, pi_ref
-  the initial policy) and ``- entropy_coef`` x entropy.
-- ``aggregate_loss`` (the one shared aggregation) divides every micro-batch by counts of the
-  whole optimizer step's batch, so accumulating micro-batches and ranks gives the gradient of
-  one big batch. An optional ``loss_mask`` list column (1 = train on the token) removes tokens
-  from the loss and from those counts.
-
-Learning rate: ``otbflow.lr_schedule`` (constant, cosine, response-length-triggered decay), its
-state read from the previous iteration (``--prev-state``) and written for the next (``--state``).
-Optimizer: the AdamW state (moments and step counts, with bf16 also ZeRO's fp32 master weights)
-is written as a DeepSpeed checkpoint (``--optimizer``, ZeRO-sharded as DeepSpeed saves it) and
-loaded by the next iteration (``--prev-optimizer``), so the iterations form one optimizer run;
-``train.reset_optimizer`` starts every iteration from a fresh AdamW instead. The stored state
-must come from the same world size, ZeRO stage and bf16 setting, and from the job that wrote
-``--policy``: anything else is refused before training starts.
-
-Robustness (checkpoints, optimizer state and the written policy: ``otbflow.train_state``):
-gradients are clipped at ``max_grad_norm``. A step whose loss or gradient is not
-finite is skipped (no update, logged, ``skipped`` in the metrics; under ZeRO >= 1 DeepSpeed's own
-overflow check skips it); ``max_consecutive_skips`` in a row fail the job. Every
-``checkpoint_every`` steps a DeepSpeed checkpoint (weights, optimizer, data position, schedule,
-RNG, metrics so far) goes to ``--checkpoint-dir``, outside the Snakemake outputs; a rerun with
-the same inputs and config resumes from the latest one and ends with the same weights as an
-uninterrupted run. It is deleted when the stage finishes.
-
-Metrics per optimizer step (table 'train metrics'): loss, clip fraction, grad norm, lr, entropy,
-k3 KL to pi_old (and to pi_ref), IS weight mean/max, TRM acceptance and |log-PPL gap|, tokens and
-sequences, mean response length, verl's variance proxies S, P, V, and skip/LR events.
-
-The next policy is written as an HF folder of fp32 weights (with bf16, ZeRO's fp32 master
-weights; bf16 therefore needs zero_stage >= 1) with the input policy's tokenizer.
-
-Launch: ``otbflow train ...`` as one process, or one process per device under ``torchrun``,
-the ``deepspeed`` launcher (``--no_local_rank``) or Slurm's ``srun`` (the Slurm variables are
-mapped to RANK / LOCAL_RANK / WORLD_SIZE here; DeepSpeed does not do it itself).
+``train.ppo_epochs`` seeded passes over the advantages table's rows, one optimizer step per
+mini-batch (``otbflow.trainer.Trainer``; losses and their aggregation in ``otbflow.losses``), an LR
+schedule and an AdamW state carried from iteration to iteration, resumable checkpoints within the
+job (``otbflow.train_state``); writes the next policy (an HF folder) and one metrics row per step.
+Formulas, options, metrics, checkpoints and launchers: docs/training.md.
 """
 
 from __future__ import annotations
@@ -96,11 +38,10 @@ from otbflow.train_state import (
     save_optimizer_state,
     save_policy,
 )
-from otbflow.trainer import load_reference, load_rows, mini_batches, train_step
+from otbflow.trainer import Trainer, load_reference, load_rows, mini_batches
 
 log = logging.getLogger("otbflow.train")
 SECTIONS = ("train", "rollout", "mismatch", "model")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 @dataclass
@@ -164,10 +105,11 @@ def run(cfg: DictConfig, args: Args) -> None:
 
     tok = AutoTokenizer.from_pretrained(args.policy, local_files_only=True)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    trainer = Trainer(engine, data, cfg, pad_id, rank, world_size, ref_model)
 
     plan = mini_batches(n, tc, seed)
     schedule = LRSchedule.from_dict(tc, json.loads(Path(args.prev_state).read_text()) if args.prev_state else None)
-    schedule.set_horizon(len(plan), cfg.iterations)
+    schedule.set_horizon(len(plan), lambda: cfg.iterations)
     fp = fingerprint(cfg, args, world_size)
     ckpt = Checkpoints(
         args.checkpoint_dir or str(Path(args.out).with_name("checkpoint")), fp, tc.checkpoint_every, rank, world_size
@@ -184,7 +126,7 @@ def run(cfg: DictConfig, args: Args) -> None:
 
     for i in range(start, len(plan)):
         t0 = time.perf_counter()
-        m = train_step(engine, ref_model, data, plan[i], cfg, pad_id, rank, world_size, schedule.lr())
+        m = trainer.step(plan[i], schedule.lr())
         events = ["skipped: non-finite loss or gradient"] if m["skipped"] else []
         events += [e for e in [schedule.observe(m["mean_response_length"])] if e]
         skips = skips + 1 if m["skipped"] else 0

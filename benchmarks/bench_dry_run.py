@@ -1,0 +1,61 @@
+"""How long Snakemake takes to plan a long run (a dry run), and whether planning imports torch.
+
+    python benchmarks/bench_dry_run.py --iterations 500 --repeats 3
+
+Runs ``snakemake -n --cores 2 --config iterations=N`` in a fresh temporary folder (nothing done
+yet, so every job is planned) under ``python -X importtime``, and prints JSON: the wall time of
+each repeat, the number of planned jobs and whether any of them imported torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def dry_run(iterations: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-X", "importtime", "-m", "snakemake", "-s", str(REPO / "Snakefile")]
+        cmd += ["--directory", tmp, "-n", "--cores", "2", "--config", f"iterations={iterations}"]
+        t0 = time.perf_counter()
+        res = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        seconds = time.perf_counter() - t0
+    if res.returncode != 0:
+        raise SystemExit(f"dry run failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+    imported = {line.rsplit("|", 1)[-1].strip() for line in res.stderr.splitlines() if line.startswith("import time:")}
+    jobs = re.search(r"^total\s+(\d+)", res.stdout, flags=re.M)
+    return {"seconds": round(seconds, 2), "jobs": int(jobs.group(1)) if jobs else None, "torch": "torch" in imported}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--iterations", type=int, default=500)
+    p.add_argument("--repeats", type=int, default=3)
+    a = p.parse_args()
+    runs = [dry_run(a.iterations) for _ in range(a.repeats)]
+    print(
+        json.dumps(
+            {
+                "iterations": a.iterations,
+                "jobs": runs[0]["jobs"],
+                "seconds": [r["seconds"] for r in runs],
+                "median_seconds": sorted(r["seconds"] for r in runs)[len(runs) // 2],
+                "torch_imported": any(r["torch"] for r in runs),
+                "cpus": os.cpu_count(),
+            },
+            indent=1,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""The experiment file (``config/experiments/*.yaml``): its schema, loader and member configs.
+
+An experiment has ``experiment`` (its name), ``seeds``, ``base`` (a config layered over
+config/config.yaml for every member), ``runs`` (name -> config overrides) and an optional
+``analysis`` section. The schema is a tree of dataclasses like the run config's
+(``otbflow.config``): the docstring under each field documents it, its metadata declares its
+bounds, unknown keys are refused with the keys allowed beside them, and every error names the
+key in the same words (``config key 'analysis.plateau_window': must be >= 1 (got 0)``). Each
+member's config is validated by the run config's loader. Torch-free: workflow/experiment.smk
+and ``otbflow experiment-member`` import it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from otbflow.config import (
+    DEFAULT_CONFIG,
+    ConfigError,
+    check_fields,
+    describe_merge_error,
+    load_config,
+    nest,
+    opt,
+    require,
+    to_yaml,
+)
+
+RENAMED = {"analysis.bootstrap": "analysis.ci_resamples"}
+"""Experiment keys that were renamed: given under the old name, the error names the new one."""
+
+
+@dataclass
+class AnalysisConfig:
+    reference: Optional[str] = None
+    """The run whose final avg@k sets the target (mean over seeds). null: the first run."""
+    target_fraction: float = opt(0.9, gt=0, le=1)
+    """Target avg@k = target_fraction x the reference's final avg@k; tokens_to_target is read at it."""
+    pairs: list[list[str]] = field(default_factory=list)
+    """Pairs [a, b] of two different runs, compared seed by seed (pairs.parquet)."""
+    ci_resamples: int = opt(2000, ge=100)
+    """Bootstrap resamples of every confidence interval (resampling the seeds)."""
+    confidence: float = opt(0.95, gt=0, lt=1)
+    """Confidence level of every interval."""
+    plateau_window: int = opt(4, ge=1)
+    """A run's late_gain is its avg@k gain over its last this many iterations (a plateau: an
+    interval of that gain that holds 0)."""
+
+
+@dataclass
+class ExperimentConfig:
+    experiment: str = MISSING
+    """The experiment's name: its members run in results/<experiment>."""
+    seeds: list[int] = MISSING
+    """Seeds of every run (the first one also seeds the shared policy and prompt set)."""
+    base: Optional[dict[str, Any]] = MISSING
+    """A config layered over config/config.yaml for every member and the shared stages."""
+    runs: dict[str, Any] = MISSING
+    """Run name -> config overrides layered over ``base``; ``advantages.exponent: scaling`` takes
+    the length-power exponent that the shared scaling stage measured."""
+    analysis: AnalysisConfig = field(default_factory=AnalysisConfig)
+    """How the report compares the runs."""
+
+
+FREE_FORM = ("base", "runs")
+"""Sections passed on as they are (each member's config is validated by ``load_config``)."""
+
+
+def _merge(a: dict, b: dict) -> dict:
+    out = copy.deepcopy(a)
+    for k, v in b.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+def load_experiment(path: str | Path) -> dict:
+    """The experiment file as a plain dict, checked: its keys and their bounds, the rules between
+    them (the reference and pairs are runs) and every member's config (validated by the same
+    loader as any config). Errors start with the file and name the key (and the run)."""
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: an experiment is a mapping with the keys experiment, seeds, base, runs, analysis")
+    if data.get("analysis", {}) is None:
+        data.pop("analysis")
+    # base and runs are checked as mappings here, as configs below: the schema types their keys, not OmegaConf
+    typed = {k: {} if k in FREE_FORM and isinstance(v, dict) else v for k, v in data.items()}
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(ExperimentConfig), OmegaConf.create(typed))
+        missing = [k for k in ExperimentConfig.__dataclass_fields__ if k in OmegaConf.missing_keys(cfg)]
+        if missing:
+            raise ConfigError(
+                f"config key '{missing[0]}': missing (an experiment needs experiment, seeds, base and runs)"
+            )
+        check_fields(ExperimentConfig, cfg)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{path}: {describe_merge_error(e, ExperimentConfig, RENAMED)}") from None
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    exp = {
+        "experiment": cfg.experiment,
+        "seeds": list(cfg.seeds),
+        "base": data["base"],
+        "runs": data["runs"],
+        "analysis": OmegaConf.to_container(cfg.analysis),
+    }
+    for name in exp["runs"]:
+        for seed in exp["seeds"]:
+            try:
+                load_config(DEFAULT_CONFIG, extra=member_config(exp, name, seed, "/shared/policy", 1.0))
+            except ConfigError as e:
+                raise ConfigError(f"{path}: run '{name}': {e}") from None
+    try:
+        check_experiment_rules(exp)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    return exp
+
+
+def check_experiment_rules(exp: dict) -> None:
+    """The rules between keys of an experiment (each key's own bounds are in its metadata); fills
+    in analysis.reference (the first run)."""
+    require(len(exp["seeds"]) > 0, "seeds", "a non-empty list of integers", exp["seeds"])
+    runs = list(exp["runs"] or {})
+    require(len(runs) > 0, "runs", "a mapping of run names to config overrides", exp["runs"])
+    a = exp["analysis"]
+    a["reference"] = a["reference"] or runs[0]
+    require(a["reference"] in runs, "analysis.reference", f"one of the runs {', '.join(runs)}", a["reference"])
+    for i, pair in enumerate(a["pairs"]):
+        require(
+            len(pair) == 2 and all(r in runs for r in pair) and pair[0] != pair[1],
+            f"analysis.pairs[{i}]",
+            f"a pair [a, b] of two different runs of {', '.join(runs)}",
+            pair,
+        )
+
+
+def shared_config(exp: dict) -> dict:
+    """The shared part: base config, first seed (bootstrap, prompts, scaling, variance)."""
+    return _merge(nest(exp.get("base") or {}), {"seed": exp["seeds"][0]})
+
+
+def member_config(exp: dict, run: str, seed: int, policy: str, exponent: float) -> dict:
+    """One member's config: base, then the run's overrides, then its seed, the shared policy
+    and prompt seed; ``advantages.exponent: scaling`` becomes the measured ``exponent``."""
+    cfg = _merge(
+        _merge(nest(exp.get("base") or {}), nest(exp["runs"][run] or {})),
+        {"seed": seed, "model": {"path": policy}, "task": {"seed": exp["seeds"][0]}},
+    )
+    if cfg.get("advantages", {}).get("exponent") == "scaling":
+        cfg["advantages"]["exponent"] = float(exponent)
+    return cfg
+
+
+def write_member_config(experiment: str, run: str, seed: int, policy: str, scaling: str, out: str) -> None:
+    """The member's resolved config YAML (the exponent read from the shared scaling summary)."""
+    exp = load_experiment(experiment)
+    slope = json.loads(Path(scaling).read_text())["grad_sq_norm_slope"]
+    if slope is None or not math.isfinite(slope):
+        raise ValueError(
+            f"{scaling}: the shared scaling fit has no slope (all responses of one length?); "
+            "the length-power exponent cannot be derived from it"
+        )
+    cfg = load_config(DEFAULT_CONFIG, extra=member_config(exp, run, seed, str(Path(policy).resolve()), slope))
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(to_yaml(cfg))
+    tmp.replace(out)

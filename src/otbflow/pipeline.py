@@ -1,0 +1,261 @@
+"""The stage table: every stage of the pipeline declared once.
+
+Each ``Stage`` says what the stage does (its CLI help) and which config keys it depends on, in
+three classes:
+
+- ``outputs(cfg)``: keys whose value changes the stage's outputs. They are its rerun trigger
+  (the rule's ``cfg`` param is a digest of their values) and its ``--help`` epilogue. They may
+  depend on the config (the backend, the loss type, the estimator).
+- ``execution``: keys the stage reads that change how it runs, never what it writes (threads,
+  memory, the interpreter): changing them reruns nothing.
+- ``dag``: keys that shape the workflow (which jobs exist, which files they read) rather than
+  what one job computes; the Snakefile reads them.
+
+The CLI (``otbflow <stage>``), the rules' ``cmd``/``cfg``/``code`` params and the code versions
+(``otbflow.codeversion``: the stage module and everything it imports) come from here, and
+tests/test_stage_keys.py runs every stage with a config that records each key read and checks
+it against this table. Importing this module imports no torch (the Snakefile imports it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from omegaconf import DictConfig, OmegaConf
+
+from otbflow.config import section_digest
+from otbflow.estimators import estimator_parameters, studied, study_keys
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    """Stage name: module otbflow.stages.<name>, Snakemake rule <name>, CLI otbflow <name with ->."""
+    help: str
+    """One line: what the stage does (the CLI's help)."""
+    outputs: Callable[[DictConfig], list[str]]
+    """Config keys that change the stage's outputs (its rerun trigger), for a given config."""
+    execution: tuple[str, ...] = ()
+    """Config keys read that change how the stage runs, not what it writes."""
+    dag: tuple[str, ...] = ()
+    """Config keys that shape the workflow around the stage (jobs, inputs)."""
+    engine: bool = False
+    """Runs the generation engine (rollout.backend): the rollout.python interpreter, its environment."""
+
+    @property
+    def command(self) -> str:
+        return self.name.replace("_", "-")
+
+    @property
+    def module(self) -> str:
+        return f"otbflow.stages.{self.name}"
+
+
+# ------------------------------------------------------------------------------------------
+# Key groups that several stages share
+# ------------------------------------------------------------------------------------------
+
+
+def sampling_engine(cfg: DictConfig) -> list[str]:
+    """What the generation engine reads that changes its samples: the backend, the weights' dtype
+    and, per backend, the batching (hf: one seed per batched call) or the tensor parallelism (vllm)."""
+    per_backend = {"hf": ["rollout.batch_size"], "vllm": ["rollout.tensor_parallel_size"]}
+    return ["rollout.backend", "model.dtype", *per_backend[cfg.rollout.backend]]
+
+
+# How prompts are rendered for the policy (the chat template) and how responses are scored.
+RENDERING = ["task.chat", "task.system_prompt"]
+SCORING = ["task.name", "task.reward"]
+# The engine's resources: read when the engine starts, no effect on its samples.
+ENGINE_EXECUTION = ("rollout.python", "rollout.gpu_memory_utilization", "rollout.kv_cache_gib", "rollout.enforce_eager")
+
+
+def prompt_set(cfg: DictConfig) -> list[str]:
+    dataset = ["task.path", "task.eval_path", "task.format", "task.prompt_template"]
+    synthetic = ["task.min_terms", "task.max_terms", "task.max_operand", "task.n_train"]
+    common = ["task.seed", "task.name", "task.n_eval"] + (["seed"] if cfg.task.seed is None else [])
+    return common + (synthetic if cfg.task.name == "arithmetic" else dataset)
+
+
+# ------------------------------------------------------------------------------------------
+# The stages
+# ------------------------------------------------------------------------------------------
+
+
+def _bootstrap(cfg: DictConfig) -> list[str]:
+    m = cfg.model
+    model = ["model.arch", "model.tokenizer", "model.n_layer", "model.n_embd", "model.n_head", "model.n_positions"]
+    model += ["model.vocab_size"] if m.tokenizer == "bpe" else []
+    model += ["model.n_kv_head"] if m.arch != "gpt2" else []
+    # the held-out checks avoid the eval split, which depends on the whole synthetic prompt set
+    task = ["task.name", "task.seed", "task.n_train", "task.n_eval", "task.min_terms", "task.max_terms"]
+    task += ["task.max_operand", "task.chat", "task.system_prompt"]
+    return ["seed", *model, "bootstrap", *task, "rollout.max_new_tokens"]
+
+
+def _shard(cfg: DictConfig) -> list[str]:
+    return [*prompt_set(cfg), "shard.n_shards"]
+
+
+def _rollout(cfg: DictConfig) -> list[str]:
+    r = ["group_size", "prompts_per_iteration", "temperature", "top_p", "max_new_tokens"]
+    return ["seed", *(f"rollout.{k}" for k in r), "shard.n_shards", *sampling_engine(cfg), *RENDERING, *SCORING]
+
+
+def _variance_pool(cfg: DictConfig) -> list[str]:
+    r = ["temperature", "top_p", "max_new_tokens"]
+    pool = ["variance.pool_prompts", "variance.pool_size"]
+    return ["seed", *pool, *(f"rollout.{k}" for k in r), *sampling_engine(cfg), *RENDERING, *SCORING]
+
+
+def _features(cfg: DictConfig) -> list[str]:
+    f = ["features.batch_size", "features.chunk_size", "features.vocab_chunk_size", "features.exact_grad_norm"]
+    is_keys = ["train.rollout_is"] + (["train.rollout_is_threshold"] if cfg.train.rollout_is != "none" else [])
+    # pi_old at the trainer's precision (train.bf16), not model.dtype (rollout, evaluate)
+    return [*f, "rollout.temperature", "train.bf16", *is_keys]
+
+
+def _advantages(cfg: DictConfig) -> list[str]:
+    a = cfg.advantages
+    options = {k for name in [*a.compare, a.estimator] for k in estimator_parameters(name)}
+    return ["advantages.estimator", "advantages.compare", *sorted(f"advantages.{k}" for k in options)]
+
+
+def _train(cfg: DictConfig) -> list[str]:
+    t = cfg.train
+    keys = ["lr", "weight_decay", "mini_batch_size", "micro_batch_size", "logprob_chunk_size", "ppo_epochs"]
+    keys += ["loss_type", "loss_agg_mode", "kl_coef", "entropy_coef", "rollout_is", "trm", "lr_schedule"]
+    keys += ["lr_warmup_steps", "max_grad_norm", "max_consecutive_skips", "reset_optimizer", "zero_stage", "bf16"]
+    if t.loss_type == "ppo_clip":
+        keys += ["clip_ratio_low", "clip_ratio_high", "clip_ratio_c"]
+    if t.loss_agg_mode == "seq-mean-token-sum-norm":
+        keys += ["loss_scale_factor"]
+    if t.rollout_is != "none":
+        keys += ["rollout_is_threshold"]
+    if t.lr_schedule != "constant":
+        keys += ["lr_min_ratio"]
+    if t.lr_schedule == "cosine":
+        keys += ["lr_decay_steps"]
+    if t.lr_schedule == "length_decay":
+        keys += ["length_baseline_steps", "length_surge_factor", "length_surge_patience", "length_period_factor"]
+    other = ["seed", "rollout.temperature", "mismatch.max_k2", "mismatch.mean_k3"]
+    if t.loss_agg_mode == "seq-mean-token-sum-norm" and t.loss_scale_factor == 0:
+        other += ["rollout.max_new_tokens"]
+    if t.lr_schedule == "cosine" and t.lr_decay_steps == 0:
+        other += ["iterations"]  # the cosine horizon; otherwise more iterations keep the finished ones
+    return [*(f"train.{k}" for k in keys), *other]
+
+
+def _evaluate(cfg: DictConfig) -> list[str]:
+    e = ["evaluate.n_samples", "evaluate.temperature", "evaluate.max_new_tokens"]
+    return ["seed", *e, *sampling_engine(cfg), *RENDERING, *SCORING]
+
+
+def _report(cfg: DictConfig) -> list[str]:
+    return ["mismatch.max_k2", "mismatch.mean_k3"]
+
+
+def _scaling(cfg: DictConfig) -> list[str]:
+    return ["seed", "scaling.max_sequences", "scaling.ci_resamples", "rollout.temperature", "features.chunk_size"]
+
+
+def _variance(cfg: DictConfig) -> list[str]:
+    options = sorted({f"advantages.{k}" for name in studied(cfg) for k in study_keys(name)})
+    v = ["group_size", "resamples", "sketch_dim", "estimators"]
+    return ["seed", *(f"variance.{k}" for k in v), "rollout.temperature", "features.chunk_size", *options]
+
+
+_STAGES = [
+    Stage(
+        "bootstrap",
+        "build and warm-start the tiny policy (skipped when model.path is set)",
+        _bootstrap,
+        dag=("model.path",),
+    ),
+    Stage("shard", "split the prompts into train shards and an eval set", _shard, dag=("shard.n_shards",)),
+    Stage(
+        "rollout",
+        "sample G responses per prompt and score them",
+        _rollout,
+        execution=ENGINE_EXECUTION,
+        dag=("iterations", "shard.n_shards", "model.path"),
+        engine=True,
+    ),
+    Stage(
+        "features",
+        "teacher-forced forward pass: log-probs, entropy, sum pi^2, proxy energy, mismatch",
+        _features,
+        dag=("iterations", "shard.n_shards"),
+    ),
+    Stage(
+        "advantages",
+        "baselines and advantages from stored features, plus estimator diagnostics",
+        _advantages,
+        dag=("iterations", "shard.n_shards"),
+    ),
+    Stage(
+        "train",
+        "DeepSpeed policy update producing the next policy",
+        _train,
+        execution=("train.checkpoint_every",),
+        dag=("iterations", "train.reset_optimizer", "train.kl_coef"),
+    ),
+    Stage(
+        "evaluate",
+        "greedy and avg@k accuracy of a policy on held-out prompts",
+        _evaluate,
+        execution=ENGINE_EXECUTION,
+        dag=("iterations", "evaluate.every", "model.path"),
+        engine=True,
+    ),
+    Stage(
+        "report",
+        "collect metrics of all iterations and plot them",
+        _report,
+        dag=("iterations", "evaluate.every", "shard.n_shards"),
+    ),
+    Stage(
+        "scaling",
+        "exact squared gradient norm vs response length, and the proxy's agreement with it",
+        _scaling,
+        dag=("shard.n_shards", "model.path"),
+    ),
+    Stage(
+        "variance_pool",
+        "sample the variance study's pool: variance.pool_size responses to variance.pool_prompts prompts",
+        _variance_pool,
+        execution=ENGINE_EXECUTION,
+        dag=("model.path",),
+        engine=True,
+    ),
+    Stage(
+        "variance",
+        "offline variance of the policy gradient per estimator, on resampled groups with exact gradients",
+        _variance,
+        dag=("model.path",),
+    ),
+    Stage(
+        "experiment",
+        "compare the runs x seeds of an experiment (workflow/experiment.smk): summary table and plots",
+        lambda cfg: [],
+    ),
+]
+STAGES: dict[str, Stage] = {s.name: s for s in _STAGES}
+# Read by every job: where outputs go (the Snakefile's paths) and the threads (OTBFLOW_THREADS).
+EVERY_STAGE_EXECUTION = ("results_dir",)
+
+
+def by_command(command: str) -> Stage:
+    return STAGES[command.replace("-", "_")]
+
+
+def trigger(cfg: DictConfig, stage: str) -> str:
+    """The rule's ``cfg`` param: a digest of the values of the stage's output-changing keys."""
+    keys = STAGES[stage].outputs(cfg)
+    if unknown := [k for k in keys if OmegaConf.select(cfg, k, default=_ABSENT) is _ABSENT]:
+        raise KeyError(f"stage {stage} declares config keys that do not exist: {unknown}")
+    return section_digest(cfg, *keys)
+
+
+_ABSENT = object()

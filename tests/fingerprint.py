@@ -1,0 +1,98 @@
+"""Bitwise fingerprints of a finished run: one SHA-256 per policy's weights and per table's data.
+
+A refactor that claims "behaviour unchanged" records the fingerprints of a run before the change
+and checks the same run after it (same machine, same thread count):
+
+    python tests/fingerprint.py results                    # print the fingerprints as JSON
+    python tests/fingerprint.py results --check FILE.json  # exit 1 naming what differs
+
+Weights: every tensor of every policy folder (name, dtype, shape and bytes, in name order).
+Tables: every Parquet file of the run (prompts, rollouts, features, advantages, train metrics,
+evaluations, report, scaling, variance), every column in order except wall times (``time_s``, ``*_time_s``);
+not the Parquet key-value metadata (versions, paths, timestamps).
+
+The fingerprints hold on one CPU model with one thread count per job: another instruction set
+adds floating-point sums in another order (README, "What a seed fixes"). ``cpu_key()`` names the
+machine they were taken on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import platform
+import sys
+from pathlib import Path
+
+
+def cpu_key() -> str:
+    """The CPU model (from /proc/cpuinfo) and the machine: fingerprints are valid on one of them."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return "".join(c if c.isalnum() else "-" for c in f"{platform.machine()}-{model}").strip("-").lower()
+
+
+def weights_digest(policy_dir: Path) -> str:
+    from safetensors.numpy import load_file
+
+    h = hashlib.sha256()
+    for path in sorted(policy_dir.glob("*.safetensors")):
+        tensors = load_file(str(path))
+        for name in sorted(tensors):
+            t = tensors[name]
+            h.update(f"{name}:{t.dtype}:{t.shape}".encode())
+            h.update(t.tobytes())
+    return h.hexdigest()
+
+
+def table_digest(path: Path) -> str:
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    h = hashlib.sha256()
+    for name in table.column_names:
+        if name == "time_s" or name.endswith("_time_s"):
+            continue
+        column = table.column(name).combine_chunks()
+        h.update(f"{name}:{column.type}".encode())
+        for buffer in column.buffers():
+            h.update(b"-" if buffer is None else buffer.to_pybytes())
+    return h.hexdigest()
+
+
+def fingerprints(results: Path) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for policy in sorted(results.glob("**/policy")):
+        if any(p.suffix == ".safetensors" for p in policy.iterdir()):
+            out[f"weights:{policy.relative_to(results)}"] = weights_digest(policy)
+    for path in sorted(results.glob("**/*.parquet")):
+        out[f"table:{path.relative_to(results)}"] = table_digest(path)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", type=Path)
+    parser.add_argument("--check", type=Path, help="a JSON file of recorded fingerprints to compare with")
+    ns = parser.parse_args(argv)
+    found = fingerprints(ns.results)
+    if ns.check is None:
+        print(json.dumps({"cpu": cpu_key(), "fingerprints": found}, indent=1, sort_keys=True))
+        return 0
+    want = json.loads(ns.check.read_text())["fingerprints"]
+    bad = sorted(k for k in set(want) | set(found) if want.get(k) != found.get(k))
+    for key in bad:
+        print(f"differs: {key} (recorded {want.get(key, 'absent')[:12]}, now {found.get(key, 'absent')[:12]})")
+    print(f"{len(want) - len(bad)} of {len(want)} fingerprints equal")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

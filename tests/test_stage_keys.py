@@ -1,0 +1,255 @@
+"""The stage table (otbflow.pipeline) against what the stages actually read.
+
+Every stage runs on tiny data with a config that records each key read (tests/keyreads.py),
+over a matrix of configs (loss types, estimators, schedules, tokenizers; the vLLM backend for the
+generating stages where .venv-vllm exists). A key that a stage reads must be declared as
+output-changing (its rerun trigger) or execution-only; a key declared output-changing must be
+read. Either failure names the stage, the config and the keys.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, tiny_config, vllm_env, vllm_python
+from keyreads import RecordingConfig
+from omegaconf import DictConfig, OmegaConf
+
+from otbflow.pipeline import EVERY_STAGE_EXECUTION, STAGES
+
+pytestmark = pytest.mark.slow
+
+# One config per column of the matrix, layered over config/tiny.yaml. Small enough that the
+# whole chain of a column runs in seconds.
+SMALL = [
+    "iterations=2",
+    "bootstrap.sft_max_steps=4",
+    "bootstrap.eval_every=2",
+    "bootstrap.n_eval_prompts=4",
+    "rollout.prompts_per_iteration=4",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=8",
+    "evaluate.n_samples=2",
+    "evaluate.max_new_tokens=8",
+    "task.n_eval=4",
+    "variance.pool_prompts=2",
+    "variance.pool_size=4",
+    "variance.resamples=5",
+    "variance.sketch_dim=64",
+    "scaling.max_sequences=6",
+    "scaling.ci_resamples=20",
+]
+MATRIX = {
+    "default": [],
+    "reinforce": [
+        "model.arch=llama",
+        "model.tokenizer=bpe",
+        "model.n_kv_head=1",
+        "train.loss_type=reinforce",
+        "train.rollout_is=token",
+        "train.loss_agg_mode=seq-mean-token-sum-norm",
+        "train.lr_schedule=cosine",
+        "train.kl_coef=0.01",
+        "train.entropy_coef=0.01",
+        "train.trm=true",
+        "advantages.estimator=length_power",
+        "advantages.baseline_shift=-0.1",
+        "advantages.compare=[grpo,rloo]",
+        "variance.estimators=[grpo,length_power]",
+        "features.exact_grad_norm=true",
+        "task.seed=3",
+    ],
+    "length_decay": [
+        "train.lr_schedule=length_decay",
+        "train.rollout_is=sequence",
+        "train.loss_agg_mode=seq-mean-token-mean",
+        "advantages.estimator=grpo",
+        "advantages.compare=[otb,reinforce_pp_baseline]",
+    ],
+}
+
+
+def declared(stage: str, cfg: DictConfig) -> tuple[set[str], set[str]]:
+    """The stage's (output-changing, execution-only) keys, sections expanded to their leaves."""
+
+    def leaves(key: str) -> set[str]:
+        node = OmegaConf.select(cfg, key)
+        if isinstance(node, DictConfig):
+            return {f"{key}.{k}" for k in node if not isinstance(node[k], DictConfig)}
+        return {key}
+
+    s = STAGES[stage]
+    outputs = set().union(*(leaves(k) for k in s.outputs(cfg)))
+    return outputs, set().union(*(leaves(k) for k in (*s.execution, *EVERY_STAGE_EXECUTION)))
+
+
+# Declared keys that a short run may not reach: read only once the data make it so.
+DATA_DEPENDENT = {
+    # length_decay checks for a surge only after length_baseline_steps + patience steps, and
+    # sets the halving period only once it found one
+    "train.length_surge_factor": "the surge check",
+    "train.length_period_factor": "a detected surge",
+    "train.lr_min_ratio": "a detected surge (length_decay; cosine reads it at every step)",
+}
+
+
+def check(stage: str, column: str, cfg: DictConfig, reads: set[str]) -> list[str]:
+    outputs, execution = declared(stage, cfg)
+    problems = []
+    if missing := sorted(reads - outputs - execution):
+        problems.append(f"{stage} [{column}] reads keys its declaration lacks: {missing}")
+    if unread := sorted(outputs - reads - set(DATA_DEPENDENT)):
+        problems.append(f"{stage} [{column}] declares keys it never reads: {unread}")
+    return problems
+
+
+def run_recorded(stage: str, cfg: DictConfig, **args) -> set[str]:
+    import importlib
+
+    mod = importlib.import_module(STAGES[stage].module)
+    recorded = RecordingConfig(cfg)
+    mod.run(recorded, mod.Args(**args))
+    return recorded.reads
+
+
+def run_chain(tmp: Path, cfg: DictConfig, policy: str | None = None) -> dict[str, set[str]]:
+    """Every stage of one iteration (and the report over it), each on the previous one's
+    outputs; the reads of each."""
+    reads = {}
+    if policy is None:
+        policy = str(tmp / "policy")
+        reads["bootstrap"] = run_recorded("bootstrap", cfg, out=policy, metrics=str(tmp / "curve.parquet"))
+    reads["shard"] = run_recorded("shard", cfg, out_dir=str(tmp / "data"))
+    prompts = str(tmp / "data" / "train" / "shard_0.parquet")
+    rollouts, features, adv = tmp / "rollout.parquet", tmp / "features.parquet", tmp / "advantages.parquet"
+    reads["rollout"] = run_recorded("rollout", cfg, prompts=prompts, policy=policy, out=str(rollouts), iteration=1)
+    reads["features"] = run_recorded("features", cfg, rollouts=str(rollouts), policy=policy, out=str(features))
+    reads["advantages"] = run_recorded(
+        "advantages", cfg, features=[str(features)], out=str(adv), comparison=str(tmp / "comparison.parquet")
+    )
+    reads["train"] = run_recorded(
+        "train",
+        cfg,
+        advantages=str(adv),
+        policy=policy,
+        out=str(tmp / "next"),
+        metrics=str(tmp / "metrics.parquet"),
+        state=str(tmp / "schedule.json"),
+        reference=policy if cfg.train.kl_coef > 0 else "",
+        checkpoint_dir=str(tmp / "checkpoints"),
+        optimizer=str(tmp / "optimizer"),
+    )
+    reads["evaluate"] = run_recorded(
+        "evaluate",
+        cfg,
+        prompts=str(tmp / "data" / "eval.parquet"),
+        policy=str(tmp / "next"),
+        name="iter_0",
+        samples=str(tmp / "samples.parquet"),
+        summary=str(tmp / "summary.parquet"),
+        iteration=0,
+    )
+    reads["report"] = run_recorded(
+        "report",
+        cfg,
+        summaries=[str(tmp / "summary.parquet")],
+        metrics=[str(tmp / "metrics.parquet")],
+        rollouts=[str(rollouts)],
+        comparisons=[str(tmp / "comparison.parquet")],
+        features=[str(features)],
+        out_dir=str(tmp / "report"),
+    )
+    reads["scaling"] = run_recorded(
+        "scaling", cfg, rollouts=[str(rollouts)], policy=policy, out_dir=str(tmp / "scaling")
+    )
+    pool = tmp / "pool.parquet"
+    reads["variance_pool"] = run_recorded("variance_pool", cfg, prompts=prompts, policy=policy, out=str(pool))
+    reads["variance"] = run_recorded(
+        "variance", cfg, rollouts=[str(pool)], policy=policy, out_dir=str(tmp / "variance")
+    )
+    return reads
+
+
+@pytest.mark.parametrize("column", sorted(MATRIX))
+def test_every_stage_reads_what_the_table_declares(column, tmp_path):
+    cfg = tiny_config(*SMALL, *MATRIX[column])
+    reads = run_chain(tmp_path, cfg)
+    problems = [p for stage, keys in reads.items() for p in check(stage, column, cfg, keys)]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_dataset_prompt_set_is_declared(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(12)))
+    cfg = tiny_config(*SMALL, "task.name=dataset", f"task.path={data}", "task.prompt_template='Q: {prompt}'")
+    reads = run_recorded("shard", cfg, out_dir=str(tmp_path / "data"))
+    assert not check("shard", "dataset", cfg, reads)
+
+
+RECORD = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from keyreads import RecordingConfig
+from otbflow.config import load_config
+import importlib
+cfg = load_config(None, {overrides!r})
+mod = importlib.import_module({module!r})
+recorded = RecordingConfig(cfg)
+mod.run(recorded, mod.Args(**{args!r}))
+print("READS=" + json.dumps(sorted(recorded.reads)))
+"""
+
+
+@pytest.mark.vllm
+def test_the_vllm_backend_reads_what_the_table_declares(tmp_path, tiny_policy, data_dir):
+    """rollout, evaluate and the variance pool on vLLM (CPU), each in .venv-vllm's Python."""
+    python = vllm_python()
+    base = OmegaConf.to_container(tiny_config(*SMALL), resolve=True)
+    overrides = [f"{k}={json.dumps(v)}" for k, v in _flat(base).items()]
+    overrides += ["rollout.backend=vllm", "rollout.kv_cache_gib=1", "rollout.enforce_eager=true"]
+    cfg = tiny_config(*SMALL, "rollout.backend=vllm", "rollout.kv_cache_gib=1", "rollout.enforce_eager=true")
+    prompts, policy = str(data_dir / "train" / "shard_0.parquet"), str(tiny_policy)
+    jobs = {
+        "rollout": dict(prompts=prompts, policy=policy, out=str(tmp_path / "r.parquet"), iteration=0),
+        "variance_pool": dict(prompts=prompts, policy=policy, out=str(tmp_path / "p.parquet")),
+        "evaluate": dict(
+            prompts=str(data_dir / "eval.parquet"),
+            policy=policy,
+            name="initial",
+            samples=str(tmp_path / "s.parquet"),
+            summary=str(tmp_path / "e.parquet"),
+        ),
+    }
+    problems = []
+    for stage, args in jobs.items():
+        code = RECORD.format(tests=str(REPO / "tests"), overrides=overrides, module=STAGES[stage].module, args=args)
+        res = subprocess.run([str(python), "-c", code], env=vllm_env(), capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-4000:]
+        line = next(x for x in res.stdout.splitlines() if x.startswith("READS="))
+        problems += check(stage, "vllm", cfg, set(json.loads(line[len("READS=") :])))
+    assert not problems, "\n".join(problems)
+
+
+def _flat(node: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in node.items():
+        if isinstance(v, dict):
+            out |= _flat(v, f"{prefix}{k}.")
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+if __name__ == "__main__":  # discovery: print what each stage reads beyond / short of its declaration
+    import tempfile
+
+    sys.path.insert(0, str(REPO / "tests"))
+    for column in sys.argv[1:] or sorted(MATRIX):
+        cfg = tiny_config(*SMALL, *MATRIX[column])
+        with tempfile.TemporaryDirectory() as tmp:
+            for stage, keys in run_chain(Path(tmp), cfg).items():
+                print("\n".join(check(stage, column, cfg, keys)) or f"{stage} [{column}] ok", flush=True)
