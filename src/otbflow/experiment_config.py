@@ -34,6 +34,7 @@ from otbflow.config import (
     require,
     to_yaml,
 )
+from otbflow.io import write_text
 
 RENAMED = {"analysis.bootstrap": "analysis.ci_resamples"}
 """Experiment keys that were renamed: given under the old name, the error names the new one."""
@@ -170,8 +171,4 @@ def write_member_config(experiment: str, run: str, seed: int, policy: str, scali
             "the length-power exponent cannot be derived from it"
         )
     cfg = load_config(DEFAULT_CONFIG, extra=member_config(exp, run, seed, str(Path(policy).resolve()), slope))
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(to_yaml(cfg))
-    tmp.replace(out)
+    write_text(to_yaml(cfg), out)

@@ -6,7 +6,8 @@
 - ``read_table``: reads a Parquet file and checks it against a table schema from
   ``otbflow.schemas`` before any work starts: missing column, wrong dtype, ragged per-token
   lists. Errors name the file and the column.
-- ``write_json``: small JSON outputs (summaries, schedule state), written the same way.
+- ``atomic_file``: the one write-to-a-temporary-name-then-rename; ``write_json`` and
+  ``write_text`` (summaries, schedule state, configs) use it too.
 - ``atomic_dir``: a context manager for folder outputs (HF model folders): write into a
   temporary sibling, renamed into place on success only.
 - ``pyplot`` / ``save_figure``: matplotlib without a display, and PNGs written the same way.
@@ -34,46 +35,51 @@ class SchemaError(ValueError):
     """A Parquet input does not match the schema a stage needs."""
 
 
-def write_parquet(df: pl.DataFrame, path: str | Path, metadata: Mapping | None = None) -> Path:
+@contextlib.contextmanager
+def atomic_file(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary sibling of ``path`` (same suffix) to write; on success it replaces
+    ``path`` in one rename, on failure it is removed: a killed job leaves no file that looks done."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    table = df.to_arrow()
-    if metadata:
-        meta = dict(table.schema.metadata or {})
-        meta[METADATA_KEY] = json.dumps(metadata, sort_keys=True, default=str).encode()
-        table = table.replace_schema_metadata(meta)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".tmp{path.suffix}", dir=path.parent)
     os.close(fd)
     try:
-        pq.write_table(table, tmp, compression="zstd")
+        yield Path(tmp)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    return path
+
+
+def write_parquet(df: pl.DataFrame, path: str | Path, metadata: Mapping | None = None) -> Path:
+    table = df.to_arrow()
+    if metadata:
+        meta = dict(table.schema.metadata or {})
+        meta[METADATA_KEY] = json.dumps(metadata, sort_keys=True, default=str).encode()
+        table = table.replace_schema_metadata(meta)
+    with atomic_file(path) as tmp:
+        pq.write_table(table, tmp, compression="zstd")
+    return Path(path)
+
+
+def write_text(text: str, path: str | Path) -> Path:
+    """A text file written to a temporary name and renamed, like write_parquet."""
+    with atomic_file(path) as tmp:
+        tmp.write_text(text)
+    return Path(path)
 
 
 def write_json(data, path: str | Path) -> Path:
-    """Indented JSON written to a temporary name and renamed, like write_parquet."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    os.replace(tmp, path)
-    return path
+    """Indented JSON, written atomically."""
+    return write_text(json.dumps(data, indent=2, default=str), path)
 
 
 def write_text_if_changed(path: str | Path, text: str) -> None:
     """A small text file (a resolved config) rewritten atomically, and only when its content
     changes, so that Snakemake sees no spurious modification time."""
-    path = Path(path)
-    if path.is_file() and path.read_text() == text:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    if not (Path(path).is_file() and Path(path).read_text() == text):
+        write_text(text, path)
 
 
 def read_metadata(path: str | Path) -> dict:
@@ -167,9 +173,7 @@ def pyplot():
 
 def save_figure(fig, path: str | Path, dpi: int = 110) -> None:
     """Lay out, write to a temporary name, close, rename into place."""
-    path = Path(path)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=dpi)
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, dpi=dpi)
     pyplot().close(fig)
-    tmp.replace(path)

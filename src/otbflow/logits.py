@@ -70,6 +70,17 @@ def has_logit_postprocessing(model) -> bool:
     return bool(getattr(c, "final_logit_softcapping", None) or getattr(c, "logit_scale", None))
 
 
+def padded(
+    seqs: list[list], value, width: int | None = None, left: bool = False, dtype=torch.long, device=None
+) -> torch.Tensor:
+    """Lists of unequal length as one [len(seqs), width] tensor, filled with ``value`` on the right
+    (``left``: on the left, where generation wants its prompts); ``width`` defaults to the longest.
+    The one padding of the code base (batches, masks, labels, per-token columns)."""
+    width = max((len(s) for s in seqs), default=0) if width is None else width
+    rows = [[value] * (width - len(s)) + list(s) if left else list(s) + [value] * (width - len(s)) for s in seqs]
+    return torch.tensor(rows, dtype=dtype, device=device)
+
+
 def pack(
     prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int, device: torch.device | str = "cpu"
 ) -> dict[str, torch.Tensor]:
@@ -78,14 +89,13 @@ def pack(
     ``targets`` = the token id. Shared by the features and train stages, so both compute the
     same log-probs."""
     seqs = [p + r for p, r in zip(prompt_ids, response_ids)]
-    width = max(len(s) for s in seqs)
 
     def tensor(values):
         return torch.tensor(values, dtype=torch.long, device=device)
 
     return {
-        "input_ids": tensor([s + [pad_id] * (width - len(s)) for s in seqs]),
-        "attention_mask": tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs]),
+        "input_ids": padded(seqs, pad_id, device=device),
+        "attention_mask": padded([[1] * len(s) for s in seqs], 0, device=device),
         "rows": tensor([i for i, r in enumerate(response_ids) for _ in r]),
         "pos": tensor([len(p) - 1 + t for p, r in zip(prompt_ids, response_ids) for t in range(len(r))]),
         "cols": tensor([t for r in response_ids for t in range(len(r))]),
@@ -351,7 +361,3 @@ def policy_logprobs(
     )
     mask = to_padded(torch.ones_like(logp), batch, len(response_ids)).bool()
     return to_padded(logp, batch, len(response_ids)), mask
-
-
-def pad_right(lists: list[list[float]], width: int, device) -> torch.Tensor:
-    return torch.tensor([list(x) + [0.0] * (width - len(x)) for x in lists], dtype=torch.float32, device=device)

@@ -1,28 +1,7 @@
-"""Learning-rate schedules of the train stage, with state that survives RL iterations.
-
-``train.lr_schedule``:
-
-- ``constant``: eta0 = ``train.lr`` after warm-up.
-- ``cosine``: from eta0 down to ``lr_min_ratio`` x eta0 over ``lr_decay_steps`` steps after warm-up
-  (0: ``iterations`` x the number of steps of the first iteration).
-- ``length_decay``: the response-length-triggered decay of "Beyond Precision"
-  (algorithms.md §4.1). The mean response length l_k of every optimizer step's batch (all its
-  sequences, before any TRM masking) is recorded. The baseline is the mean of l over the first
-  ``length_baseline_steps`` steps; the surge step k_s is the first step, after the baseline is
-  complete, that ends a run of ``length_surge_patience`` consecutive steps with
-  l > ``length_surge_factor`` x baseline. From then on
-
-      eta_k = eta0 * max(lr_min_ratio, 2 ** -floor((k - k_s) / P)),   P = round(length_period_factor * k_s)
-
-  i.e. the LR halves every P steps, counted from the surge (the convention algorithms.md
-  recommends; the third-party reproduction counts from the end of warm-up), down to the floor.
-  No surge: the LR stays eta0. The surge and every halving are returned as events, which the
-  train stage logs and writes into its metrics.
-
-Every schedule starts with ``lr_warmup_steps`` of linear warm-up. Steps are counted over all
-iterations: the train stage of iteration k+1 resumes the state that iteration k saved
-(``LRSchedule.state`` as JSON), so a schedule spans the whole run.
-"""
+"""Learning-rate schedules of the train stage (``train.lr_schedule``: constant, cosine and the
+response-length-triggered ``length_decay``), with state that survives RL iterations (``ScheduleState``,
+resumed by the next iteration's train job). Formulas and constants: docs/training.md,
+"Learning-rate schedules"."""
 
 from __future__ import annotations
 

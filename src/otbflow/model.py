@@ -1,16 +1,7 @@
-"""Policies: the small models the bootstrap builds, and loading any local HF causal LM.
-
-Built-in policies (``model.arch`` x ``model.tokenizer``), saved as ordinary HF folders that
-``AutoTokenizer`` and ``AutoModelForCausalLM`` (and vLLM) reload offline:
-
-- architectures: ``gpt2`` (GPT2LMHeadModel), ``llama`` (LlamaForCausalLM, untied output head)
-  and ``qwen2`` (Qwen2ForCausalLM, q/k/v biases and a tied output head, as Qwen2.5-0.5B), with
-  grouped-query attention where ``model.n_kv_head`` < ``model.n_head``;
-- tokenizers: ``char``, a ``tokenizers`` WordLevel model over single characters (no chat
-  template), and ``bpe``, a byte-level BPE trained with the ``tokenizers`` library on the task's
-  text, with Qwen-style ChatML special tokens and chat template: ``<|im_start|>role\\n...<|im_end|>``,
-  eos ``<|im_end|>``, pad ``<|endoftext|>``; the generation config stops on both (as Qwen2.5's).
-"""
+"""Policies: the small models the bootstrap builds (``model.arch`` gpt2, llama or qwen2;
+``model.tokenizer`` char or a byte-level BPE with a ChatML chat template), saved as HF folders
+that reload offline, and loading any local HF causal LM. The architectures and tokenizers:
+README.md, "A real model and dataset" (built policies)."""
 
 from __future__ import annotations
 

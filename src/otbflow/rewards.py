@@ -1,16 +1,7 @@
-"""Verifiable rewards, chosen by name from a registry.
-
-A reward is ``fn(response_text, answer) -> float``. Add one with ``@register("name")``.
-
-``math`` uses math-verify (Hugging Face's verifier, the one TRL and open-r1 score with), as
-verl's ``math_verify`` reward calls it: the reference is parsed as ``\\boxed{answer}`` (LaTeX),
-the response with LaTeX (boxed answers first) and plain-expression extraction, and the two are
-compared by ``verify`` (numbers by value, fractions, sets and intervals, percentages, units in
-``\\text{}`` dropped, symbolic equality). Where math-verify parses nothing on either side, the
-small extractor below (\\boxed, '#### x', the last number; compared by value) decides instead.
-math-verify bounds its parsing and comparison time with ``signal.alarm``, which works in the main
-thread only: elsewhere (a thread pool) it runs without that time limit.
-"""
+"""Verifiable rewards, chosen by name from a registry. A reward is ``fn(response_text, answer) ->
+float``; add one with ``@register("name")``. ``arithmetic`` scores the synthetic task, ``math``
+uses math-verify with a small fallback extractor: how it parses and compares, README.md, "A real
+model and dataset"."""
 
 from __future__ import annotations
 

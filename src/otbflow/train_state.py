@@ -1,15 +1,7 @@
-"""What a train job keeps on disk: the next policy, the AdamW state across iterations, and the
-resumable checkpoints within one job (``otbflow.stages.train`` explains the stage).
-
-- ``save_policy``: the next policy as an HF folder of fp32 weights (ZeRO's fp32 master weights
-  where it keeps them) with the input policy's tokenizer, written atomically.
-- Optimizer state (``--optimizer`` / ``--prev-optimizer``): a DeepSpeed checkpoint with a
-  ``meta.json`` naming its layout (ranks, ZeRO stage, bf16) and the digest of the policy written
-  with it; ``check_optimizer_state`` refuses any other layout or policy before training starts.
-- ``Checkpoints``: every ``train.checkpoint_every`` steps, in a folder outside the Snakemake
-  outputs, stamped with the job's ``fingerprint`` (inputs, config, code, ranks): a rerun of the
-  same job resumes from the latest one; one of other inputs is wiped, never resumed.
-"""
+"""What a train job keeps on disk: the next policy (``save_policy``), the AdamW state across
+iterations (``check_optimizer_state`` refuses another layout or policy) and the resumable
+checkpoints within one job (``Checkpoints``). The stage is ``otbflow.stages.train``; layouts and
+rules: docs/training.md, "The optimizer across iterations", "Robustness" and "The next policy"."""
 
 from __future__ import annotations
 

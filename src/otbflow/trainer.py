@@ -15,7 +15,7 @@ from otbflow import schemas
 from otbflow.distributed import all_reduce, grads_finite, param_grad_norm
 from otbflow.estimators import total_power, variance_proxies
 from otbflow.io import read_table
-from otbflow.logits import pack, pad_right, response_token_stats, to_padded
+from otbflow.logits import pack, padded, response_token_stats, to_padded
 from otbflow.losses import POLICY_LOSSES, aggregate_loss, low_var_kl, trm_keep
 from otbflow.rollout_is import rollout_is_weights
 
@@ -121,7 +121,7 @@ class Trainer:
         width = logp.shape[1]
 
         def column(name: str) -> torch.Tensor:
-            return pad_right([data[name][i] for i in rows], width, dev)
+            return padded([data[name][i] for i in rows], 0.0, width, dtype=torch.float32, device=dev)
 
         old_logp, adv = column("logprobs"), column("advantages")
         mask = column("loss_mask") * weight

@@ -1,18 +1,8 @@
-"""The generation-backend interface shared by the rollout, evaluate and bootstrap stages.
-
-- ``Sample``: one generated response, the same record from every backend.
-- ``Sampling``: what to generate (n samples per prompt, temperature, top_p, length, greedy, seed).
-- ``Backend``: ``generate(prompt_ids, sampling) -> list[Sample]`` and ``metadata(sampling)``;
-  implemented by ``otbflow.engines.hf.HFBackend`` (transformers) and
-  ``otbflow.engines.vllm.VLLMBackend`` (vLLM). ``open_backend`` builds one by name; the engine
-  modules depend on this one, never the other way round (the table below names them by path).
-- Prompt rendering (``render_prompts``): the text of each prompt or, with ``task.chat``, its
-  messages through the tokenizer's chat template (``add_generation_prompt=True``), to token ids.
-  Every backend generates from these ids, and the rollout table stores them (``prompt_ids``).
-- Stop tokens (``stop_token_ids``): a response ends at the first of the tokenizer's eos token and
-  the eos ids of the policy's ``generation_config.json`` (Qwen2.5-Instruct: ``<|im_end|>`` and
-  ``<|endoftext|>``); it is kept, with its log-prob, as the last response token.
-"""
+"""The generation-backend interface shared by the rollout, evaluate and bootstrap stages: ``Sample``
+(one generated response), ``Sampling`` (what to generate), ``Backend`` (implemented by
+``otbflow.engines.hf`` and ``otbflow.engines.vllm``, which depend on this module, never the other
+way round; ``open_backend`` builds one by name), prompt rendering (``render_prompts``) and stop
+tokens (``stop_token_ids``). Chat rendering and stop tokens: README.md, "A real model and dataset"."""
 
 from __future__ import annotations
 

@@ -1,15 +1,7 @@
-"""The transformers generation backend ('hf'; CPU or GPU).
-
-Batches of prompts are left-padded with an attention mask (transformers derives the position
-ids of llama/qwen2/gpt2 from it), and ``generate`` samples ``n`` responses per prompt. The
-rollout log-prob of each sampled token is log_softmax(logits / temperature) of the engine's raw
-logits, i.e. before top-p, so that it is directly comparable with the trainer's log-probs in the
-features stage (which right-pads prompt + response: ``otbflow.logits.pack``). A response ends
-at the first stop token (``generation.stop_token_ids``). Sampling uses only the arguments given
-here: the checkpoint's own sampling defaults in generation_config.json (instruction-tuned
-checkpoints often set temperature, top_k, top_p or a repetition penalty there) are not applied,
-since the trainer's log-probs do not include them.
-"""
+"""The transformers generation backend ('hf'; CPU or GPU): batches of prompts left-padded with an
+attention mask (transformers derives the position ids of llama/qwen2/gpt2 from it), ``n`` sampled
+responses per prompt, each ending at its first stop token. Log-probs and sampling defaults:
+README.md, "Environments and the vLLM backend" and "A real model and dataset"."""
 
 from __future__ import annotations
 
@@ -20,6 +12,7 @@ import torch
 from omegaconf import DictConfig
 
 from otbflow.engines import Sample, Sampling, stop_token_ids, truncate_at_stop
+from otbflow.logits import padded
 from otbflow.model import load_policy
 from otbflow.progress import Progress
 
@@ -56,9 +49,9 @@ def hf_generate(
     try:
         for start in range(0, len(prompt_ids), batch_size):
             batch = prompt_ids[start : start + batch_size]
-            width = max(len(x) for x in batch)
-            input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in batch], device=model.device)
-            attention = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in batch], device=model.device)
+            input_ids = padded(batch, pad, left=True, device=model.device)
+            width = input_ids.shape[1]
+            attention = padded([[1] * len(x) for x in batch], 0, left=True, device=model.device)
             res = model.generate(
                 input_ids=input_ids,
                 attention_mask=attention,

