@@ -364,7 +364,7 @@ def test_bad_input_errors():
         .otherwise(pl.col("sum_pi_sq"))
         .alias("sum_pi_sq")
     )
-    with pytest.raises(SchemaError, match="row 3: 'sum_pi_sq'"):
+    with pytest.raises(SchemaError, match="'sum_pi_sq' is ragged against 'logprobs': row 3 has"):
         compute_advantages(ragged, "otb")
 
 

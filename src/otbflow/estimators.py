@@ -21,7 +21,8 @@ import polars as pl
 import pyarrow as pa
 from omegaconf import DictConfig
 
-from otbflow.io import SchemaError
+from otbflow import schemas
+from otbflow.io import SchemaError, check_schema
 
 EPS_OTB = 1e-8
 EPS_STD = 1e-6
@@ -441,18 +442,12 @@ def _check_input(table: pl.DataFrame, est: Estimator) -> None:
             raise SchemaError(
                 f"estimator '{est.name}' needs column '{col}', which the table lacks ({est.name}: {est.doc})"
             )
+    check_schema(table, schemas.ADVANTAGE_INPUT, f"estimator '{est.name}' input")  # dtypes, nulls, ragged lists
     reward = table["reward"].cast(pl.Float64)
-    bad = (~reward.is_finite() | reward.is_null()).arg_true()
+    bad = (~reward.is_finite()).arg_true()
     if len(bad):
         i = int(bad[0])
         raise SchemaError(f"non-finite reward {reward[i]} in row {i} (group_id {table['group_id'][i]})")
-    n = table["logprobs"].list.len()
-    for col in ("sum_pi_sq", "loss_mask", "token_rewards", "is_weights"):
-        if col in table.columns:
-            diff = (table[col].list.len() != n).arg_true()
-            if len(diff):
-                i = int(diff[0])
-                raise SchemaError(f"row {i}: '{col}' has {table[col].list.len()[i]} entries but 'logprobs' has {n[i]}")
 
 
 def _to_list_column(name: str, flat: np.ndarray, offsets: np.ndarray) -> pl.Series:

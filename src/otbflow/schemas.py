@@ -154,27 +154,31 @@ FEATURES = ROLLOUTS.extend(
     optional=("grad_sq_norm", "is_weights"),
 )
 
+# Any float dtype (Float32 as the features stage writes, Float64 as a user's table may hold).
+FLOATL = pl.List(pl.Float64)
 ADVANTAGE_INPUT = _table(
     "advantage input",
     "(any table given to otbflow.estimators.compute_advantages)",
-    "The columns estimators read.",
+    "The columns estimators read (float columns and lists of any float dtype); which optional ones an estimator "
+    "needs, it names (otbflow.estimators.ESTIMATORS[name].needs).",
     [
         ("group_id", pl.Int64, "prompt group"),
-        ("reward", pl.Float64, "outcome reward"),
-        ("logprobs", F32L, "trainer log-probs of the sampled tokens"),
-        ("sum_pi_sq", F32L, "sum_v pi_v^2 (OTB; other estimators do not read it)"),
+        ("reward", pl.Float64, "outcome reward, finite"),
+        ("logprobs", FLOATL, "trainer log-probs of the sampled tokens"),
+        ("sum_pi_sq", FLOATL, "sum_v pi_v^2 (OTB; other estimators do not read it)"),
         (
             "loss_mask",
             pl.List(pl.Boolean),
             "optional: false on tokens that are not trained (tool output); required by otb_tir",
         ),
-        ("token_rewards", F32L, "optional: per-token rewards; the return becomes the reward-to-go"),
-        ("is_weights", F32L, "optional: truncated rollout IS weights (OTB's energy and P are weighted by them)"),
+        ("token_rewards", FLOATL, "optional: per-token rewards; the return becomes the reward-to-go"),
+        ("is_weights", FLOATL, "optional: truncated rollout IS weights (OTB's energy and P are weighted by them)"),
         ("grad_sq_norm", pl.Float64, "optional: exact per-sequence squared gradient norm (eob)"),
     ],
     ragged={"sum_pi_sq": "logprobs", "loss_mask": "logprobs", "token_rewards": "logprobs", "is_weights": "logprobs"},
     optional=("sum_pi_sq", "loss_mask", "token_rewards", "is_weights", "grad_sq_norm"),
 )
+
 
 ADVANTAGES = FEATURES.extend(
     "advantages",
