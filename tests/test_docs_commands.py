@@ -122,6 +122,17 @@ HOW: dict[str, str] = {
     ".venv/bin/python benchmarks/bench_train_memory.py": ".venv/bin/python benchmarks/bench_train_memory.py "
     "--sequences 1 --response-len 16 --layers 1 --vocab 4096",
     "benchmarks/variance_seeds.py": VARIANCE_SEEDS,
+    "python benchmarks/bench_dry_run.py --iterations 500 --repeats 3": "python benchmarks/bench_dry_run.py "
+    "--iterations 3 --repeats 1",
+    # the lint CI runs (.ci/run); Snakemake's own lint runs here
+    "make lint": CI,
+    "snakemake --lint": AS_SHOWN,
+    # the recorded fingerprints hold for the default run on one CPU model: here the check runs
+    # against the sandbox's own (tiny) run, recorded first
+    "python tests/fingerprint.py results --check tests/data/fingerprints/x86-64-amd-epyc/default.json": (
+        "mkdir -p results/scratch && python tests/fingerprint.py results > results/scratch/fp.json && "
+        "python tests/fingerprint.py results --check results/scratch/fp.json"
+    ),
     ".venv/bin/python benchmarks/variance_seeds.py --seeds 0 1 2 3 4": VARIANCE_SEEDS,
 }
 

@@ -25,6 +25,7 @@ NOT_FOLLOWED = {"otbflow.config"}
 _NAMED = re.compile(r"^(otbflow(?:\.\w+)+)(?::\w+)?$")
 
 
+@cache
 def module_file(name: str) -> Path | None:
     """The source file of otbflow module ``name`` (None when there is none)."""
     parts = name.split(".")[1:]
@@ -41,7 +42,8 @@ def _tree(name: str) -> ast.Module:
     return ast.parse(module_file(name).read_text())
 
 
-def direct_imports(name: str, named: bool = True) -> set[str]:
+@cache
+def direct_imports(name: str, named: bool = True) -> frozenset[str]:
     """The otbflow modules that module ``name`` imports (and, with ``named``, names in a string
     such as ``"otbflow.engines.hf:HFBackend"``), and its parent packages."""
     package = name if module_file(name).name == "__init__.py" else name.rsplit(".", 1)[0]
@@ -61,7 +63,7 @@ def direct_imports(name: str, named: bool = True) -> set[str]:
             named and isinstance(node, ast.Constant) and isinstance(node.value, str) and (m := _NAMED.match(node.value))
         ):
             found.add(m.group(1))
-    return {m for m in found if m.split(".")[0] == "otbflow" and module_file(m) is not None}
+    return frozenset(m for m in found if m.split(".")[0] == "otbflow" and module_file(m) is not None)
 
 
 def closure(name: str) -> list[str]:

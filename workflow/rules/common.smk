@@ -46,9 +46,11 @@ OTBFLOW = f"PYTHONPATH={_SRC}${{PYTHONPATH:+:$PYTHONPATH}} {_PY} -m otbflow"
 
 
 def stage_cmd(stage):
-    """Start of the shell command of one stage: the CLI with the resolved config, told how many
-    threads the job has; the engine's interpreter (rollout.python) for a stage that generates, and
-    a launcher of several processes where the stage's resources ask for tasks (train)."""
+    """Start of the shell command of one stage: the CLI with the resolved config; the engine's
+    interpreter (rollout.python) for a stage that generates, and a launcher of several processes
+    where the stage's resources ask for tasks (train). A plain string: a function of the job's
+    threads would be evaluated for every job of the plan (half of a long run's dry run). The
+    rules' shell commands tell the stage its threads (OTBFLOW_THREADS={threads})."""
     python = CFG.rollout.python if STAGES[stage].engine else None
     res = CFG.resources.get(stage, {})
     launcher = launch_processes(res.tasks, res.cpus_per_task) if "tasks" in res else ""
@@ -58,7 +60,7 @@ def stage_cmd(stage):
         else f"PYTHONPATH={_SRC}${{PYTHONPATH:+:$PYTHONPATH}} {launcher}{python or _PY} -m otbflow"
     )
     command = STAGES[stage].command
-    return lambda wildcards, threads: f"OTBFLOW_THREADS={threads} {cli} {command} --config {RESOLVED_CONFIG}"
+    return f"{cli} {command} --config {RESOLVED_CONFIG}"
 
 
 def stage_trigger(stage):

@@ -23,5 +23,5 @@ rule evaluate:
         code=code_version("evaluate"),
         iteration=policy_iteration,
     shell:
-        "{params.cmd} --prompts {input.prompts} --policy {input.policy} --name {wildcards.policy} "
+        "OTBFLOW_THREADS={threads} {params.cmd} --prompts {input.prompts} --policy {input.policy} --name {wildcards.policy} "
         "--samples {output.samples} --summary {output.summary} --iteration {params.iteration} > {log} 2>&1"

@@ -51,5 +51,5 @@ rule report:
         code=code_version("report"),
         out_dir=lambda wildcards, output: os.path.dirname(output.progress),
     shell:
-        "{params.cmd} --summaries {input.summaries} --metrics {input.metrics} --rollouts {input.rollouts} "
+        "OTBFLOW_THREADS={threads} {params.cmd} --summaries {input.summaries} --metrics {input.metrics} --rollouts {input.rollouts} "
         "--comparisons {input.comparisons} --features {input.features} --out-dir {params.out_dir} > {log} 2>&1"

@@ -23,5 +23,5 @@ rule rollout:
         cfg=stage_trigger("rollout"),
         code=code_version("rollout"),
     shell:
-        "{params.cmd} --prompts {input.prompts} --policy {input.policy} --out {output} "
+        "OTBFLOW_THREADS={threads} {params.cmd} --prompts {input.prompts} --policy {input.policy} --out {output} "
         "--iteration {wildcards.k} > {log} 2>&1"

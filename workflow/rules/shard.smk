@@ -18,4 +18,4 @@ rule shard:
         code=code_version("shard"),
         out_dir=lambda wildcards, output: os.path.dirname(output.eval),
     shell:
-        "{params.cmd} --out-dir {params.out_dir} > {log} 2>&1"
+        "OTBFLOW_THREADS={threads} {params.cmd} --out-dir {params.out_dir} > {log} 2>&1"

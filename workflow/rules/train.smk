@@ -43,6 +43,6 @@ rule train:
             + ([f"--optimizer {output.optimizer}"] if hasattr(output, "optimizer") else [])
         ),
     shell:
-        "{params.cmd} --advantages {input.advantages} --policy {input.policy} --out {output.policy} "
+        "OTBFLOW_THREADS={threads} {params.cmd} --advantages {input.advantages} --policy {input.policy} --out {output.policy} "
         "--metrics {output.metrics} --state {output.state} --checkpoint-dir {params.checkpoint_dir} "
         "--iteration {wildcards.k} {params.optional} > {log} 2>&1"
