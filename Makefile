@@ -50,6 +50,7 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/snakefmt --check Snakefile workflow
 	$(VENV)/bin/snakemake --lint
+	$(VENV)/bin/snakemake -s workflow/experiment.smk --configfile config/experiments/tiny.yaml --lint
 	$(VENV)/bin/snakemake -n --cores 1 > /dev/null
 
 clean:

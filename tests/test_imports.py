@@ -11,7 +11,7 @@ import sys
 
 from conftest import REPO
 
-from otbflow.codeversion import closure, direct_imports
+from otbflow.codeversion import WORKFLOW_ONLY, closure, direct_imports
 from otbflow.pipeline import STAGES
 
 PACKAGE = REPO / "src" / "otbflow"
@@ -68,8 +68,8 @@ def test_engines_are_loaded_by_name():
 def test_both_backends_implement_the_interface():
     from otbflow.engines import BACKENDS
 
-    for name, target in BACKENDS.items():
-        module, cls = target.split(":")
+    for name, entry in BACKENDS.items():
+        module, cls = entry.target.split(":")
         backend = getattr(importlib.import_module(module), cls)
         assert backend.name == name
         for method in ("generate", "metadata"):
@@ -84,9 +84,9 @@ def loaded_by(module: str) -> set[str]:
 
 def test_code_versions_cover_what_each_stage_imports():
     """Independent of the static reading: every otbflow module that importing a stage module
-    actually loads is in the closure its code version hashes, except what only the config module
-    loads (the registries it takes its choices from; codeversion.NOT_FOLLOWED)."""
-    via_config = loaded_by("otbflow.config")
+    actually loads is in the closure its code version hashes, except the modules that declare and
+    digest the config and what only they load (codeversion.WORKFLOW_ONLY)."""
+    via_config = set().union(*(loaded_by(m) for m in WORKFLOW_ONLY))
     for module in [s.module for s in STAGES.values()]:
         missing = loaded_by(module) - set(closure(module)) - via_config
         assert not missing, f"importing {module} loads {sorted(missing)}, which its code version does not hash"

@@ -192,6 +192,20 @@ def test_the_tiny_run_is_bitwise_what_it_was(run_dir):
     assert not differ, f"{len(differ)} of {len(want)} fingerprints differ: {differ}"
 
 
+def test_execution_only_keys_rerun_nothing(run_dir):
+    """The stage table's execution keys (the engine's interpreter and memory, the checkpoint
+    period) and the jobs' threads change how jobs run, never what they write: nothing reruns."""
+    res = snakemake(
+        run_dir,
+        "-n",
+        "--config",
+        f"rollout={{python: {sys.executable}, kv_cache_gib: 1, enforce_eager: true, gpu_memory_utilization: 0.5}}",
+        "train={checkpoint_every: 2}",
+        "resources={rollout: {threads: 2}, features: {threads: 2}}",
+    )
+    assert planned_rules(res.stdout) == set(), res.stdout[-3000:]
+
+
 def test_an_estimator_option_reruns_the_variance_study_but_not_its_pool(run_dir):
     res = snakemake(run_dir, "-n", "--config", "advantages={handle_zero_tail: false}")
     assert "variance" in planned_rules(res.stdout) and "variance_pool" not in planned_rules(res.stdout)

@@ -77,12 +77,13 @@ def describe_key(key: str) -> str:
 def keys_epilog(stage: Stage) -> str:
     """The config keys of a stage, as the stage table declares them for the default config."""
     cfg = load_config(DEFAULT_CONFIG)
-    lines = ["config keys that change this stage's outputs (with the default config):"]
-    lines += [describe_key(k) for k in stage.outputs(cfg)]
-    if stage.execution:
-        lines += ["config keys that change how it runs, not what it writes:"]
-        lines += [describe_key(k) for k in stage.execution]
-    return "\n".join(lines)
+    groups = [
+        ("config keys that change this stage's outputs (with the default config):", stage.outputs(cfg)),
+        ("config keys that change how it runs, not what it writes:", stage.execution),
+        ("config keys that shape the workflow around it (the Snakefile reads them):", stage.dag),
+    ]
+    lines = [line for title, keys in groups if keys for line in (title, *(describe_key(k) for k in keys))]
+    return "\n".join(lines) or "this stage reads no config key"
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

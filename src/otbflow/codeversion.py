@@ -3,8 +3,8 @@
 Snakemake cannot see edits inside an installed package, so every rule passes the version of the
 code it runs as a ``params:`` value: a hash over the stage's module and every otbflow module it
 reaches by its imports (at any depth, lazy imports included) or names as ``"otbflow.x"`` (the
-engine registry loads its backends by name), with their parent packages; not through the config
-module (``NOT_FOLLOWED``). The hash is over each
+engine registry loads its backends by name), with their parent packages; not the config module
+and the stage table (``WORKFLOW_ONLY``). The hash is over each
 module's syntax tree without docstrings (formatting, comments and docstrings do not rerun a
 finished workflow; a changed expression does). Nothing is imported: the modules are parsed.
 """
@@ -18,10 +18,12 @@ from functools import cache
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent
-# Hashed, but their imports are not followed: the config module imports the registries only for
-# their names (the allowed values of its options), and its values reach every stage through the
-# stage's config trigger; a stage that runs a registry's code imports that module itself.
-NOT_FOLLOWED = {"otbflow.config"}
+# Neither hashed nor followed: the modules that declare, check and digest the config (and the
+# train stage's checkpoint identity uses). What they declare reaches a stage through its config
+# trigger, not through its code: a new bound, help text or declared key reruns nothing, and a
+# registry they import for its names (the allowed values of an option) is hashed where a stage
+# imports it to run its code.
+WORKFLOW_ONLY = {"otbflow.config", "otbflow.pipeline", "otbflow.codeversion"}
 _NAMED = re.compile(r"^(otbflow(?:\.\w+)+)(?::\w+)?$")
 
 
@@ -73,8 +75,7 @@ def closure(name: str) -> list[str]:
         mod = todo.pop()
         if mod not in seen:
             seen.add(mod)
-            if mod not in NOT_FOLLOWED:
-                todo += sorted(direct_imports(mod) - seen)
+            todo += sorted(direct_imports(mod) - seen - WORKFLOW_ONLY)
     return sorted(seen)
 
 

@@ -31,6 +31,8 @@ class PolicyLoss:
 
     fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     is_mode: str
+    options: tuple[str, ...] = ()
+    """The train.* options the loss reads (its keys in the train stage's rerun trigger)."""
 
     def is_logp(self, logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:
         """log pi_x of rho = pi_x / pi_rollout: pi_old (decoupled) or pi_theta (bypass)."""
@@ -41,22 +43,23 @@ class PolicyLoss:
 POLICY_LOSSES: dict[str, PolicyLoss] = {}
 
 
-def register_policy_loss(name: str, is_mode: str) -> Callable[[Callable], Callable]:
+def register_policy_loss(name: str, is_mode: str, options: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
     """Decorator: register ``fn`` as the policy loss ``name`` (a value of train.loss_type) whose
-    rollout IS weights are taken in ``is_mode`` (see IS_MODES). Returns ``fn`` unchanged."""
+    rollout IS weights are taken in ``is_mode`` (see IS_MODES) and which reads the train.*
+    ``options``. Returns ``fn`` unchanged."""
     if is_mode not in IS_MODES:
         raise ValueError(f"unknown is_mode {is_mode!r} for policy loss {name!r}; one of {', '.join(IS_MODES)}")
 
     def decorate(fn: Callable) -> Callable:
         if name in POLICY_LOSSES:
             raise ValueError(f"policy loss {name!r} is already registered")
-        POLICY_LOSSES[name] = PolicyLoss(fn, is_mode)
+        POLICY_LOSSES[name] = PolicyLoss(fn, is_mode, tuple(options))
         return fn
 
     return decorate
 
 
-@register_policy_loss("ppo_clip", is_mode="decoupled")
+@register_policy_loss("ppo_clip", is_mode="decoupled", options=("clip_ratio_low", "clip_ratio_high", "clip_ratio_c"))
 def ppo_clip_loss(
     logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, is_w: torch.Tensor, tc: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,7 +11,20 @@ from dataclasses import asdict, dataclass, field
 
 from omegaconf import DictConfig
 
-SCHEDULES = ("constant", "cosine", "length_decay")
+# The schedules by name (train.lr_schedule; the config's choices) and the train.* options each
+# reads (the train stage's rerun trigger; lr and lr_warmup_steps are read by every schedule).
+SCHEDULE_OPTIONS = {
+    "constant": (),
+    "cosine": ("lr_min_ratio", "lr_decay_steps"),
+    "length_decay": (
+        "lr_min_ratio",
+        "length_baseline_steps",
+        "length_surge_factor",
+        "length_surge_patience",
+        "length_period_factor",
+    ),
+}
+SCHEDULES = tuple(SCHEDULE_OPTIONS)
 """The ``train.lr_schedule`` names (the config takes its choices from here)."""
 CONSTANT, COSINE, LENGTH_DECAY = SCHEDULES
 

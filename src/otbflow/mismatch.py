@@ -7,6 +7,7 @@ import polars as pl
 import torch
 
 from otbflow import schemas
+from otbflow.logits import padded
 from otbflow.rollout_is import rollout_is_weights
 
 
@@ -43,12 +44,8 @@ def is_weights_column(
     lp_all, rp_all = logprobs.to_list(), rollout_logprobs.to_list()
     for start in range(0, len(lp_all), rows_per_batch):
         lp, rp = lp_all[start : start + rows_per_batch], rp_all[start : start + rows_per_batch]
-        width = max((len(x) for x in lp), default=0)
-        log_rho = torch.zeros(len(lp), width)
-        mask = torch.zeros(len(lp), width)
-        for i, (a, b) in enumerate(zip(lp, rp)):
-            log_rho[i, : len(a)] = torch.tensor(a, dtype=torch.float32) - torch.tensor(b, dtype=torch.float32)
-            mask[i, : len(a)] = 1.0
+        log_rho = padded(lp, 0.0, dtype=torch.float32) - padded(rp, 0.0, dtype=torch.float32)
+        mask = padded([[1.0] * len(a) for a in lp], 0.0, dtype=torch.float32)
         w = rollout_is_weights(log_rho, mask, level, threshold)
         out += [w[i, : len(a)].tolist() for i, a in enumerate(lp)]
     return pl.Series("is_weights", out, dtype=schemas.F32L)

@@ -25,7 +25,10 @@ from typing import Callable
 from omegaconf import DictConfig, OmegaConf
 
 from otbflow.config import section_digest
+from otbflow.engines import BACKENDS
 from otbflow.estimators import estimator_parameters, studied, study_keys
+from otbflow.losses import POLICY_LOSSES
+from otbflow.lr_schedule import SCHEDULE_OPTIONS
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,13 @@ class Stage:
     dag: tuple[str, ...] = ()
     """Config keys that shape the workflow around the stage (jobs, inputs)."""
     engine: bool = False
-    """Runs the generation engine (rollout.backend): the rollout.python interpreter, its environment."""
+    """Runs the generation engine (rollout.backend): the rollout.python interpreter, its
+    environment, and the engine's run-only keys among its execution keys."""
+
+    def __post_init__(self) -> None:
+        if self.engine:  # the engine's keys; the backend also picks the job's environment
+            object.__setattr__(self, "execution", (*ENGINE_EXECUTION, *self.execution))
+            object.__setattr__(self, "dag", (*self.dag, "rollout.backend"))
 
     @property
     def command(self) -> str:
@@ -59,16 +68,15 @@ class Stage:
 
 def sampling_engine(cfg: DictConfig) -> list[str]:
     """What the generation engine reads that changes its samples: the backend, the weights' dtype
-    and, per backend, the batching (hf: one seed per batched call) or the tensor parallelism (vllm)."""
-    per_backend = {"hf": ["rollout.batch_size"], "vllm": ["rollout.tensor_parallel_size"]}
-    return ["rollout.backend", "model.dtype", *per_backend[cfg.rollout.backend]]
+    and what the backend's registry entry names (otbflow.engines.BACKENDS)."""
+    return ["rollout.backend", "model.dtype", *BACKENDS[cfg.rollout.backend].sample_keys]
 
 
 # How prompts are rendered for the policy (the chat template) and how responses are scored.
 RENDERING = ["task.chat", "task.system_prompt"]
 SCORING = ["task.name", "task.reward"]
-# The engine's resources: read when the engine starts, no effect on its samples.
-ENGINE_EXECUTION = ("rollout.python", "rollout.gpu_memory_utilization", "rollout.kv_cache_gib", "rollout.enforce_eager")
+# The engine's interpreter and resources: read when the engine starts, no effect on its samples.
+ENGINE_EXECUTION = ("rollout.python", *dict.fromkeys(k for b in BACKENDS.values() for k in b.run_keys))
 
 
 def prompt_set(cfg: DictConfig) -> list[str]:
@@ -89,9 +97,8 @@ def _bootstrap(cfg: DictConfig) -> list[str]:
     model += ["model.vocab_size"] if m.tokenizer == "bpe" else []
     model += ["model.n_kv_head"] if m.arch != "gpt2" else []
     # the held-out checks avoid the eval split, which depends on the whole synthetic prompt set
-    task = ["task.name", "task.seed", "task.n_train", "task.n_eval", "task.min_terms", "task.max_terms"]
-    task += ["task.max_operand", "task.chat", "task.system_prompt"]
-    return ["seed", *model, "bootstrap", *task, "rollout.max_new_tokens"]
+    keys = ["seed", *model, "bootstrap", *prompt_set(cfg), *RENDERING, "rollout.max_new_tokens"]
+    return list(dict.fromkeys(keys))
 
 
 def _shard(cfg: DictConfig) -> list[str]:
@@ -127,24 +134,17 @@ def _train(cfg: DictConfig) -> list[str]:
     keys = ["lr", "weight_decay", "mini_batch_size", "micro_batch_size", "logprob_chunk_size", "ppo_epochs"]
     keys += ["loss_type", "loss_agg_mode", "kl_coef", "entropy_coef", "rollout_is", "trm", "lr_schedule"]
     keys += ["lr_warmup_steps", "max_grad_norm", "max_consecutive_skips", "reset_optimizer", "zero_stage", "bf16"]
-    if t.loss_type == "ppo_clip":
-        keys += ["clip_ratio_low", "clip_ratio_high", "clip_ratio_c"]
+    keys += [*POLICY_LOSSES[t.loss_type].options, *SCHEDULE_OPTIONS[t.lr_schedule]]
     if t.loss_agg_mode == "seq-mean-token-sum-norm":
         keys += ["loss_scale_factor"]
     if t.rollout_is != "none":
         keys += ["rollout_is_threshold"]
-    if t.lr_schedule != "constant":
-        keys += ["lr_min_ratio"]
-    if t.lr_schedule == "cosine":
-        keys += ["lr_decay_steps"]
-    if t.lr_schedule == "length_decay":
-        keys += ["length_baseline_steps", "length_surge_factor", "length_surge_patience", "length_period_factor"]
     other = ["seed", "rollout.temperature", "mismatch.max_k2", "mismatch.mean_k3"]
     if t.loss_agg_mode == "seq-mean-token-sum-norm" and t.loss_scale_factor == 0:
         other += ["rollout.max_new_tokens"]
     if t.lr_schedule == "cosine" and t.lr_decay_steps == 0:
         other += ["iterations"]  # the cosine horizon; otherwise more iterations keep the finished ones
-    return [*(f"train.{k}" for k in keys), *other]
+    return [*(f"train.{k}" for k in dict.fromkeys(keys)), *other]
 
 
 def _evaluate(cfg: DictConfig) -> list[str]:
@@ -178,7 +178,6 @@ _STAGES = [
         "rollout",
         "sample G responses per prompt and score them",
         _rollout,
-        execution=ENGINE_EXECUTION,
         dag=("iterations", "shard.n_shards", "model.path"),
         engine=True,
     ),
@@ -205,7 +204,6 @@ _STAGES = [
         "evaluate",
         "greedy and avg@k accuracy of a policy on held-out prompts",
         _evaluate,
-        execution=ENGINE_EXECUTION,
         dag=("iterations", "evaluate.every", "model.path"),
         engine=True,
     ),
@@ -225,7 +223,6 @@ _STAGES = [
         "variance_pool",
         "sample the variance study's pool: variance.pool_size responses to variance.pool_prompts prompts",
         _variance_pool,
-        execution=ENGINE_EXECUTION,
         dag=("model.path",),
         engine=True,
     ),

@@ -43,6 +43,7 @@ def spread_by_length(df: pl.DataFrame, n: int) -> pl.DataFrame:
 FIT_KEYS = [
     f"{name}_{k}" for name in ("grad_sq_norm", "w_hat") for k in ("slope", "intercept", "slope_ci_low", "slope_ci_high")
 ]
+FIT_KEYS += ["alpha_blog", "pearson_w_hat_grad_sq_norm", "spearman_w_hat_grad_sq_norm", "pearson_log"]
 
 
 def can_fit(lengths: np.ndarray) -> bool:

@@ -13,7 +13,6 @@ from otbflow.config import (
     evaluated_iterations,
     from_snakemake,
     load_config,
-    section_digest,
     to_container,
     to_yaml,
     validate_workflow,
@@ -48,9 +47,11 @@ OTBFLOW = f"PYTHONPATH={_SRC}${{PYTHONPATH:+:$PYTHONPATH}} {_PY} -m otbflow"
 def stage_cmd(stage):
     """Start of the shell command of one stage: the CLI with the resolved config; the engine's
     interpreter (rollout.python) for a stage that generates, and a launcher of several processes
-    where the stage's resources ask for tasks (train). A plain string: a function of the job's
-    threads would be evaluated for every job of the plan (half of a long run's dry run). The
-    rules' shell commands tell the stage its threads (OTBFLOW_THREADS={threads})."""
+    where the stage's resources ask for tasks (train). A function of the job's input, which
+    Snakemake counts as derived, not as a rerun trigger: the interpreter, the launcher and the
+    checkout's path change how a job runs, never what it writes. Not of its ``threads`` (that
+    evaluates every job's resources: half of a long run's dry run); the rules' shell commands pass
+    them (OTBFLOW_THREADS={threads})."""
     python = CFG.rollout.python if STAGES[stage].engine else None
     res = CFG.resources.get(stage, {})
     launcher = launch_processes(res.tasks, res.cpus_per_task) if "tasks" in res else ""
@@ -59,8 +60,8 @@ def stage_cmd(stage):
         if python is None and not launcher
         else f"PYTHONPATH={_SRC}${{PYTHONPATH:+:$PYTHONPATH}} {launcher}{python or _PY} -m otbflow"
     )
-    command = STAGES[stage].command
-    return f"{cli} {command} --config {RESOLVED_CONFIG}"
+    command = f"{cli} {STAGES[stage].command} --config {RESOLVED_CONFIG}"
+    return lambda wildcards, input: command
 
 
 def stage_trigger(stage):
@@ -96,6 +97,13 @@ def task_resources(res):
     if res.tasks == 1:
         return {}
     return {"mpi": "srun"} | ({"tasks_per_gpu": 1} if res.gpu else {})
+
+
+def dataset_files():
+    """The dataset task's files (task.path, task.eval_path): inputs of the shard, so that editing
+    one in place reruns it (its path alone is in the shard's config trigger)."""
+    t = CFG.task
+    return [p for p in (t.path, t.eval_path) if p] if t.name == "dataset" else []
 
 
 def initial_policy():

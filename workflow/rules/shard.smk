@@ -1,4 +1,6 @@
 rule shard:
+    input:
+        dataset_files(),
     output:
         train=expand(f"{R}/data/train/shard_{{s}}.parquet", s=SHARDS),
         eval=f"{R}/data/eval.parquet",

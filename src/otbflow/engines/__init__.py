@@ -14,7 +14,29 @@ from typing import Any, Protocol
 
 from omegaconf import DictConfig
 
-BACKENDS = {"hf": "otbflow.engines.hf:HFBackend", "vllm": "otbflow.engines.vllm:VLLMBackend"}
+
+@dataclass(frozen=True)
+class BackendEntry:
+    """A generation backend: where its class lives (loaded by name: vLLM is not importable in
+    every environment), the config keys that change its samples and those that change only how
+    it runs (otbflow.pipeline's rollout, evaluate and variance_pool stages read these)."""
+
+    target: str
+    sample_keys: tuple[str, ...] = ()
+    run_keys: tuple[str, ...] = ()
+
+
+# The backends by name (rollout.backend): the config's choices are these keys.
+BACKENDS = {
+    # one seed per batched generate call: the batch size changes the samples
+    "hf": BackendEntry("otbflow.engines.hf:HFBackend", sample_keys=("rollout.batch_size",)),
+    # tensor parallelism changes the reductions' order
+    "vllm": BackendEntry(
+        "otbflow.engines.vllm:VLLMBackend",
+        sample_keys=("rollout.tensor_parallel_size",),
+        run_keys=("rollout.gpu_memory_utilization", "rollout.kv_cache_gib", "rollout.enforce_eager"),
+    ),
+}
 """The generation engines by ``rollout.backend`` name (the config takes its choices from here, so
 this module imports neither the config nor the engines)."""
 
@@ -55,7 +77,7 @@ class Backend(Protocol):
 
 def open_backend(cfg: DictConfig, policy: str) -> Backend:
     """The ``rollout.backend`` engine over the HF folder ``policy`` (model loaded once)."""
-    module, cls = BACKENDS[cfg.rollout.backend].split(":")
+    module, cls = BACKENDS[cfg.rollout.backend].target.split(":")
     return getattr(importlib.import_module(module), cls)(cfg, policy)
 
 

@@ -24,7 +24,6 @@ from otbflow.seeds import derive_seed
 from otbflow.tasks import arithmetic_problem, arithmetic_prompts, arithmetic_solution, synthetic_splits
 
 log = logging.getLogger("otbflow.bootstrap")
-SECTIONS = ("model", "bootstrap", "task")
 
 
 @dataclass

@@ -23,7 +23,6 @@ from otbflow.rewards import get_reward, resolve_reward_name
 from otbflow.seeds import derive_seed
 
 log = logging.getLogger("otbflow.evaluate")
-SECTIONS = ("evaluate", "task", "model")
 
 
 @dataclass

@@ -18,7 +18,6 @@ from otbflow.experiment_config import load_experiment
 from otbflow.io import atomic_file, pyplot, read_table, save_figure, write_parquet
 
 log = logging.getLogger("otbflow.experiment")
-SECTIONS = ()
 
 
 @dataclass

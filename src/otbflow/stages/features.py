@@ -19,7 +19,6 @@ from otbflow.model import cast_parameters, load_policy, set_threads, trainer_dty
 from otbflow.progress import Progress
 
 log = logging.getLogger("otbflow.features")
-SECTIONS = ("features", "rollout", "train")
 
 
 @dataclass

@@ -22,7 +22,6 @@ from otbflow import schemas
 from otbflow.io import pyplot, read_table, save_figure, write_parquet
 
 log = logging.getLogger("otbflow.report")
-SECTIONS = ("mismatch",)
 PLOTS = ("accuracy", "reward", "grad_norm", "response_length", "mismatch")
 
 

@@ -18,11 +18,10 @@ from otbflow.io import pyplot, read_table, save_figure, write_json, write_parque
 from otbflow.logits import exact_grad_sq_norms, sequence_token_stats
 from otbflow.model import load_policy, set_threads
 from otbflow.progress import Progress
-from otbflow.scaling_fit import FIT_KEYS, can_fit, fit_summary, spread_by_length
+from otbflow.scaling_fit import can_fit, fit_summary, spread_by_length
 from otbflow.seeds import derive_seed
 
 log = logging.getLogger("otbflow.scaling")
-SECTIONS = ("scaling", "rollout", "model")
 
 
 @dataclass
@@ -33,9 +32,6 @@ class Args:
     """HF folder of the policy whose gradients are measured."""
     out_dir: str
     """Output folder: sequences.parquet, summary.parquet, summary.json, scaling.png."""
-
-
-FIT_KEYS += ["alpha_blog", "pearson_w_hat_grad_sq_norm", "spearman_w_hat_grad_sq_norm", "pearson_log"]
 
 
 def plot(path: Path, lengths: np.ndarray, grad_sq: np.ndarray, w_hat: np.ndarray, s: dict) -> None:

@@ -21,7 +21,6 @@ from otbflow.io import write_parquet
 from otbflow.tasks import prompt_splits
 
 log = logging.getLogger("otbflow.shard")
-SECTIONS = ("task", "shard")
 
 
 @dataclass

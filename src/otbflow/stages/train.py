@@ -41,7 +41,6 @@ from otbflow.train_state import (
 from otbflow.trainer import Trainer, load_reference, load_rows, mini_batches
 
 log = logging.getLogger("otbflow.train")
-SECTIONS = ("train", "rollout", "mismatch", "model")
 
 
 @dataclass

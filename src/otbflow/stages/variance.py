@@ -23,7 +23,6 @@ from otbflow.variance_study import (
 )
 
 log = logging.getLogger("otbflow.variance")
-SECTIONS = ("variance", "advantages", "rollout", "features")
 
 
 @dataclass
