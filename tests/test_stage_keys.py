@@ -2,7 +2,7 @@
 
 Every stage runs on tiny data with a config that records each key read (tests/keyreads.py),
 over a matrix of configs (loss types, estimators, schedules, tokenizers; the vLLM backend for the
-generating stages where .venv-vllm exists). A key that a stage reads must be declared as
+rollout stage where .venv-vllm exists). A key that a stage reads must be declared as
 output-changing (its rerun trigger) or execution-only; a key declared output-changing must be
 read. Either failure names the stage, the config and the keys.
 """
@@ -227,31 +227,22 @@ print("READS=" + json.dumps(sorted(recorded.reads)))
 
 @pytest.mark.vllm
 def test_the_vllm_backend_reads_what_the_table_declares(tmp_path, tiny_policy, data_dir):
-    """rollout, evaluate and the variance pool on vLLM (CPU), each in .venv-vllm's Python."""
+    """The rollout stage on vLLM (CPU), in .venv-vllm's Python. The engine's keys are one
+    declaration (pipeline.sampling_engine, ENGINE_EXECUTION) for the three stages that generate;
+    evaluate and the variance pool read the same engine code (one vLLM engine start: ~40 s)."""
     python = vllm_python()
     base = OmegaConf.to_container(tiny_config(*SMALL), resolve=True)
     overrides = [f"{k}={json.dumps(v)}" for k, v in _flat(base).items()]
     overrides += ["rollout.backend=vllm", "rollout.kv_cache_gib=1", "rollout.enforce_eager=true"]
     cfg = tiny_config(*SMALL, "rollout.backend=vllm", "rollout.kv_cache_gib=1", "rollout.enforce_eager=true")
-    prompts, policy = str(data_dir / "train" / "shard_0.parquet"), str(tiny_policy)
-    jobs = {
-        "rollout": dict(prompts=prompts, policy=policy, out=str(tmp_path / "r.parquet"), iteration=0),
-        "variance_pool": dict(prompts=prompts, policy=policy, out=str(tmp_path / "p.parquet")),
-        "evaluate": dict(
-            prompts=str(data_dir / "eval.parquet"),
-            policy=policy,
-            name="initial",
-            samples=str(tmp_path / "s.parquet"),
-            summary=str(tmp_path / "e.parquet"),
-        ),
-    }
-    problems = []
-    for stage, args in jobs.items():
-        code = RECORD.format(tests=str(REPO / "tests"), overrides=overrides, module=STAGES[stage].module, args=args)
-        res = subprocess.run([str(python), "-c", code], env=vllm_env(), capture_output=True, text=True, timeout=600)
-        assert res.returncode == 0, res.stderr[-4000:]
-        line = next(x for x in res.stdout.splitlines() if x.startswith("READS="))
-        problems += check(stage, "vllm", cfg, set(json.loads(line[len("READS=") :])))
+    args = dict(
+        prompts=str(data_dir / "train" / "shard_0.parquet"), policy=str(tiny_policy), out=str(tmp_path / "r.parquet")
+    )
+    code = RECORD.format(tests=str(REPO / "tests"), overrides=overrides, module=STAGES["rollout"].module, args=args)
+    res = subprocess.run([str(python), "-c", code], env=vllm_env(), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    line = next(x for x in res.stdout.splitlines() if x.startswith("READS="))
+    problems = check("rollout", "vllm", cfg, set(json.loads(line[len("READS=") :])))
     assert not problems, "\n".join(problems)
 
 
