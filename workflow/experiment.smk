@@ -4,6 +4,7 @@
 #   snakemake -s workflow/experiment.smk --configfile ... --report results/otb_vs_grpo/report.html
 # Every member is the default workflow (the root Snakefile) run in its own folder, so each one
 # keeps its own caching: rerun a stage of one member with snakemake --directory on its folder.
+import hashlib
 import os
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import yaml
 
 import otbflow
 from otbflow.codeversion import code_version
+from otbflow.config import DEFAULT_CONFIG, load_config, to_yaml
 from otbflow.experiment_config import load_experiment, shared_config
 from otbflow.io import write_text_if_changed
 
@@ -29,6 +31,7 @@ RUNS, SEEDS = list(EXP["runs"]), list(EXP["seeds"])
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
 _SRC = str(Path(otbflow.__file__).resolve().parents[1])
 OTBFLOW = f"PYTHONPATH={_SRC}${{PYTHONPATH:+:$PYTHONPATH}} {sys.executable} -m otbflow"
+DEFAULTS = hashlib.sha256(to_yaml(load_config(DEFAULT_CONFIG)).encode()).hexdigest()[:16]
 
 
 def inner(directory, configfile, targets, threads):
@@ -97,6 +100,9 @@ rule member_config:
     params:
         cmd=f"{OTBFLOW} experiment-member",
         code=code_version("experiment"),
+        # a member config is the whole resolved config: a changed default (which no code version
+        # covers: the config module declares, the stages' triggers see values) writes it anew
+        defaults=DEFAULTS,
     shell:
         "{params.cmd} --experiment {input.experiment} --run {wildcards.run} --seed {wildcards.seed} "
         "--policy {input.policy} --scaling {input.scaling} --out {output} > {log} 2>&1"
