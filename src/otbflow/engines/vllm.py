@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 
 from otbflow.engines import Sample, Sampling, stop_token_ids
 from otbflow.model import load_tokenizer
+from otbflow.seeds import derive_seed
 
 
 def logprobs_mode(temperature: float) -> str:
@@ -83,6 +84,14 @@ def sampling_kwargs(
     }
 
 
+def request_seeds(seed: int, n_requests: int) -> list[int]:
+    """One seed per request (prompt row) of a call, hashed from the call's seed and the row. vLLM
+    seeds child j of a request with its seed + j: one seed for every request made sample j of every
+    prompt draw the same noise (two copies of a prompt got the same 8 responses), and seed + row
+    would give sample j of row i the noise of sample j - 1 of row i + 1."""
+    return [derive_seed(seed, "request", i) for i in range(n_requests)]
+
+
 def _token_logprob(entry: Any, token: int) -> float:
     """The sampled token's log-prob from one position of ``CompletionOutput.logprobs``: a dict
     {token_id: Logprob(logprob=...)} (or a plain float)."""
@@ -148,9 +157,12 @@ class VLLMBackend:
 
         s = sampling
         llm = self._engine(s)
-        params = vllm.SamplingParams(
-            **sampling_kwargs(s.n, s.temperature, s.top_p, s.max_new_tokens, s.greedy, s.seed, self.stops)
-        )
+        params = [
+            vllm.SamplingParams(
+                **sampling_kwargs(s.n, s.temperature, s.top_p, s.max_new_tokens, s.greedy, seed, self.stops)
+            )
+            for seed in request_seeds(s.seed, len(prompt_ids))
+        ]
         outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
         return samples_from_outputs(outputs, prompt_ids)
 
@@ -162,4 +174,6 @@ class VLLMBackend:
             "vllm_version": vllm.__version__,
             "engine": self.engine,
             "sampling": sampling_kwargs(s.n, s.temperature, s.top_p, s.max_new_tokens, s.greedy, s.seed, self.stops),
+            # the seed above is the call's; request i is sampled with request_seeds(seed, n)[i]
+            "seeds": "per request: otbflow.seeds.derive_seed(seed, 'request', i)",
         }
