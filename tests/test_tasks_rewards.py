@@ -12,6 +12,7 @@ from otbflow.rewards import (
     extract_math_answer,
     fallback_math_reward,
     get_reward,
+    marked_answer,
     math_reward,
 )
 from otbflow.stages import shard
@@ -152,11 +153,9 @@ def test_math_reward_uses_math_verify(response, answer, expected):
     assert math_reward(response, answer) == expected
 
 
-def test_math_verify_rejects_what_the_naive_parser_accepts():
-    # the naive normaliser drops commas: the set {1, 2} and the number 12 look alike to it
-    assert fallback_math_reward("\\boxed{12}", "1, 2") == 1.0
+def test_math_verify_compares_what_the_fallback_cannot():
     assert math_reward("\\boxed{12}", "1, 2") == 0.0
-    # it reads 1/3 and 0.33 by value at 6 digits: unequal, and math-verify agrees; but it takes
+    # the fallback reads 1/3 and 0.33 by value at 6 digits: unequal, and math-verify agrees; but it takes
     # "\\frac{1}{3}x" for a string and "1/3" for a number, where math-verify compares symbolically
     assert math_reward("\\boxed{\\frac{x}{3}}", "\\frac{1}{3}x") == 1.0
     assert fallback_math_reward("\\boxed{\\frac{x}{3}}", "\\frac{1}{3}x") == 0.0
@@ -172,11 +171,133 @@ def test_math_reward_falls_back_where_math_verify_parses_nothing():
 
 
 def test_math_reward_works_off_the_main_thread():
-    """math-verify's time limit is signal.alarm (main thread only); in a thread it runs without."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(1) as pool:
         assert pool.submit(math_reward, "\\boxed{\\frac{1}{2}}", "0.5").result() == 1.0
+
+
+# GSM8K-format solutions, with <<a+b=c>> calculator notes and several numbers, that math-verify's
+# free extraction misreads (the first: 18, from "answered" + a number; the second: 1800, from
+# "answer"): the '#### x' marker decides instead, as verl's gsm8k reward reads it
+GSM8K_SOLUTIONS = [
+    (
+        "Of the 45 students, 45 * 0.6 = <<45*0.6=27>>27 answered green, so 45 - 27 = <<45-27=18>>18 did not.\n"
+        "Half of those, 18 / 2 = <<18/2=9>>9, answered red, and 18 - 9 = <<18-9=9>>9 answered yellow.\n#### 9",
+        "9",
+    ),
+    ("To answer this, add the two rents: 1800+1400= <<1800+1400=3200>>3200\n#### 3200", "3200"),
+    ("30 - 21 = <<30-21=9>>9 answered yellow.\n#### 9", "9"),  # the issue's two excerpts
+    ("1800+1400= <<1800+1400=3200>>3200\n#### 3200", "3200"),
+    ("He pays 1,200 + 1,350 = <<1200+1350=2550>>2,550 dollars in all.\n#### 2,550", "2550"),  # thousands
+    ("She has 12 - 4.5 = <<12-4.5=7.5>>7.5 cups left.\n#### $7.5", "7.5"),  # a $ before the number
+]
+
+
+@pytest.mark.parametrize("solution, answer", GSM8K_SOLUTIONS)
+def test_the_gsm8k_marker_decides_the_answer(solution, answer):
+    assert marked_answer(solution) == answer
+    assert math_reward(solution, answer) == 1.0
+    # a wrong final line scores 0 though the reference appears in the working
+    wrong = solution.rsplit("####", 1)[0] + "#### 1"
+    assert math_reward(wrong, answer) == 0.0
+    # and a GSM8K solution as the reference (its '#### x' line) scores the same way
+    assert math_reward(solution, solution) == 1.0
+
+
+@pytest.mark.parametrize(
+    "response, marked",
+    [
+        ("First \\boxed{3}, no wait: the answer is \\boxed{4}.", "4"),  # the last \boxed{}
+        ("It is \\boxed{5}.\n#### 6", "6"),  # '#### x' before \boxed{}
+        ("#### 2. Add the costs\n3 + 4 = 7, so the total is \\boxed{7}", "7"),  # a markdown heading: no marker
+        ("#### Step 1\nThe total is 7.", None),
+        ("The answer is 7.", None),  # no marker: math-verify's own extraction
+        ("The answer is \\boxed{}", ""),  # an empty answer: marked, and scores 0
+    ],
+)
+def test_the_marked_answer(response, marked):
+    assert marked_answer(response) == marked
+
+
+def test_the_marked_answer_is_the_one_compared():
+    assert math_reward("First \\boxed{3}, no wait: the answer is \\boxed{4}.", "4") == 1.0
+    assert math_reward("First \\boxed{3}, no wait: the answer is \\boxed{4}.", "3") == 0.0
+    assert math_reward("It is \\boxed{5}.\n#### 6", "6") == 1.0
+    assert math_reward("#### 2. Add the costs\n3 + 4 = 7, so the total is \\boxed{7}", "7") == 1.0
+    assert math_reward("The answer is \\boxed{}", "7") == 0.0
+    assert math_reward("The total is 7 apples.", "7") == 1.0  # no marker: as before
+
+
+@pytest.mark.parametrize(
+    "response, answer, expected",
+    [
+        ("\\boxed{\\text{Bob}}", "\\text{Evelyn}", 0.0),  # a \text{} answer is its text, never ''
+        ("\\boxed{\\text{Evelyn}}", "\\text{Evelyn}", 1.0),
+        ("\\boxed{\\text{Evelyn}}", "Evelyn", 1.0),
+        ("\\boxed{.5}", "5", 0.0),  # a leading point is a decimal point
+        ("\\boxed{.5}", "0.5", 1.0),  # by value
+        ("\\boxed{5.}", "5", 1.0),  # a closing full stop
+        ("\\boxed{12}", "1,2", 0.0),  # only thousands separators are dropped
+        ("\\boxed{1 2}", "12", 0.0),
+        ("\\boxed{1,2}", "1,2", 1.0),
+        ("\\boxed{1,234}", "1234", 1.0),
+        ("\\boxed{1{,}234}", "1234", 1.0),
+        ("\\boxed{5\\text{ cm}}", "5", 1.0),  # a unit after a value is dropped
+        ("\\boxed{}", "", 0.0),  # empty answers equal nothing
+        ("\\boxed{$.$}", ".", 0.0),  # nor mere punctuation
+        ("The total is 3, 4 or 5", "5", 1.0),  # the last number
+    ],
+)
+def test_the_fallback_never_matches_empty_or_mangled_answers(response, answer, expected):
+    assert fallback_math_reward(response, answer) == expected
+
+
+def test_the_math_reward_refuses_what_the_fallback_once_accepted():
+    for response, answer in [("\\boxed{\\text{Bob}}", "\\text{Evelyn}"), ("\\boxed{.5}", "5"), ("\\boxed{12}", "1,2")]:
+        assert math_reward(response, answer) == 0.0
+    assert math_reward("\\boxed{\\text{Evelyn}}", "\\text{Evelyn}") == 1.0
+    assert math_reward("\\boxed{.5}", "0.5") == 1.0
+
+
+# a power tower: verify's comparison runs sympy's big-integer arithmetic inside C, holding the GIL.
+# math-verify's own limit (signal.alarm) stops it in the main thread only; from a thread the old
+# reward never returned (killed after 40 s), and held up every other thread of the process meanwhile
+PATHOLOGICAL = "\\boxed{9^{9^{9^{9}}}}"
+
+
+def test_math_reward_has_a_hard_deadline_in_any_thread(monkeypatch):
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from otbflow import rewards
+
+    assert math_reward("\\boxed{2}", "2") == 1.0  # the worker is up
+    first = rewards._WORKER.proc.pid
+    monkeypatch.setattr(rewards, "MATH_VERIFY_TIMEOUT_S", 1.0)
+    with ThreadPoolExecutor(1) as pool:
+        start = time.monotonic()
+        assert pool.submit(math_reward, PATHOLOGICAL, "1").result() == 0.0
+        took = time.monotonic() - start
+    assert 1.0 <= took < 3.0
+    assert rewards._WORKER.proc is None  # killed; the next call starts another
+    assert math_reward("\\boxed{\\frac{1}{2}}", "0.5") == 1.0
+    assert rewards._WORKER.proc.pid != first
+
+
+def test_a_forked_process_scores_with_its_own_worker():
+    import os
+
+    from otbflow import rewards
+
+    assert math_reward("\\boxed{2}", "2") == 1.0
+    parent = rewards._WORKER.proc.pid
+    pid = os.fork()
+    if pid == 0:  # the child: a fresh worker, the parent's left alone
+        ok = rewards._WORKER.proc is None and math_reward("\\boxed{3}", "3") == 1.0
+        os._exit(0 if ok and rewards._WORKER.proc.pid != parent else 1)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert rewards._WORKER.proc.pid == parent and math_reward("\\boxed{4}", "4") == 1.0
 
 
 # ------------------------------------------------------------------------------------------

@@ -1,12 +1,20 @@
 """Verifiable rewards, chosen by name from a registry. A reward is ``fn(response_text, answer) ->
 float``; add one with ``@register("name")``. ``arithmetic`` scores the synthetic task, ``math``
-uses math-verify with a small fallback extractor: how it parses and compares, README.md, "A real
-model and dataset"."""
+uses math-verify (in a worker process with a hard deadline) with a small fallback extractor: how
+it parses and compares, README.md, "A real model and dataset"."""
 
 from __future__ import annotations
 
+import atexit
+import json
+import os
 import re
+import select
+import subprocess
+import sys
 import threading
+import time
+from pathlib import Path
 from typing import Callable
 
 RewardFn = Callable[[str, str], float]
@@ -45,7 +53,13 @@ def arithmetic_reward(response: str, answer: str) -> float:
 
 
 _BOXED = re.compile(r"\\boxed\{")
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")
+_NUM = r"-?(?:\d+(?:,\d{3})*(?:\.\d+)?|\.\d+)"
+_NUMBER = re.compile(_NUM + r"(?:/\d+)?")
+# GSM8K's final-answer line, as verl's gsm8k reward reads it: '#### ' and a number ($ and thousands
+# separators allowed), here with nothing after it on its line but a full stop (so that a markdown
+# heading such as '#### 2. Add the costs' is no answer)
+_GSM8K_MARKER = re.compile(r"####[ \t]*\\?\$?[ \t]*(" + _NUM + r")[ \t]*\.?[ \t]*$", re.MULTILINE)
+_THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 
 
 def last_boxed(text: str) -> str | None:
@@ -61,47 +75,75 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
-def extract_math_answer(text: str) -> str | None:
-    """The final answer of a GSM8K/MATH-style response: \\boxed{..}, else '#### x', else the
-    last number in the text."""
+def _drop_thousands(s: str) -> str:
+    return s.replace(",", "") if _THOUSANDS.fullmatch(s) else s
+
+
+def marked_answer(text: str) -> str | None:
+    """The answer a response marks as final: the number of its last '#### x' line (GSM8K's
+    marker; thousands separators dropped), else the content of its last \\boxed{} (stripped;
+    possibly empty); None where it has neither."""
+    found = _GSM8K_MARKER.findall(text)
+    if found:
+        return _drop_thousands(found[-1])
     boxed = last_boxed(text)
-    if boxed is not None:
-        return boxed.strip()
-    if "####" in text:
+    return None if boxed is None else boxed.strip()
+
+
+def extract_math_answer(text: str) -> str | None:
+    """The final answer of a GSM8K/MATH-style response: its marked answer (``marked_answer``),
+    else the last number in the text."""
+    marked = marked_answer(text)
+    if marked is not None:
+        return marked
+    if "####" in text:  # a '####' line that is not just a number: the fallback reads what follows it
         return text.rsplit("####", 1)[1].strip().split("\n")[0].strip()
     nums = _NUMBER.findall(text)
     return nums[-1] if nums else None
 
 
 def _normalise(ans: str) -> str:
-    s = ans.strip().strip("$ .").replace(",", "").replace("\\!", "").replace(" ", "")
-    s = re.sub(r"\\text\{[^}]*\}", "", s)
+    """A canonical form for the fallback's comparison: '' where nothing is left (never equal to
+    anything). Numbers by value (thousands separators ',' and '{,}' dropped, other commas kept:
+    '1,2' is no 12; a leading '.' kept: '.5' is 0.5, no 5; a closing full stop dropped),
+    \\frac{a}{b} and a/b by value, $ and spaces dropped (spaces between digits kept), a \\text{}
+    unit after a value dropped, a \\text{} answer read as its text."""
+    s = ans.strip().replace("\\$", "").replace("$", "").replace("\\!", "").replace("{,}", ",").strip()
+    s = re.sub(r"\.+$", "", s).strip()
+    s = re.sub(r"(?<!\d) | (?!\d)", "", s)
+    without_text = re.sub(r"\\(?:text|mbox|mathrm)\{[^}]*\}", "", s)
+    s = without_text if without_text else re.sub(r"\\(?:text|mbox|mathrm)\{([^}]*)\}", r"\1", s)
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     m = re.fullmatch(r"\\frac\{(-?\d+)\}\{(\d+)\}", s)
     if m:
         s = f"{m.group(1)}/{m.group(2)}"
+    s = _drop_thousands(s)
     try:
-        if "/" in s:
-            num, den = s.split("/")
-            value = float(num) / float(den)
-        else:
-            value = float(s)
-        return repr(round(value, 6))
-    except ValueError:
-        return s
+        if re.fullmatch(r"-?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+)?", s):
+            num, _, den = s.partition("/")
+            return repr(round(float(num) / float(den or 1), 6))
+    except ZeroDivisionError:
+        pass
+    return s
 
 
 def fallback_math_reward(response: str, answer: str) -> float:
-    """1.0 if the extracted final answer equals the reference after normalisation (numbers
-    compared by value, commas and $ removed, \\frac{a}{b} read as a/b)."""
+    """1.0 if the extracted final answer equals the reference after normalisation (``_normalise``:
+    numbers by value, \\frac{a}{b} read as a/b; an empty answer equals nothing)."""
     pred = extract_math_answer(response)
     if pred is None:
         return 0.0
     ref = extract_math_answer(answer) if ("####" in answer or "\\boxed" in answer) else answer
-    return float(ref is not None and _normalise(pred) == _normalise(ref))
+    if ref is None:
+        return 0.0
+    pred, ref = _normalise(pred), _normalise(ref)
+    return float(bool(pred) and pred == ref)
 
 
-MATH_VERIFY_TIMEOUT_S = 5
+MATH_VERIFY_TIMEOUT_S = 5.0
+"""Hard deadline of one ``math`` reward call's math-verify work (parsing both sides and comparing)."""
+WORKER_START_TIMEOUT_S = 120.0
+"""How long the math-verify worker may take to start (imports sympy): a slow start is no timeout."""
 
 
 def _reference_text(answer: str) -> str:
@@ -113,20 +155,162 @@ def _reference_text(answer: str) -> str:
     return "\\boxed{" + answer.strip() + "}"
 
 
-@register("math")
-def math_reward(response: str, answer: str) -> float:
-    """1.0 if math-verify finds the response's final answer equal to the reference (its parse of
-    the reference as \\boxed{answer}, of the response with LaTeX and expression extraction); the
-    fallback extractor where math-verify parses nothing."""
+def math_verify_score(response: str, answer: str) -> float | None:
+    """math-verify's verdict (1.0 or 0.0), None where it parses nothing on either side. The
+    reference is parsed as \\boxed{answer}; the response's marked answer (``marked_answer``) as
+    \\boxed{marked}, else the whole response with LaTeX (boxed first) and expression extraction.
+    math-verify's own time limits are off: run it where a deadline is kept (``math_reward``)."""
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
-    timeout = MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
-    gold = parse(_reference_text(answer), extraction_config=[LatexExtractionConfig()], parsing_timeout=timeout)
-    pred = parse(
-        response,
-        extraction_config=[LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()],
-        parsing_timeout=timeout,
-    )
+    gold = parse(_reference_text(answer), extraction_config=[LatexExtractionConfig()], parsing_timeout=None)
+    marked = marked_answer(response)
+    if marked is None:
+        configs = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
+        pred = parse(response, extraction_config=configs, parsing_timeout=None)
+    elif marked:
+        pred = parse("\\boxed{" + marked + "}", extraction_config=[LatexExtractionConfig()], parsing_timeout=None)
+    else:
+        pred = []
     if not gold or not pred:
-        return fallback_math_reward(response, answer)
-    return float(verify(gold, pred, timeout_seconds=timeout))
+        return None
+    return float(verify(gold, pred, timeout_seconds=None))
+
+
+class _Timeout(Exception):
+    pass
+
+
+class MathVerifyWorker:
+    """A child Python process that runs ``math_verify_score``, one request at a time, over its
+    stdin/stdout (JSON lines), so that each call gets a hard deadline in any thread: a call past
+    the deadline kills the worker (the next call starts another). math-verify's own limit is
+    signal.alarm, which works in the main thread only; in another thread a runaway comparison
+    (sympy's big integers) would also hold the GIL, stalling the whole process. One per process (a
+    forked child starts its own); POSIX only (poll on a pipe)."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.buf = b""
+        self.poller = None  # poll, not select.select: no limit on the descriptor's number
+        self.lock = threading.Lock()
+
+    def _start(self) -> None:
+        src = str(Path(__file__).resolve().parents[1])  # the folder that holds the otbflow package
+        code = f"import sys; sys.path[0] = {src!r}; from otbflow.rewards import _serve; _serve()"
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.buf = b""
+        self.poller = select.poll()
+        self.poller.register(self.proc.stdout.fileno(), select.POLLIN)
+        try:
+            ready = self._read(WORKER_START_TIMEOUT_S)
+        except (_Timeout, EOFError):
+            ready = None
+        if ready != "ready":
+            self.stop()
+            raise RuntimeError("the math-verify worker did not start (its error, if any, is above on stderr)")
+
+    def _read(self, timeout: float):
+        assert self.proc is not None and self.proc.stdout is not None
+        deadline, fd = time.monotonic() + timeout, self.proc.stdout.fileno()
+        while b"\n" not in self.buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.poller.poll(max(1, int(left * 1000))):
+                raise _Timeout
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                raise EOFError
+            self.buf += chunk
+        line, _, self.buf = self.buf.partition(b"\n")
+        return json.loads(line)
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+            for f in (proc.stdin, proc.stdout):
+                if f is not None:
+                    f.close()
+
+    def _send(self, request: bytes) -> None:
+        for attempt in (0, 1):
+            if self.proc is None or self.proc.poll() is not None:
+                self.stop()
+                self._start()
+            assert self.proc is not None and self.proc.stdin is not None
+            try:
+                self.proc.stdin.write(request)
+                self.proc.stdin.flush()
+                return
+            except BrokenPipeError:  # it died between calls: start another, once
+                self.stop()
+                if attempt:
+                    raise
+
+    def score(self, response: str, answer: str, timeout: float) -> float | None:
+        """``math_verify_score(response, answer)`` in the worker; 0.0 past ``timeout`` seconds or
+        where the worker dies on it."""
+        request = (json.dumps([response, answer]) + "\n").encode()
+        with self.lock:
+            self._send(request)
+            try:
+                return self._read(timeout)
+            except (_Timeout, EOFError):
+                self.stop()
+                return 0.0
+            except BaseException:  # interrupted: its late reply must not answer the next request
+                self.stop()
+                raise
+
+
+_WORKER = MathVerifyWorker()
+_PARENTS_WORKERS: list[MathVerifyWorker] = []  # in a forked child: kept as they are, the parent's to use and stop
+
+
+def _new_worker_after_fork() -> None:
+    global _WORKER
+    _PARENTS_WORKERS.append(_WORKER)
+    _WORKER = MathVerifyWorker()  # its own process and lock
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_worker_after_fork)
+atexit.register(lambda: _WORKER.stop())
+
+
+def _serve() -> None:
+    """The worker's loop (``MathVerifyWorker``): a JSON [response, answer] line in, a JSON score
+    (or null) line out; "ready" first, once math-verify is imported and warm."""
+    import logging
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; EOF ends this
+    out = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)  # anything printed goes to stderr, not into the replies
+    sys.stdout = sys.stderr
+
+    class _QuietTimeoutWarning(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return not record.getMessage().startswith("Timeout is disabled")  # the deadline is ours
+
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logging.getLogger(name).addFilter(_QuietTimeoutWarning())
+    math_verify_score("\\boxed{\\frac{1}{2}}", "0.5")
+    out.write(b'"ready"\n')
+    for line in sys.stdin.buffer:
+        response, answer = json.loads(line)
+        try:
+            score = math_verify_score(response, answer)
+        except Exception:  # math-verify catches its own errors; anything else: the fallback decides
+            score = None
+        out.write((json.dumps(score) + "\n").encode())
+
+
+@register("math")
+def math_reward(response: str, answer: str) -> float:
+    """1.0 if math-verify finds the response's final answer equal to the reference
+    (``math_verify_score``: the marked answer, '#### x' or the last \\boxed{}, where there is one),
+    within ``MATH_VERIFY_TIMEOUT_S`` (0.0 past it, in any thread); the fallback extractor where
+    math-verify parses nothing."""
+    score = _WORKER.score(response, answer, MATH_VERIFY_TIMEOUT_S)
+    return fallback_math_reward(response, answer) if score is None else score
