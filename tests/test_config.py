@@ -50,6 +50,9 @@ def test_default_config_file_and_schema_defaults_agree():
         ("advantages.compare=[eob]", "advantages.compare[0]", "features.exact_grad_norm"),
         ("variance.estimators=[otb_tir]", "variance.estimators[0]", "loss_mask"),
         ("advantages.baseline_shift=nan", "advantages.baseline_shift", "finite"),
+        ("task.prompt_template='Answer: {{prompt}}'", "task.prompt_template", "braces other than {prompt} are literal"),
+        ("task.prompt_template='Use \\boxed{{}}. {prompt}'", "task.prompt_template", "are literal now"),
+        ("task.prompt_template='Answer:'", "task.prompt_template", "containing {prompt}"),
     ],
 )
 def test_impossible_values_name_the_key(override, key, allowed):

@@ -16,7 +16,7 @@ from otbflow.rewards import (
     math_reward,
 )
 from otbflow.stages import shard
-from otbflow.tasks import arithmetic_prompts, arithmetic_solution, load_dataset_file
+from otbflow.tasks import apply_prompt_template, arithmetic_prompts, arithmetic_solution, load_dataset_file
 
 
 def test_arithmetic_solution_is_correct_and_lengths_vary():
@@ -298,6 +298,17 @@ def test_a_forked_process_scores_with_its_own_worker():
         os._exit(0 if ok and rewards._WORKER.proc.pid != parent else 1)
     assert os.waitpid(pid, 0)[1] == 0
     assert rewards._WORKER.proc.pid == parent and math_reward("\\boxed{4}", "4") == 1.0
+
+
+def test_prompt_template_braces_are_literal(tmp_path):
+    assert apply_prompt_template("Answer in \\boxed{}. {prompt}", "What is {x}?") == "Answer in \\boxed{}. What is {x}?"
+    pl.DataFrame({"prompt": ["1+1=", "2+2="], "answer": ["2", "4"]}).write_ndjson(tmp_path / "d.jsonl")
+    df = load_dataset_file(tmp_path / "d.jsonl", "prompt_answer", "Put the answer in \\boxed{}.\n{prompt}")
+    assert df["prompt"].to_list() == ["Put the answer in \\boxed{}.\n1+1=", "Put the answer in \\boxed{}.\n2+2="]
+    cfg = tiny_config(
+        "task.name=dataset", f"task.path={tmp_path / 'd.jsonl'}", "task.prompt_template='\\boxed{}: {prompt}'"
+    )
+    assert cfg.task.prompt_template == "\\boxed{}: {prompt}"
 
 
 # ------------------------------------------------------------------------------------------

@@ -245,8 +245,9 @@ class TaskConfig:
     data_source. 'gsm8k': HF GSM8K, question and answer ending in '#### x'. 'math': MATH,
     problem and solution with the answer in its last \\boxed{}. 'auto': from the columns."""
     prompt_template: str = "{prompt}"
-    """Dataset task: Python format string applied to each text prompt (e.g. a CoT instruction);
-    not to verl's message prompts, which are used as they are."""
+    """Dataset task: the text of each text prompt, '{prompt}' replaced by the prompt and every other
+    brace literal (e.g. 'Answer in \\boxed{}. {prompt}'); not applied to verl's message prompts, which
+    are used as they are."""
     chat: str = "auto"
     """Render prompts with the tokenizer's chat template (apply_chat_template with the generation
     prompt): 'true' | 'false' | 'auto' (when the tokenizer has one). Message prompts (verl) need it."""
@@ -714,7 +715,14 @@ def check_rules(cfg: DictConfig) -> None:
     require(
         "{prompt}" in t.prompt_template,
         "task.prompt_template",
-        "a format string containing {prompt}",
+        "a text containing {prompt} (replaced by each prompt)",
+        t.prompt_template,
+    )
+    # an old format-string template doubles every literal '{'; a lone '}}' closes nested LaTeX
+    require(
+        "{{" not in t.prompt_template,
+        "task.prompt_template",
+        "free of '{{' escapes: braces other than {prompt} are literal now (write \\boxed{}, not \\boxed{{}})",
         t.prompt_template,
     )
     require(

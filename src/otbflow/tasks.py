@@ -170,8 +170,14 @@ def _verl_rows(df: pl.DataFrame, path) -> pl.DataFrame:
     )
 
 
+def apply_prompt_template(template: str, prompt: str) -> str:
+    """``template`` with '{prompt}' replaced by ``prompt``; every other brace is literal (so
+    'Answer in \\boxed{}. {prompt}' works), and so are braces in the prompt."""
+    return template.replace("{prompt}", prompt)
+
+
 def _text_rows(prompts: list, answers: list, source: list[str], template: str) -> pl.DataFrame:
-    prompts = [template.format(prompt=str(p)) for p in prompts]
+    prompts = [apply_prompt_template(template, str(p)) for p in prompts]
     return pl.DataFrame(
         {
             "prompt": prompts,
