@@ -124,6 +124,8 @@ HOW: dict[str, str] = {
     "benchmarks/variance_seeds.py": VARIANCE_SEEDS,
     "python benchmarks/bench_dry_run.py --iterations 500 --repeats 3": "python benchmarks/bench_dry_run.py "
     "--iterations 3 --repeats 1",
+    "python benchmarks/bench_rewards.py --responses 2000 --repeats 3": "python benchmarks/bench_rewards.py "
+    "--responses 20 --repeats 1",
     # the lint CI runs (.ci/run); Snakemake's own lint runs here
     "make lint": CI,
     "snakemake --lint": AS_SHOWN,
