@@ -202,9 +202,11 @@ def worker_vllm(policy: str, a: argparse.Namespace) -> dict:
     requests = [{"prompt_token_ids": x} for x in ids]
 
     def generate(llm, seed):
-        params = vllm.SamplingParams(
-            **vllm_engine.sampling_kwargs(a.group_size, 1.0, 1.0, a.max_new_tokens, False, seed, stops)
-        )
+        kwargs = [  # one seed per request, as the backend sends them
+            vllm_engine.sampling_kwargs(a.group_size, 1.0, 1.0, a.max_new_tokens, False, r, stops)
+            for r in vllm_engine.request_seeds(seed, len(requests))
+        ]
+        params = [vllm.SamplingParams(**k) for k in kwargs]
         outputs = llm.generate(requests, params, use_tqdm=False)
         return vllm_engine.samples_from_outputs(outputs, ids)
 
@@ -216,7 +218,6 @@ def worker_vllm(policy: str, a: argparse.Namespace) -> dict:
             a.dtype,
             0,
             1,
-            1.0,
             a.gpu_memory_utilization,
             enforce_eager=a.vllm_eager,
             kv_cache_gib=a.kv_cache_gib,

@@ -30,6 +30,7 @@ def test_rollout_table(rollouts_path, cfg):
         "max_new_tokens": 24,
         "greedy": False,
     }
+    assert meta["seeds"].startswith("per row")
     assert meta["backend"] == "hf" and "transformers_version" in meta
 
 
@@ -41,6 +42,48 @@ def test_generation_is_reproducible(tiny_policy):
     c = hf_generate(model, tok, ids, n=3, max_new_tokens=10, seed=8)
     assert [s.response_ids for s in a] == [s.response_ids for s in b]
     assert [s.response_ids for s in a] != [s.response_ids for s in c]
+
+
+def test_samples_are_per_row_independent_of_the_batch(tiny_policy):
+    """Each row draws its own noise: four copies of one prompt get different samples, and batch
+    sizes 1, 3 and 64 (other padding, other neighbours) give the same samples and log-probs
+    (one torch seed per generate call made every batch size a different draw)."""
+    model, tok = load_policy(tiny_policy)
+    ids = encode(tok, ["1+2=", "1+2=", "1+2=", "1+2=", "13+4+5=", "7*8="])
+    runs = [hf_generate(model, tok, ids, n=4, max_new_tokens=12, seed=3, batch_size=b) for b in (64, 3, 1)]
+    for other in runs[1:]:
+        assert [s.response_ids for s in other] == [s.response_ids for s in runs[0]]
+        for a, b in zip(runs[0], other):
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    copies = [tuple(s.response_ids) for s in runs[0] if s.prompt_index < 4]
+    assert len(set(copies)) == len(copies)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.8)])
+def test_sampled_first_tokens_follow_the_processed_distribution(tiny_policy, temperature, top_p):
+    """3,000 one-token samples of one prompt: their frequencies match softmax(logits / T) restricted
+    to the top-p nucleus (computed here by a plain loop over the sorted probabilities) within
+    4 standard errors per token, nothing outside the nucleus is drawn, and the recorded log-prob
+    of each sample is the nucleus-renormalised one."""
+    model, tok = load_policy(tiny_policy)
+    (prompt,) = encode(tok, ["12+3="])
+    with torch.no_grad():
+        p = torch.softmax(model(input_ids=torch.tensor([prompt])).logits[0, -1].double() / temperature, -1)
+    nucleus, mass = set(), 0.0
+    for t in sorted(range(len(p)), key=lambda t: -p[t].item()):  # most likely first, until top_p is covered
+        nucleus.add(t)
+        mass += p[t].item()
+        if mass >= top_p - 1e-12:
+            break
+    q = torch.tensor([p[t].item() / mass if t in nucleus else 0.0 for t in range(len(p))], dtype=torch.float64)
+    n = 3000
+    samples = hf_generate(model, tok, [prompt] * n, n=1, temperature=temperature, top_p=top_p, max_new_tokens=1, seed=1)
+    first = torch.tensor([s.response_ids[0] for s in samples])
+    freq = torch.bincount(first, minlength=len(p)).double() / n
+    assert set(first.tolist()) <= nucleus
+    assert ((freq - q).abs() <= 4 * (q * (1 - q) / n).sqrt() + 1e-9).all()
+    for s in samples[:50]:
+        assert s.logprobs[0] == pytest.approx(math.log(q[s.response_ids[0]].item()), abs=1e-5)
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 1.7])
@@ -78,6 +121,15 @@ def test_features_match_model_logits_and_rollout(features_path, tiny_policy, cfg
         torch.log_softmax(logits, -1)[p - 1 : -1].gather(-1, torch.tensor(row["response_ids"])[:, None]).squeeze(-1)
     )
     torch.testing.assert_close(torch.tensor(row["logprobs"]), expected, atol=1e-5, rtol=0)
+
+
+def test_features_equal_the_transformers_rollout_logprobs(features_path):
+    """At top_p = 1 the log-prob contract's rollout log-prob (transformers backend) and the
+    trainer's log pi (features stage) are the same quantity: |delta| <= 1e-5 on every token."""
+    df = read_table(features_path, schemas.FEATURES)
+    ours = df["logprobs"].explode().to_numpy()
+    rollout = df["rollout_logprobs"].explode().to_numpy()
+    assert len(ours) > 100 and abs(ours - rollout).max() <= 1e-5
 
 
 def test_chunking_does_not_change_features(tiny_policy, rollouts_path):

@@ -49,15 +49,14 @@ def test_engine_and_sampling_arguments_from_config():
         cfg.model.dtype,
         5,
         r.tensor_parallel_size,
-        r.temperature,
         r.gpu_memory_utilization,
         enforce_eager=True,
     )
     assert e["model"] == e["tokenizer"] == "/models/p" and e["enforce_eager"]
     assert e["generation_config"] == "vllm"  # the checkpoint's sampling defaults do not apply
     assert e["tensor_parallel_size"] == 2 and e["dtype"] == "bfloat16" and e["seed"] == 5
-    assert e["logprobs_mode"] == "processed_logprobs"  # temperature-scaled, like the trainer's
-    assert vllm_engine.engine_kwargs("/p", "float32", 0, 1, 1.0, 0.9)["logprobs_mode"] == "raw_logprobs"
+    # after temperature and top-p at every temperature: the log-prob contract
+    assert e["logprobs_mode"] == "processed_logprobs"
     s = vllm_engine.sampling_kwargs(
         r.group_size, r.temperature, r.top_p, r.max_new_tokens, greedy=False, seed=5, stop_ids=[2, 0]
     )
@@ -159,7 +158,7 @@ def test_vllm_rollout_stage(vllm_rollout, qwen2_bpe_policy, data_dir):
     assert df.height == n_prompts * cfg.rollout.group_size
     meta = read_metadata(vllm_rollout)
     assert meta["backend"] == "vllm" and meta["vllm_version"] == "0.32.0" and meta["engine"]["enforce_eager"]
-    assert meta["engine"]["logprobs_mode"] == "raw_logprobs" and meta["chat"] is True
+    assert meta["engine"]["logprobs_mode"] == "processed_logprobs" and meta["chat"] is True
     # the prompts vLLM saw are the ones the training environment renders (transformers 5.19 there)
     tok = load_tokenizer(qwen2_bpe_policy)
     expected = render_prompts(
@@ -193,33 +192,38 @@ def test_vllm_logprobs_match_the_trainer(vllm_rollout, qwen2_bpe_policy, tmp_pat
     assert delta.len() > 0 and delta.mean() <= 1e-3
 
 
-INDEPENDENCE = """
+CALLS = """
 import json, sys
 from otbflow.config import load_config
 from otbflow.engines import Sampling
 from otbflow.engines.vllm import VLLMBackend
 cfg = load_config(None, ["rollout.backend=vllm", "rollout.enforce_eager=true", "rollout.kv_cache_gib=1"])
 backend = VLLMBackend(cfg, sys.argv[1])
-prompt = [int(t) for t in sys.argv[2].split(",")]
-sampling = Sampling(8, 1.0, 1.0, 12, greedy=False, seed=5)
-first = backend.generate([prompt, prompt], sampling)
-again = backend.generate([prompt, prompt], sampling)
-print("SAMPLES=" + json.dumps([[s.prompt_index, s.response_ids] for s in first + again]))
+prompts = json.loads(sys.argv[2])
+def run(prompts, *sampling):
+    return [[s.prompt_index, s.response_ids, s.logprobs] for s in backend.generate(prompts, Sampling(*sampling))]
+out = {
+    "copies": run([prompts[0], prompts[0]], 8, 1.0, 1.0, 12, False, 5),
+    "again": run([prompts[0], prompts[0]], 8, 1.0, 1.0, 12, False, 5),
+    **{f"T={t},top_p={p}": run(prompts, 4, t, p, 16, False, 11) for t, p in PARITY},
+}
+print("CALLS=" + json.dumps(out))
 """
+PARITY = ((1.0, 1.0), (0.7, 0.9))
+"""(temperature, top_p) of the log-prob parity test."""
 
 
-@pytest.mark.vllm
-@pytest.mark.xdist_group("vllm")
-def test_vllm_samples_are_independent_across_rows_and_reproducible(qwen2_bpe_policy, data_dir):
-    """Two copies of one prompt in one call (two rows, 8 samples each) on the real vLLM (CPU):
-    the rows get different samples (one seed for every request gave 8 of 8 identical pairs), and
-    a second call with the same seed gives the same samples."""
+@pytest.fixture(scope="module")
+def vllm_calls(qwen2_bpe_policy, data_dir):
+    """Samples of one engine (real vLLM on CPU) on the tiny Qwen2 + BPE + chat policy: two copies of
+    one prompt, twice with one seed, and 4 prompts at each PARITY setting; and the prompts' ids."""
     python = vllm_python()
     tok = load_tokenizer(qwen2_bpe_policy)
     prompts = read_table(data_dir / "train" / "shard_0.parquet", schemas.PROMPTS)
-    (ids,) = render_prompts(tok, prompts["prompt"][:1].to_list(), prompts["messages"][:1].to_list(), chat=True)
+    ids = render_prompts(tok, prompts["prompt"][:4].to_list(), prompts["messages"][:4].to_list(), chat=True)
+    script = f"PARITY = {PARITY!r}\n" + CALLS
     res = subprocess.run(
-        [str(python), "-c", INDEPENDENCE, str(qwen2_bpe_policy), ",".join(map(str, ids))],
+        [str(python), "-c", script, str(qwen2_bpe_policy), json.dumps(ids)],
         env=vllm_env(),
         capture_output=True,
         text=True,
@@ -227,11 +231,55 @@ def test_vllm_samples_are_independent_across_rows_and_reproducible(qwen2_bpe_pol
         timeout=600,
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
-    samples = json.loads(next(x for x in res.stdout.splitlines() if x.startswith("SAMPLES="))[len("SAMPLES=") :])
-    first, again = samples[:16], samples[16:]
-    row0 = [r for p, r in first if p == 0]
-    row1 = [r for p, r in first if p == 1]
+    line = next(x for x in res.stdout.splitlines() if x.startswith("CALLS="))
+    return json.loads(line[len("CALLS=") :]), ids
+
+
+@pytest.mark.vllm
+@pytest.mark.xdist_group("vllm")
+def test_vllm_samples_are_independent_across_rows_and_reproducible(vllm_calls):
+    """Two copies of one prompt in one call (two rows, 8 samples each) on the real vLLM (CPU):
+    the rows get different samples (one seed for every request gave 8 of 8 identical pairs), and
+    a second call with the same seed gives the same samples."""
+    calls, _ = vllm_calls
+    first, again = calls["copies"], calls["again"]
+    row0 = [r for p, r, _ in first if p == 0]
+    row1 = [r for p, r, _ in first if p == 1]
     assert len(row0) == len(row1) == 8
     identical = sum(a == b for a, b in zip(row0, row1))
     assert identical <= 1, f"{identical} of 8 samples of two copies of one prompt are identical"
-    assert again == first
+    assert [r for _, r, _ in again] == [r for _, r, _ in first]
+
+
+@pytest.mark.vllm
+@pytest.mark.xdist_group("vllm")
+@pytest.mark.parametrize("temperature,top_p", PARITY)
+def test_rollout_logprobs_mean_the_same_on_both_backends(vllm_calls, qwen2_bpe_policy, temperature, top_p):
+    """The log-prob contract (docs/training.md): vLLM's rollout log-prob of each sampled token and
+    the transformers backend's for the same token (log_softmax of its processed logits: the
+    model's logits / T, then the top-p nucleus; here teacher-forced over vLLM's tokens, fp32)
+    agree to mean |delta| <= 1e-3, at T = 1 and at T = 0.7 with top_p = 0.9 (measured: 1.1e-7 at both;
+    vLLM's raw log-probs, log_softmax of the logits before temperature and top-p, differed by 0.13)."""
+    import torch
+
+    from otbflow.engines.hf import processed_logits
+    from otbflow.model import load_policy
+
+    calls, ids = vllm_calls
+    model, _ = load_policy(qwen2_bpe_policy)
+    deltas, raw_deltas = [], []
+    for pi, response, logprobs in calls[f"T={temperature},top_p={top_p}"]:
+        seq = torch.tensor([ids[pi] + response])
+        with torch.no_grad():
+            logits = model(input_ids=seq).logits[0, len(ids[pi]) - 1 : -1]
+        target = torch.tensor(response)[:, None]
+        ours = torch.log_softmax(processed_logits(logits, temperature, top_p), -1).gather(-1, target).squeeze(-1)
+        raw = torch.log_softmax(logits.float(), -1).gather(-1, target).squeeze(-1)
+        deltas += (ours - torch.tensor(logprobs)).abs().tolist()
+        raw_deltas += (raw - torch.tensor(logprobs)).abs().tolist()
+    mean = sum(deltas) / len(deltas)
+    print(
+        f"T={temperature} top_p={top_p}: {len(deltas)} tokens, vLLM vs transformers mean |delta| {mean:.2e}, "
+        f"max {max(deltas):.2e}; vs the raw log-softmax mean {sum(raw_deltas) / len(raw_deltas):.2e}"
+    )
+    assert len(deltas) >= 32 and mean <= 1e-3

@@ -111,7 +111,8 @@ ROLLOUTS = _table(
         (
             "rollout_logprobs",
             F32L,
-            "rollout engine's log-prob of each sampled token, from the temperature-scaled logits before top-p",
+            "rollout engine's log-prob of each sampled token under the distribution it was sampled from "
+            "(logits / temperature, then the top-p nucleus; docs/training.md, 'Log-probs')",
         ),
         ("response_length", pl.Int64, "number of response tokens"),
         ("finish_reason", pl.String, "'stop' (a stop token) or 'length' (hit max_new_tokens)"),

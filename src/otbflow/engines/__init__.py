@@ -28,8 +28,8 @@ class BackendEntry:
 
 # The backends by name (rollout.backend): the config's choices are these keys.
 BACKENDS = {
-    # one seed per batched generate call: the batch size changes the samples
-    "hf": BackendEntry("otbflow.engines.hf:HFBackend", sample_keys=("rollout.batch_size",)),
+    # every row draws its own noise: the batch size changes only memory and speed
+    "hf": BackendEntry("otbflow.engines.hf:HFBackend", run_keys=("rollout.batch_size",)),
     # tensor parallelism changes the reductions' order
     "vllm": BackendEntry(
         "otbflow.engines.vllm:VLLMBackend",

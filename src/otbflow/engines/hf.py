@@ -1,7 +1,12 @@
 """The transformers generation backend ('hf'; CPU or GPU): batches of prompts left-padded with an
 attention mask (transformers derives the position ids of llama/qwen2/gpt2 from it), ``n`` sampled
-responses per prompt, each ending at its first stop token. Log-probs and sampling defaults:
-README.md, "Environments and the vLLM backend" and "A real model and dataset"."""
+responses per prompt, each ending at its first stop token.
+
+Each row (prompt i, sample j) draws its own noise: ``RowSampler`` picks the next token by
+Gumbel-max with noise hashed from (the call's seed, i, j, step, token), so a row's sample depends
+on neither its batch nor the other rows (duplicated prompts get different samples; another
+``rollout.batch_size`` the same ones), and records the log-prob of the sampled token under the
+distribution it was sampled from (the log-prob contract: docs/training.md, "Log-probs")."""
 
 from __future__ import annotations
 
@@ -15,8 +20,79 @@ from otbflow.engines import Sample, Sampling, stop_token_ids, truncate_at_stop
 from otbflow.logits import padded
 from otbflow.model import load_policy
 from otbflow.progress import Progress
+from otbflow.seeds import derive_seed
 
 log = logging.getLogger("otbflow.generate")
+
+_M32 = 0xFFFFFFFF
+_NOISE_ELEMENTS = 1 << 22
+"""Rows x vocabulary entries hashed at once (the int64 temporaries stay near 32 MiB each)."""
+
+
+def processed_logits(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """The logits sampling draws from, in fp32: ``logits / temperature``, then the top-p nucleus
+    (tokens sorted by probability; those whose cumulative probability from the least likely one is
+    at most 1 - top_p are set to -inf, the most likely always kept: vLLM's and transformers'
+    rule). log_softmax of the result is the log-prob contract's distribution."""
+    z = logits.float() / temperature
+    if top_p < 1.0:
+        ordered, index = z.sort(dim=-1)
+        drop = ordered.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
+        drop[..., -1] = False
+        z = z.masked_fill(torch.zeros_like(drop).scatter_(-1, index, drop), float("-inf"))
+    return z
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finaliser (a bijection of [0, 2^32)) on int64 values in that range."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _M32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _M32
+    return h ^ (h >> 16)
+
+
+def gumbel_noise(row_keys: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
+    """[rows, vocab] standard Gumbel noise, a pure function of (row key, step, token id): the same
+    on any device, in any batch. ``row_keys``: int64 [rows] in [0, 2^31)."""
+    base = _fmix32(_fmix32(row_keys) ^ step)
+    tokens = (torch.arange(vocab, device=row_keys.device, dtype=torch.int64) * 0x9E3779B1) & _M32
+    u = (_fmix32((base[:, None] + tokens) & _M32).double() + 0.5) / 2.0**32
+    return -torch.log(-torch.log(u))
+
+
+class RowSampler:
+    """A transformers logits processor that samples every row itself (generate runs with
+    ``do_sample=False``, so its argmax takes the one token this returns at 0, the rest at -inf):
+    Gumbel-max over ``processed_logits`` with each row's own noise (greedy: the argmax of the
+    logits, at temperature 1). ``logprobs`` collects, per step, the sampled tokens' log-probs under
+    log_softmax(processed logits)."""
+
+    def __init__(self, row_keys: torch.Tensor, temperature: float, top_p: float, greedy: bool):
+        self.row_keys, self.temperature, self.top_p, self.greedy = row_keys, temperature, top_p, greedy
+        self.logprobs: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        step = len(self.logprobs)
+        if self.greedy:
+            z = scores.float()
+            token = z.argmax(dim=-1)
+        else:
+            z = processed_logits(scores, self.temperature, self.top_p)
+            token = torch.empty(z.shape[0], dtype=torch.long, device=z.device)
+            rows = max(1, _NOISE_ELEMENTS // z.shape[-1])
+            for s in range(0, z.shape[0], rows):
+                noise = gumbel_noise(self.row_keys[s : s + rows], step, z.shape[-1])
+                token[s : s + rows] = (z[s : s + rows].double() + noise).argmax(dim=-1)
+        self.logprobs.append(torch.log_softmax(z, dim=-1).gather(-1, token[:, None]).squeeze(-1))
+        return torch.full_like(scores, float("-inf")).scatter_(-1, token[:, None], 0.0)
+
+
+def row_keys(seed: int, prompt_indices: range, n: int, device) -> torch.Tensor:
+    """The noise key of each row (prompt i, sample j) of a batch, prompt-major as generate expands
+    them: hashed from the call's seed, i and j (never seed + index, whose neighbours collide)."""
+    keys = [derive_seed(seed, "row", i, j) for i in prompt_indices for j in range(n)]
+    return torch.tensor(keys, dtype=torch.int64, device=device)
 
 
 @torch.no_grad()
@@ -34,43 +110,36 @@ def hf_generate(
     stop_ids: list[int] | None = None,
     progress: Progress | None = None,
 ) -> list[Sample]:
-    """Sample ``n`` responses for each prompt (greedy: one). Deterministic on CPU for a seed.
+    """Sample ``n`` responses for each prompt (greedy: one). A pure function of the seed and the
+    prompts on one machine: ``batch_size`` changes only the memory and the speed.
     ``stop_ids``: tokens that end a response (default: the tokenizer's eos token); ``progress``
     counts the prompts done (otbflow.progress)."""
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig, LogitsProcessorList
 
-    torch.manual_seed(seed)
     stops = stop_ids or [tok.eos_token_id]
     pad = tok.pad_token_id if tok.pad_token_id is not None else stops[0]
     out: list[Sample] = []
     n = 1 if greedy else n
-    sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
     saved, model.generation_config = model.generation_config, GenerationConfig(eos_token_id=stops, pad_token_id=pad)
     try:
         for start in range(0, len(prompt_ids), batch_size):
             batch = prompt_ids[start : start + batch_size]
-            input_ids = padded(batch, pad, left=True, device=model.device)
+            # n rows per prompt, prompt-major (generate's own expansion needs do_sample)
+            input_ids = padded(batch, pad, left=True, device=model.device).repeat_interleave(n, dim=0)
             width = input_ids.shape[1]
             attention = padded([[1] * len(x) for x in batch], 0, left=True, device=model.device)
+            keys = row_keys(seed, range(start, start + len(batch)), n, model.device)
+            sampler = RowSampler(keys, temperature, top_p, greedy)
             res = model.generate(
                 input_ids=input_ids,
-                attention_mask=attention,
+                attention_mask=attention.repeat_interleave(n, dim=0),
                 max_new_tokens=max_new_tokens,
-                num_return_sequences=n,
-                output_logits=True,
+                do_sample=False,
+                logits_processor=LogitsProcessorList([sampler]),
                 return_dict_in_generate=True,
-                **sampling,
             )
             new = res.sequences[:, width:]
-            # log-prob of each sampled token under the raw, temperature-scaled distribution
-            t = 1.0 if greedy else temperature
-            lp = torch.stack(
-                [
-                    torch.log_softmax(step.float() / t, dim=-1).gather(-1, new[:, i : i + 1]).squeeze(-1)
-                    for i, step in enumerate(res.logits)
-                ],
-                dim=1,
-            )
+            lp = torch.stack(sampler.logprobs, dim=1)
             for row in range(new.shape[0]):
                 toks = new[row].tolist()
                 length, reason = truncate_at_stop(toks, set(stops))
@@ -135,4 +204,5 @@ class HFBackend:
                 "max_new_tokens": s.max_new_tokens,
                 "greedy": s.greedy,
             },
+            "seeds": "per row: derive_seed(seed, 'row', i, j), Gumbel-max (otbflow.engines.hf.RowSampler)",
         }

