@@ -10,7 +10,7 @@ import subprocess
 import torch
 from omegaconf import DictConfig
 
-from otbflow.logits import ResponseLogprobs
+from otbflow.logits import ResponseLogprobs, check_head_logits
 
 
 def _free_port() -> int:
@@ -92,6 +92,7 @@ def build_engine(policy_dir: str, tc: DictConfig, world_size: int):
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     policy = AutoModelForCausalLM.from_pretrained(policy_dir, local_files_only=True, dtype=torch.float32)
+    check_head_logits(policy)  # on the fp32 model, before DeepSpeed casts, moves or partitions it
     # Eval mode, as in the features stage: no dropout (nor any other train-only randomness), so that
     # log pi_theta at the first step is the stored log pi_old. verl keeps dropout out of RL too
     # (its supported models have zero dropout, `override_config` exists "mainly [for] dropout",

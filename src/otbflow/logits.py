@@ -3,16 +3,21 @@
 positions' logits (``ResponseLogits``), and log pi, entropy, sum pi^2 and the Logit-Gradient Proxy
 energy over chunks of positions without a vocabulary-sized tensor per token (``token_stats``,
 ``chunked_token_stats``, ``streamed_token_stats``, ``sequence_token_stats``), plus the exact
-sequence gradient norms of the EOB oracle (``exact_grad_sq_norms``). The formulas are in
-docs/features.md."""
+sequence gradient norms of the EOB oracle (``exact_grad_sq_norms``). Logits come from the output
+head followed by the model's own post-processing (``logit_transform``), which ``check_head_logits``
+verifies against the model's forward at load. The formulas are in docs/features.md."""
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from otbflow.progress import Progress
 
 STAT_COLUMNS = ("logprobs", "entropy", "sum_pi_sq", "proxy")
+
+log = logging.getLogger("otbflow.logits")
 
 
 def token_stats(
@@ -64,10 +69,92 @@ def token_stats(
     }
 
 
-def has_logit_postprocessing(model) -> bool:
-    """Models whose logits are not just lm_head(hidden) (soft-capping, scaling)."""
-    c = model.config
-    return bool(getattr(c, "final_logit_softcapping", None) or getattr(c, "logit_scale", None))
+# The operations a family's forward applies to lm_head(hidden) before returning its logits, in
+# order, each with the config attribute holding its constant (read from the text config of a
+# composite model, skipped where None). Keyed by model type, not by attribute: Granite divides
+# by logits_scaling where HyperCLOVAX multiplies, and MPT's config has a logit_scale that its
+# forward ignores. A family missing here is caught by ``check_head_logits``.
+_SOFTCAP = (("softcap", "final_logit_softcapping"),)
+LOGIT_TRANSFORMS: dict[str, tuple[tuple[str, str], ...]] = {
+    **dict.fromkeys(
+        (
+            "granite",
+            "granite_swa",
+            "granitemoe",
+            "granitemoe_swa",
+            "granitemoehybrid",
+            "granitemoeshared",
+            "minicpm3",  # divides the hidden states: the same through a bias-free head
+        ),
+        (("div", "logits_scaling"),),
+    ),
+    "hyperclovax": (("mul", "logits_scaling"),),
+    **dict.fromkeys(("cohere", "cohere2", "cohere2_moe", "cohere_compass_text"), (("mul", "logit_scale"),)),
+    "falcon_h1": (("mul", "lm_head_multiplier"),),
+    **dict.fromkeys(
+        (
+            "gemma2",
+            "gemma3",
+            "gemma3_text",
+            "gemma3n",
+            "gemma3n_text",
+            "gemma4",
+            "gemma4_text",
+            "gemma4_unified_text",
+            "vaultgemma",
+            "nanochat",
+            "beam",
+            "inkling2_text",
+        ),
+        _SOFTCAP,
+    ),
+    "recurrent_gemma": (("softcap", "logits_soft_cap"),),
+    "xlstm": (("softcap", "output_logit_soft_cap"),),
+}
+
+
+class LogitTransform:
+    """The model's own post-processing of lm_head(hidden): ``steps`` of (operation, constant),
+    operation 'mul' (z * c), 'div' (z / c) or 'softcap' (tanh(z / c) * c), in the forward's order
+    and arithmetic. Elementwise, so it applies to any chunk of positions or vocabulary slice;
+    in place where the tensor carries no gradient (the caller's fresh logits)."""
+
+    def __init__(self, model_type: str, steps: tuple[tuple[str, float], ...]):
+        self.model_type, self.steps = model_type, steps
+
+    def __call__(self, z: torch.Tensor) -> torch.Tensor:
+        inplace = not z.requires_grad
+        for op, c in self.steps:
+            if op == "mul":
+                z = z.mul_(c) if inplace else z * c
+            elif op == "div":
+                z = z.div_(c) if inplace else z / c
+            else:
+                z = z.div_(c).tanh_().mul_(c) if inplace else torch.tanh(z / c) * c
+        return z
+
+    def __repr__(self) -> str:
+        expr = "lm_head(hidden)"
+        for op, c in self.steps:
+            expr = {"mul": "{} * {:g}", "div": "{} / {:g}", "softcap": "tanh({} / {:g}) * {:g}"}[op].format(expr, c, c)
+        return expr
+
+
+def logit_transform(model) -> LogitTransform | None:
+    """The known post-processing of ``model``'s logits (``LOGIT_TRANSFORMS``), None where its
+    logits are lm_head(hidden). Multiplying or dividing by 1 is left out (exact either way)."""
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    model_type = getattr(config, "model_type", None)
+    rules = LOGIT_TRANSFORMS.get(model_type) or LOGIT_TRANSFORMS.get(getattr(text, "model_type", None), ())
+    steps = []
+    for op, attr in rules:
+        value = getattr(text, attr, None)
+        if value is None:
+            value = getattr(config, attr, None)
+        if value is not None and (op == "softcap" or float(value) != 1.0):
+            steps.append((op, float(value)))
+    return LogitTransform(model_type, tuple(steps)) if steps else None
 
 
 def padded(
@@ -106,33 +193,77 @@ def pack(
 class ResponseLogits:
     """Logits of the response tokens of a packed batch, chunk by chunk: ``self(sl)`` for a slice
     ``sl`` of the flattened tokens. The transformer body runs once, at construction; the output
-    head runs per call. ``head`` is the output projection (None where the model post-processes
-    its logits, e.g. soft-capping: then the full logits are computed once instead)."""
+    head ``head`` and the model's own post-processing of its logits ``transform``
+    (``logit_transform``: scaling, soft-capping; None for most models) run per call, the
+    transform in fp32."""
 
     def __init__(self, model, batch: dict[str, torch.Tensor]):
         self.rows, self.pos = batch["rows"], batch["pos"]
         inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
-        if has_logit_postprocessing(model):
-            self.head, self._hidden = None, None
-            self._logits = model(**inputs).logits
-        else:
-            self.head = model.get_output_embeddings()
-            self._hidden = model.base_model(**inputs).last_hidden_state
+        self.head = model.get_output_embeddings()
+        self.transform = logit_transform(model)
+        self._hidden = model.base_model(**inputs).last_hidden_state
 
     def hidden(self, sl: slice) -> torch.Tensor:
         return self._hidden[self.rows[sl], self.pos[sl]]
 
     def __call__(self, sl: slice) -> torch.Tensor:
-        if self.head is None:
-            return self._logits[self.rows[sl], self.pos[sl]]
-        return self.head(self.hidden(sl))
+        logits = self.head(self.hidden(sl))
+        return logits if self.transform is None else self.transform(logits.float())
+
+
+CHECK_TOKENS = 8
+
+
+def check_head_logits(model) -> LogitTransform | None:
+    """Refuse a model whose logits otbflow would get wrong: the model's own forward on
+    ``CHECK_TOKENS`` tokens of a fixed sequence against the head-only computation the features,
+    train, scaling and variance stages use (``ResponseLogits``: the body, lm_head, then
+    ``logit_transform``). A ValueError naming the model type where the two differ by more than a
+    tolerance relative to the largest logit (1e-4 at fp32, 2e-2 at bf16 or fp16, where the
+    forward computes the transform at the lower precision). Returns the transform applied."""
+    transform = logit_transform(model)
+    model_type = getattr(model.config, "model_type", type(model).__name__)
+    head = model.get_output_embeddings()
+    if head is None:
+        raise ValueError(f"{model_type}: the model has no output embeddings (lm_head); otbflow needs one")
+    ids = [(7919 * i + 11) % head.weight.shape[0] for i in range(CHECK_TOKENS)]
+    batch = pack([ids[:1]], [ids[1:]], 0, model.device)
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            own = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+            own = own.logits[0, :-1].float()
+            mine = ResponseLogits(model, batch)(slice(None)).float()
+    finally:
+        model.train(training)
+    tol = 1e-4 if head.weight.dtype in (torch.float32, torch.float64) else 2e-2
+    err = float((own - mine).abs().max()) if own.shape == mine.shape else float("inf")
+    bound = tol * float(own.abs().max()) + 1e-6
+    if not err <= bound:
+        raise ValueError(
+            f"{model_type}: the model post-processes its logits in a way otbflow does not know: its own "
+            f"forward's logits differ from {transform or 'lm_head(hidden)'} by up to {err:.3g} on "
+            f"{CHECK_TOKENS} tokens (tolerance {bound:.3g}), so its log-probs from the output head would be "
+            "wrong. Known transforms: otbflow.logits.LOGIT_TRANSFORMS."
+        )
+    if transform is not None:
+        log.info("%s: logits = %s, as its forward computes them (max |diff| %.2g)", model_type, transform, err)
+    return transform
 
 
 def streamed_token_stats(
-    hidden: torch.Tensor, head: torch.nn.Linear, token_ids: torch.Tensor, temperature: float, vocab_chunk: int
+    hidden: torch.Tensor,
+    head: torch.nn.Linear,
+    token_ids: torch.Tensor,
+    temperature: float,
+    vocab_chunk: int,
+    transform: LogitTransform | None = None,
 ) -> dict[str, torch.Tensor]:
-    """token_stats with the output head applied over vocabulary slices (an online softmax), so
-    that only n x vocab_chunk logits exist at a time. Same results as token_stats(head(hidden))."""
+    """token_stats with the output head (then ``transform``, elementwise) applied over vocabulary
+    slices (an online softmax), so that only n x vocab_chunk logits exist at a time. Same results
+    as token_stats(transform(head(hidden)))."""
     n = hidden.shape[0]
     dev = hidden.device
     m = torch.full((n,), float("-inf"), device=dev)
@@ -142,6 +273,8 @@ def streamed_token_stats(
     for v0 in range(0, weight.shape[0], vocab_chunk):
         v1 = min(v0 + vocab_chunk, weight.shape[0])
         z = torch.nn.functional.linear(hidden, weight[v0:v1], None if bias is None else bias[v0:v1]).float()
+        if transform is not None:
+            z = transform(z)
         z /= temperature
         new_m = torch.maximum(m, torch.amax(z, dim=-1))
         scale = torch.exp(m - new_m)
@@ -174,8 +307,10 @@ def chunked_token_stats(
     buffer = None
     for start in range(0, len(targets), chunk_size):
         sl = slice(start, start + chunk_size)
-        if vocab_chunk > 0 and project.head is not None:
-            stats = streamed_token_stats(project.hidden(sl), project.head, targets[sl], temperature, vocab_chunk)
+        if vocab_chunk > 0:
+            stats = streamed_token_stats(
+                project.hidden(sl), project.head, targets[sl], temperature, vocab_chunk, project.transform
+            )
         else:
             logits = project(sl)
             if buffer is None and logits.dtype == torch.float32:
@@ -262,8 +397,11 @@ def logit_stats(
     return logp, entropy
 
 
-def _head_stats(head, hidden, targets, temperature: float, entropy_grad: bool):
-    return logit_stats(head(hidden), targets, temperature, entropy_grad)
+def _head_stats(head, transform, hidden, targets, temperature: float, entropy_grad: bool):
+    logits = head(hidden)
+    if transform is not None:
+        logits = transform(logits.float())
+    return logit_stats(logits, targets, temperature, entropy_grad)
 
 
 def response_token_stats(
@@ -283,10 +421,9 @@ def response_token_stats(
     chunk's hidden states [chunk, H] and its per-token results, never its logits, and the
     backward recomputes one chunk's logits at a time. Peak: a few chunk x V fp32 tensors instead
     of several [tokens x V] ones. The head is called as a module inside the caller's forward, so
-    ZeRO-3 gathers its weight for every chunk (and again for the recomputation).
-
-    Models whose logits are post-processed (soft-capping) return full logits from their own
-    forward: then only the statistics are chunked."""
+    ZeRO-3 gathers its weight for every chunk (and again for the recomputation). The model's own
+    post-processing of its logits (``logit_transform``) runs per chunk after the head, before
+    the temperature."""
     from torch.utils.checkpoint import checkpoint
 
     batch = {"input_ids": input_ids, "attention_mask": attention_mask, "rows": rows, "pos": pos}
@@ -294,12 +431,11 @@ def response_token_stats(
     logps, entropies = [], []
     for start in range(0, len(targets), chunk_size):
         sl = slice(start, start + chunk_size)
-        if project.head is None:
-            out = logit_stats(project(sl), targets[sl], temperature, entropy_grad)
-        elif torch.is_grad_enabled():
+        if torch.is_grad_enabled():
             out = checkpoint(
                 _head_stats,
                 project.head,
+                project.transform,
                 project.hidden(sl),
                 targets[sl],
                 temperature,
@@ -308,7 +444,9 @@ def response_token_stats(
                 preserve_rng_state=False,
             )
         else:
-            out = _head_stats(project.head, project.hidden(sl), targets[sl], temperature, entropy_grad)
+            out = _head_stats(
+                project.head, project.transform, project.hidden(sl), targets[sl], temperature, entropy_grad
+            )
         logps.append(out[0])
         entropies.append(out[1])
     if not logps:

@@ -15,7 +15,7 @@ from otbflow import schemas
 from otbflow.distributed import all_reduce, grads_finite, param_grad_norm
 from otbflow.estimators import total_power, variance_proxies
 from otbflow.io import read_table
-from otbflow.logits import pack, padded, response_token_stats, to_padded
+from otbflow.logits import check_head_logits, pack, padded, response_token_stats, to_padded
 from otbflow.losses import POLICY_LOSSES, aggregate_loss, low_var_kl, trm_keep
 from otbflow.rollout_is import rollout_is_weights
 
@@ -223,4 +223,5 @@ def load_reference(path: str, device):
     ref.eval()
     for p in ref.parameters():
         p.requires_grad_(False)
+    check_head_logits(ref)
     return ref

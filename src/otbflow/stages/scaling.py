@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 
 from otbflow import schemas
 from otbflow.io import pyplot, read_table, save_figure, write_json, write_parquet
-from otbflow.logits import exact_grad_sq_norms, sequence_token_stats
+from otbflow.logits import check_head_logits, exact_grad_sq_norms, sequence_token_stats
 from otbflow.model import load_policy, set_threads
 from otbflow.progress import Progress
 from otbflow.scaling_fit import can_fit, fit_summary, spread_by_length
@@ -78,6 +78,7 @@ def run(cfg: DictConfig, args: Args) -> None:
             sorted(df["response_length"].unique().to_list()),
         )
     model, tok = load_policy(args.policy, "float32")
+    check_head_logits(model)
     prompts, responses = df["prompt_ids"].to_list(), df["response_ids"].to_list()
     t = cfg.rollout.temperature
     grad_sq = np.asarray(

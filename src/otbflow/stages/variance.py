@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 from otbflow import schemas
 from otbflow.io import pyplot, read_table, save_figure, write_json, write_parquet
-from otbflow.logits import sequence_token_stats
+from otbflow.logits import check_head_logits, sequence_token_stats
 from otbflow.model import load_policy, set_threads
 from otbflow.seeds import derive_seed
 from otbflow.variance_study import (
@@ -69,6 +69,7 @@ def run(cfg: DictConfig, args: Args) -> None:
     v = cfg.variance
     pool = pl.concat([read_table(p, schemas.ROLLOUTS) for p in args.rollouts])
     model, tok = load_policy(args.policy, "float32")
+    check_head_logits(model)
     t = cfg.rollout.temperature
     stats = sequence_token_stats(
         model,
