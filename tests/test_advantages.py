@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from otbflow import schemas
-from otbflow.estimators import ESTIMATORS, compute_advantages, diagnostics
+from otbflow.estimators import ESTIMATORS, compare, compute_advantages, diagnostics, register
 from otbflow.io import SchemaError, read_table
 from otbflow.stages import advantages
 
@@ -93,6 +93,7 @@ def ref_seq_baseline(table, kind, **opt):
         mu = sum(flat) / len(flat)
         var = sum((a - mu) ** 2 for a in flat) / (len(flat) - 1)
         adv = [[(a - mu) / math.sqrt(var + 1e-8) for a in row] for row in adv]
+        base = [b + mu for b in base]  # on the raw scale the whitening subtracts mean + mu
     return [[base[i] + shift * scale[i]] * T[i] for i in range(len(R))], adv
 
 
@@ -412,6 +413,72 @@ def test_diagnostics_hand_computed():
     assert d["total_power"] == pytest.approx((1.5**2 * 0.8 * 0.3**2) / 2)
 
 
+def test_comparison_is_on_the_raw_reward_scale():
+    """Issue 22 point 6: std-normalised GRPO and GRPO without the std share the baseline (the group
+    mean), so on the raw-reward scale their P and E[A^2] are the same; the normalised ones (P
+    divided by the group variance) are shown beside them, marked. One group of N = 8 with 3
+    correct, references by a slow loop over sequences and tokens."""
+    R = [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0]
+    T = [3, 5, 2, 4, 6, 1, 3, 5]
+    rng = np.random.default_rng(7)
+    rows = []
+    for r, n in zip(R, T):
+        pi = rng.uniform(0.2, 0.95, n)
+        rows.append({"group_id": 0, "reward": r, "logprobs": np.log(pi).tolist(), "sum_pi_sq": (pi**2 + 0.1).tolist()})
+    t = pl.DataFrame(rows, schema_overrides={"logprobs": pl.List(pl.Float32), "sum_pi_sq": pl.List(pl.Float32)})
+    W = []
+    for lp, sp in zip(t["logprobs"].to_list(), t["sum_pi_sq"].to_list()):
+        W.append(sum(max(0.0, 1 - 2 * math.exp(a) + b) for a, b in zip(lp, sp)))
+    mean = sum(R) / 8
+    std = math.sqrt(sum((r - mean) ** 2 for r in R) / 7)
+
+    def power(abar):
+        return sum(w * a * a for w, a in zip(W, abar)) / 8, sum(a * a for a in abar) / 8
+
+    p_raw, a2_raw = power([r - mean for r in R])
+    p_std, a2_std = power([(r - mean) / (std + 1e-6) for r in R])
+    _, with_std = compare(t, "grpo", std_normalize=True)
+    _, without = compare(t, "grpo", std_normalize=False)
+    for row in (with_std, without):
+        assert row["total_power"] == pytest.approx(p_raw, rel=1e-6)
+        assert row["expected_a_squared"] == pytest.approx(a2_raw, rel=1e-6)
+    assert with_std["normalised"] and not without["normalised"]
+    assert with_std["total_power_normalised"] == pytest.approx(p_std, rel=1e-6)
+    assert with_std["expected_a_squared_normalised"] == pytest.approx(a2_std, rel=1e-6)
+    assert math.isnan(without["total_power_normalised"]) and math.isnan(without["expected_a_squared_normalised"])
+    assert p_std / p_raw == pytest.approx(7 / 1.875, rel=1e-5)  # 1 / the group's variance: 3.73x
+
+    # REINFORCE++: (R - mean) whitened over the batch's tokens, (x - mu) / sigma: on the raw scale
+    # x - mu, the baseline mean + mu (its baselines column), sigma the scale
+    x = [r - mean for r, n in zip(R, T) for _ in range(n)]
+    mu = sum(x) / len(x)
+    sigma = math.sqrt(sum((a - mu) ** 2 for a in x) / (len(x) - 1) + 1e-8)
+    p_pp, a2_pp = power([r - mean - mu for r in R])
+    out, pp = compare(t, "reinforce_pp_baseline")
+    assert pp["normalised"] and pp["total_power"] == pytest.approx(p_pp, rel=1e-6)
+    assert pp["expected_a_squared"] == pytest.approx(a2_pp, rel=1e-6)
+    assert pp["total_power_normalised"] == pytest.approx(p_pp / sigma**2, rel=1e-5)
+    assert out["baselines"].to_list()[0][0] == pytest.approx(mean + mu, rel=1e-6)
+
+    # an estimator that does not normalise: the row is its diagnostics as they are
+    out, otb = compare(t, "otb")
+    assert not otb["normalised"] and otb["total_power"] == diagnostics(out)["total_power"]
+
+
+def test_a_normalising_estimator_must_declare_it():
+    @register("scaled_test")
+    def scaled_test(b):
+        """Half the return, declared as not normalising but returning a scale."""
+        return np.zeros_like(b.returns), b.returns / 2, np.full(len(b.returns), 2.0)
+
+    try:
+        t = pl.DataFrame({"group_id": [1], "reward": [1.0], "logprobs": [[-0.1]]})
+        with pytest.raises(RuntimeError, match="registered with normalises=False but returned a scale"):
+            compute_advantages(t, "scaled_test")
+    finally:
+        del ESTIMATORS["scaled_test"]
+
+
 def test_stage_and_comparison_rule(features_path, tmp_path):
     from conftest import tiny_config
 
@@ -444,7 +511,16 @@ def test_stage_and_comparison_rule(features_path, tmp_path):
     )
     for name in ("grpo", "otb"):  # each row is the estimator as it would train under this config
         out = compute_advantages(table, name, baseline_shift=-0.1)
-        assert row[name]["adv_mean"] == pytest.approx(diagnostics(out)["adv_mean"])
+        # on the raw-reward scale: G - baseline on every token (grpo's baseline is mean + delta (std + 1e-6))
+        raw = [r - b for r, bs in zip(out["reward"], out["baselines"].to_list()) for b in bs]
+        assert row[name]["adv_mean"] == pytest.approx(np.mean(raw), abs=1e-6)
+    assert {k: r["normalised"] for k, r in row.items()} == {
+        "grpo": True,
+        "reinforce_pp_baseline": True,
+        "otb": False,
+        "rloo": False,
+    }
+    assert math.isnan(row["otb"]["total_power_normalised"]) and math.isnan(row["rloo"]["expected_a_squared_normalised"])
     assert row["reinforce_pp_baseline"]["adv_mean"] == pytest.approx(0.0, abs=1e-6)  # whitened
 
 

@@ -3,7 +3,8 @@ variance diagnostics (numpy and polars; no torch).
 
     compute_advantages(table, estimator, **options) -> table + advantages, baselines
     diagnostics(table) -> dict of variance-proxy metrics
-    ESTIMATORS  (name -> Estimator); add one with @register("name", needs=(...))
+    compare(table, estimator, **options) -> (table + advantages, baselines; its comparison row)
+    ESTIMATORS  (name -> Estimator); add one with @register("name", needs=(...), normalises=...)
 
 Every estimator works on flat token arrays with per-sequence offsets (``Batch``) in float64,
 without a Python loop over groups or tokens. Formulas and edge cases: docs/estimators.md and
@@ -147,22 +148,44 @@ def _cumsum_per_seq(b: Batch, x: np.ndarray) -> np.ndarray:
 @dataclass
 class Estimator:
     name: str
-    fn: Callable[..., tuple[np.ndarray, np.ndarray]]
+    fn: Callable[..., tuple]
     needs: tuple[str, ...]
     doc: str
+    normalises: bool | str = False
+    """Whether its advantages are divided by a data-dependent scale: True, False, or the name of
+    the boolean option that switches the division (its default from the function's signature)."""
+
+    def normalises_with(self, options: dict) -> bool:
+        """Whether this estimator, run with ``options``, divides its advantages by a scale."""
+        if isinstance(self.normalises, bool):
+            return self.normalises
+        import inspect
+
+        default = inspect.signature(self.fn).parameters[self.normalises].default
+        return bool(options.get(self.normalises, default))
 
 
 ESTIMATORS: dict[str, Estimator] = {}
 
 
-def register(name: str, needs: tuple[str, ...] = ()) -> Callable:
-    """Register ``fn(batch, **options) -> (baselines, advantages)`` (flat per-token float64)."""
+def register(name: str, needs: tuple[str, ...] = (), normalises: bool | str = False) -> Callable:
+    """Register ``fn(batch, **options) -> (baselines, advantages)`` (flat per-token float64).
+
+    An estimator that divides its advantages by a data-dependent scale declares it with
+    ``normalises`` (True, or the name of the boolean option that switches it) and returns
+    ``(baselines, advantages, scale)``: ``scale`` per token, such that advantages x scale is the
+    advantage on the raw-reward scale, G - baselines on valid tokens (None when the options turn
+    the division off). The comparison table reports its diagnostics on that raw scale."""
 
     def deco(fn: Callable) -> Callable:
         if name in ESTIMATORS:
             raise ValueError(f"estimator '{name}' is registered twice")
         ESTIMATORS[name] = Estimator(
-            name, fn, ("group_id", "reward", "logprobs") + tuple(needs), (fn.__doc__ or "").strip().splitlines()[0]
+            name,
+            fn,
+            ("group_id", "reward", "logprobs") + tuple(needs),
+            (fn.__doc__ or "").strip().splitlines()[0],
+            normalises,
         )
         return fn
 
@@ -174,7 +197,8 @@ def _with_seq_baseline(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Broadcast a per-sequence baseline b_i. Without a scale: A_t = (G_t - b_i - shift) m_t and the
     baseline column is b_i + shift. With a scale s_i (std-normalised GRPO) the shift acts on the
-    normalised scale: A_t = ((G_t - b_i) / s_i - shift) m_t, i.e. the baseline b_i + shift s_i."""
+    normalised scale: A_t = ((G_t - b_i) / s_i - shift) m_t, i.e. the baseline b_i + shift s_i
+    (so A_t s_i = (G_t - baseline) m_t: the raw-scale advantage)."""
     base = b.seq_to_tokens(base_seq)
     adv = b.returns - base
     if scale_seq is None:
@@ -218,8 +242,8 @@ def none(b: Batch, baseline_shift: float = 0.0) -> tuple[np.ndarray, np.ndarray]
     return _with_seq_baseline(b, np.zeros_like(b.reward), baseline_shift)
 
 
-@register("grpo")
-def grpo(b: Batch, std_normalize: bool = True, baseline_shift: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+@register("grpo", normalises="std_normalize")
+def grpo(b: Batch, std_normalize: bool = True, baseline_shift: float = 0.0) -> tuple:
     """Group mean baseline, optionally divided by the unbiased group std + 1e-6 (Dr.GRPO: off).
 
     With std normalisation the shift is applied on the normalised scale, A = (G - mean) / (std +
@@ -229,11 +253,11 @@ def grpo(b: Batch, std_normalize: bool = True, baseline_shift: float = 0.0) -> t
     mean = _group_mean(b, b.reward)
     mean[n[b.group] == 1] = 0.0  # verl: a singleton has mean 0, std 1
     if not std_normalize:
-        return _with_seq_baseline(b, mean, baseline_shift)
+        return (*_with_seq_baseline(b, mean, baseline_shift), None)
     sq = _segment_sum((b.reward - mean) ** 2, b.group, b.n_groups)
     std = np.sqrt(sq / np.maximum(n - 1, 1))[b.group]
     std[n[b.group] == 1] = 1.0
-    return _with_seq_baseline(b, mean, baseline_shift, std + EPS_STD)
+    return (*_with_seq_baseline(b, mean, baseline_shift, std + EPS_STD), b.seq_to_tokens(std + EPS_STD))
 
 
 @register("rloo")
@@ -247,22 +271,27 @@ def rloo(b: Batch, baseline_shift: float = 0.0) -> tuple[np.ndarray, np.ndarray]
     return _with_seq_baseline(b, base, baseline_shift)
 
 
-@register("reinforce_pp_baseline")
-def reinforce_pp_baseline(b: Batch) -> tuple[np.ndarray, np.ndarray]:
+@register("reinforce_pp_baseline", normalises=True)
+def reinforce_pp_baseline(b: Batch) -> tuple:
     """REINFORCE++ with baseline: (R - group mean), whitened over all valid tokens of the batch.
 
     It takes no baseline_shift: the whitening subtracts the batch mean, which removes any constant
-    shift of the baseline."""
+    shift of the baseline. The whitening (x - mu) / sigma over the batch's valid tokens is a
+    baseline mean + mu and a division by sigma = sqrt(var + 1e-8): the baselines column holds
+    mean + mu (the raw-scale baseline, G - baselines = sigma A on valid tokens), the scale is
+    sigma. With fewer than two valid tokens nothing is whitened (baseline mean, scale 1)."""
     n = b.group_size()
     mean = _group_mean(b, b.reward)
     mean[n[b.group] == 1] = 0.0
     base, adv = _with_seq_baseline(b, mean, 0.0)
     valid = b.mask > 0
+    sigma = 1.0
     if valid.sum() > 1:
         mu = adv[valid].mean()
-        var = adv[valid].var(ddof=1)
-        adv = (adv - mu) / np.sqrt(var + 1e-8) * b.mask
-    return base, adv
+        sigma = float(np.sqrt(adv[valid].var(ddof=1) + 1e-8))
+        adv = (adv - mu) / sigma * b.mask
+        base = base + mu
+    return base, adv, np.full(len(adv), sigma)
 
 
 def _weighted_baseline(b: Batch, weight: np.ndarray, leave_one_out: bool) -> np.ndarray:
@@ -455,8 +484,7 @@ def _to_list_column(name: str, flat: np.ndarray, offsets: np.ndarray) -> pl.Seri
     return pl.Series(name, arr)
 
 
-def compute_advantages(table: pl.DataFrame, estimator: str, **options) -> pl.DataFrame:
-    """``table`` plus ``advantages`` and ``baselines`` (list[float32], one entry per token)."""
+def _prepare(table: pl.DataFrame, estimator: str, options: dict) -> tuple[Estimator, Batch]:
     if estimator not in ESTIMATORS:
         raise ValueError(f"unknown estimator '{estimator}'; registered: {', '.join(sorted(ESTIMATORS))}")
     est = ESTIMATORS[estimator]
@@ -468,11 +496,54 @@ def compute_advantages(table: pl.DataFrame, estimator: str, **options) -> pl.Dat
             f"{', '.join(accepted) or 'none'}"
         )
     _check_input(table, est)
-    b = make_batch(table)
-    base, adv = est.fn(b, **options)
+    return est, make_batch(table)
+
+
+def compute_advantages(table: pl.DataFrame, estimator: str, **options) -> pl.DataFrame:
+    """``table`` plus ``advantages`` and ``baselines`` (list[float32], one entry per token)."""
+    est, b = _prepare(table, estimator, options)
+    base, adv, _ = _run(est, b, options)
     return table.with_columns(
         _to_list_column("advantages", adv, b.offsets), _to_list_column("baselines", base, b.offsets)
     )
+
+
+NORMALISED_COLUMNS_OF = ("total_power", "expected_a_squared")
+NORMALISED_COLUMNS = tuple(f"{k}_normalised" for k in NORMALISED_COLUMNS_OF)
+
+
+def compare(table: pl.DataFrame, estimator: str, **options) -> tuple[pl.DataFrame, dict]:
+    """``compute_advantages`` and the estimator's row of the comparison table: ``diagnostics`` of
+    its advantages on the raw-reward scale, so that every estimator's P and E[A^2] are in the same
+    units. For an estimator that divides by a data-dependent scale (``normalises``: std-normalised
+    GRPO, REINFORCE++'s whitening) the raw-scale advantage is advantage x scale = G - baseline on
+    valid tokens (the same baseline, before the division); ``normalised`` is True and
+    ``total_power_normalised``, ``expected_a_squared_normalised`` hold P and E[A^2] of the
+    advantages as trained. For the others, whose advantages are already on the raw scale, those
+    two are NaN."""
+    est, b = _prepare(table, estimator, options)
+    base, adv, scale = _run(est, b, options)
+    out = table.with_columns(
+        _to_list_column("advantages", adv, b.offsets), _to_list_column("baselines", base, b.offsets)
+    )
+    if scale is None:
+        return out, {**diagnostics(out), "normalised": False} | dict.fromkeys(NORMALISED_COLUMNS, float("nan"))
+    trained = diagnostics(out)
+    raw = diagnostics(out.with_columns(_to_list_column("advantages", adv * scale, b.offsets)))
+    return out, {**raw, "normalised": True} | {f"{k}_normalised": trained[k] for k in NORMALISED_COLUMNS_OF}
+
+
+def _run(est: Estimator, b: Batch, options: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(baselines, advantages, scale or None) of ``est`` on ``b``; the scale is returned exactly
+    when the registry declares that the estimator normalises with these options."""
+    out = est.fn(b, **options)
+    base, adv, scale = out if len(out) == 3 else (*out, None)
+    if (scale is not None) != est.normalises_with(options):
+        raise RuntimeError(
+            f"estimator '{est.name}' is registered with normalises={est.normalises!r} but returned "
+            f"{'a' if scale is not None else 'no'} scale with options {options}"
+        )
+    return base, adv, scale
 
 
 def estimator_parameters(name: str) -> list[str]:

@@ -196,7 +196,10 @@ ADVANTAGES = FEATURES.extend(
 COMPARISON = _table(
     "estimator comparison",
     "results/iter_{k}/advantages/comparison.parquet",
-    "Variance diagnostics of every estimator in advantages.compare on the same rollouts.",
+    "Variance diagnostics of every estimator in advantages.compare on the same rollouts, all on the "
+    "raw-reward scale: an estimator that divides its advantages by a data-dependent scale (std-normalised "
+    "GRPO, REINFORCE++'s whitening) enters with advantage x scale = G - baseline (the same baseline, before "
+    "the division); its P and E[A^2] as trained are in the *_normalised columns.",
     [
         ("iteration", pl.Int64, "RL iteration"),
         ("estimator", pl.String, "estimator name"),
@@ -209,17 +212,29 @@ COMPARISON = _table(
         (
             "total_power",
             pl.Float64,
-            "P = mean_i W_i * Abar_i^2 (W_i: summed proxy energy), times (mean_t "
-            "is_weights)^2 per sequence when the features carry is_weights",
+            "P = mean_i W_i * Abar_i^2 (W_i: summed proxy energy; Abar_i: mean raw-scale advantage), times "
+            "(mean_t is_weights)^2 per sequence when the features carry is_weights",
         ),
-        ("expected_a_squared", pl.Float64, "mean_i Abar_i^2"),
+        ("expected_a_squared", pl.Float64, "mean_i Abar_i^2 (raw-reward scale)"),
         ("expected_w", pl.Float64, "mean_i W_i"),
-        ("adv_mean", pl.Float64, "mean of per-token advantages over valid tokens"),
-        ("adv_std", pl.Float64, "std of per-token advantages over valid tokens"),
-        ("zero_adv_fraction", pl.Float64, "fraction of valid tokens with |A| < 1e-8"),
+        ("adv_mean", pl.Float64, "mean of per-token raw-scale advantages over valid tokens"),
+        ("adv_std", pl.Float64, "std of per-token raw-scale advantages over valid tokens"),
+        ("zero_adv_fraction", pl.Float64, "fraction of valid tokens with |A| < 1e-8 (raw scale)"),
         ("baseline_mean", pl.Float64, "mean per-sequence baseline (token-averaged)"),
         ("reward_mean", pl.Float64, "mean reward"),
         ("pessimism", pl.Float64, "reward_mean - baseline_mean (> 0: the baseline is pessimistic)"),
+        (
+            "normalised",
+            pl.Boolean,
+            "the estimator, with this row's options, divides its advantages by a data-dependent scale "
+            "(declared in its registry entry, otbflow.estimators.register)",
+        ),
+        ("total_power_normalised", pl.Float64, "P of the advantages as trained (normalised); NaN unless normalised"),
+        (
+            "expected_a_squared_normalised",
+            pl.Float64,
+            "mean_i Abar_i^2 of the advantages as trained (normalised); NaN unless normalised",
+        ),
     ],
 )
 

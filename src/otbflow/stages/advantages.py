@@ -1,7 +1,9 @@
 """Advantages stage: the features shards of one iteration merged, ``advantages.estimator`` for
 training and the diagnostics of every estimator in ``advantages.compare`` (``otbflow.estimators``;
 docs/estimators.md). Every estimator runs with the ``advantages.*`` options it takes
-(``baseline_shift`` included), and each comparison row records the shift it used."""
+(``baseline_shift`` included), and each comparison row records the shift it used. Every row's
+diagnostics are on the raw-reward scale (``otbflow.estimators.compare``); an estimator that
+normalises its advantages also has P and E[A^2] of them as trained, marked ``normalised``."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import polars as pl
 from omegaconf import DictConfig
 
 from otbflow import schemas
-from otbflow.estimators import compute_advantages, diagnostics, estimator_options
+from otbflow.estimators import compare, estimator_options
 from otbflow.io import read_table, write_parquet
 
 log = logging.getLogger("otbflow.advantages")
@@ -36,13 +38,13 @@ def run(cfg: DictConfig, args: Args) -> None:
     rows = []
     for name in dict.fromkeys(list(a.compare) + [a.estimator]):
         options = estimator_options(cfg, name)  # the one rule: the advantages.* options it takes
-        out = compute_advantages(table, name, **options)
+        out, row = compare(table, name, **options)
         rows.append(
             {
                 "iteration": args.iteration,
                 "estimator": name,
                 "baseline_shift": float(options.get("baseline_shift", 0.0)),
-                **diagnostics(out),
+                **row,
             }
         )
         if name == a.estimator:
@@ -53,11 +55,12 @@ def run(cfg: DictConfig, args: Args) -> None:
     write_parquet(comparison, args.comparison)
     for r in rows:
         log.info(
-            "%-22s delta=%+.3g  P=%.4g  E[A^2]=%.4g  zero-adv=%.3f  pessimism=%+.4f",
+            "%-22s delta=%+.3g  P=%.4g  E[A^2]=%.4g (raw-reward scale%s)  zero-adv=%.3f  pessimism=%+.4f",
             r["estimator"],
             r["baseline_shift"],
             r["total_power"],
             r["expected_a_squared"],
+            f"; as trained, normalised: P={r['total_power_normalised']:.4g}" if r["normalised"] else "",
             r["zero_adv_fraction"],
             r["pessimism"],
         )
