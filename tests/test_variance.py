@@ -77,15 +77,32 @@ def test_group_gradients_match_a_loop():
         torch.testing.assert_close(g[r], expected)
 
 
-def test_centering_makes_each_prompts_scores_sum_to_zero():
+def center_by_loop(grads, prompt, lengths):
+    """Each token's score minus the mean score at its position over the responses of its prompt
+    that have a token there: a loop over prompts, positions and responses."""
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(int)
+    out = grads.clone().double()
+    for p in set(prompt):
+        rows = [j for j in range(len(lengths)) if prompt[j] == p]
+        for t in range(max(lengths[j] for j in rows)):
+            alive = [j for j in rows if lengths[j] > t]
+            mean = sum(grads[starts[j] + t].double() for j in alive) / len(alive)
+            for j in alive:
+                out[starts[j] + t] = grads[starts[j] + t].double() - mean
+    return out
+
+
+def test_centering_makes_each_position_and_sequence_mean_zero():
     pool = pl.DataFrame({"prompt_id": [0, 0, 1, 1, 1], "response_length": [2, 3, 1, 0, 2]})
     grads = torch.randn(8, 4, dtype=torch.float64)
     c = center_scores(grads, pool)
+    torch.testing.assert_close(c, center_by_loop(grads, [0, 0, 1, 1, 1], [2, 3, 1, 0, 2]))
+    zero = torch.zeros(4, dtype=torch.float64)
+    torch.testing.assert_close(c[0] + c[2], zero)  # prompt 0, position 0
+    torch.testing.assert_close(c[4], zero)  # position 2 of prompt 0: one response, its score is 0
     seq = [c[0:2].sum(0), c[2:5].sum(0), c[5:6].sum(0), c[6:8].sum(0)]
-    torch.testing.assert_close(seq[0] + seq[1], torch.zeros(4, dtype=torch.float64))
-    torch.testing.assert_close(seq[2] + seq[3], torch.zeros(4, dtype=torch.float64))
-    # within a response, every token moves by the same amount
-    torch.testing.assert_close(c[2:5] - grads[2:5], (c[2] - grads[2]).expand(3, 4))
+    torch.testing.assert_close(seq[0] + seq[1], zero)  # so the sequence scores sum to zero too
+    torch.testing.assert_close(seq[2] + seq[3], zero)
 
 
 def test_resampling_is_seeded_and_per_prompt():
@@ -144,8 +161,8 @@ def test_study_equals_an_exact_enumeration_of_all_groups():
     """A pool of 3 responses to each of 2 prompts with known per-token score vectors. Evaluated on
     all 3^2 ordered groups of N = 2 (each equally likely under i.i.d. draws), every estimator's
     trace_cov must be the sample covariance of g_hat = (1/N) sum_i A_i S~_i over those 9 groups,
-    with S~_i = S_i - mean of the prompt's S (the centred sequence score), computed here by loops;
-    EOB's weights are ||S~_i||^2 (not ||S_i||^2)."""
+    with S~_i the sum of the response's centred token scores (``center_by_loop``), computed here by
+    loops; EOB's weights are ||S~_i||^2 (not ||S_i||^2)."""
     import itertools
 
     rng = np.random.default_rng(4)
@@ -171,10 +188,8 @@ def test_study_equals_an_exact_enumeration_of_all_groups():
 
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
     S = np.stack([grads[starts[j] : starts[j] + lengths[j]].sum(0).numpy() for j in range(6)])
-    S_c = S.copy()
-    for p in (0, 1):
-        rows = [j for j in range(6) if prompt[j] == p]
-        S_c[rows] -= S[rows].mean(0)
+    c = center_by_loop(grads, prompt, lengths).numpy()
+    S_c = np.stack([c[starts[j] : starts[j] + lengths[j]].sum(0) for j in range(6)])
     n_c, n_raw = (S_c**2).sum(1), (S**2).sum(1)
 
     def baseline(name, i, others, members, norms):
@@ -222,3 +237,76 @@ def test_study_equals_an_exact_enumeration_of_all_groups():
         x = np.array([reward[j] * S_c[j] for j in range(6) if prompt[j] == p])
         analytic.append(((x - x.mean(0)) ** 2).sum(1).mean() / 2 * 9 / 8)
     assert got["none"]["trace_cov"] == pytest.approx(np.mean(analytic), rel=1e-6)
+
+
+def test_a_baseline_of_position_and_other_members_is_unbiased_in_the_pool():
+    """Issue 22 point 7. B_{i,t} = the mean reward of the group's other members that have a token t
+    depends on the position and on the other members only, so under the policy E[B s_t] = 0 and
+    the estimator is unbiased. Over all 3^2 ordered groups of N = 2 of each prompt (an exact
+    enumeration of the pool's i.i.d. draws) the mean of g_hat - g_hat(REINFORCE) must then be 0:
+    the study's sq_bias + sq_bias_noise (the squared norm of that mean) is 0. With the scores
+    centred per sequence only (each prompt's sequence scores summing to zero, the study before
+    issue 22) the same enumeration, by a loop, gives a clearly non-zero mean."""
+    import itertools
+
+    from otbflow.estimators import ESTIMATORS, register
+
+    @register("others_alive_mean_test")
+    def others_alive_mean_test(b):
+        """Mean reward of the other members alive at t (0 if none)."""
+        base = np.zeros(len(b.returns))
+        for i in range(len(b.lengths)):
+            for t in range(b.lengths[i]):
+                others = [j for j in range(len(b.lengths)) if j != i and b.group[j] == b.group[i] and b.lengths[j] > t]
+                base[b.offsets[i] + t] = np.mean(b.reward[others]) if others else 0.0
+        return base, b.returns - base
+
+    try:
+        rng = np.random.default_rng(5)
+        lengths = [2, 1, 3, 1, 2, 3]
+        prompt = [0, 0, 0, 1, 1, 1]
+        reward = [1.0, 0.0, 1.0, 1.0, 0.0, 0.0]
+        grads = torch.from_numpy(rng.normal(size=(sum(lengths), 4)))
+        pool = pl.DataFrame({"prompt_id": prompt, "group_id": prompt, "response_length": lengths, "reward": reward})
+        stats = [{"logprobs": [-0.5] * n, "sum_pi_sq": [0.5] * n} for n in lengths]
+        groups = {"pool_row": [], "prompt_id": [], "group_id": []}
+        for p in (0, 1):
+            for combo in itertools.product([j for j in range(6) if prompt[j] == p], repeat=2):
+                gid = len(groups["group_id"]) // 2
+                groups["pool_row"] += combo
+                groups["prompt_id"] += [p, p]
+                groups["group_id"] += [gid, gid]
+        groups = pl.DataFrame(groups, schema={"pool_row": pl.Int64, "prompt_id": pl.Int64, "group_id": pl.Int64})
+        cfg = tiny_config("variance.estimators=[others_alive_mean_test]", "variance.sketch_dim=0")
+        got = {r["estimator"]: r for r in study(cfg, pool, grads, stats, groups).iter_rows(named=True)}
+        row = got["others_alive_mean_test"]
+        assert abs(row["sq_bias"] + row["sq_bias_noise"]) < 1e-10
+
+        def mean_bias_sq(centred):  # ||E[g_hat - g_hat_none]||^2 per prompt, averaged: -(1/N) sum_i sum_t B s
+            starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+            out = []
+            for p in (0, 1):
+                rows = [j for j in range(6) if prompt[j] == p]
+                d = []
+                for combo in itertools.product(rows, repeat=2):
+                    total = np.zeros(4)
+                    for k, i in enumerate(combo):
+                        other = combo[1 - k]
+                        for t in range(lengths[i]):
+                            b = reward[other] if lengths[other] > t else 0.0
+                            total -= b * centred[starts[i] + t] / 2
+                    d.append(total)
+                out.append((np.mean(d, 0) ** 2).sum())
+            return np.mean(out)
+
+        seq_centred = grads.numpy().copy()
+        for p in (0, 1):
+            rows = [j for j in range(6) if prompt[j] == p]
+            starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+            mean = np.mean([grads[starts[j] : starts[j] + lengths[j]].sum(0).numpy() for j in rows], 0)
+            for j in rows:
+                seq_centred[starts[j] : starts[j] + lengths[j]] -= mean / lengths[j]
+        assert mean_bias_sq(center_by_loop(grads, prompt, lengths).numpy()) < 1e-20
+        assert mean_bias_sq(seq_centred) > 0.01
+    finally:
+        del ESTIMATORS["others_alive_mean_test"]

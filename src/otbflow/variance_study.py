@@ -1,7 +1,9 @@
 """The offline variance study: per-token score gradients of a pool of responses (sketched with a
-CountSketch), groups resampled from the pool, and per estimator the within-prompt variance of the
-group-mean policy gradient (paired against REINFORCE), its squared bias and noise-to-signal.
-Formulas and choices: docs/estimators.md, "Offline variance study"."""
+CountSketch), centred per position (``center_scores``: the score identity E[s_t 1{token t}] = 0
+holds in the pool at every position, not per prefix), groups resampled from the pool, and per
+estimator the within-prompt variance of the group-mean policy gradient (paired against
+REINFORCE), its squared bias and noise-to-signal. Formulas and choices: docs/estimators.md,
+"Offline variance study"."""
 
 from __future__ import annotations
 
@@ -88,21 +90,30 @@ def pool_gradients(
 
 
 def center_scores(token_grads: torch.Tensor, pool: pl.DataFrame) -> torch.Tensor:
-    """Subtract each prompt's mean sequence score from its responses (evenly over their tokens),
-    so that the score vectors of every prompt's pool sum to zero. Empty responses have no token
-    to carry a correction: the mean is over the others."""
-    lengths = pool["response_length"].to_numpy()
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    out = token_grads.clone()
-    for rows in (
-        pool.with_row_index("row").filter(pl.col("response_length") > 0).group_by("prompt_id").agg("row")["row"]
-    ):
-        rows = rows.to_numpy()
-        seq = torch.stack([token_grads[starts[i] : starts[i] + lengths[i]].sum(0) for i in rows])
-        mean = seq.mean(0)
-        for i in rows:
-            out[starts[i] : starts[i] + lengths[i]] -= mean / lengths[i]
-    return out
+    """Per-token centring: from the score of token t of every response, subtract the mean score at
+    position t over the responses of the same prompt that have a token t (float64 means).
+
+    The policy's scores satisfy E[s_t | prefix] = 0 for every prefix, hence E[s_t 1{token t
+    exists}] = 0 at every position (the prefix decides whether there is a token t). A finite pool,
+    used as the population the groups are drawn from, does not. After this centring it does, per
+    position, exactly; so does the sum over positions (each prompt's sequence scores sum to zero).
+    Any baseline that is a function of the position and of the other members of the group (a
+    constant, RLOO's, the other-members part of a token baseline) then gets exactly zero bias from
+    the pool, as from the policy. Centring per prefix is not possible without changing what is
+    measured: past the pool's branch points a prefix belongs to one response, whose score would be
+    set to 0 (docs/estimators.md, "Offline variance study"). A token alone at its position (the
+    tail of a prompt's single longest response) gets score 0."""
+    lengths = pool["response_length"].to_numpy().astype(np.int64)
+    if not len(lengths) or not lengths.sum():
+        return token_grads.clone()
+    _, prompt = np.unique(pool["prompt_id"].to_numpy(), return_inverse=True)
+    width = int(lengths.max())
+    pos = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    key = torch.from_numpy(np.repeat(prompt.astype(np.int64), lengths) * width + pos)
+    cells = (int(prompt.max()) + 1) * width
+    sums = torch.zeros(cells, token_grads.shape[1], dtype=torch.float64).index_add_(0, key, token_grads.double())
+    counts = torch.bincount(key, minlength=cells).clamp_min(1).to(torch.float64)
+    return token_grads - (sums / counts[:, None]).to(token_grads.dtype)[key]
 
 
 def resample_groups(df: pl.DataFrame, n: int, resamples: int, seed: int) -> pl.DataFrame:
@@ -173,8 +184,9 @@ def study(
     groups: pl.DataFrame | None = None,
 ) -> pl.DataFrame:
     """The summary table (one row per estimator) from the pool and its per-token score gradients
-    (uncentred, as measured). The scores are centred per prompt first (``center_scores``); every
-    g_hat and EOB's weights n_i = ||sum_t s_it||^2 use those centred scores. ``groups``
+    (uncentred, as measured). The scores are centred per prompt and position first
+    (``center_scores``); every g_hat and EOB's weights n_i = ||sum_t s_it||^2 use those centred
+    scores. ``groups``
     (pool_row, prompt_id, group_id): the groups to evaluate on; None draws
     ``variance.resamples`` per prompt (``resample_groups``)."""
     v = cfg.variance
