@@ -225,6 +225,22 @@ def test_group_of_one_and_all_equal():
     assert diagnostics(compute_advantages(t, "grpo"))["zero_adv_fraction"] == pytest.approx(7 / 11)
 
 
+def test_zero_tail_pushes_up_the_longest_correct_answer_of_an_all_correct_group():
+    """Issue 22 point 9 (docs/estimators.md, results.md): {0,1} rewards, every response correct,
+    lengths 2, 3, 5. With handle_zero_tail (the default) OTB's baseline is 0 on the longest
+    response's positions 3 and 4 (from L2 = 3 on), so A = R - 0 = 1 there and 0 everywhere else;
+    GRPO (with or without the std) gives 0 on every token; without the zero-tail OTB does too."""
+    rows = [{"group_id": 1, "reward": 1.0, "logprobs": [-0.5] * n, "sum_pi_sq": [0.5] * n} for n in (2, 3, 5)]
+    t = pl.DataFrame(rows)
+    assert compute_advantages(t, "otb")["advantages"].to_list() == [[0.0] * 2, [0.0] * 3, [0.0] * 3 + [1.0] * 2]
+    zeros = [[0.0] * 2, [0.0] * 3, [0.0] * 5]
+    assert compute_advantages(t, "otb", handle_zero_tail=False)["advantages"].to_list() == zeros
+    assert compute_advantages(t, "grpo")["advantages"].to_list() == zeros
+    assert compute_advantages(t, "grpo", std_normalize=False)["advantages"].to_list() == zeros
+    # all wrong with {0,1} rewards: R = 0, so the tail's A = R is 0 as well
+    assert compute_advantages(t.with_columns(pl.lit(0.0).alias("reward")), "otb")["advantages"].to_list() == zeros
+
+
 def test_otb_all_equal_group_with_a_zero_energy_prefix():
     # pi = 1 and sum_pi_sq = 1 on the first token of every member: w = 0 there, so the group's
     # cumulative energy is 0 at t = 0. The baseline is then the plain mean of the alive returns
