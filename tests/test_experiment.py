@@ -87,6 +87,10 @@ def test_tiny_experiment(tmp_path):
     ]
     pairs = read_table(root / "pairs.parquet", schemas.EXPERIMENT_PAIRS)
     assert pairs.select("a", "b", "seeds").row(0) == ("length_power_n4", "grpo_n4", 2)
+    # one iteration of 8 prompts x 4 samples each: both evaluated after 32 responses, compared there
+    assert pairs["matched_responses"].to_list() == [32]
+    first = pairs.select("a_first_seeds", "b_first_seeds", "neither_seeds", "undecided_seeds").row(0)
+    assert sum(first) == 2
     assert (summary["tokens_generated"] > 0).all() and (summary["tokens_trained"] > 0).all()
     curves = pl.read_parquet(root / "curves.parquet")
     assert curves.height == 2 * 2 * 2  # runs x seeds x (initial, iter_0)
@@ -161,9 +165,19 @@ def test_member_config_layers_base_run_and_seed():
         ({"extra": 1}, "config key 'extra': unknown key. Allowed here: experiment, seeds, base, runs, analysis"),
         ({"analysis": {"plateau_window": 0}}, "config key 'analysis.plateau_window': must be >= 1 (got 0)"),
         ({"analysis": {"plateau_window": True}}, "config key 'analysis.plateau_window'"),
-        ({"analysis": {"ci_resamples": 99}}, "config key 'analysis.ci_resamples': must be >= 100 (got 99)"),
         ({"analysis": {"confidence": 1.0}}, "config key 'analysis.confidence': must be in (0, 1) (got 1.0)"),
-        ({"analysis": {"bootstrap": 500}}, "config key 'analysis.bootstrap' was renamed to 'analysis.ci_resamples'"),
+        ({"analysis": {"plateau_margin": 0}}, "config key 'analysis.plateau_margin': must be > 0 (got 0.0)"),
+        ({"analysis": {"target": 0}}, "config key 'analysis.target': must be in (0, 1] (got 0.0)"),
+        (
+            {"analysis": {"ci_resamples": 2000}},
+            "config key 'analysis.ci_resamples' was removed: intervals are now t-intervals over the seeds",
+        ),
+        ({"analysis": {"bootstrap": 500}}, "config key 'analysis.bootstrap' was removed: intervals are now t-interv"),
+        (
+            {"analysis": {"target_fraction": 0.9}},
+            "config key 'analysis.target_fraction' was removed: the target is now a fixed avg@k, analysis.target",
+        ),
+        ({"analysis": {"reference": "grpo_n4"}}, "config key 'analysis.reference' was removed: the target is now"),
     ],
 )
 def test_bad_experiment_fails_before_any_job(tmp_path, change, message):
@@ -189,25 +203,91 @@ def test_tokens_to_target_interpolates_the_first_crossing():
     tokens = np.array([0.0, 100.0, 300.0, 600.0])
     assert tokens_to_target(tokens, np.array([0.2, 0.4, 0.8, 0.5]), 0.6) == pytest.approx(200.0)  # halfway 100..300
     assert tokens_to_target(tokens, np.array([0.7, 0.4, 0.8, 0.5]), 0.6) == 0.0  # the initial policy already is there
-    assert np.isnan(tokens_to_target(tokens, np.array([0.2, 0.4, 0.5, 0.55]), 0.6))
+    assert tokens_to_target(tokens, np.array([0.2, 0.4, 0.5, 0.55]), 0.6) is None  # censored
 
 
-def test_bootstrap_interval_of_two_values_is_their_range():
-    """Resampling {0, 1} twice gives means 0, 0.5, 1 with probabilities 1/4, 1/2, 1/4: the
-    central 95% interval is [0, 1]; a constant has a point interval."""
-    from otbflow.stages.experiment import bootstrap_ci
+def test_t_quantiles_match_the_published_table():
+    """Two-sided critical values t_{1-alpha/2, df} from the standard t table (e.g. NIST/SEMATECH
+    e-Handbook 1.3.6.7.2), to its 3 decimals."""
+    from otbflow.stats import t_quantile
 
-    assert bootstrap_ci(np.array([0.0, 1.0]), 4000, 0.95, seed=0) == (0.0, 1.0)
-    lo, hi = bootstrap_ci(np.array([0.0, 1.0]), 4000, 0.40, seed=0)
-    assert lo == hi == 0.5  # the central 40% lies inside the 50% mass at 0.5
-    assert bootstrap_ci(np.array([3.0, 3.0, 3.0]), 500, 0.95, seed=1) == (3.0, 3.0)
+    table = {
+        (0.95, 1): 12.706,
+        (0.95, 2): 4.303,
+        (0.95, 3): 3.182,
+        (0.95, 4): 2.776,
+        (0.95, 9): 2.262,
+        (0.95, 30): 2.042,
+        (0.90, 4): 2.132,
+        (0.99, 2): 9.925,
+        (0.99, 4): 4.604,
+    }
+    for (confidence, df), t in table.items():
+        assert t_quantile(confidence, df) == pytest.approx(t, abs=6e-4), (confidence, df)
+
+
+def test_t_interval_on_hand_computed_cases():
+    """{1, 2, 3}: mean 2, s = 1, t_{0.975,2} = 4.303: 2 +- 4.303 / sqrt(3) = 2 +- 2.484. {0, 1}: mean
+    0.5, s / sqrt(2) = 0.5, t_{0.975,1} = 12.706: 0.5 +- 6.353. A constant: a point; one value: none."""
+    from otbflow.stats import t_interval
+
+    assert t_interval([1.0, 2.0, 3.0], 0.95) == pytest.approx((-0.484, 4.484), abs=1e-3)
+    assert t_interval([0.0, 1.0], 0.95) == pytest.approx((-5.853, 6.853), abs=1e-3)
+    assert t_interval([3.0, 3.0, 3.0], 0.95) == (3.0, 3.0)
+    assert all(math.isnan(x) for x in t_interval([0.4], 0.95))
+
+
+def _coverage(lo, hi, mean):
+    return float(np.mean((lo <= mean) & (mean <= hi)))
+
+
+@pytest.mark.parametrize("n", [3, 5])
+@pytest.mark.parametrize(
+    "name, draw, mean",
+    [
+        ("normal", lambda rng, size: rng.normal(0.55, 0.04, size), 0.55),
+        ("Beta(2, 8): bounded, right-skewed", lambda rng, size: rng.beta(2, 8, size), 0.2),
+        # an avg@k-like figure: 256 Bernoulli samples at a success rate that itself varies by seed, Beta(2, 8)
+        ("avg@k of 256 samples", lambda rng, size: rng.binomial(256, rng.beta(2, 8, size)) / 256, 0.2),
+    ],
+)
+def test_t_interval_covers_the_mean_at_3_and_5_seeds(n, name, draw, mean):
+    """4,000 simulated experiments of n seeds: the 95% t-interval of the real function covers the
+    true mean at least 90% of the time. Measured (5 simulation seeds each, n = 3 and 5): normal 0.95;
+    Beta(2, 8) 0.93; avg@k at a Beta(2, 8) success rate 0.93. The limit of the normality assumption:
+    a success rate from Beta(1, 9) gives 0.89-0.90, a strongly skewed Beta(0.5, 5) only 0.83-0.86.
+    The percentile bootstrap this replaced fails the test: at n = 3 it covers about 0.67 (computed
+    here exactly, over all 27 resamples), at n = 5 about 0.83 (all 3,125 resamples: too slow for
+    this test)."""
+    from otbflow.stats import t_interval
+
+    rng = np.random.default_rng(n)
+    x = draw(rng, (4000, n))
+    lo, hi = t_interval(x, 0.95)
+    assert _coverage(lo, hi, mean) >= 0.90, name
+    if n == 3:
+        resamples = np.array(np.meshgrid(*[range(n)] * n)).reshape(n, -1).T  # all n^n resamples
+        boot = np.quantile(x[:, resamples].mean(axis=2), [0.025, 0.975], axis=1)
+        assert _coverage(boot[0], boot[1], mean) < 0.75, name
+
+
+def test_late_trend_needs_an_equivalence_test_for_a_plateau():
+    """A plateau only when the interval lies inside +-margin; an interval that holds 0 but reaches
+    past the margin is unresolved, not a plateau (the issue's +0.04 gain under +-0.04 noise)."""
+    from otbflow.stats import late_trend
+
+    assert late_trend(-0.01, 0.015, 0.02) == "plateau"
+    assert late_trend(-0.02, 0.06, 0.02) == "unresolved"
+    assert late_trend(0.001, 0.05, 0.02) == "rising" and late_trend(-0.08, -0.03, 0.02) == "falling"
+    assert late_trend(0.005, 0.015, 0.02) == "plateau"  # a gain, but inside the margin
+    assert late_trend(float("nan"), float("nan"), 0.02) == "no interval"
 
 
 def test_per_seed_table_on_hand_made_curves():
-    """Two runs x one seed, three evaluations each. Reference r ends at 0.8, so the target is
-    0.9 x 0.8 = 0.72; s crosses it between 0.6 at 100 tokens and 0.9 at 400 tokens, at 100 +
-    (0.12 / 0.3) x 300 = 220 tokens; r between 0.4 at 100 and 0.8 at 300: 100 + (0.32 / 0.4) x 200
-    = 260 tokens."""
+    """Two runs x one seed, three evaluations each, target 0.72: s crosses it between 0.6 at 100
+    tokens and 0.9 at 400 tokens, at 100 + (0.12 / 0.3) x 300 = 220 tokens; r between 0.4 at 100
+    and 0.8 at 300: 100 + (0.32 / 0.4) x 200 = 260 tokens. At target 0.85, r (at most 0.8) is
+    censored and s crosses at 100 + (0.25 / 0.3) x 300 = 350."""
     from otbflow.stages.experiment import per_seed_table
 
     curves = pl.DataFrame(
@@ -235,7 +315,7 @@ def test_per_seed_table_on_hand_made_curves():
         schema=["run", "seed", "tokens", "grad_norm"],
         orient="row",
     )
-    exp = {"runs": {"r": {}, "s": {}}, "analysis": {"reference": "r", "target_fraction": 0.9, "plateau_window": 2}}
+    exp = {"runs": {"r": {}, "s": {}}, "analysis": {"target": 0.72, "plateau_window": 2}}
     rows = {r["run"]: r for r in per_seed_table(exp, curves, metrics).iter_rows(named=True)}
     # gain over the last 2 iterations: from the initial policy's 0.5 to 0.8 and 0.9
     assert rows["r"]["late_gain"] == pytest.approx(0.3) and rows["s"]["late_gain"] == pytest.approx(0.4)
@@ -250,6 +330,11 @@ def test_per_seed_table_on_hand_made_curves():
     assert rows["r"]["min_accuracy"] == 0.4 and rows["r"]["max_length_ratio"] == pytest.approx(3.0)
     assert rows["r"]["tokens_trained"] == 120 and rows["r"]["max_grad_norm"] == 1.5
     assert rows["s"]["final_greedy_accuracy"] == 1.0 and rows["s"]["max_length_ratio"] == pytest.approx(1.0)
+    assert rows["r"]["reached_target"] and rows["s"]["reached_target"]
+    exp["analysis"]["target"] = 0.85
+    rows = {r["run"]: r for r in per_seed_table(exp, curves, metrics).iter_rows(named=True)}
+    assert not rows["r"]["reached_target"] and math.isnan(rows["r"]["tokens_to_target"])
+    assert rows["s"]["reached_target"] and rows["s"]["tokens_to_target"] == pytest.approx(350.0)
 
 
 def test_late_gain_with_evaluations_every_other_iteration():
@@ -272,7 +357,7 @@ def test_late_gain_with_evaluations_every_other_iteration():
         orient="row",
     )
     metrics = pl.DataFrame([("r", 0, 50, 0.3)], schema=["run", "seed", "tokens", "grad_norm"], orient="row")
-    exp = {"runs": {"r": {}}, "analysis": {"reference": "r", "target_fraction": 0.9, "plateau_window": 2}}
+    exp = {"runs": {"r": {}}, "analysis": {"target": 0.6, "plateau_window": 2}}
     gain = {
         w: per_seed_table(exp | {"analysis": exp["analysis"] | {"plateau_window": w}}, curves, metrics)["late_gain"][0]
         for w in (1, 2, 3, 4, 6, 7)
@@ -283,35 +368,146 @@ def test_late_gain_with_evaluations_every_other_iteration():
     assert math.isnan(gain[7])
 
 
+def _per_seed(rows):
+    """Per-seed rows (run, seed, final_accuracy, tokens_to_target or None, tokens_generated)."""
+    return pl.DataFrame(
+        rows,
+        schema={
+            "run": pl.String,
+            "seed": pl.Int64,
+            "final_accuracy": pl.Float64,
+            "tokens_to_target": pl.Float64,
+            "tokens_generated": pl.Float64,
+        },
+        orient="row",
+    ).with_columns(
+        pl.col("tokens_to_target").is_not_null().alias("reached_target"), pl.col("tokens_to_target").fill_null(np.nan)
+    )
+
+
+def _curves(points):
+    """Curves from (run, seed, responses_generated, tokens_generated, sampled_accuracy)."""
+    return pl.DataFrame(
+        points,
+        schema=["run", "seed", "responses_generated", "tokens_generated", "sampled_accuracy"],
+        orient="row",
+    )
+
+
 def test_paired_table_on_hand_made_seeds():
+    """Final differences a - b: +0.1, +0.2, -0.1, +0.1 (mean 0.075, s = 0.1258, t_{0.975,3} =
+    3.182: 0.075 +- 0.2002). Who reached the target first, seed by seed: 0 a (100 < 200); 1 b (a
+    never did within its 500 tokens, b did at 400); 2 undecided (a reached it at 300 tokens, b
+    never did but ran only 250); 3 a (0 tokens: the initial policy was there, b at 100); 4 neither;
+    5 undecided (both at 0)."""
     from otbflow.stages.experiment import paired_table
 
-    nan = float("nan")
-    rows = [  # run a needs half the tokens of b on the seeds where both reach the target by training
-        ("a", 0, 0.5, 100.0),
-        ("a", 1, 0.6, 200.0),
-        ("a", 2, 0.4, nan),
-        ("a", 3, 0.7, 0.0),  # seed 3: at it already
-        ("b", 0, 0.4, 200.0),
-        ("b", 1, 0.4, 400.0),
-        ("b", 2, 0.5, 300.0),
-        ("b", 3, 0.6, 100.0),
-    ]
-    per_seed = pl.DataFrame(rows, schema=["run", "seed", "final_accuracy", "tokens_to_target"], orient="row")
-    exp = {"analysis": {"pairs": [["a", "b"]], "ci_resamples": 500, "confidence": 0.95}}
-    pairs = paired_table(exp, per_seed).row(0, named=True)
-    assert pairs["seeds"] == 4 and pairs["both_reached"] == 2 and pairs["a_better_seeds"] == 3
-    assert pairs["accuracy_diff"] == pytest.approx((0.1 + 0.2 - 0.1 + 0.1) / 4)
-    assert pairs["tokens_ratio"] == pytest.approx(0.5) and pairs["tokens_ratio_lo"] == pytest.approx(0.5)
+    per_seed = _per_seed(
+        [
+            ("a", 0, 0.5, 100.0, 500.0),
+            ("a", 1, 0.6, None, 500.0),
+            ("a", 2, 0.4, 300.0, 500.0),
+            ("a", 3, 0.7, 0.0, 500.0),
+            ("b", 0, 0.4, 200.0, 500.0),
+            ("b", 1, 0.4, 400.0, 500.0),
+            ("b", 2, 0.5, None, 250.0),
+            ("b", 3, 0.6, 100.0, 500.0),
+        ]
+    )
+    both_zero = _per_seed([("a", 4, 0.5, None, 500.0), ("b", 4, 0.5, None, 500.0)])
+    both_zero = pl.concat([both_zero, _per_seed([("a", 5, 0.5, 0.0, 500.0), ("b", 5, 0.5, 0.0, 500.0)])])
+    curves = _curves([(r, s, 0, 0.0, 0.3) for r in "ab" for s in range(6)])  # no evaluation at an equal budget
+    exp = {"analysis": {"pairs": [["a", "b"]], "confidence": 0.95}}
+    pairs = paired_table(exp, per_seed, curves).row(0, named=True)
+    assert pairs["seeds"] == 4 and pairs["a_better_seeds"] == 3
+    assert pairs["accuracy_diff"] == pytest.approx(0.075)
+    assert (pairs["accuracy_diff_lo"], pairs["accuracy_diff_hi"]) == pytest.approx((-0.1252, 0.2752), abs=1e-3)
+    first = pairs["a_first_seeds"], pairs["b_first_seeds"], pairs["neither_seeds"], pairs["undecided_seeds"]
+    assert first == (2, 1, 0, 1)
+    assert pairs["matched_responses"] == 0 and math.isnan(pairs["matched_diff"])
+    pairs = paired_table(exp, pl.concat([per_seed, both_zero]), curves).row(0, named=True)
+    first = pairs["a_first_seeds"], pairs["b_first_seeds"], pairs["neither_seeds"], pairs["undecided_seeds"]
+    assert first == (2, 1, 1, 2)
+
+
+def test_paired_table_compares_at_an_equal_budget_without_interpolating():
+    """a (N = 4) evaluated after 2,048, 4,096 and 6,144 responses; b (N = 16) after 2,048, 4,096,
+    8,192 (its 3rd evaluation missing on purpose): the largest budget both were evaluated at is
+    4,096, where a - b is +0.10 and +0.06 (mean 0.08, s = 0.02828, t_{0.975,1} = 12.706:
+    0.08 +- 0.2541). b's value at a's last budget (6,144) is never interpolated."""
+    from otbflow.stages.experiment import paired_table
+
+    curves = _curves(
+        [
+            ("a", s, r, 8.0 * r, acc)
+            for s, accs in ((0, (0.4, 0.5, 0.6)), (1, (0.4, 0.46, 0.6)))
+            for r, acc in zip((2048, 4096, 6144), accs)
+        ]
+        + [("b", s, r, 8.2 * r, acc) for s in (0, 1) for r, acc in zip((2048, 4096, 8192), (0.35, 0.4, 0.7))]
+        + [(r, s, 0, 0.0, 0.3) for r in "ab" for s in (0, 1)]
+    )
+    per_seed = _per_seed([(r, s, 0.6, None, 60_000.0) for r in "ab" for s in (0, 1)])
+    exp = {"analysis": {"pairs": [["a", "b"]], "confidence": 0.95}}
+    pairs = paired_table(exp, per_seed, curves).row(0, named=True)
+    assert pairs["matched_responses"] == 4096
+    assert pairs["matched_tokens_a"] == pytest.approx(8.0 * 4096) and pairs["matched_tokens_b"] == pytest.approx(
+        8.2 * 4096
+    )
+    assert pairs["matched_diff"] == pytest.approx(0.08) and pairs["matched_a_better_seeds"] == 2
+    assert (pairs["matched_diff_lo"], pairs["matched_diff_hi"]) == pytest.approx((-0.1741, 0.3341), abs=1e-3)
+
+
+def test_summary_reports_censored_tokens_to_target_and_the_late_trend():
+    """Tokens to the target over 5 seeds, 3 reached (100, 300, 200), 2 censored: the median counts
+    the censored seeds as slowest, 300, not the survivors' mean 200; with 2 of 5 reached it is
+    NaN, not a mean over the 2. Late gains +0.01, 0, -0.005, +0.005, 0 (mean 0.002, s = 0.00570,
+    t_{0.975,4} = 2.776: 0.002 +- 0.00708) lie inside +-0.02: a plateau; +0.04, 0.0, +0.08, -0.02,
+    +0.05 hold 0 but reach past the margin: unresolved."""
+    from otbflow.stages.experiment import summary_table
+
+    def seeds(run, ttt, late):
+        return [
+            {
+                "run": run,
+                "seed": i,
+                "initial_accuracy": 0.3,
+                "final_accuracy": 0.5 + 0.01 * i,
+                "final_greedy_accuracy": 0.6,
+                "late_gain": g,
+                "min_accuracy": 0.3,
+                "target_accuracy": 0.45,
+                "reached_target": t is not None,
+                "tokens_to_target": float("nan") if t is None else t,
+                "tokens_generated": 1000.0,
+                "tokens_trained": 900.0,
+                "final_response_length": 16.0,
+                "max_length_ratio": 1.0,
+                "max_grad_norm": 0.5,
+            }
+            for i, (t, g) in enumerate(zip(ttt, late))
+        ]
+
+    rows = seeds("flat", [100.0, None, 300.0, None, 200.0], [0.01, 0.0, -0.005, 0.005, 0.0])
+    rows += seeds("slow", [100.0, None, None, None, 400.0], [0.04, 0.0, 0.08, -0.02, 0.05])
+    per_seed = pl.DataFrame(rows, schema=schemas.EXPERIMENT_SEEDS.columns)
+    exp = {"runs": {"flat": {}, "slow": {}}, "analysis": {"confidence": 0.95, "target": 0.45, "plateau_margin": 0.02}}
+    out = {r["run"]: r for r in summary_table(exp, per_seed).iter_rows(named=True)}
+    flat, slow = out["flat"], out["slow"]
+    assert flat["reached_seeds"] == 3 and flat["tokens_to_target"] == 300.0
+    assert (flat["tokens_to_target_min"], flat["tokens_to_target_max"]) == (100.0, 300.0)
+    assert slow["reached_seeds"] == 2 and math.isnan(slow["tokens_to_target"]) and slow["tokens_to_target_max"] == 400.0
+    assert (flat["late_gain_lo"], flat["late_gain_hi"]) == pytest.approx((-0.00508, 0.00908), abs=1e-4)
+    assert flat["late_trend"] == "plateau" and slow["late_trend"] == "unresolved"
+    # final avg@k 0.50..0.54: mean 0.52, s = 0.01581, 0.52 +- 2.776 x 0.00707 = 0.52 +- 0.01963
+    assert (flat["final_accuracy_lo"], flat["final_accuracy_hi"]) == pytest.approx((0.50037, 0.53963), abs=1e-4)
 
 
 def test_analysis_section_is_checked(tmp_path):
     exp = yaml.safe_load(TINY_EXPERIMENT.read_text())
     for bad, message in [
-        ({"reference": "nope"}, "analysis.reference"),
         ({"pairs": [["grpo_n4", "x"]]}, "analysis.pairs"),
-        ({"target_fraction": 1.5}, "analysis.target_fraction"),
-        ({"colour": 1}, "'analysis.colour': unknown key. Allowed here: reference, target_fraction, pairs"),
+        ({"target": 1.5}, "analysis.target"),
+        ({"colour": 1}, "'analysis.colour': unknown key. Allowed here: target, pairs, confidence, plateau_window"),
     ]:
         path = tmp_path / "bad.yaml"
         path.write_text(yaml.safe_dump(exp | {"analysis": bad}))
@@ -329,8 +525,8 @@ def test_experiment_schema_documents_every_key_and_reads_every_file():
 
     for cls in (ExperimentConfig, AnalysisConfig):
         assert set(field_docs(cls)) == {f.name for f in dataclasses.fields(cls)}, cls.__name__
-    assert AnalysisConfig.__dataclass_fields__["ci_resamples"].metadata["ge"] == 100
+    assert AnalysisConfig.__dataclass_fields__["plateau_margin"].metadata["gt"] == 0
     for path in sorted((REPO / "config" / "experiments").glob("*.yaml")):
         exp = load_experiment(path)
-        assert exp["analysis"]["ci_resamples"] == 2000 and exp["analysis"]["reference"] in exp["runs"]
+        assert exp["analysis"]["plateau_margin"] == 0.02 and 0 < exp["analysis"]["target"] <= 1
         assert set(exp) == {"experiment", "seeds", "base", "runs", "analysis"}

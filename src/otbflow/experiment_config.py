@@ -36,25 +36,35 @@ from otbflow.config import (
 )
 from otbflow.io import write_text
 
-RENAMED = {"analysis.bootstrap": "analysis.ci_resamples"}
+RENAMED: dict[str, str] = {}
 """Experiment keys that were renamed: given under the old name, the error names the new one."""
+
+REMOVED = {
+    "analysis.bootstrap": "intervals are now t-intervals over the seeds (no resampling)",
+    "analysis.ci_resamples": "intervals are now t-intervals over the seeds (no resampling)",
+    "analysis.target_fraction": "the target is now a fixed avg@k, analysis.target",
+    "analysis.reference": "the target is now a fixed avg@k, analysis.target, not a run's final value",
+}
+"""Experiment keys that were removed: given, the error says why and what replaces them."""
 
 
 @dataclass
 class AnalysisConfig:
-    reference: Optional[str] = None
-    """The run whose final avg@k sets the target (mean over seeds). null: the first run."""
-    target_fraction: float = opt(0.9, gt=0, le=1)
-    """Target avg@k = target_fraction x the reference's final avg@k; tokens_to_target is read at it."""
+    target: float = opt(0.5, gt=0, le=1)
+    """The target avg@k at which tokens_to_target is read: a fixed value chosen before the runs
+    (not derived from any run's result). Seeds that never reach it are reported as censored."""
     pairs: list[list[str]] = field(default_factory=list)
     """Pairs [a, b] of two different runs, compared seed by seed (pairs.parquet)."""
-    ci_resamples: int = opt(2000, ge=100)
-    """Bootstrap resamples of every confidence interval (resampling the seeds)."""
     confidence: float = opt(0.95, gt=0, lt=1)
-    """Confidence level of every interval."""
+    """Confidence level of every interval: t-intervals over the seeds, which assume each run's
+    per-seed values (and each pair's per-seed differences) are normally distributed."""
     plateau_window: int = opt(4, ge=1)
-    """A run's late_gain is its avg@k gain over its last this many iterations (a plateau: an
-    interval of that gain that holds 0)."""
+    """A run's late_gain is its avg@k gain over its last this many iterations."""
+    plateau_margin: float = opt(0.02, gt=0)
+    """A run is on a plateau only when the interval of its late_gain lies inside +- this margin (avg@k
+    units; an equivalence test), not merely when it holds 0. 0.02 is about one held-out prompt of
+    64 (1/64 = 0.016) over the window: a smaller margin is below what the evaluation resolves, a
+    larger one would call a run that still gains +0.03 per window flat."""
 
 
 @dataclass
@@ -92,6 +102,9 @@ def load_experiment(path: str | Path) -> dict:
         raise ConfigError(f"{path}: an experiment is a mapping with the keys experiment, seeds, base, runs, analysis")
     if data.get("analysis", {}) is None:
         data.pop("analysis")
+    for key in data["analysis"] if isinstance(data.get("analysis"), dict) else {}:
+        if f"analysis.{key}" in REMOVED:
+            raise ConfigError(f"{path}: config key 'analysis.{key}' was removed: {REMOVED[f'analysis.{key}']}")
     # base and runs are checked as mappings here, as configs below: the schema types their keys, not OmegaConf
     typed = {k: {} if k in FREE_FORM and isinstance(v, dict) else v for k, v in data.items()}
     try:
@@ -127,14 +140,11 @@ def load_experiment(path: str | Path) -> dict:
 
 
 def check_experiment_rules(exp: dict) -> None:
-    """The rules between keys of an experiment (each key's own bounds are in its metadata); fills
-    in analysis.reference (the first run)."""
+    """The rules between keys of an experiment (each key's own bounds are in its metadata)."""
     require(len(exp["seeds"]) > 0, "seeds", "a non-empty list of integers", exp["seeds"])
     runs = list(exp["runs"] or {})
     require(len(runs) > 0, "runs", "a mapping of run names to config overrides", exp["runs"])
     a = exp["analysis"]
-    a["reference"] = a["reference"] or runs[0]
-    require(a["reference"] in runs, "analysis.reference", f"one of the runs {', '.join(runs)}", a["reference"])
     for i, pair in enumerate(a["pairs"]):
         require(
             len(pair) == 2 and all(r in runs for r in pair) and pair[0] != pair[1],

@@ -6,6 +6,7 @@ the file's schema and loader: ``otbflow.experiment_config``."""
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,8 +15,10 @@ import polars as pl
 from omegaconf import DictConfig
 
 from otbflow import schemas
-from otbflow.experiment_config import load_experiment
+from otbflow.config import DEFAULT_CONFIG, load_config
+from otbflow.experiment_config import load_experiment, member_config
 from otbflow.io import atomic_file, pyplot, read_table, save_figure, write_parquet
+from otbflow.stats import late_trend, t_interval
 
 log = logging.getLogger("otbflow.experiment")
 
@@ -36,52 +39,64 @@ class Args:
 # ------------------------------------------------------------------------------------------
 
 
+def responses_per_iteration(exp: dict, run: str) -> int:
+    """Rollout responses one iteration of ``run`` generates (rollout.prompts_per_iteration x
+    rollout.group_size of its member config; the same for every seed)."""
+    cfg = load_config(DEFAULT_CONFIG, extra=member_config(exp, run, exp["seeds"][0], "/shared/policy", 1.0))
+    return int(cfg.rollout.prompts_per_iteration) * int(cfg.rollout.group_size)
+
+
 def collect(exp: dict, root: Path) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """(curves: every member's eval progress, metrics: every member's train steps), with run and seed."""
+    """(curves: every member's eval progress with the rollout responses generated up to each
+    evaluated policy, metrics: every member's train steps), with run and seed."""
     curves, metrics = [], []
     for name in exp["runs"]:
+        per_iteration = responses_per_iteration(exp, name)
         for seed in exp["seeds"]:
             r = root / name / f"seed_{seed}" / "results" / "report"
             tag = [pl.lit(name).alias("run"), pl.lit(seed, pl.Int64).alias("seed")]
-            curves.append(read_table(r / "progress.parquet", schemas.PROGRESS).with_columns(tag))
+            curves.append(
+                read_table(r / "progress.parquet", schemas.PROGRESS).with_columns(
+                    *tag, ((pl.col("iteration") + 1) * per_iteration).alias("responses_generated")
+                )
+            )
             metrics.append(read_table(r / "metrics.parquet", schemas.METRICS).with_columns(tag))
     return pl.concat(curves), pl.concat(metrics, how="diagonal_relaxed")
 
 
-def tokens_to_target(tokens: np.ndarray, accuracy: np.ndarray, target: float) -> float:
+def tokens_to_target(tokens: np.ndarray, accuracy: np.ndarray, target: float) -> float | None:
     """Rollout tokens at which an accuracy curve (one point per evaluated policy, in order) first
-    reaches ``target``, linear between evaluations; nan if it never does."""
+    reaches ``target``, linear between evaluations; 0 if the first (initial) policy is already
+    there; None if it never does (censored: the run ended before)."""
     for i, acc in enumerate(accuracy):
         if acc >= target:
             if i == 0:
                 return float(tokens[0])
             frac = (target - accuracy[i - 1]) / (acc - accuracy[i - 1])
             return float(tokens[i - 1] + frac * (tokens[i] - tokens[i - 1]))
-    return float("nan")
+    return None
 
 
-def bootstrap_ci(values: np.ndarray, resamples: int, confidence: float, seed: int, stat=np.mean) -> tuple[float, float]:
-    """Percentile interval of ``stat`` over ``values`` resampled with replacement (nan for fewer
-    than 2 values). With few seeds the interval is rough: it shows the spread, not a guarantee."""
-    values = np.asarray(values, dtype=float)
-    if len(values) < 2:
-        return float("nan"), float("nan")
-    rng = np.random.default_rng(seed)
-    stats = np.array([stat(values[rng.integers(0, len(values), len(values))]) for _ in range(resamples)])
-    tail = (1 - confidence) / 2
-    return float(np.quantile(stats, tail)), float(np.quantile(stats, 1 - tail))
+def censored_median(reached: np.ndarray, n: int) -> float:
+    """Median over ``n`` seeds of the tokens to the target, the ``n - len(reached)`` seeds that
+    never reached it counted as +inf (they needed more than their run's tokens): finite only when
+    more than half of the seeds reached the target, else NaN. Never a mean over the seeds that
+    reached it (which would drop the slow seeds)."""
+    if n == 0:
+        return float("nan")
+    median = float(np.median(np.concatenate([np.asarray(reached, dtype=float), np.full(n - len(reached), np.inf)])))
+    return median if math.isfinite(median) else float("nan")
 
 
 def per_seed_table(exp: dict, curves: pl.DataFrame, metrics: pl.DataFrame) -> pl.DataFrame:
     """One row per (run, seed): initial and final avg@k and greedy accuracy, tokens generated and
-    trained, tokens to the target, the avg@k gain over the last ``plateau_window`` iterations (from
-    the last evaluation at least that many iterations before the final one, see evaluate.every; nan
-    if there is none), the longest mean response length relative to the initial one, the
-    largest grad norm and the lowest avg@k on the way."""
+    trained, whether and at how many tokens avg@k reached the fixed ``analysis.target`` (NaN when
+    it did not: censored at the member's tokens_generated), the avg@k gain over the last
+    ``plateau_window`` iterations (from the last evaluation at least that many iterations before
+    the final one, see evaluate.every; nan if there is none), the longest mean response length
+    relative to the initial one, the largest grad norm and the lowest avg@k on the way."""
     a = exp["analysis"]
-    last = curves.filter(pl.col("iteration") == pl.col("iteration").max().over("run", "seed"))
-    reference = last.filter(pl.col("run") == a["reference"])["sampled_accuracy"].mean()
-    target = float(a["target_fraction"]) * float(reference)
+    target = float(a["target"])
     trained = metrics.group_by("run", "seed").agg(
         pl.col("tokens").sum().cast(pl.Float64).alias("tokens_trained"),
         pl.col("grad_norm").max().alias("max_grad_norm"),
@@ -94,6 +109,7 @@ def per_seed_table(exp: dict, curves: pl.DataFrame, metrics: pl.DataFrame) -> pl
         its = part["iteration"].to_numpy()
         before = np.flatnonzero(its <= its[-1] - window)  # evaluations >= window iterations before the last
         late_gain = float(acc[-1] - acc[before[-1]]) if len(before) else float("nan")
+        ttt = tokens_to_target(part["tokens_generated"].to_numpy(), acc, target)
         rows.append(
             {
                 "run": run,
@@ -105,7 +121,8 @@ def per_seed_table(exp: dict, curves: pl.DataFrame, metrics: pl.DataFrame) -> pl
                 "min_accuracy": float(acc.min()),
                 "tokens_generated": float(part["tokens_generated"][-1]),
                 "target_accuracy": target,
-                "tokens_to_target": tokens_to_target(part["tokens_generated"].to_numpy(), acc, target),
+                "reached_target": ttt is not None,
+                "tokens_to_target": float("nan") if ttt is None else ttt,
                 "final_response_length": float(length[-1]),
                 "max_length_ratio": float(length.max() / max(length[0], 1e-9)),
             }
@@ -116,19 +133,20 @@ def per_seed_table(exp: dict, curves: pl.DataFrame, metrics: pl.DataFrame) -> pl
 
 
 def summary_table(exp: dict, per_seed: pl.DataFrame) -> pl.DataFrame:
-    """One row per run: means over seeds with bootstrap intervals (resampling the seeds)."""
+    """One row per run: means over seeds with t-intervals (``otbflow.stats.t_interval``: the seeds'
+    values assumed normal), the late gain read as plateau / rising / falling / unresolved against
+    ``analysis.plateau_margin``, and the tokens to the target as how many seeds reached it, their
+    median with the others censored, and the fastest and slowest seed that reached it."""
     a = exp["analysis"]
     rows = []
-    for i, run in enumerate(exp["runs"]):
+    for run in exp["runs"]:
         part = per_seed.filter(pl.col("run") == run)
         final = part["final_accuracy"].to_numpy()
-        ttt = part["tokens_to_target"].to_numpy()
-        reached = ttt[np.isfinite(ttt)]
-        ci = bootstrap_ci(final, a["ci_resamples"], a["confidence"], seed=i)
-        tci = bootstrap_ci(reached, a["ci_resamples"], a["confidence"], seed=1000 + i)
+        reached = part.filter(pl.col("reached_target"))["tokens_to_target"].to_numpy()
+        ci = t_interval(final, a["confidence"])
         late = part["late_gain"].to_numpy()
         late = late[np.isfinite(late)]  # members with fewer evaluations than the window have none
-        lci = bootstrap_ci(late, a["ci_resamples"], a["confidence"], seed=4000 + i)
+        lci = t_interval(late, a["confidence"])
         rows.append(
             {
                 "run": run,
@@ -143,11 +161,12 @@ def summary_table(exp: dict, per_seed: pl.DataFrame) -> pl.DataFrame:
                 "late_gain": float(late.mean()) if len(late) else float("nan"),
                 "late_gain_lo": lci[0],
                 "late_gain_hi": lci[1],
-                "target_accuracy": float(part["target_accuracy"][0]),
-                "reached_target": int(len(reached)),
-                "tokens_to_target": float(reached.mean()) if len(reached) else float("nan"),
-                "tokens_to_target_lo": tci[0],
-                "tokens_to_target_hi": tci[1],
+                "late_trend": late_trend(lci[0], lci[1], float(a["plateau_margin"])),
+                "target_accuracy": float(a["target"]),
+                "reached_seeds": int(len(reached)),
+                "tokens_to_target": censored_median(reached, part.height),
+                "tokens_to_target_min": float(reached.min()) if len(reached) else float("nan"),
+                "tokens_to_target_max": float(reached.max()) if len(reached) else float("nan"),
                 "tokens_generated": float(part["tokens_generated"].mean()),
                 "tokens_trained": float(part["tokens_trained"].mean()),
                 "final_response_length": float(part["final_response_length"].mean()),
@@ -159,39 +178,88 @@ def summary_table(exp: dict, per_seed: pl.DataFrame) -> pl.DataFrame:
     return pl.DataFrame(rows, schema=schemas.EXPERIMENT_SUMMARY.columns)
 
 
-def paired_table(exp: dict, per_seed: pl.DataFrame) -> pl.DataFrame:
-    """For each analysis pair [a, b], seed by seed: the final avg@k difference a - b, and the ratio
-    of tokens to the target a / b over the seeds where both reached it after some training, as a
-    geometric mean, with bootstrap intervals that resample the seeds (the same seeds for a and b)."""
+def first_to_target(ta: float | None, tb: float | None, end_a: float, end_b: float) -> str:
+    """Which of two members of one seed reached the target first: 'a', 'b', 'neither' (both
+    censored), or 'undecided' (the same tokens, e.g. both already there at 0, or one censored
+    before the tokens at which the other reached it: it might have reached it sooner). A crossing
+    at 0 tokens (the initial policy already at the target) counts like any other."""
+    if ta is None and tb is None:
+        return "neither"
+    if ta is not None and tb is not None:
+        return "a" if ta < tb else "b" if tb < ta else "undecided"
+    if ta is not None:  # b censored at end_b
+        return "a" if ta <= end_b else "undecided"
+    return "b" if tb <= end_a else "undecided"
+
+
+def matched_budget(curves: pl.DataFrame, a: str, b: str) -> int:
+    """The largest number of rollout responses after which both runs were evaluated on every seed
+    (the initial policy aside): the point where they compare at an equal rollout budget without
+    interpolating either curve. 0 if there is none (make evaluate.every put evaluations there,
+    e.g. N = 4 every 4th iteration against N = 16 every iteration)."""
+    common = None
+    for run in (a, b):
+        for _, part in curves.filter(pl.col("run") == run).group_by("seed"):
+            points = set(part.filter(pl.col("responses_generated") > 0)["responses_generated"].to_list())
+            common = points if common is None else common & points
+    return max(common) if common else 0
+
+
+def paired_table(exp: dict, per_seed: pl.DataFrame, curves: pl.DataFrame) -> pl.DataFrame:
+    """For each analysis pair [a, b], seed by seed: the final avg@k difference a - b with the
+    t-interval of the per-seed differences (assumed normal); which run reached the target first
+    (counts of seeds); and the avg@k difference at the largest equal rollout budget where both
+    were evaluated (``matched_budget``), with its t-interval and both runs' tokens there."""
     an = exp["analysis"]
     rows = []
-    for i, (a, b) in enumerate(an["pairs"]):
+    for a, b in an["pairs"]:
         joined = per_seed.filter(pl.col("run") == a).join(per_seed.filter(pl.col("run") == b), on="seed", suffix="_b")
         diff = (joined["final_accuracy"] - joined["final_accuracy_b"]).to_numpy()
-        # seeds where both reached the target after some training (0 tokens: the initial policy was already
-        # there, and a ratio of it means nothing)
-        reached = [pl.col(c).is_not_nan() & (pl.col(c) > 0) for c in ("tokens_to_target", "tokens_to_target_b")]
-        both = joined.filter(reached[0] & reached[1])  # (polars orders NaN above every number)
-        log_ratio = np.log(
-            both["tokens_to_target"].to_numpy() / np.maximum(both["tokens_to_target_b"].to_numpy(), 1e-9)
-        )
-        dci = bootstrap_ci(diff, an["ci_resamples"], an["confidence"], seed=2000 + i)
-        rci = bootstrap_ci(log_ratio, an["ci_resamples"], an["confidence"], seed=3000 + i)
-        rows.append(
-            {
-                "a": a,
-                "b": b,
-                "seeds": joined.height,
-                "accuracy_diff": float(diff.mean()) if len(diff) else float("nan"),
-                "accuracy_diff_lo": dci[0],
-                "accuracy_diff_hi": dci[1],
-                "a_better_seeds": int((diff > 0).sum()),
-                "both_reached": both.height,
-                "tokens_ratio": float(np.exp(log_ratio.mean())) if len(log_ratio) else float("nan"),
-                "tokens_ratio_lo": float(np.exp(rci[0])),
-                "tokens_ratio_hi": float(np.exp(rci[1])),
+        dci = t_interval(diff, an["confidence"])
+        first = [
+            first_to_target(
+                r["tokens_to_target"] if r["reached_target"] else None,
+                r["tokens_to_target_b"] if r["reached_target_b"] else None,
+                r["tokens_generated"],
+                r["tokens_generated_b"],
+            )
+            for r in joined.iter_rows(named=True)
+        ]
+        budget = matched_budget(curves, a, b)
+        row = {
+            "a": a,
+            "b": b,
+            "seeds": joined.height,
+            "accuracy_diff": float(diff.mean()) if len(diff) else float("nan"),
+            "accuracy_diff_lo": dci[0],
+            "accuracy_diff_hi": dci[1],
+            "a_better_seeds": int((diff > 0).sum()),
+            "a_first_seeds": first.count("a"),
+            "b_first_seeds": first.count("b"),
+            "neither_seeds": first.count("neither"),
+            "undecided_seeds": first.count("undecided"),
+            "matched_responses": budget,
+            "matched_tokens_a": float("nan"),
+            "matched_tokens_b": float("nan"),
+            "matched_diff": float("nan"),
+            "matched_diff_lo": float("nan"),
+            "matched_diff_hi": float("nan"),
+            "matched_a_better_seeds": 0,
+        }
+        if budget:
+            at = curves.filter(pl.col("responses_generated") == budget)
+            m = at.filter(pl.col("run") == a).join(at.filter(pl.col("run") == b), on="seed", suffix="_b")
+            mdiff = (m["sampled_accuracy"] - m["sampled_accuracy_b"]).to_numpy()
+            mci = t_interval(mdiff, an["confidence"])
+            row |= {
+                "matched_tokens_a": float(m["tokens_generated"].mean()),
+                "matched_tokens_b": float(m["tokens_generated_b"].mean()),
+                "matched_diff": float(mdiff.mean()),
+                "matched_diff_lo": mci[0],
+                "matched_diff_hi": mci[1],
+                "matched_a_better_seeds": int((mdiff > 0).sum()),
             }
-        )
+        rows.append(row)
     return pl.DataFrame(rows, schema=schemas.EXPERIMENT_PAIRS.columns)
 
 
@@ -250,7 +318,7 @@ def run(cfg: DictConfig, args: Args) -> None:
     out = Path(args.out_dir)
     per_seed = per_seed_table(exp, curves, metrics)
     summary = summary_table(exp, per_seed)
-    pairs = paired_table(exp, per_seed)
+    pairs = paired_table(exp, per_seed, curves)
     meta = {"experiment": exp["experiment"], "seeds": exp["seeds"], "analysis": exp["analysis"]}
     write_parquet(summary, out / "summary.parquet", metadata=meta)
     write_parquet(per_seed, out / "seeds.parquet", metadata=meta)
@@ -261,7 +329,7 @@ def run(cfg: DictConfig, args: Args) -> None:
     variance = read_table(Path(args.root) / "shared" / "results" / "variance" / "summary.parquet", schemas.VARIANCE)
     write_tsv(variance, out / "variance.tsv")
     write_parquet(metrics, out / "metrics.parquet")
-    plot_accuracy(out / "accuracy_vs_tokens.png", exp, curves, float(per_seed["target_accuracy"][0]))
+    plot_accuracy(out / "accuracy_vs_tokens.png", exp, curves, float(exp["analysis"]["target"]))
     plot_training(out / "training.png", exp, metrics)
     with pl.Config(tbl_cols=30, tbl_width_chars=250):
         log.info("%s\n%s\n%s", exp["experiment"], summary, pairs)
