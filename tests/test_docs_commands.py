@@ -112,6 +112,9 @@ HOW: dict[str, str] = {
     # benchmarks (tiny sizes: each prints its JSON) and set-up
     "make setup": AS_SHOWN,
     "python benchmarks/bench_rollout.py": "python benchmarks/bench_rollout.py --models tiny --backends hf --prompts 4 --max-new-tokens 8 --repeats 1",
+    "python benchmarks/bench_rollout.py --models tiny,gpt2 --backends hf --prompts 16 --group-size 8 "
+    "--max-new-tokens 32 --repeats 3": "python benchmarks/bench_rollout.py --models tiny --backends hf --prompts 4 "
+    "--group-size 2 --max-new-tokens 8 --repeats 1",
     "benchmarks/bench_advantages.py": "python benchmarks/bench_advantages.py --tokens 20000 --repeats 1",
     ".venv/bin/python benchmarks/bench_advantages.py": ".venv/bin/python benchmarks/bench_advantages.py --tokens 20000 "
     "--repeats 1",
