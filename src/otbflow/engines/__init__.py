@@ -28,7 +28,7 @@ class BackendEntry:
 
 # The backends by name (rollout.backend): the config's choices are these keys.
 BACKENDS = {
-    # every row draws its own noise: the batch size changes only memory and speed
+    # every row draws its own noise: the batch size changes memory and speed (samples only by rounding)
     "hf": BackendEntry("otbflow.engines.hf:HFBackend", run_keys=("rollout.batch_size",)),
     # tensor parallelism changes the reductions' order
     "vllm": BackendEntry(

@@ -5,8 +5,9 @@ responses per prompt, each ending at its first stop token.
 Each row (prompt i, sample j) draws its own noise: ``RowSampler`` picks the next token by
 Gumbel-max with noise hashed from (the call's seed, i, j, step, token), so a row's sample depends
 on neither its batch nor the other rows (duplicated prompts get different samples; another
-``rollout.batch_size`` the same ones), and records the log-prob of the sampled token under the
-distribution it was sampled from (the log-prob contract: docs/training.md, "Log-probs")."""
+``rollout.batch_size`` the same ones, up to the logits' rounding), and records the log-prob of
+the sampled token under the distribution it was sampled from (the log-prob contract:
+docs/training.md, "Log-probs")."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def processed_logits(logits: torch.Tensor, temperature: float, top_p: float) -> 
     rule). log_softmax of the result is the log-prob contract's distribution."""
     z = logits.float() / temperature
     if top_p < 1.0:
-        ordered, index = z.sort(dim=-1)
+        ordered, index = z.sort(dim=-1, stable=True)  # ties: the higher index kept, as vLLM's torch path
         drop = ordered.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
         drop[..., -1] = False
         z = z.masked_fill(torch.zeros_like(drop).scatter_(-1, index, drop), float("-inf"))
@@ -44,7 +45,9 @@ def processed_logits(logits: torch.Tensor, temperature: float, top_p: float) -> 
 
 
 def _fmix32(h: torch.Tensor) -> torch.Tensor:
-    """murmur3's 32-bit finaliser (a bijection of [0, 2^32)) on int64 values in that range."""
+    """murmur3's 32-bit finaliser (a bijection of [0, 2^32)) on int64 values in that range. The
+    products may pass 2^63 and wrap: the low 32 bits kept by the mask are exact under torch's
+    two's-complement wraparound on CPU and CUDA (the tests pin the resulting samples)."""
     h = h ^ (h >> 16)
     h = (h * 0x85EBCA6B) & _M32
     h = h ^ (h >> 13)
@@ -110,8 +113,10 @@ def hf_generate(
     stop_ids: list[int] | None = None,
     progress: Progress | None = None,
 ) -> list[Sample]:
-    """Sample ``n`` responses for each prompt (greedy: one). A pure function of the seed and the
-    prompts on one machine: ``batch_size`` changes only the memory and the speed.
+    """Sample ``n`` responses for each prompt (greedy: one), a function of the seed and the
+    prompts: ``batch_size`` changes the memory and the speed, and the samples only through the
+    logits' rounding (other padding; identical in the tests' fp32 on CPU, a near-tie in bf16 on a
+    GPU can flip a token).
     ``stop_ids``: tokens that end a response (default: the tokenizer's eos token); ``progress``
     counts the prompts done (otbflow.progress)."""
     from transformers import GenerationConfig, LogitsProcessorList
