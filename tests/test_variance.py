@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import polars as pl
 import pytest
@@ -12,6 +14,19 @@ from otbflow import schemas
 from otbflow.io import read_table, write_parquet
 from otbflow.stages import variance, variance_pool
 from otbflow.variance_study import CountSketch, center_scores, group_gradients, resample_groups, study, token_gradients
+
+
+def every_pair_group(prompt: list[int]) -> pl.DataFrame:
+    """Every ordered pair of a prompt's pool rows as one group of N = 2 (the exact enumeration
+    of the resampling with replacement), for each prompt id in ``prompt``."""
+    groups = {"pool_row": [], "prompt_id": [], "group_id": []}
+    for p in sorted(set(prompt)):
+        for combo in itertools.product([j for j in range(len(prompt)) if prompt[j] == p], repeat=2):
+            gid = len(groups["group_id"]) // 2
+            groups["pool_row"] += combo
+            groups["prompt_id"] += [p, p]
+            groups["group_id"] += [gid, gid]
+    return pl.DataFrame(groups, schema={"pool_row": pl.Int64, "prompt_id": pl.Int64, "group_id": pl.Int64})
 
 
 def test_token_gradients_are_the_per_token_scores(tiny_policy):
@@ -163,8 +178,6 @@ def test_study_equals_an_exact_enumeration_of_all_groups():
     trace_cov must be the sample covariance of g_hat = (1/N) sum_i A_i S~_i over those 9 groups,
     with S~_i the sum of the response's centred token scores (``center_by_loop``), computed here by
     loops; EOB's weights are ||S~_i||^2 (not ||S_i||^2)."""
-    import itertools
-
     rng = np.random.default_rng(4)
     lengths = [2, 1, 3, 1, 2, 2]
     prompt = [0, 0, 0, 1, 1, 1]
@@ -174,14 +187,7 @@ def test_study_equals_an_exact_enumeration_of_all_groups():
     grads[:6] += 3.0  # prompt 0's scores have a large common mean: centring matters for EOB
     pool = pl.DataFrame({"prompt_id": prompt, "group_id": prompt, "response_length": lengths, "reward": reward})
     stats = [{"logprobs": [-0.5] * n, "sum_pi_sq": [0.5] * n} for n in lengths]
-    groups = {"pool_row": [], "prompt_id": [], "group_id": []}
-    for p in (0, 1):
-        for combo in itertools.product([j for j in range(6) if prompt[j] == p], repeat=2):
-            gid = len(groups["group_id"]) // 2
-            groups["pool_row"] += combo
-            groups["prompt_id"] += [p, p]
-            groups["group_id"] += [gid, gid]
-    groups = pl.DataFrame(groups, schema={"pool_row": pl.Int64, "prompt_id": pl.Int64, "group_id": pl.Int64})
+    groups = every_pair_group(prompt)
     cfg = tiny_config("variance.estimators=[rloo,grpo,opo]", "variance.sketch_dim=0")
     got = {r["estimator"]: r for r in study(cfg, pool, grads, stats, groups).iter_rows(named=True)}
     assert list(got) == ["none", "rloo", "grpo", "opo", "eob"]
@@ -247,8 +253,6 @@ def test_a_baseline_of_position_and_other_members_is_unbiased_in_the_pool():
     the study's sq_bias + sq_bias_noise (the squared norm of that mean) is 0. With the scores
     centred per sequence only (each prompt's sequence scores summing to zero, the study before
     issue 22) the same enumeration, by a loop, gives a clearly non-zero mean."""
-    import itertools
-
     from otbflow.estimators import ESTIMATORS, register
 
     @register("others_alive_mean_test")
@@ -269,14 +273,7 @@ def test_a_baseline_of_position_and_other_members_is_unbiased_in_the_pool():
         grads = torch.from_numpy(rng.normal(size=(sum(lengths), 4)))
         pool = pl.DataFrame({"prompt_id": prompt, "group_id": prompt, "response_length": lengths, "reward": reward})
         stats = [{"logprobs": [-0.5] * n, "sum_pi_sq": [0.5] * n} for n in lengths]
-        groups = {"pool_row": [], "prompt_id": [], "group_id": []}
-        for p in (0, 1):
-            for combo in itertools.product([j for j in range(6) if prompt[j] == p], repeat=2):
-                gid = len(groups["group_id"]) // 2
-                groups["pool_row"] += combo
-                groups["prompt_id"] += [p, p]
-                groups["group_id"] += [gid, gid]
-        groups = pl.DataFrame(groups, schema={"pool_row": pl.Int64, "prompt_id": pl.Int64, "group_id": pl.Int64})
+        groups = every_pair_group(prompt)
         cfg = tiny_config("variance.estimators=[others_alive_mean_test]", "variance.sketch_dim=0")
         got = {r["estimator"]: r for r in study(cfg, pool, grads, stats, groups).iter_rows(named=True)}
         row = got["others_alive_mean_test"]
