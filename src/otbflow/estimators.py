@@ -503,6 +503,11 @@ def compute_advantages(table: pl.DataFrame, estimator: str, **options) -> pl.Dat
     """``table`` plus ``advantages`` and ``baselines`` (list[float32], one entry per token)."""
     est, b = _prepare(table, estimator, options)
     base, adv, _ = _run(est, b, options)
+    return _with_advantages(table, b, base, adv)
+
+
+def _with_advantages(table: pl.DataFrame, b: Batch, base: np.ndarray, adv: np.ndarray) -> pl.DataFrame:
+    """``table`` plus the flat per-token ``adv`` and ``base`` as list columns."""
     return table.with_columns(
         _to_list_column("advantages", adv, b.offsets), _to_list_column("baselines", base, b.offsets)
     )
@@ -523,9 +528,7 @@ def compare(table: pl.DataFrame, estimator: str, **options) -> tuple[pl.DataFram
     two are NaN."""
     est, b = _prepare(table, estimator, options)
     base, adv, scale = _run(est, b, options)
-    out = table.with_columns(
-        _to_list_column("advantages", adv, b.offsets), _to_list_column("baselines", base, b.offsets)
-    )
+    out = _with_advantages(table, b, base, adv)
     if scale is None:
         return out, {**diagnostics(out), "normalised": False} | dict.fromkeys(NORMALISED_COLUMNS, float("nan"))
     trained = diagnostics(out)
