@@ -80,6 +80,28 @@ def test_baseline_shift_is_refused_where_it_has_no_meaning():
     load_config(DEFAULT_CONFIG, ["advantages.compare=[eob]", "features.exact_grad_norm=true"])
 
 
+def test_staleness_needs_a_behaviour_weight_and_explicit_trm_thresholds(tmp_path):
+    """At rollout.staleness >= 1 the stale samples need decoupled PPO's behaviour weight, and TRM's
+    engine-mismatch defaults would mask a lagged batch: both are refused, naming the key."""
+    stale = ["rollout.staleness=1", "train.rollout_is=token"]
+    with pytest.raises(ConfigError, match=r"'train.rollout_is': must be token or sequence when rollout.staleness"):
+        load_config(DEFAULT_CONFIG, ["rollout.staleness=1"])
+    load_config(DEFAULT_CONFIG, ["rollout.staleness=0", "train.trm=true"])  # on-policy: as before
+    load_config(DEFAULT_CONFIG, stale)
+    with pytest.raises(ConfigError) as e:
+        load_config(DEFAULT_CONFIG, [*stale, "train.trm=true"])
+    assert "'train.trm'" in str(e.value) and "mismatch.max_k2 and mismatch.mean_k3" in str(e.value)
+    # the defaults restated by the user count as chosen, in an override, Snakemake's config or a file
+    with pytest.raises(ConfigError, match="mismatch.mean_k3 are set explicitly"):
+        load_config(DEFAULT_CONFIG, [*stale, "train.trm=true", "mismatch.max_k2=0.05"])
+    load_config(DEFAULT_CONFIG, [*stale, "train.trm=true", "mismatch.max_k2=0.05", "mismatch.mean_k3=0.02"])
+    snakemake_config = {"rollout": {"staleness": 2}, "train": {"rollout_is": "sequence", "trm": True}}
+    load_config(DEFAULT_CONFIG, extra=snakemake_config | {"mismatch": {"max_k2": 0.5, "mean_k3": 0.02}})
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("mismatch: {max_k2: 0.5, mean_k3: 0.02}\n")
+    load_config(mine, [*stale, "train.trm=true"])
+
+
 def test_unknown_key_names_key_and_allowed_keys():
     with pytest.raises(ConfigError) as e:
         load_config(DEFAULT_CONFIG, ["rollout.groupsize=4"])

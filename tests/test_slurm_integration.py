@@ -193,3 +193,34 @@ def test_every_readme_slurm_command_has_a_form_here():
     from test_docs_commands import HOW, SLURM
 
     assert {c for c, how in HOW.items() if how == SLURM} == set(README_FORMS)
+
+
+def job_interval(log: Path) -> tuple[float, float]:
+    """A stage job's own [start, end] (seconds since the epoch) from its log: the stamp of its last
+    line, '<stage> finished in X s', and X before it."""
+    from datetime import datetime
+
+    m = re.search(r"^(\S+ \S+) otbflow INFO \S+ finished in ([\d.]+) s$", log.read_text(), flags=re.M)
+    assert m, f"{log} has no 'finished in' line:\n{log.read_text()[-2000:]}"
+    end = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    return end - float(m.group(2)), end
+
+
+def test_a_stale_rollout_runs_while_the_policy_trains(slurm_run):
+    """rollout.staleness 1 on the test cluster: iteration 1's rollout samples from the initial policy,
+    so Slurm runs it while iteration 0 trains (one CPU each, of the node's two)."""
+    work, _ = slurm_run
+    stale = "--config iterations=2 'rollout={staleness: 1}' 'train={rollout_is: token}' 'resources={train: {tasks: 1}}'"
+    targets = (
+        "results/iter_0/train/policy results/iter_1/rollout/shard_0.parquet results/iter_1/rollout/shard_1.parquet"
+    )
+    _, log = submit(work, f"otbflow submit --configfile my.yaml -- {targets} {stale} {FAST}")
+    assert "rule train" in log and "rule rollout" in log, log[-3000:]
+    r = work / "results"
+    rows = read_table(r / "iter_1/rollout/shard_0.parquet", schemas.ROLLOUTS)
+    assert rows["behaviour_iteration"].unique().to_list() == [0]
+    assert read_metadata(r / "iter_1/rollout/shard_0.parquet")["policy"].endswith("bootstrap/policy")
+    train = job_interval(r / "logs/train/iter_0.log")
+    rollouts = [job_interval(r / f"logs/rollout/iter_1_shard_{s}.log") for s in (0, 1)]
+    overlap = max(min(train[1], end) - max(train[0], start) for start, end in rollouts)
+    assert overlap > 0, f"no rollout of iteration 1 ran while iteration 0 trained: train {train}, rollouts {rollouts}"

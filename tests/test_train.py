@@ -22,6 +22,7 @@ from otbflow.losses import (
     POLICY_LOSSES,
     aggregate_loss,
     low_var_kl,
+    policy_token_loss,
     ppo_clip_loss,
     register_policy_loss,
     reinforce_loss,
@@ -440,6 +441,37 @@ def test_ppo_clip_loss_is_times_the_is_weight():
     weighted, active_w = ppo_clip_loss(logp, torch.zeros(3), adv, w, clip(0.2, 0.2, 3.0))
     torch.testing.assert_close(weighted, plain * w)
     assert active_w.tolist() == active.tolist()
+
+
+def test_decoupled_ppo_with_a_stale_behaviour_policy_by_hand():
+    """algorithms.md §10 on three tokens (a fourth is padding): behaviour pi_b (the rollout, one
+    iteration old), proximal pi_p (the features stage's pass), current pi_t; C = 2, clip 0.2."""
+    pi_b = torch.tensor([[0.2, 0.5], [0.4, 0.9]])
+    pi_p = torch.tensor([[0.5, 0.4], [0.2, 0.9]])
+    pi_t = torch.tensor([[0.7, 0.3], [0.3, 0.9]])
+    adv = torch.tensor([[1.0, 1.0], [-1.0, -1.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    tc = SimpleNamespace(
+        loss_type="ppo_clip", rollout_is="token", rollout_is_threshold=2.0, **vars(clip(0.2, 0.2, 3.0))
+    )
+    logp = pi_t.log().requires_grad_(True)
+    token_loss, clipped, w = policy_token_loss(tc, logp, pi_p.log(), pi_b.log(), adv, mask)
+    # w = pi_p / pi_b: 2.5 -> truncated to 2, 0.8, 0.5; r = pi_t / pi_p: 1.4, 0.75, 1.5
+    torch.testing.assert_close(w, torch.tensor([[2.0, 0.8], [0.5, 0.0]]))
+    # A = +1, r = 1.4: max(-1.4, -1.2) = -1.2 (clipped) x 2 = -2.4; A = +1, r = 0.75: -0.75 x 0.8 = -0.6;
+    # A = -1, r = 1.5: max(1.5, 1.2) = 1.5 (under the dual clip's 3) x 0.5 = 0.75
+    torch.testing.assert_close((token_loss * mask), torch.tensor([[-2.4, -0.6], [0.75, 0.0]]))
+    assert (clipped & (mask > 0)).tolist() == [[True, False], [False, False]]
+    loss = aggregate_loss(token_loss, mask, "token-mean", 3, 2)
+    assert float(loss) == pytest.approx((-2.4 - 0.6 + 0.75) / 3)
+    loss.backward()  # d/d log pi_t of -w A r: 0 where clipped, -0.8 * 0.75 and 0.5 * 1.5, over 3 tokens
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -0.6 / 3], [0.75 / 3, 0.0]]))
+    # REINFORCE is bypass (§6.4): w = min(pi_t / pi_b, C) = 2 (3.5 truncated), 0.6, 0.75; -A w log pi_t
+    tc.loss_type = "reinforce"
+    token_loss, _, w = policy_token_loss(tc, pi_t.log(), pi_p.log(), pi_b.log(), adv, mask)
+    torch.testing.assert_close(w, torch.tensor([[2.0, 0.6], [0.75, 0.0]]))
+    expected = torch.tensor([[-2.0 * np.log(0.7), -0.6 * np.log(0.3)], [0.75 * np.log(0.3), 0.0]], dtype=torch.float32)
+    torch.testing.assert_close(token_loss * mask, expected)
 
 
 def test_rollout_is_weights_token_and_sequence():

@@ -49,6 +49,21 @@ def planned_outputs(dry_run_stdout: str) -> set[str]:
     return outs
 
 
+def planned_jobs(dry_run_stdout: str) -> list[tuple[str, set[str], set[str]]]:
+    """(rule, inputs, outputs) of every job a dry-run would execute."""
+    jobs = []
+    for block in re.split(r"^(?=(?:local)?rule \w+:)", dry_run_stdout, flags=re.M):
+        if m := re.match(r"(?:local)?rule (\w+):", block):
+            files = {
+                kind: {
+                    p.strip() for line in re.findall(rf"^\s+{kind}: (.*)$", block, flags=re.M) for p in line.split(",")
+                }
+                for kind in ("input", "output")
+            }
+            jobs.append((m.group(1), files["input"], files["output"]))
+    return jobs
+
+
 def planned_rules(dry_run_stdout: str) -> set[str]:
     return set(re.findall(r"^rule (\w+):", dry_run_stdout, flags=re.M)) - {"all"}
 
@@ -127,6 +142,28 @@ def test_iteration_one_samples_from_iteration_zero_policy(run_dir):
     r = run_dir / "results"
     meta = __import__("otbflow.io", fromlist=["read_metadata"]).read_metadata(r / "iter_1/rollout/shard_0.parquet")
     assert meta["policy"].endswith("iter_0/train/policy")
+    for k in (0, 1):  # on-policy (rollout.staleness 0): every row says so
+        rows = read_table(r / f"iter_{k}/rollout/shard_1.parquet", schemas.ROLLOUTS)
+        assert rows["behaviour_iteration"].unique().to_list() == [k]
+
+
+@pytest.mark.parametrize("staleness", [0, 1, 2])
+def test_staleness_plans_rollouts_from_older_policies(tmp_path, staleness):
+    """A dry run of 4 iterations: rollout k reads the policy iteration max(0, k - s) started from,
+    so at s >= 1 no rollout waits for the train job of the iteration before it, while features
+    and train of iteration k still read the policy trained by k - 1 (the proximal policy)."""
+    config = ["iterations=4", f"rollout={{staleness: {staleness}}}", "train={rollout_is: token}"]
+    jobs = planned_jobs(snakemake(tmp_path, "-n", "--config", *config).stdout)
+    start = {0: "results/bootstrap/policy"} | {k: f"results/iter_{k - 1}/train/policy" for k in range(1, 4)}
+    for rule, inputs, outputs in jobs:
+        k = next((int(m) for o in outputs for m in re.findall(r"iter_(\d+)/(?:rollout|features|train)/", o)), None)
+        if rule == "rollout":
+            assert start[max(0, k - staleness)] in inputs, (k, inputs)
+            trained = {i for i in inputs if i.endswith("train/policy")}
+            assert all(int(re.search(r"iter_(\d+)", i).group(1)) <= k - 1 - staleness for i in trained), (k, inputs)
+        elif rule in ("features", "train"):
+            assert start[k] in inputs, (rule, k, inputs)
+    assert sum(rule == "rollout" for rule, _, _ in jobs) == 8
 
 
 def test_html_report(run_dir):

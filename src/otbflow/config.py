@@ -279,6 +279,13 @@ class RolloutConfig:
     """Nucleus sampling mass, in (0, 1]."""
     max_new_tokens: int = opt(48, ge=1)
     """Most tokens generated per response; longer ones finish with reason 'length'."""
+    staleness: int = opt(0, ge=0)
+    """s: the rollout of iteration k samples from the policy of iteration max(0, k - s) (the one
+    iteration k - s started from), so the rollouts of iterations k+1 .. k+s run while iteration k
+    trains. 0: on-policy, each rollout waits for the previous update. s >= 1 trains with decoupled
+    PPO (algorithms.md §10): the features stage's pass of the current policy is the proximal policy,
+    the stale samples carry the truncated behaviour weight train.rollout_is (none is refused).
+    docs/training.md, 'Pipelined iterations'."""
     batch_size: int = opt(64, ge=1)
     """hf backend: prompts per generate call."""
     tensor_parallel_size: int = opt(1, ge=1)
@@ -559,23 +566,28 @@ def load_config(
 ) -> DictConfig:
     """Merge ``path`` (a YAML file; None: only the schema defaults), then ``extra`` (a nested
     or dotted-key dict, e.g. Snakemake's ``config``), then ``key=value`` overrides onto the
-    schema, and validate. Raises ConfigError naming the key on any problem."""
+    schema, and validate. Raises ConfigError naming the key on any problem. The keys of every
+    layer but the schema and config/config.yaml count as set explicitly (``check_staleness``)."""
     schema = OmegaConf.structured(Config)
     try:
-        layers = [schema]
+        layers, explicit = [schema], set()
         if path is not None:
             p = Path(path)
             if not p.is_file():
                 raise ConfigError(f"config file not found: {p}")
             layers.append(OmegaConf.load(p))
+            if p.resolve() != DEFAULT_CONFIG:
+                explicit |= leaf_keys(layers[-1])
         if extra:
             layers.append(OmegaConf.create(nest(extra)))
+            explicit |= leaf_keys(layers[-1])
         if overrides:
             layers.append(OmegaConf.from_dotlist(list(overrides)))
+            explicit |= leaf_keys(layers[-1])
         cfg = OmegaConf.merge(*layers)
     except OmegaConfBaseException as e:
         raise ConfigError(describe_merge_error(e)) from None
-    validate(cfg)
+    validate(cfg, frozenset(explicit))
     OmegaConf.set_readonly(cfg, True)
     return cfg
 
@@ -678,15 +690,46 @@ def validate_workflow(cfg: DictConfig) -> None:
     )
 
 
-def validate(cfg: DictConfig) -> None:
-    """Reject impossible values: each field's declared bounds, then the rules between keys."""
+def validate(cfg: DictConfig, explicit: frozenset[str] | None = None) -> None:
+    """Reject impossible values: each field's declared bounds, then the rules between keys.
+    ``explicit``: the dotted keys the user set (``load_config``); None: every key counts as set."""
     check_fields(Config, cfg)
-    check_rules(cfg)
+    check_rules(cfg, explicit)
 
 
-def check_rules(cfg: DictConfig) -> None:
+def leaf_keys(node: Any, prefix: str = "") -> set[str]:
+    """The dotted keys of every leaf of a (nested) mapping."""
+    if not isinstance(node, (dict, DictConfig)):
+        return {prefix}
+    return {k for key, value in node.items() for k in leaf_keys(value, f"{prefix}.{key}" if prefix else str(key))}
+
+
+def check_staleness(cfg: DictConfig, explicit: frozenset[str] | None) -> None:
+    """Stale rollouts (rollout.staleness >= 1) need a behaviour weight, and TRM's thresholds, set
+    for the engine mismatch, would mask most of a lagged batch (algorithms.md §10)."""
+    s, tr = cfg.rollout.staleness, cfg.train
+    if s == 0:
+        return
+    require(
+        tr.rollout_is != "none",
+        "train.rollout_is",
+        f"token or sequence when rollout.staleness is {s}: stale samples need the truncated behaviour "
+        "weight min(pi_prox / pi_behav, C) of decoupled PPO (algorithms.md §10)",
+        tr.rollout_is,
+    )
+    unset = [k for k in ("mismatch.max_k2", "mismatch.mean_k3") if explicit is not None and k not in explicit]
+    if tr.trm and unset:
+        raise ConfigError(
+            f"config key 'train.trm': must be false when rollout.staleness is {s} unless {' and '.join(unset)} "
+            "are set explicitly: TRM's defaults measure the engine mismatch, and one iteration of lag "
+            "already gives k3 ~ 0.01, ten times mismatch.mean_k3's 0.001 (algorithms.md §10) (got True)"
+        )
+
+
+def check_rules(cfg: DictConfig, explicit: frozenset[str] | None = None) -> None:
     """The rules that relate several keys (each key's own bounds are in its metadata)."""
     m, t, a, tr = cfg.model, cfg.task, cfg.advantages, cfg.train
+    check_staleness(cfg, explicit)
     chat = chat_setting(cfg)
     require(m.n_embd % m.n_head == 0, "model.n_head", "a divisor of model.n_embd", m.n_head)
     require(

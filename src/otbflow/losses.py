@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from otbflow.rollout_is import rollout_is_weights
+
 if TYPE_CHECKING:
     import torch
 
@@ -84,6 +86,27 @@ def reinforce_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """L_t = -A_t log pi_theta(y_t) sg(w_t), REINFORCE in bypass mode (algorithms.md §6.4); no clip."""
     return -adv * logp * is_w.detach(), logp.new_zeros(logp.shape).bool()
+
+
+def policy_token_loss(
+    tc: Any,
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The per-token loss of ``tc.loss_type`` with its truncated rollout IS weights, all [B, T]:
+    ``logp`` pi_theta, ``old_logp`` the proximal pi_old (the features stage's pass of the policy the
+    update starts from), ``rollout_logp`` the behaviour policy's (the rollout engine's; with
+    rollout.staleness s it is s iterations old). ppo_clip is decoupled PPO (algorithms.md §10):
+    clip(pi_theta / pi_old) times w = min(pi_old / pi_behav, C); reinforce is bypass (§6.4): w =
+    min(pi_theta / pi_behav, C). Returns (token_loss, clipped, is_w)."""
+    policy_loss = POLICY_LOSSES[tc.loss_type]
+    threshold = tc.rollout_is_threshold if tc.rollout_is != "none" else None  # read only where it is used
+    is_w = rollout_is_weights(policy_loss.is_logp(logp, old_logp) - rollout_logp, mask, tc.rollout_is, threshold)
+    token_loss, clipped = policy_loss.fn(logp, old_logp, adv, is_w, tc)
+    return token_loss, clipped, is_w
 
 
 def low_var_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:

@@ -72,6 +72,11 @@ def sampling_engine(cfg: DictConfig) -> list[str]:
     return ["rollout.backend", "model.dtype", *BACKENDS[cfg.rollout.backend].sample_keys]
 
 
+def rollout_is(cfg: DictConfig) -> list[str]:
+    """The rollout IS weights' level, and their truncation where they are on."""
+    return ["train.rollout_is"] + (["train.rollout_is_threshold"] if cfg.train.rollout_is != "none" else [])
+
+
 # How prompts are rendered for the policy (the chat template) and how responses are scored.
 RENDERING = ["task.chat", "task.system_prompt"]
 SCORING = ["task.name", "task.reward"]
@@ -118,9 +123,8 @@ def _variance_pool(cfg: DictConfig) -> list[str]:
 
 def _features(cfg: DictConfig) -> list[str]:
     f = ["features.batch_size", "features.chunk_size", "features.vocab_chunk_size", "features.exact_grad_norm"]
-    is_keys = ["train.rollout_is"] + (["train.rollout_is_threshold"] if cfg.train.rollout_is != "none" else [])
     # pi_old at the trainer's precision (train.bf16), not model.dtype (rollout, evaluate)
-    return [*f, "rollout.temperature", "train.bf16", *is_keys]
+    return [*f, "rollout.temperature", "train.bf16", *rollout_is(cfg)]
 
 
 def _advantages(cfg: DictConfig) -> list[str]:
@@ -153,7 +157,7 @@ def _evaluate(cfg: DictConfig) -> list[str]:
 
 
 def _report(cfg: DictConfig) -> list[str]:
-    return ["mismatch.max_k2", "mismatch.mean_k3"]
+    return ["mismatch.max_k2", "mismatch.mean_k3", *rollout_is(cfg)]
 
 
 def _scaling(cfg: DictConfig) -> list[str]:
@@ -178,7 +182,7 @@ _STAGES = [
         "rollout",
         "sample G responses per prompt and score them",
         _rollout,
-        dag=("iterations", "shard.n_shards", "model.path"),
+        dag=("iterations", "shard.n_shards", "model.path", "rollout.staleness"),
         engine=True,
     ),
     Stage(

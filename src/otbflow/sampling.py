@@ -31,13 +31,21 @@ def select_prompts(df: pl.DataFrame, iteration: int, per_shard: int) -> pl.DataF
 
 
 def rollout_table(
-    samples: list[Sample], batch: pl.DataFrame, iteration: int, shard: int, seed: int, reward_fn
+    samples: list[Sample],
+    batch: pl.DataFrame,
+    iteration: int,
+    shard: int,
+    seed: int,
+    reward_fn,
+    behaviour_iteration: int | None = None,
 ) -> pl.DataFrame:
-    """The rollouts table (schemas.ROLLOUTS) of any backend's samples of ``batch``'s prompts."""
+    """The rollouts table (schemas.ROLLOUTS) of any backend's samples of ``batch``'s prompts;
+    ``behaviour_iteration`` (default ``iteration``) names the iteration whose policy sampled them."""
     rows = batch.to_dicts()
     return pl.DataFrame(
         {
             "iteration": [iteration] * len(samples),
+            "behaviour_iteration": [iteration if behaviour_iteration is None else behaviour_iteration] * len(samples),
             "shard": [shard] * len(samples),
             "seed": [seed] * len(samples),
             "prompt_id": [rows[s.prompt_index]["prompt_id"] for s in samples],
@@ -58,11 +66,19 @@ def rollout_table(
 
 
 def sample_groups(
-    cfg: DictConfig, batch: pl.DataFrame, policy: str, group_size: int, iteration: int, shard: int, seed: int
+    cfg: DictConfig,
+    batch: pl.DataFrame,
+    policy: str,
+    group_size: int,
+    iteration: int,
+    shard: int,
+    seed: int,
+    behaviour_iteration: int | None = None,
 ) -> tuple[pl.DataFrame, dict[str, Any]]:
     """``group_size`` responses to each prompt of ``batch`` (table 'prompts'), sampled from
-    ``policy`` with the rollout section's sampling options and scored with the task's reward:
-    the rollouts table and its metadata."""
+    ``policy`` (the starting policy of iteration ``behaviour_iteration``, default ``iteration``)
+    with the rollout section's sampling options and scored with the task's reward: the rollouts
+    table and its metadata."""
     r = cfg.rollout
     tok = load_tokenizer(policy)
     ids, chat = render_table(cfg, tok, batch)  # a prompt that cannot be rendered fails before the engine starts
@@ -70,11 +86,12 @@ def sample_groups(
     sampling = Sampling(group_size, r.temperature, r.top_p, r.max_new_tokens, greedy=False, seed=seed)
     samples = backend.generate(ids, sampling)
     reward_fn = get_reward(resolve_reward_name(cfg.task.name, cfg.task.reward))
-    df = rollout_table(samples, batch, iteration, shard, seed, reward_fn)
+    df = rollout_table(samples, batch, iteration, shard, seed, reward_fn, behaviour_iteration)
     meta = {
         "backend": r.backend,
         "policy": str(Path(policy)),
         "iteration": iteration,
+        "behaviour_iteration": iteration if behaviour_iteration is None else behaviour_iteration,
         "seed": seed,
         "torch_version": torch.__version__,
         **backend.metadata(sampling),

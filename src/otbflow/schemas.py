@@ -89,6 +89,12 @@ ROLLOUTS = _table(
     "(`otbflow.io.read_metadata`).",
     [
         ("iteration", pl.Int64, "RL iteration k that sampled this response"),
+        (
+            "behaviour_iteration",
+            pl.Int64,
+            "the iteration whose starting policy sampled it: max(0, k - rollout.staleness); the lag is "
+            "iteration - behaviour_iteration",
+        ),
         ("shard", pl.Int64, "prompt shard"),
         ("seed", pl.Int64, "seed used for this shard's sampling"),
         ("prompt_id", pl.Int64, "prompt id (see prompts)"),
@@ -345,13 +351,29 @@ SCALING_SEQUENCES = _table(
 MISMATCH = _table(
     "mismatch",
     "results/report/mismatch.parquet",
-    "Trainer vs rollout engine, per iteration (from the features tables): the mismatch dashboard.",
+    "Trainer vs rollout, per iteration (from the features tables): the mismatch dashboard. At lag 0 "
+    "it measures the rollout engine against the trainer; at lag >= 1 (rollout.staleness) the behaviour "
+    "policy, lag iterations old, against the proximal one: the policy lag plus an engine mismatch "
+    "that is then not measured apart.",
     [
         ("iteration", pl.Int64, "RL iteration"),
+        ("lag", pl.Int64, "iteration - behaviour_iteration of its rollouts (0: on-policy)"),
+        (
+            "measures",
+            pl.String,
+            "'engine' (lag 0: rollout engine vs trainer, same weights) or 'behaviour->proximal' (lag >= 1: "
+            "policy lag plus engine mismatch, the latter not measured apart)",
+        ),
         ("tokens", pl.Int64, "response tokens"),
         ("log_ratio_mean", pl.Float64, "mean per-token log r = log pi_trainer - log pi_rollout"),
         ("log_ratio_abs_max", pl.Float64, "max |log r| over tokens"),
         ("k3_mean", pl.Float64, "mean token k3: estimate of KL(rollout || trainer)"),
+        (
+            "truncated_fraction",
+            pl.Float64,
+            "fraction of tokens whose IS weight min(r, train.rollout_is_threshold) is truncated (r above the "
+            "threshold; at sequence level every token of such a sequence); null with train.rollout_is none",
+        ),
         ("log_ppl_abs_diff_mean", pl.Float64, "mean over sequences of the |log-PPL gap| (TRM's PPL gap)"),
         (
             "trm_acceptance",

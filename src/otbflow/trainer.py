@@ -16,8 +16,7 @@ from otbflow.distributed import all_reduce, grads_finite, param_grad_norm
 from otbflow.estimators import total_power, variance_proxies
 from otbflow.io import read_table
 from otbflow.logits import check_head_logits, pack, padded, response_token_stats, to_padded
-from otbflow.losses import POLICY_LOSSES, aggregate_loss, low_var_kl, trm_keep
-from otbflow.rollout_is import rollout_is_weights
+from otbflow.losses import aggregate_loss, low_var_kl, policy_token_loss, trm_keep
 
 SUMS = ("loss", "clipped", "entropy", "k3", "kl_ref", "is_w", "power", "bad")
 
@@ -126,11 +125,7 @@ class Trainer:
         old_logp, adv = column("logprobs"), column("advantages")
         mask = column("loss_mask") * weight
         keep = torch.tensor([[data["keep"][i]] for i in rows], dtype=torch.float32, device=dev)
-        policy_loss = POLICY_LOSSES[tc.loss_type]
-        log_rho = policy_loss.is_logp(logp, old_logp) - column("rollout_logprobs")
-        threshold = tc.rollout_is_threshold if tc.rollout_is != "none" else None  # read only where it is used
-        is_w = rollout_is_weights(log_rho, mask, tc.rollout_is, threshold)
-        token_loss, clipped = policy_loss.fn(logp, old_logp, adv, is_w, tc)
+        token_loss, clipped, is_w = policy_token_loss(tc, logp, old_logp, column("rollout_logprobs"), adv, mask)
         entropy = to_padded(flat_entropy, batch, len(rows))
         if tc.entropy_coef > 0:
             token_loss = token_loss - tc.entropy_coef * entropy

@@ -8,8 +8,8 @@ rule advantages:
         f"{R}/logs/advantages/iter_{{k}}.log",
     benchmark:
         f"{R}/benchmarks/advantages/iter_{{k}}.tsv"
-    # the chain from one policy to the next first; evaluation, scaling and variance fill free cores
-    priority: 1
+    # the chain from one policy to the next first (CHAIN_PRIORITY); evaluation, scaling and variance fill free cores
+    priority: CHAIN_PRIORITY
     conda:
         stage_env("advantages")
     threads: 1

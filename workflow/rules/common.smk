@@ -31,6 +31,9 @@ ITERATIONS = list(range(CFG.iterations))
 EVALUATED = evaluated_iterations(CFG)  # evaluate.every; the last iteration always
 SHARDS = list(range(CFG.shard.n_shards))
 ENV = "../../envs/otbflow.yaml"
+# Scheduling priority of features -> advantages -> train, the chain that makes the next policy;
+# rollouts one below it (with rollout.staleness >= 1 they can wait), evaluation and the studies 0.
+CHAIN_PRIORITY = 2
 
 
 RESOLVED_CONFIG = f"{R}/config.yaml"
@@ -110,10 +113,25 @@ def initial_policy():
     return CFG.model.path if CFG.model.path else f"{R}/bootstrap/policy"
 
 
-def policy_for_iteration(wildcards):
-    """Iteration k samples from the policy that iteration k-1 trained."""
-    k = int(wildcards.k)
+def start_policy(k):
+    """The policy iteration k starts from (pi_prox of its update): the one iteration k-1 trained."""
     return initial_policy() if k == 0 else f"{R}/iter_{k - 1}/train/policy"
+
+
+def policy_for_iteration(wildcards):
+    """Features and train of iteration k use the policy it starts from."""
+    return start_policy(int(wildcards.k))
+
+
+def behaviour_iteration(wildcards):
+    """The iteration whose starting policy samples iteration k's rollouts: max(0, k - staleness)."""
+    return max(0, int(wildcards.k) - CFG.rollout.staleness)
+
+
+def policy_for_rollout(wildcards):
+    """Iteration k samples from the policy of iteration k - rollout.staleness (k itself when
+    on-policy), so that its rollout can run while iterations k-s .. k-1 train."""
+    return start_policy(behaviour_iteration(wildcards))
 
 
 def previous_schedule_state(wildcards):

@@ -8,8 +8,8 @@ rule features:
         f"{R}/logs/features/iter_{{k}}_shard_{{s}}.log",
     benchmark:
         f"{R}/benchmarks/features/iter_{{k}}_shard_{{s}}.tsv"
-    # the chain from one policy to the next first; evaluation, scaling and variance fill free cores
-    priority: 1
+    # the chain from one policy to the next first (CHAIN_PRIORITY); evaluation, scaling and variance fill free cores
+    priority: CHAIN_PRIORITY
     conda:
         stage_env("features")
     threads: CFG.resources.features.threads

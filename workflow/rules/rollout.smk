@@ -1,15 +1,16 @@
 rule rollout:
     input:
         prompts=f"{R}/data/train/shard_{{s}}.parquet",
-        policy=policy_for_iteration,
+        policy=policy_for_rollout,
     output:
         f"{R}/iter_{{k}}/rollout/shard_{{s}}.parquet",
     log:
         f"{R}/logs/rollout/iter_{{k}}_shard_{{s}}.log",
     benchmark:
         f"{R}/benchmarks/rollout/iter_{{k}}_shard_{{s}}.tsv"
-    # the chain from one policy to the next first; evaluation, scaling and variance fill free cores
-    priority: 1
+    # after the chain from one policy to the next (at rollout.staleness >= 1 the rollouts of later
+    # iterations fill the cores it leaves), before evaluation, scaling and variance
+    priority: CHAIN_PRIORITY - 1
     conda:
         stage_env("rollout")
     threads: CFG.resources.rollout.threads
@@ -22,6 +23,7 @@ rule rollout:
         cmd=stage_cmd("rollout"),
         cfg=stage_trigger("rollout"),
         code=code_version("rollout"),
+        behaviour=behaviour_iteration,
     shell:
         "OTBFLOW_THREADS={threads} {params.cmd} --prompts {input.prompts} --policy {input.policy} --out {output} "
-        "--iteration {wildcards.k} > {log} 2>&1"
+        "--iteration {wildcards.k} --behaviour-iteration {params.behaviour} > {log} 2>&1"

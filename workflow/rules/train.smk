@@ -15,8 +15,8 @@ rule train:
         f"{R}/logs/train/iter_{{k}}.log",
     benchmark:
         f"{R}/benchmarks/train/iter_{{k}}.tsv"
-    # the chain from one policy to the next first; evaluation, scaling and variance fill free cores
-    priority: 1
+    # the chain from one policy to the next first (CHAIN_PRIORITY); evaluation, scaling and variance fill free cores
+    priority: CHAIN_PRIORITY
     conda:
         stage_env("train")
     threads: CFG.resources.train.cpus_per_task

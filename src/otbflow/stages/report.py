@@ -11,6 +11,7 @@ mismatch dashboard (log-ratio and k3 distributions, log-PPL gap, TRM acceptance)
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,33 +72,60 @@ def progress_table(summaries: list[str], per_iteration: pl.DataFrame) -> pl.Data
     return out.select(list(schemas.PROGRESS.columns))
 
 
-def mismatch_table(features: pl.DataFrame, max_k2: float, mean_k3: float) -> pl.DataFrame:
-    tokens = features.select("iteration", "log_ratio", "k3").explode("log_ratio", "k3").drop_nulls()
+def mismatch_table(
+    features: pl.DataFrame, max_k2: float, mean_k3: float, is_level: str = "none", is_threshold: float | None = None
+) -> pl.DataFrame:
+    """Per iteration: the lag, the trainer-vs-rollout log-ratio statistics, the fraction of
+    truncated IS weights (``is_level`` token or sequence, truncation ``is_threshold``) and TRM's
+    acceptance at ``max_k2``, ``mean_k3``."""
+    # the log-ratio a weight is truncated on: per token, or the sequence's sum broadcast to its tokens
+    seq_sum = pl.col("log_ratio").list.sum().cast(pl.Float64)
+    tokens = (
+        features.select("iteration", "log_ratio", "k3", seq_sum.alias("seq_log_ratio"))
+        .explode("log_ratio", "k3")
+        .drop_nulls()
+    )
+    log_w = pl.col("log_ratio").cast(pl.Float64) if is_level == "token" else pl.col("seq_log_ratio")
+    truncated = (log_w > math.log(is_threshold)).mean() if is_level != "none" else pl.lit(None, pl.Float64)
     per_token = tokens.group_by("iteration").agg(
         pl.len().cast(pl.Int64).alias("tokens"),
         pl.col("log_ratio").cast(pl.Float64).mean().alias("log_ratio_mean"),
         pl.col("log_ratio").cast(pl.Float64).abs().max().alias("log_ratio_abs_max"),
         pl.col("k3").cast(pl.Float64).mean().alias("k3_mean"),
+        truncated.cast(pl.Float64).alias("truncated_fraction"),
     )
+    lag = (pl.col("iteration") - pl.col("behaviour_iteration")).max().cast(pl.Int64)
     per_seq = features.group_by("iteration").agg(
+        lag.alias("lag"),
         pl.col("log_ppl_abs_diff").mean().alias("log_ppl_abs_diff_mean"),
         ((pl.col("seq_max_k2") <= max_k2) & (pl.col("seq_mean_k3") <= mean_k3))
         .mean()
         .cast(pl.Float64)
         .alias("trm_acceptance"),
     )
-    return per_token.join(per_seq, on="iteration").sort("iteration").select(list(schemas.MISMATCH.columns))
+    return (
+        per_token.join(per_seq, on="iteration")
+        .sort("iteration")
+        .with_columns(
+            pl.when(pl.col("lag") == 0)
+            .then(pl.lit("engine"))
+            .otherwise(pl.lit("behaviour->proximal"))
+            .alias("measures")
+        )
+        .select(list(schemas.MISMATCH.columns))
+    )
 
 
 def _plot_mismatch(path: Path, features: pl.DataFrame, table: pl.DataFrame) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 4, figsize=(20, 3.6))
-    for k in table["iteration"].to_list():
+    for k, lag in table.select("iteration", "lag").iter_rows():
         part = features.filter(pl.col("iteration") == k)
         lr = part["log_ratio"].explode().drop_nulls().to_numpy()
         k3 = part["k3"].explode().drop_nulls().to_numpy()
-        axes[0].hist(lr, bins=60, histtype="step", log=True, label=f"iteration {k}")
-        axes[1].hist(np.log10(np.maximum(k3, 1e-20)), bins=60, histtype="step", log=True, label=f"iteration {k}")
+        label = f"iteration {k}" + (f" (lag {lag}: behaviour vs proximal)" if lag else "")
+        axes[0].hist(lr, bins=60, histtype="step", log=True, label=label)
+        axes[1].hist(np.log10(np.maximum(k3, 1e-20)), bins=60, histtype="step", log=True, label=label)
     axes[0].set_xlabel("per-token log r = log pi_trainer - log pi_rollout")
     axes[1].set_xlabel("log10 per-token k3")
     for ax in axes[:2]:
@@ -146,10 +174,20 @@ def run(cfg: DictConfig, args: Args) -> None:
     write_parquet(progress, out / "progress.parquet")
     write_parquet(metrics.select(list(schemas.METRICS.columns)), out / "metrics.parquet")
     write_parquet(comparison, out / "comparison.parquet")
-    cols = ["iteration", "log_ratio", "k3", "seq_max_k2", "seq_mean_k3", "log_ppl_abs_diff"]
+    cols = ["iteration", "behaviour_iteration", "log_ratio", "k3", "seq_max_k2", "seq_mean_k3", "log_ppl_abs_diff"]
     features = pl.concat([read_table(p, schemas.FEATURES).select(cols) for p in args.features])
-    mismatch = mismatch_table(features, cfg.mismatch.max_k2, cfg.mismatch.mean_k3)
+    tc = cfg.train
+    threshold = tc.rollout_is_threshold if tc.rollout_is != "none" else None  # read only where it is used
+    mismatch = mismatch_table(features, cfg.mismatch.max_k2, cfg.mismatch.mean_k3, tc.rollout_is, threshold)
     write_parquet(mismatch, out / "mismatch.parquet")
+    for row in mismatch.filter(pl.col("lag") > 0).iter_rows(named=True):
+        log.info(
+            "iteration %d: lag %d, behaviour->proximal k3 %.2e, truncated fraction %s (engine mismatch not measured)",
+            row["iteration"],
+            row["lag"],
+            row["k3_mean"],
+            "n/a" if row["truncated_fraction"] is None else f"{row['truncated_fraction']:.3f}",
+        )
     _plot_mismatch(out / "mismatch.png", features, mismatch)
 
     it = progress["iteration"].to_numpy() + 1  # policy index: 0 = initial, k+1 = after iteration k

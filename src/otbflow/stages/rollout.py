@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 from omegaconf import DictConfig
 
@@ -28,6 +29,9 @@ class Args:
     """Output rollouts Parquet."""
     iteration: int = 0
     """RL iteration k (selects which prompts of the shard are used)."""
+    behaviour_iteration: Optional[int] = None
+    """The iteration whose starting policy --policy is: max(0, k - rollout.staleness) in the
+    workflow (a column of every row). Default: --iteration (on-policy)."""
 
 
 def run(cfg: DictConfig, args: Args) -> None:
@@ -37,12 +41,16 @@ def run(cfg: DictConfig, args: Args) -> None:
     per_shard = math.ceil(cfg.rollout.prompts_per_iteration / cfg.shard.n_shards)
     batch = select_prompts(prompts, args.iteration, per_shard)
     seed = derive_seed(cfg.seed, "rollout", args.iteration, shard)
-    df, meta = sample_groups(cfg, batch, args.policy, cfg.rollout.group_size, args.iteration, shard, seed)
+    behaviour = args.iteration if args.behaviour_iteration is None else args.behaviour_iteration
+    if not 0 <= behaviour <= args.iteration:
+        raise ValueError(f"--behaviour-iteration {behaviour} must be in [0, --iteration {args.iteration}]")
+    df, meta = sample_groups(cfg, batch, args.policy, cfg.rollout.group_size, args.iteration, shard, seed, behaviour)
     write_parquet(df, args.out, metadata=meta)
     log.info(
-        "iteration %d shard %d: %d responses, mean reward %.3f, mean length %.1f",
+        "iteration %d shard %d (policy of iteration %d): %d responses, mean reward %.3f, mean length %.1f",
         args.iteration,
         shard,
+        behaviour,
         df.height,
         df["reward"].mean(),
         df["response_length"].mean(),
