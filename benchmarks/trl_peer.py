@@ -288,14 +288,17 @@ def main() -> None:
 
         def __init__(self, steps: int):
             self.steps, self.start, self.first_step, self.per_iteration, self.logs = steps, None, None, [], []
+            self.per_step, self.step_start = [], None
 
         def on_step_begin(self, args, state, control, **kw):
+            self.step_start = time.perf_counter()
             if self.start is None:
-                self.start = self.first_step = time.perf_counter()
+                self.start = self.first_step = self.step_start
 
         def on_step_end(self, args, state, control, **kw):
+            now = time.perf_counter()
+            self.per_step.append(now - self.step_start)
             if state.global_step % self.steps == 0:
-                now = time.perf_counter()
                 self.per_iteration.append(now - self.start)
                 self.start = now
 
@@ -328,6 +331,7 @@ def main() -> None:
         "per_iteration_s": timer.per_iteration,
         "generate_s": generate_s,
         "train_s": [t - g for t, g in zip(timer.per_iteration, generate_s)],
+        "per_step_s": timer.per_step,  # each optimizer step, on_step_begin to on_step_end (the first: + generation)
         "startup_s": timer.first_step - t_main,
         "mean_reward": rewards,
         "same_prompts_as_otbflow": same_prompts,
