@@ -198,7 +198,7 @@ def grpo_config(args: argparse.Namespace, n_prompts: int, out_dir: str):
 
 
 def main() -> None:
-    t_main = time.perf_counter()
+    t_main, load_start = time.perf_counter(), os.getloadavg()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ensure-venv", action="store_true", help="only build the TRL venv (run from the main venv)")
     p.add_argument("--policy", type=Path, help="initial policy: an HF folder (otbflow's bootstrap policy)")
@@ -333,6 +333,7 @@ def main() -> None:
         "train_s": [t - g for t, g in zip(timer.per_iteration, generate_s)],
         "per_step_s": timer.per_step,  # each optimizer step, on_step_begin to on_step_end (the first: + generation)
         "startup_s": timer.first_step - t_main,
+        "load_average_1_5_15min": {"start": load_start, "end": os.getloadavg()},  # other work on the machine
         "mean_reward": rewards,
         "same_prompts_as_otbflow": same_prompts,
         "mean_length": [log["completions/mean_length"] for log in timer.logs if "completions/mean_length" in log],
