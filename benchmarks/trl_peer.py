@@ -19,6 +19,22 @@ constant, weight decay 0, grad-norm clip 1.0, fp32. This module runs the same wo
 - the reward is otbflow's own function (``otbflow.rewards``, which imports only the standard
   library: ``src/`` goes on ``sys.path``, otbflow is not installed in the TRL venv).
 
+What is not the same work (TRL has no switch for it):
+
+- the loss's token count: ``loss_type="dapo"`` divides each step's token sum by the generation
+  batch's token count / 8 (the mean count of a 256-sequence step), otbflow by that step's own count
+  (equal in expectation; 'bnpo' divides per micro-batch of 64, 'grpo' is a per-sequence mean);
+- the advantages: GRPO's (r - mean) / (std + 1e-4) (otbflow's default estimator is otb; its grpo
+  adds 1e-6); TRL also shuffles the 2,048 sequences before cutting them into steps;
+- generation: one ``model.generate`` call over all 2,048 sequences (otbflow: 64 prompts x 8 a
+  call) with torch's global RNG (otbflow: a hashed key per row), so the samples differ;
+- the old log-probs: TRL's no-grad forward computes log-probs only; otbflow's features stage also
+  stores entropy, sum pi^2, the gradient-proxy energy and mismatch columns, and the training
+  forward here also computes the entropy (TRL logs it);
+- no process boundaries: otbflow runs each iteration as separate Snakemake jobs (rollout,
+  features, advantages, train) that load the model, read and write Parquet and save the policy and
+  AdamW state; TRL keeps everything in one process (its start-up is ``startup_s``, paid once).
+
 Measured (``IterationTimer``): the wall time of each iteration, from the start of its first
 optimizer step to the end of its 8th (generation, reward, old log-probs, advantages, 32
 forward/backward micro-steps, 8 AdamW steps and TRL's per-step bookkeeping); within it, the time
