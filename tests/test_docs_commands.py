@@ -70,6 +70,7 @@ HOW: dict[str, str] = {
     "otbflow schema-doc > docs/schema.md": "otbflow schema-doc > results/schema.md && diff results/schema.md docs/schema.md",
     # Training
     "snakemake --cores 2 --config 'train={loss_type: reinforce, rollout_is: sequence, lr_schedule: cosine}'": DRY,
+    "snakemake --cores 2 --config 'rollout={staleness: 1}' 'train={rollout_is: token}'": DRY,
     "snakemake --configfile my.yaml config/examples/zero2_bf16.yaml": "snakemake -n --cores 2 --configfile config/tiny.yaml config/examples/zero2_bf16.yaml",
     "otbflow train --advantages results/iter_0/advantages/advantages.parquet --policy results/bootstrap/policy "
     "--out /tmp/next --metrics /tmp/metrics.parquet train.loss_type=reinforce train.rollout_is=sequence": "otbflow train --advantages results/iter_0/advantages/advantages.parquet --policy results/bootstrap/policy "
@@ -115,6 +116,9 @@ HOW: dict[str, str] = {
     "python benchmarks/bench_rollout.py --models tiny,gpt2 --backends hf --prompts 16 --group-size 8 "
     "--max-new-tokens 32 --repeats 3": "python benchmarks/bench_rollout.py --models tiny --backends hf --prompts 4 "
     "--group-size 2 --max-new-tokens 8 --repeats 1",
+    # the script on the tiny config, one setting, no TRL (its venv is built from PyPI)
+    "python benchmarks/bench_iteration.py": "python benchmarks/bench_iteration.py --settings grpo_s1 --iterations 2 "
+    "--no-trl --configfile config/tiny.yaml --policy results/bootstrap/policy --work results/scratch/bench_iteration",
     "benchmarks/bench_advantages.py": "python benchmarks/bench_advantages.py --tokens 20000 --repeats 1",
     ".venv/bin/python benchmarks/bench_advantages.py": ".venv/bin/python benchmarks/bench_advantages.py --tokens 20000 "
     "--repeats 1",

@@ -1,0 +1,228 @@
+"""Wall time per RL iteration of the policy chain, on-policy and pipelined, against TRL.
+
+The policy chain is rollout -> features -> advantages -> train, the jobs that make the next policy
+(evaluation, scaling and the variance study are not run). Each setting runs the real workflow
+(``snakemake --cores N``, the default config otherwise) in its own folder, from one shared initial
+policy (the default bootstrap, built once, untimed, and given as ``model.path``) and prompt shards:
+
+- ``grpo_s0``, ``grpo_s1``: ``advantages.estimator=grpo`` at ``rollout.staleness`` 0 and 1
+  (s = 1 adds ``train.rollout_is=token``, which it requires);
+- ``otb_s0``, ``otb_s1``: the same with the default estimator, OTB;
+- ``trl``: TRL's ``GRPOTrainer`` on the same work (``benchmarks/trl_peer.py``: same initial
+  policy, prompts, reward, batch sizes and loss, in a venv it sets up), one process with
+  ``--cores`` threads.
+
+Per setting: ``wall_s`` (the Snakemake run of ``--iterations`` iterations, from its start to its
+end), ``per_iteration_s`` (wall / iterations) and ``period_s`` (the mean time between consecutive
+train jobs' ends: the steady state, without the first iteration's fill). Per stage, from the
+jobs' own records: ``job_s`` (Snakemake's benchmark file: the whole job), ``work_s`` (the stage's
+own timer, "<stage> finished in X s": its ``run``, model load included) and ``startup_s`` = job -
+work (interpreter, imports, config; the process's exit). ``chain_s``: the sum over the stages one
+iteration must wait for of their mean job time (s = 0: rollout, features, advantages, train; s >=
+1: features, advantages, train, the rollout being off that path) -- the critical path if every job
+started the moment its inputs existed; ``period_s - chain_s`` is then what scheduling and shared
+cores add. Threads per job: the config's ``resources`` (printed).
+
+Prints JSON (and writes it to ``--out``). The default, 4 iterations of each setting and TRL, takes
+about 15 minutes on a 2-core CPU; run it with nothing else on the machine::
+
+    python benchmarks/bench_iteration.py                               # all settings, 4 iterations
+    python benchmarks/bench_iteration.py --settings grpo_s0,grpo_s1 --iterations 2 --no-trl \\
+        --configfile config/tiny.yaml                                  # a quick check of the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
+SETTINGS = {
+    "grpo_s0": ["advantages.estimator=grpo"],
+    "grpo_s1": ["advantages.estimator=grpo", "rollout.staleness=1", "train.rollout_is=token"],
+    "otb_s0": [],
+    "otb_s1": ["rollout.staleness=1", "train.rollout_is=token"],
+}
+STAGES = ("rollout", "features", "advantages", "train")
+FINISHED = re.compile(r"^(\S+ \S+) otbflow INFO (\S+) finished in ([\d.]+) s$", re.M)
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def snakemake_config(overrides: list[str]) -> list[str]:
+    """key=value overrides as Snakemake's --config (one YAML mapping per top-level key)."""
+    sections: dict[str, list[str]] = {}
+    flat = []
+    for o in overrides:
+        key, value = o.split("=", 1)
+        if "." in key:
+            top, rest = key.split(".", 1)
+            sections.setdefault(top, []).append(f"{rest}: {value}")
+        else:
+            flat.append(o)
+    return flat + [f"{top}={{{', '.join(items)}}}" for top, items in sections.items()]
+
+
+CONFIGFILE: list[str] = []  # --configfile FILE, layered over config/config.yaml in every run
+
+
+def smk(workdir: Path, overrides: list[str], targets: list[str], cores: int) -> float:
+    cmd = [SNAKEMAKE, "-s", str(REPO / "Snakefile"), "--directory", str(workdir), "--cores", str(cores)]
+    cmd += [*targets, *CONFIGFILE, "--config", *snakemake_config(overrides)]
+    start = time.perf_counter()
+    res = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if res.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+    return time.perf_counter() - start
+
+
+def shard_files(n_shards: int) -> list[str]:
+    return [f"results/data/train/shard_{s}.parquet" for s in range(n_shards)]
+
+
+def prepare(work: Path, cores: int, n_shards: int, policy: Path | None) -> tuple[Path, list[Path]]:
+    """The initial policy (the bootstrap's, unless ``policy`` is given) and the prompt shards, built
+    once (untimed)."""
+    base = work / "base"
+    if policy is None:
+        smk(base, [], ["results/bootstrap/policy", *shard_files(n_shards)], cores)
+        policy = base / "results/bootstrap/policy"
+    else:
+        smk(base, [f"model.path={policy.resolve()}"], shard_files(n_shards), cores)
+    return policy.resolve(), [base / f for f in shard_files(n_shards)]
+
+
+def jobs(results: Path) -> list[dict]:
+    """Every stage job of the run: stage, iteration, its end (epoch seconds), job and work seconds."""
+    out = []
+    for stage in STAGES:
+        for log in sorted((results / "logs" / stage).glob("*.log")):
+            m = FINISHED.search(log.read_text())
+            bench = results / "benchmarks" / stage / f"{log.stem}.tsv"
+            if not m or not bench.is_file():
+                continue
+            job_s = float(bench.read_text().splitlines()[1].split("\t")[0])
+            end = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            k = int(re.match(r"iter_(\d+)", log.stem).group(1))
+            out.append({"stage": stage, "iteration": k, "end": end, "job_s": job_s, "work_s": float(m.group(3))})
+    return out
+
+
+def run_setting(work: Path, name: str, policy: Path, iterations: int, cores: int, n_shards: int) -> dict:
+    folder = work / name
+    shutil.rmtree(folder, ignore_errors=True)
+    overrides = [f"model.path={policy}", f"iterations={iterations}", *SETTINGS[name]]
+    smk(folder, overrides, shard_files(n_shards), cores)
+    wall = smk(folder, overrides, [f"results/iter_{iterations - 1}/train/policy"], cores)
+    js = jobs(folder / "results")
+    stages = {}
+    for stage in STAGES:
+        mine = [j for j in js if j["stage"] == stage]
+        job_s, work_s = sum(j["job_s"] for j in mine) / len(mine), sum(j["work_s"] for j in mine) / len(mine)
+        stages[stage] = {"jobs": len(mine), "job_s": job_s, "work_s": work_s, "startup_s": job_s - work_s}
+    ends = sorted(j["end"] for j in js if j["stage"] == "train")
+    period = (ends[-1] - ends[0]) / (len(ends) - 1) if len(ends) > 1 else wall
+    on_path = STAGES if "staleness=1" not in " ".join(SETTINGS[name]) else STAGES[1:]
+    chain = sum(stages[s]["job_s"] for s in on_path)
+    return {
+        "overrides": SETTINGS[name],
+        "wall_s": wall,
+        "per_iteration_s": wall / iterations,
+        "period_s": period,
+        "chain_s": chain,
+        "chain_stages": list(on_path),
+        "scheduling_and_sharing_s": period - chain,
+        "stages": stages,
+        "startup_s_per_iteration": sum(stages[s]["startup_s"] * stages[s]["jobs"] for s in STAGES) / iterations,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated: " + ", ".join(SETTINGS))
+    p.add_argument("--iterations", type=int, default=4)
+    p.add_argument("--cores", type=int, default=os.cpu_count() or 2, help="snakemake --cores, and TRL's threads")
+    p.add_argument("--no-trl", action="store_true", help="skip the TRL GRPOTrainer peer")
+    p.add_argument("--work", type=Path, default=REPO / "benchmarks" / "out" / "iteration")
+    p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    p.add_argument("--configfile", type=Path, help="a YAML layered over config/config.yaml (e.g. config/tiny.yaml)")
+    p.add_argument("--policy", type=Path, help="initial HF policy folder (default: build the config's bootstrap)")
+    ns = p.parse_args(argv)
+    sys.path.insert(0, str(REPO / "src"))
+    import yaml
+
+    from otbflow.config import DEFAULT_CONFIG, load_config
+
+    extra = yaml.safe_load(ns.configfile.read_text()) if ns.configfile else None
+    cfg = load_config(DEFAULT_CONFIG, extra=extra)
+    if ns.configfile:
+        CONFIGFILE[:] = ["--configfile", str(ns.configfile.resolve())]
+    r = cfg.resources
+    ns.work.mkdir(parents=True, exist_ok=True)
+    policy, shards = prepare(ns.work, ns.cores, cfg.shard.n_shards, ns.policy)
+    result: dict = {
+        "machine": {"cpu": cpu_model(), "cores": ns.cores, "python": platform.python_version()},
+        "iterations": ns.iterations,
+        "configfile": str(ns.configfile) if ns.configfile else None,
+        "policy": str(policy),
+        "threads_per_job": {
+            "rollout": r.rollout.threads,
+            "features": r.features.threads,
+            "advantages": 1,
+            "train": r.train.cpus_per_task * r.train.tasks,
+        },
+        "settings": {},
+    }
+    for name in ns.settings.split(","):
+        result["settings"][name] = run_setting(ns.work, name, policy, ns.iterations, ns.cores, cfg.shard.n_shards)
+        print(json.dumps({name: result["settings"][name]["per_iteration_s"]}), file=sys.stderr)
+    if not ns.no_trl:
+        sys.path.insert(0, str(REPO / "benchmarks"))
+        from trl_peer import run_trl
+
+        trl = run_trl(policy, shards, ns.iterations, ns.cores)
+        trl["wall_s"] = trl["startup_s"] + sum(trl["per_iteration_s"])
+        trl["wall_per_iteration_s"] = trl["wall_s"] / ns.iterations
+        trl["period_s"] = sum(trl["per_iteration_s"]) / len(trl["per_iteration_s"])
+        result["trl"] = trl
+    # two bases: wall / iterations (one-off costs included: Snakemake's start, TRL's imports and
+    # model load, the pipeline's fill) and the steady state (period between iterations' ends)
+    s = result["settings"]
+    ratios = {}
+    for est in ("grpo", "otb"):
+        if f"{est}_s0" in s and f"{est}_s1" in s:
+            ratios[f"{est}_s1_over_s0"] = {
+                "wall_per_iteration": s[f"{est}_s1"]["per_iteration_s"] / s[f"{est}_s0"]["per_iteration_s"],
+                "steady": s[f"{est}_s1"]["period_s"] / s[f"{est}_s0"]["period_s"],
+            }
+        for st in ("s0", "s1"):
+            if "trl" in result and f"{est}_{st}" in s:
+                ratios[f"{est}_{st}_over_trl"] = {
+                    "wall_per_iteration": s[f"{est}_{st}"]["per_iteration_s"] / trl["wall_per_iteration_s"],
+                    "steady": s[f"{est}_{st}"]["period_s"] / trl["period_s"],
+                }
+    result["ratios"] = ratios
+    text = json.dumps(result, indent=1)
+    print(text)
+    if ns.out:
+        ns.out.write_text(text)
+    return result
+
+
+if __name__ == "__main__":
+    main()
