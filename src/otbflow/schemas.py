@@ -372,7 +372,7 @@ MISMATCH = _table(
             "truncated_fraction",
             pl.Float64,
             "fraction of tokens whose IS weight min(r, train.rollout_is_threshold) is truncated (r above the "
-            "threshold; at sequence level every token of such a sequence); null with train.rollout_is none",
+            "threshold; at sequence level every token of such a sequence); NaN with train.rollout_is none",
         ),
         ("log_ppl_abs_diff_mean", pl.Float64, "mean over sequences of the |log-PPL gap| (TRM's PPL gap)"),
         (

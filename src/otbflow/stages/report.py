@@ -86,7 +86,7 @@ def mismatch_table(
         .drop_nulls()
     )
     log_w = pl.col("log_ratio").cast(pl.Float64) if is_level == "token" else pl.col("seq_log_ratio")
-    truncated = (log_w > math.log(is_threshold)).mean() if is_level != "none" else pl.lit(None, pl.Float64)
+    truncated = (log_w > math.log(is_threshold)).mean() if is_level != "none" else pl.lit(float("nan"))
     per_token = tokens.group_by("iteration").agg(
         pl.len().cast(pl.Int64).alias("tokens"),
         pl.col("log_ratio").cast(pl.Float64).mean().alias("log_ratio_mean"),
@@ -186,7 +186,9 @@ def run(cfg: DictConfig, args: Args) -> None:
             row["iteration"],
             row["lag"],
             row["k3_mean"],
-            "n/a" if row["truncated_fraction"] is None else f"{row['truncated_fraction']:.3f}",
+            "n/a (train.rollout_is none)"
+            if math.isnan(row["truncated_fraction"])
+            else f"{row['truncated_fraction']:.3f}",
         )
     _plot_mismatch(out / "mismatch.png", features, mismatch)
 
