@@ -166,6 +166,33 @@ def test_staleness_plans_rollouts_from_older_policies(tmp_path, staleness):
     assert sum(rule == "rollout" for rule, _, _ in jobs) == 8
 
 
+def test_the_tiny_workflow_runs_one_iteration_stale(run_dir, tmp_path):
+    """rollout.staleness 1 on a copy of the tiny run: iteration 0's rollouts are kept (they are the
+    same at any staleness), iteration 1 samples from the initial policy, features and train use
+    the policy iteration 0 trained, and the report shows the lag and the truncation."""
+    work = tmp_path / "run"
+    for name in ("results", ".snakemake"):
+        shutil.copytree(
+            run_dir / name, work / name, symlinks=True, ignore=shutil.ignore_patterns("locks", "incomplete")
+        )
+    res = snakemake(work, "--config", "rollout={staleness: 1}", "train={rollout_is: token}")
+    assert "rule rollout" in res.stdout + res.stderr
+    r = work / "results"
+    assert not any("iter_0/rollout" in line for line in (res.stdout + res.stderr).splitlines() if "output:" in line)
+    rows = read_table(r / "iter_1/rollout/shard_0.parquet", schemas.ROLLOUTS)
+    assert rows["iteration"].unique().to_list() == [1] and rows["behaviour_iteration"].unique().to_list() == [0]
+    meta = __import__("otbflow.io", fromlist=["read_metadata"]).read_metadata
+    assert meta(r / "iter_1/rollout/shard_0.parquet")["policy"].endswith("bootstrap/policy")
+    assert meta(r / "iter_1/features/shard_0.parquet")["policy"].endswith("iter_0/train/policy")
+    assert read_table(r / "iter_1/train/metrics.parquet", schemas.TRAIN_METRICS)["grad_norm"].is_finite().all()
+    mismatch = read_table(r / "report/mismatch.parquet", schemas.MISMATCH)
+    assert mismatch["lag"].to_list() == [0, 1]
+    assert mismatch["measures"].to_list() == ["engine", "behaviour->proximal"]
+    # a lagged batch is off-policy by a whole update; the on-policy one by float rounding only
+    assert mismatch["k3_mean"][1] > 1e3 * mismatch["k3_mean"][0]
+    assert mismatch["truncated_fraction"].is_finite().all()
+
+
 def test_html_report(run_dir):
     html = (run_dir / "results" / "report.html").read_text(errors="ignore")  # written by make run
     assert "accuracy.png" in html and "Held-out accuracy" in html
