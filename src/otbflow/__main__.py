@@ -3,7 +3,10 @@ imports this module again as ``__mp_main__`` and must not run the CLI a second t
 
 import sys
 
-from otbflow.cli import main
-
 if __name__ == "__main__":
+    import gc
+
+    gc.disable()  # the CLI's own imports too: otbflow.cli.main turns the collector back on
+    from otbflow.cli import main
+
     sys.exit(main())
