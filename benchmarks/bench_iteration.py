@@ -53,6 +53,7 @@ SETTINGS = {
     "otb_s0": [],
     "otb_s1": ["rollout.staleness=1", "train.rollout_is=token"],
 }
+PIPELINED = {"grpo_s1", "otb_s1"}  # the rollout is off the path from one policy to the next
 STAGES = ("rollout", "features", "advantages", "train")
 FINISHED = re.compile(r"^(\S+ \S+) otbflow INFO (\S+) finished in ([\d.]+) s$", re.M)
 
@@ -133,11 +134,13 @@ def run_setting(work: Path, name: str, policy: Path, iterations: int, cores: int
     stages = {}
     for stage in STAGES:
         mine = [j for j in js if j["stage"] == stage]
+        if not mine:
+            raise RuntimeError(f"{folder}: no finished {stage} job in the logs")
         job_s, work_s = sum(j["job_s"] for j in mine) / len(mine), sum(j["work_s"] for j in mine) / len(mine)
         stages[stage] = {"jobs": len(mine), "job_s": job_s, "work_s": work_s, "startup_s": job_s - work_s}
     ends = sorted(j["end"] for j in js if j["stage"] == "train")
     period = (ends[-1] - ends[0]) / (len(ends) - 1) if len(ends) > 1 else wall
-    on_path = STAGES if "staleness=1" not in " ".join(SETTINGS[name]) else STAGES[1:]
+    on_path = STAGES[1:] if name in PIPELINED else STAGES
     chain = sum(stages[s]["job_s"] for s in on_path)
     return {
         "overrides": SETTINGS[name],
@@ -198,7 +201,9 @@ def main(argv: list[str] | None = None) -> dict:
         trl = run_trl(policy, shards, ns.iterations, ns.cores)
         trl["wall_s"] = trl["startup_s"] + sum(trl["per_iteration_s"])
         trl["wall_per_iteration_s"] = trl["wall_s"] / ns.iterations
-        trl["period_s"] = sum(trl["per_iteration_s"]) / len(trl["per_iteration_s"])
+        # otbflow's period leaves out iteration 0 (the time between train ends): so does TRL's
+        later = trl["per_iteration_s"][1:] or trl["per_iteration_s"]
+        trl["period_s"] = sum(later) / len(later)
         result["trl"] = trl
     # two bases: wall / iterations (one-off costs included: Snakemake's start, TRL's imports and
     # model load, the pipeline's fill) and the steady state (period between iterations' ends)

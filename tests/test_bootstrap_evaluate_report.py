@@ -169,26 +169,25 @@ def test_report_tables_and_token_accounting(tmp_path, rollouts_path, features_pa
 
 def test_the_mismatch_table_counts_lag_and_truncation():
     """Iteration 0 on-policy, iteration 1 sampled by iteration 0's policy (rollout.staleness 1):
-    the lag, what the log-ratios measure, and the truncated share counted by hand (C = 2, log C = 0.693)."""
+    the lag, what the log-ratios measure, and the truncated share counted by hand (C = 2)."""
     log_ratio = [[0.1, 0.8, -0.5], [1.0], [0.0, 0.0], [0.3]]
+    # token-level weights min(e^log_ratio, 2): e^0.8 = 2.23 and e^1.0 = 2.72 are truncated
+    is_weights = [[1.105, 2.0, 0.607], [2.0], [1.0, 1.0], [1.35]]
     features = pl.DataFrame(
         {
             "iteration": [0, 0, 1, 1],
             "behaviour_iteration": [0, 0, 0, 0],
             "log_ratio": log_ratio,
             "k3": [[0.01] * len(x) for x in log_ratio],
+            "is_weights": pl.Series(is_weights, dtype=pl.List(pl.Float32)),
             "seq_max_k2": [0.32, 0.5, 0.0, 0.045],
             "seq_mean_k3": [0.01, 0.01, 0.01, 0.01],
             "log_ppl_abs_diff": [0.13, 1.0, 0.0, 0.3],
         }
     )
-    token = report.mismatch_table(features, 0.05, 0.02, "token", 2.0)
-    assert token["lag"].to_list() == [0, 1]
-    assert token["measures"].to_list() == ["engine", "behaviour->proximal"]
-    # tokens above log 2: 0.8 and 1.0 of iteration 0's four; none of iteration 1's three
-    assert token["truncated_fraction"].to_list() == [pytest.approx(0.5), 0.0]
-    # sequence sums 0.4 and 1.0: the second sequence (one token of four) is truncated
-    sequence = report.mismatch_table(features, 0.05, 0.02, "sequence", 2.0)
-    assert sequence["truncated_fraction"].to_list() == [pytest.approx(0.25), 0.0]
+    table = report.mismatch_table(features, 0.05, 0.02, 2.0)
+    assert table["lag"].to_list() == [0, 1]
+    assert table["measures"].to_list() == ["engine", "behaviour->proximal"]
+    assert table["truncated_fraction"].to_list() == [pytest.approx(2 / 4), 0.0]  # two of iteration 0's four tokens
     assert report.mismatch_table(features, 0.05, 0.02)["truncated_fraction"].is_nan().all()  # rollout_is none
-    assert token["trm_acceptance"].to_list() == [0.0, 1.0]  # max k2 0.32 and 0.5 > 0.05; 0 and 0.045 pass
+    assert table["trm_acceptance"].to_list() == [0.0, 1.0]  # max k2 0.32 and 0.5 > 0.05; 0 and 0.045 pass

@@ -96,6 +96,8 @@ def test_staleness_needs_a_behaviour_weight_and_explicit_trm_thresholds(tmp_path
         load_config(DEFAULT_CONFIG, [*stale, "train.trm=true", "mismatch.max_k2=0.05"])
     load_config(DEFAULT_CONFIG, [*stale, "train.trm=true", "mismatch.max_k2=0.05", "mismatch.mean_k3=0.02"])
     snakemake_config = {"rollout": {"staleness": 2}, "train": {"rollout_is": "sequence", "trm": True}}
+    with pytest.raises(ConfigError, match="'train.trm'"):  # the Snakefile's path: Snakemake's config as extra
+        load_config(DEFAULT_CONFIG, extra=snakemake_config)
     load_config(DEFAULT_CONFIG, extra=snakemake_config | {"mismatch": {"max_k2": 0.5, "mean_k3": 0.02}})
     mine = tmp_path / "mine.yaml"
     mine.write_text("mismatch: {max_k2: 0.5, mean_k3: 0.02}\n")

@@ -196,26 +196,34 @@ def test_every_readme_slurm_command_has_a_form_here():
 
 
 def job_interval(log: Path) -> tuple[float, float]:
-    """A stage job's own [start, end] (seconds since the epoch) from its log: the stamp of its last
-    line, '<stage> finished in X s', and X before it."""
+    """A stage job's own [start, end] (seconds since the epoch) from its log: '<stage> started X s
+    ago' (the process's start, before its imports) and '<stage> finished in Y s'."""
     from datetime import datetime
 
-    m = re.search(r"^(\S+ \S+) otbflow INFO \S+ finished in ([\d.]+) s$", log.read_text(), flags=re.M)
-    assert m, f"{log} has no 'finished in' line:\n{log.read_text()[-2000:]}"
-    end = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
-    return end - float(m.group(2)), end
+    text = log.read_text()
+    stamp = r"^(\S+ \S+) otbflow INFO \S+ {} ([\d.]+) s"
+    started, finished = (
+        re.search(stamp.format("started"), text, re.M),
+        re.search(stamp.format("finished in"), text, re.M),
+    )
+    assert started and finished, f"{log} lacks its start or end line:\n{text[-2000:]}"
+    at = lambda m: datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()  # noqa: E731
+    return at(started) - float(started.group(2)), at(finished)
 
 
 def test_a_stale_rollout_runs_while_the_policy_trains(slurm_run):
     """rollout.staleness 1 on the test cluster: iteration 1's rollout samples from the initial policy,
-    so Slurm runs it while iteration 0 trains (one CPU each, of the node's two)."""
+    so it does not wait for iteration 0's update. With iteration 0's features and advantages made
+    first (locally, same config), one submission has train 0 and both rollouts of iteration 1 ready
+    at once, and Slurm runs them side by side (one CPU each): their own start and end stamps overlap."""
     work, _ = slurm_run
-    stale = "--config iterations=2 'rollout={staleness: 1}' 'train={rollout_is: token}' 'resources={train: {tasks: 1}}'"
+    stale = "--config iterations=2 'rollout={staleness: 1}' 'train={rollout_is: token}' 'resources={train: {tasks: 1, mem_mb: 2000}, rollout: {mem_mb: 2000}}'"
+    sh(work, f"snakemake --cores 2 --configfile my.yaml {ADV} {stale} < /dev/null")
     targets = (
         "results/iter_0/train/policy results/iter_1/rollout/shard_0.parquet results/iter_1/rollout/shard_1.parquet"
     )
     _, log = submit(work, f"otbflow submit --configfile my.yaml -- {targets} {stale} {FAST}")
-    assert "rule train" in log and "rule rollout" in log, log[-3000:]
+    assert "rule train" in log and "rule rollout" in log and "rule features" not in log, log[-3000:]
     r = work / "results"
     rows = read_table(r / "iter_1/rollout/shard_0.parquet", schemas.ROLLOUTS)
     assert rows["behaviour_iteration"].unique().to_list() == [0]

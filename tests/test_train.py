@@ -109,6 +109,7 @@ def write_rollouts(path):
     rollouts = pl.DataFrame(
         {
             "iteration": [0] * N_SEQ,
+            "behaviour_iteration": [0] * N_SEQ,
             "shard": [0] * N_SEQ,
             "seed": [0] * N_SEQ,
             "prompt_id": list(range(N_SEQ)),

@@ -91,7 +91,9 @@ def test_recorded_outputs_convert_to_the_rollout_schema():
             "shard": [0, 0],
         }
     )
-    table = rollout_table(samples, batch, iteration=0, shard=0, seed=5, reward_fn=arithmetic_reward)
+    table = rollout_table(
+        samples, batch, iteration=0, shard=0, seed=5, reward_fn=arithmetic_reward, behaviour_iteration=0
+    )
     check_schema(table, schemas.ROLLOUTS, "vllm rollouts")  # the identical schema as the hf backend
     assert table["reward"].to_list() == [1.0, 0.0, 0.0, 0.0]
     assert table["group_id"].to_list() == [10, 10, 11, 11]

@@ -17,6 +17,7 @@ import sys
 import time
 import typing
 
+import otbflow
 from otbflow.config import DEFAULT_CONFIG, Config, ConfigError, describe_section, field_docs, load_config
 from otbflow.io import SchemaError
 from otbflow.pipeline import STAGES, Stage, by_command
@@ -217,6 +218,8 @@ def _main(argv: list[str], program: bool) -> int:
         mod = importlib.import_module(by_command(ns.command).module)
         args = mod.Args(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(mod.Args)})
         end_startup(program)
+        # the job's own start stamp: this line's time minus the start-up it reports
+        logging.getLogger("otbflow").info("%s started %.2f s ago", ns.command, time.time() - otbflow.STARTED_AT)
         start = time.perf_counter()
         mod.run(cfg, args)
         logging.getLogger("otbflow").info("%s finished in %.1f s", ns.command, time.perf_counter() - start)

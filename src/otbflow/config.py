@@ -284,8 +284,9 @@ class RolloutConfig:
     iteration k - s started from), so the rollouts of iterations k+1 .. k+s run while iteration k
     trains. 0: on-policy, each rollout waits for the previous update. s >= 1 trains with decoupled
     PPO (algorithms.md §10): the features stage's pass of the current policy is the proximal policy,
-    the stale samples carry the truncated behaviour weight train.rollout_is (none is refused).
-    docs/training.md, 'Pipelined iterations'."""
+    and train.rollout_is (none is refused) weights the stale samples by min(pi_prox / pi_behav, C)
+    (ppo_clip) or min(pi_theta / pi_behav, C) (reinforce's bypass). docs/training.md, 'Pipelined
+    iterations'."""
     batch_size: int = opt(64, ge=1)
     """hf backend: prompts per generate call."""
     tensor_parallel_size: int = opt(1, ge=1)
@@ -721,8 +722,9 @@ def check_staleness(cfg: DictConfig, explicit: frozenset[str] | None) -> None:
     if tr.trm and unset:
         raise ConfigError(
             f"config key 'train.trm': must be false when rollout.staleness is {s} unless {' and '.join(unset)} "
-            "are set explicitly: TRM's defaults measure the engine mismatch, and one iteration of lag "
-            "already gives k3 ~ 0.01, ten times mismatch.mean_k3's 0.001 (algorithms.md §10) (got True)"
+            "are set explicitly: TRM's defaults are sized for the engine mismatch, and a lag of one "
+            "iteration gives a k3 many times mismatch.mean_k3 (docs/results.md, 'Pipelined iterations') "
+            "(got True)"
         )
 
 

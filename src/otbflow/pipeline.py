@@ -72,7 +72,7 @@ def sampling_engine(cfg: DictConfig) -> list[str]:
     return ["rollout.backend", "model.dtype", *BACKENDS[cfg.rollout.backend].sample_keys]
 
 
-def rollout_is(cfg: DictConfig) -> list[str]:
+def rollout_is_keys(cfg: DictConfig) -> list[str]:
     """The rollout IS weights' level, and their truncation where they are on."""
     return ["train.rollout_is"] + (["train.rollout_is_threshold"] if cfg.train.rollout_is != "none" else [])
 
@@ -124,7 +124,7 @@ def _variance_pool(cfg: DictConfig) -> list[str]:
 def _features(cfg: DictConfig) -> list[str]:
     f = ["features.batch_size", "features.chunk_size", "features.vocab_chunk_size", "features.exact_grad_norm"]
     # pi_old at the trainer's precision (train.bf16), not model.dtype (rollout, evaluate)
-    return [*f, "rollout.temperature", "train.bf16", *rollout_is(cfg)]
+    return [*f, "rollout.temperature", "train.bf16", *rollout_is_keys(cfg)]
 
 
 def _advantages(cfg: DictConfig) -> list[str]:
@@ -157,7 +157,7 @@ def _evaluate(cfg: DictConfig) -> list[str]:
 
 
 def _report(cfg: DictConfig) -> list[str]:
-    return ["mismatch.max_k2", "mismatch.mean_k3", *rollout_is(cfg)]
+    return ["mismatch.max_k2", "mismatch.mean_k3", *rollout_is_keys(cfg)]
 
 
 def _scaling(cfg: DictConfig) -> list[str]:

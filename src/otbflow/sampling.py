@@ -37,15 +37,15 @@ def rollout_table(
     shard: int,
     seed: int,
     reward_fn,
-    behaviour_iteration: int | None = None,
+    behaviour_iteration: int,
 ) -> pl.DataFrame:
     """The rollouts table (schemas.ROLLOUTS) of any backend's samples of ``batch``'s prompts;
-    ``behaviour_iteration`` (default ``iteration``) names the iteration whose policy sampled them."""
+    ``behaviour_iteration`` names the iteration whose starting policy sampled them."""
     rows = batch.to_dicts()
     return pl.DataFrame(
         {
             "iteration": [iteration] * len(samples),
-            "behaviour_iteration": [iteration if behaviour_iteration is None else behaviour_iteration] * len(samples),
+            "behaviour_iteration": [behaviour_iteration] * len(samples),
             "shard": [shard] * len(samples),
             "seed": [seed] * len(samples),
             "prompt_id": [rows[s.prompt_index]["prompt_id"] for s in samples],
@@ -73,10 +73,10 @@ def sample_groups(
     iteration: int,
     shard: int,
     seed: int,
-    behaviour_iteration: int | None = None,
+    behaviour_iteration: int,
 ) -> tuple[pl.DataFrame, dict[str, Any]]:
     """``group_size`` responses to each prompt of ``batch`` (table 'prompts'), sampled from
-    ``policy`` (the starting policy of iteration ``behaviour_iteration``, default ``iteration``)
+    ``policy`` (the starting policy of iteration ``behaviour_iteration``)
     with the rollout section's sampling options and scored with the task's reward: the rollouts
     table and its metadata."""
     r = cfg.rollout
@@ -91,7 +91,7 @@ def sample_groups(
         "backend": r.backend,
         "policy": str(Path(policy)),
         "iteration": iteration,
-        "behaviour_iteration": iteration if behaviour_iteration is None else behaviour_iteration,
+        "behaviour_iteration": behaviour_iteration,
         "seed": seed,
         "torch_version": torch.__version__,
         **backend.metadata(sampling),

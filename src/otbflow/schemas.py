@@ -371,8 +371,9 @@ MISMATCH = _table(
         (
             "truncated_fraction",
             pl.Float64,
-            "fraction of tokens whose IS weight min(r, train.rollout_is_threshold) is truncated (r above the "
-            "threshold; at sequence level every token of such a sequence); NaN with train.rollout_is none",
+            "fraction of tokens whose stored IS weight (features' is_weights: min(pi_old / pi_rollout, "
+            "train.rollout_is_threshold), per token or per sequence) is at the threshold; reinforce trains with "
+            "pi_theta / pi_rollout instead; NaN with train.rollout_is none",
         ),
         ("log_ppl_abs_diff_mean", pl.Float64, "mean over sequences of the |log-PPL gap| (TRM's PPL gap)"),
         (

@@ -73,20 +73,16 @@ def progress_table(summaries: list[str], per_iteration: pl.DataFrame) -> pl.Data
 
 
 def mismatch_table(
-    features: pl.DataFrame, max_k2: float, mean_k3: float, is_level: str = "none", is_threshold: float | None = None
+    features: pl.DataFrame, max_k2: float, mean_k3: float, is_threshold: float | None = None
 ) -> pl.DataFrame:
-    """Per iteration: the lag, the trainer-vs-rollout log-ratio statistics, the fraction of
-    truncated IS weights (``is_level`` token or sequence, truncation ``is_threshold``) and TRM's
-    acceptance at ``max_k2``, ``mean_k3``."""
-    # the log-ratio a weight is truncated on: per token, or the sequence's sum broadcast to its tokens
-    seq_sum = pl.col("log_ratio").list.sum().cast(pl.Float64)
-    tokens = (
-        features.select("iteration", "log_ratio", "k3", seq_sum.alias("seq_log_ratio"))
-        .explode("log_ratio", "k3")
-        .drop_nulls()
-    )
-    log_w = pl.col("log_ratio").cast(pl.Float64) if is_level == "token" else pl.col("seq_log_ratio")
-    truncated = (log_w > math.log(is_threshold)).mean() if is_level != "none" else pl.lit(float("nan"))
+    """Per iteration: the lag, the trainer-vs-rollout log-ratio statistics, TRM's acceptance at
+    ``max_k2``, ``mean_k3``, and the share of tokens whose stored IS weight (the features stage's
+    ``is_weights``, train.rollout_is) sits at its truncation ``is_threshold`` (None: no weights, NaN)."""
+    cols = ["iteration", "log_ratio", "k3"] + (["is_weights"] if is_threshold is not None else [])
+    tokens = features.select(cols).explode(cols[1:]).drop_nulls()
+    # a weight min(rho, C) stored in float32 equals float32(C) exactly where rho reached C
+    c = float(np.float32(is_threshold)) if is_threshold is not None else None
+    truncated = (pl.col("is_weights").cast(pl.Float64) >= c).mean() if c is not None else pl.lit(float("nan"))
     per_token = tokens.group_by("iteration").agg(
         pl.len().cast(pl.Int64).alias("tokens"),
         pl.col("log_ratio").cast(pl.Float64).mean().alias("log_ratio_mean"),
@@ -174,11 +170,12 @@ def run(cfg: DictConfig, args: Args) -> None:
     write_parquet(progress, out / "progress.parquet")
     write_parquet(metrics.select(list(schemas.METRICS.columns)), out / "metrics.parquet")
     write_parquet(comparison, out / "comparison.parquet")
-    cols = ["iteration", "behaviour_iteration", "log_ratio", "k3", "seq_max_k2", "seq_mean_k3", "log_ppl_abs_diff"]
-    features = pl.concat([read_table(p, schemas.FEATURES).select(cols) for p in args.features])
     tc = cfg.train
     threshold = tc.rollout_is_threshold if tc.rollout_is != "none" else None  # read only where it is used
-    mismatch = mismatch_table(features, cfg.mismatch.max_k2, cfg.mismatch.mean_k3, tc.rollout_is, threshold)
+    cols = ["iteration", "behaviour_iteration", "log_ratio", "k3", "seq_max_k2", "seq_mean_k3", "log_ppl_abs_diff"]
+    cols += ["is_weights"] if threshold is not None else []  # written by features with train.rollout_is
+    features = pl.concat([read_table(p, schemas.FEATURES).select(cols) for p in args.features])
+    mismatch = mismatch_table(features, cfg.mismatch.max_k2, cfg.mismatch.mean_k3, threshold)
     write_parquet(mismatch, out / "mismatch.parquet")
     for row in mismatch.filter(pl.col("lag") > 0).iter_rows(named=True):
         log.info(

@@ -35,7 +35,7 @@ def run(cfg: DictConfig, args: Args) -> None:
     batch = select_prompts(prompts, 0, cfg.variance.pool_prompts)
     # the seed of iteration 0's rollout of the shard: the pool drawn before this stage existed
     seed = derive_seed(cfg.seed, "rollout", 0, shard)
-    df, meta = sample_groups(cfg, batch, args.policy, cfg.variance.pool_size, 0, shard, seed)
+    df, meta = sample_groups(cfg, batch, args.policy, cfg.variance.pool_size, 0, shard, seed, 0)
     write_parquet(df, args.out, metadata=meta)
     log.info(
         "pool: %d prompts x %d responses, mean reward %.3f", batch.height, cfg.variance.pool_size, df["reward"].mean()
