@@ -50,6 +50,20 @@ SANDBOX_ENTRIES = (
 )
 
 
+@pytest.fixture(autouse=True)
+def clean_env():
+    """A train stage run in the test's process (tests/test_train.py, tests/test_stage_keys.py) sets
+    RANK, MASTER_PORT... in os.environ and keeps its rendezvous port open: every test starts
+    without them and leaves none behind, so that the jobs a later test starts (a workflow's train
+    job) do not inherit a port that is taken. Also ignores a Slurm job the tests may run in."""
+    saved = dict(os.environ)
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID"):
+        os.environ.pop(k, None)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def make_sandbox(path: Path) -> Path:
     """A folder that looks like a checkout of this repository (links to its files and to the
     running interpreter's venv as .venv) but has its own results/, so that README commands run

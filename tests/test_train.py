@@ -50,18 +50,6 @@ def make_cfg(*overrides: str):
     )
 
 
-@pytest.fixture(autouse=True)
-def clean_env():
-    """run() sets RANK, MASTER_PORT...; keep them out of other tests (and ignore a Slurm job
-    the tests themselves may run in)."""
-    saved = dict(os.environ)
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID"):
-        os.environ.pop(k, None)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
-
-
 @pytest.fixture(scope="module")
 def policy_dir(tmp_path_factory):
     tok = build_char_tokenizer()

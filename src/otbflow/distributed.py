@@ -14,18 +14,9 @@ from otbflow.logits import ResponseLogprobs, check_head_logits
 
 
 def _free_port() -> int:
-    """The port of a single-process job's rendezvous: 10000 + pid % 20000, below Linux's ephemeral
-    range (32768-60999, so no outgoing connection holds it) and distinct for concurrent jobs (two
-    jobs that drew one free port from the kernel could collide: EADDRINUSE); any free port if that
-    one is taken."""
-    for port in (10000 + os.getpid() % 20000, 0):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return s.getsockname()[1]
-    raise OSError("no free port on 127.0.0.1")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _slurm_master_addr() -> str:
