@@ -218,7 +218,9 @@ def test_a_stale_rollout_runs_while_the_policy_trains(slurm_run):
     at once, and Slurm runs them side by side (one CPU each): their own start and end stamps overlap."""
     work, _ = slurm_run
     stale = "--config iterations=2 'rollout={staleness: 1}' 'train={rollout_is: token}' 'resources={train: {tasks: 1, mem_mb: 2000}, rollout: {mem_mb: 2000}}'"
-    sh(work, f"snakemake --cores 2 --configfile my.yaml {ADV} {stale} < /dev/null")
+    sh(
+        work, f"snakemake {ADV} --cores 2 --configfile my.yaml {stale} < /dev/null"
+    )  # targets before --configfile (it takes several files)
     targets = (
         "results/iter_0/train/policy results/iter_1/rollout/shard_0.parquet results/iter_1/rollout/shard_1.parquet"
     )
