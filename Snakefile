@@ -17,12 +17,19 @@ wildcard_constraints:
     policy=r"initial|iter_\d+",
 
 
+# Before the first job of a real run (never in a dry run, --lint, --summary or --report).
+onstart:
+    refuse_pruned_inputs()
+    write_resolved_config()
+
+
 rule all:
     default_target: True
     input:
         lambda wildcards: rules.report.output,
         lambda wildcards: rules.scaling.output,
         lambda wildcards: rules.variance.output,
+        lambda wildcards: expand(rules.prune.output, k=PRUNED_ITERATIONS),
 
 
 include: "workflow/rules/bootstrap.smk"
@@ -31,6 +38,7 @@ include: "workflow/rules/rollout.smk"
 include: "workflow/rules/features.smk"
 include: "workflow/rules/advantages.smk"
 include: "workflow/rules/train.smk"
+include: "workflow/rules/prune.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/scaling.smk"

@@ -111,6 +111,11 @@ HOW: dict[str, str] = {
     # no conda on the CI machines: the same dry run without --sdm conda
     "snakemake -n --cores 8 --config 'rollout={backend: vllm}' 'model={path: results/bootstrap/policy, dtype: bfloat16}'",
     ".venv/bin/snakemake --cores 8 --config 'rollout={backend: vllm, python: /opt/envs/vllm/bin/python}'": DRY,
+    # disk estimates (the model's config counted on the meta device: as shown)
+    "otbflow disk iterations=100 retention.policy_every=0 retention.optimizer=all": AS_SHOWN,
+    "otbflow disk --model-config benchmarks/shapes/qwen2.5-7b.json --prompt-tokens 200 iterations=100 "
+    "rollout.prompts_per_iteration=512 rollout.group_size=16 rollout.max_new_tokens=4096 train.zero_stage=1 "
+    "train.bf16=true": AS_SHOWN,
     # benchmarks (tiny sizes: each prints its JSON) and set-up
     "make setup": AS_SHOWN,
     "python benchmarks/bench_rollout.py": "python benchmarks/bench_rollout.py --models tiny --backends hf --prompts 4 --max-new-tokens 8 --repeats 1",

@@ -192,6 +192,10 @@ def run_chain(tmp: Path, cfg: DictConfig, policy: str | None = None) -> dict[str
     reads["variance"] = run_recorded(
         "variance", cfg, rollouts=[str(pool)], policy=policy, out_dir=str(tmp / "variance")
     )
+    # last: it deletes what retention does not keep of the policy the chain trained
+    reads["prune"] = run_recorded(
+        "prune", cfg, iteration=0, policy=str(tmp / "next"), optimizer=str(tmp / "optimizer"), out=str(tmp / "k.json")
+    )
     return reads
 
 

@@ -65,7 +65,7 @@ def planned_jobs(dry_run_stdout: str) -> list[tuple[str, set[str], set[str]]]:
 
 
 def planned_rules(dry_run_stdout: str) -> set[str]:
-    return set(re.findall(r"^rule (\w+):", dry_run_stdout, flags=re.M)) - {"all"}
+    return set(re.findall(r"^(?:local)?rule (\w+):", dry_run_stdout, flags=re.M)) - {"all"}
 
 
 @pytest.fixture(scope="module")
@@ -170,11 +170,7 @@ def test_the_tiny_workflow_runs_one_iteration_stale(run_dir, tmp_path):
     """rollout.staleness 1 on a copy of the tiny run: iteration 0's rollouts are kept (they are the
     same at any staleness), iteration 1 samples from the initial policy, features and train use
     the policy iteration 0 trained, and the report shows the lag and the truncation."""
-    work = tmp_path / "run"
-    for name in ("results", ".snakemake"):
-        shutil.copytree(
-            run_dir / name, work / name, symlinks=True, ignore=shutil.ignore_patterns("locks", "incomplete")
-        )
+    work = copy_run(run_dir, tmp_path / "run")
     res = snakemake(work, "--config", "rollout={staleness: 1}", "train={rollout_is: token}")
     assert "rule rollout" in res.stdout + res.stderr
     r = work / "results"
@@ -193,6 +189,51 @@ def test_the_tiny_workflow_runs_one_iteration_stale(run_dir, tmp_path):
     assert mismatch["truncated_fraction"].is_finite().all()
 
 
+def copy_run(run_dir: Path, work: Path) -> Path:
+    """A copy of the tiny run (results and Snakemake's records) for a test that writes."""
+    for name in ("results", ".snakemake"):
+        shutil.copytree(
+            run_dir / name, work / name, symlinks=True, ignore=shutil.ignore_patterns("locks", "incomplete")
+        )
+    return work
+
+
+def test_retention_prunes_what_it_does_not_keep_and_refuses_what_needs_it(run_dir, tmp_path):
+    """The default retention on a copy of the 2-iteration tiny run (which kept everything):
+    iteration 0's policy weights and AdamW state are deleted, iteration 1's kept (the last);
+    nothing reruns afterwards; a change that would evaluate the pruned policy again is refused
+    before any job, naming it; extending the run and changing the estimator are not."""
+    work = copy_run(run_dir, tmp_path / "run")
+    keep = "retention={policy_every: 10, optimizer: last}"
+    res = snakemake(work, "--config", keep)
+    assert planned_rules(res.stdout + res.stderr) <= {"prune", "report"}, res.stderr[-3000:]
+    r = work / "results"
+    assert json.loads((r / "iter_0/train/policy/PRUNED.json").read_text())["removed"][0]["name"] == "model.safetensors"
+    assert not (r / "iter_0/train/policy/model.safetensors").exists()
+    assert not (r / "iter_0/train/optimizer/state").exists() and (r / "iter_0/train/optimizer/meta.json").exists()
+    assert (r / "iter_1/train/policy/model.safetensors").exists() and (r / "iter_1/train/optimizer/state").is_dir()
+    record = json.loads((r / "iter_0/train/retention.json").read_text())
+    assert record["kept"] == {"policy": False, "optimizer": False} and min(record["freed_bytes"].values()) > 0
+    assert json.loads((r / "report/disk.json").read_text())["pruned"] == sum(record["freed_bytes"].values())
+    assert planned_rules(snakemake(work, "-n", "--config", keep).stdout) == set()
+
+    before = tree_state(r)
+    res = snakemake(work, "--config", keep, "evaluate={n_samples: 3}", check=False)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0 and "evaluate (policy=iter_0): results/iter_0/train/policy" in out, out[-3000:]
+    assert "Nothing was run" in out and tree_state(r) == before
+
+    # one more iteration starts from the kept policy and optimizer state: nothing before it reruns
+    jobs = planned_jobs(snakemake(work, "-n", "--config", keep, "iterations=3").stdout)
+    assert {rule for rule, _, outs in jobs if any("iter_0" in o or "iter_1/rollout" in o for o in outs)} <= {"prune"}
+    train = [ins for rule, ins, _ in jobs if rule == "train"]
+    assert len(train) == 1 and {"results/iter_1/train/policy", "results/iter_1/train/optimizer"} <= train[0]
+    # a new estimator retrains from iteration 0, which writes the pruned policy again: not refused
+    # (--touch runs the check before any job, as a real run does, and then only touches the outputs)
+    res = snakemake(work, "--touch", "--config", keep, "advantages={estimator: grpo}", check=False)
+    assert res.returncode == 0 and "Nothing was run" not in res.stderr, res.stderr[-3000:]
+
+
 def test_html_report(run_dir):
     html = (run_dir / "results" / "report.html").read_text(errors="ignore")  # written by make run
     assert "accuracy.png" in html and "Held-out accuracy" in html
@@ -201,6 +242,40 @@ def test_html_report(run_dir):
 def test_nothing_to_do_after_a_complete_run(run_dir):
     res = snakemake(run_dir, "-n")
     assert planned_rules(res.stdout) == set(), res.stdout[-2000:]
+
+
+def tree_state(folder: Path) -> dict[str, tuple[str, int]]:
+    """Every file under ``folder``: (sha256, mtime in ns)."""
+    import hashlib
+
+    return {
+        str(p.relative_to(folder)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_previews_write_nothing_under_results(run_dir, tmp_path):
+    """A dry run, --lint, --summary and --list-changes (with overrides that would change the
+    resolved config) leave every file under results/ as it was, byte for byte and mtime; --report
+    writes only the report it is asked for. A dry run of the experiment workflow writes nothing."""
+    before = tree_state(run_dir / "results")
+    overrides = ["--config", "rollout={group_size: 4}", "advantages={estimator: grpo}"]
+    for args in (["-n", *overrides], ["--lint", *overrides], ["--summary", *overrides], ["--lc", "params", *overrides]):
+        snakemake(run_dir, *args)
+        assert tree_state(run_dir / "results") == before, args
+    report = tmp_path / "preview.html"
+    snakemake(run_dir, "--report", str(report), *overrides)
+    assert report.stat().st_size > 0 and tree_state(run_dir / "results") == before
+    res = subprocess.run(
+        [SNAKEMAKE, "-s", str(REPO / "workflow/experiment.smk"), "--directory", str(tmp_path / "exp"), "-n"]
+        + ["--cores", "2", "--configfile", str(REPO / "config/experiments/tiny.yaml")],
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
+    assert res.returncode == 0 and "experiment_file" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
+    assert not (tmp_path / "exp" / "results").exists()
 
 
 def test_changing_the_estimator_reruns_from_advantages_on(run_dir):

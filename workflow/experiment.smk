@@ -14,7 +14,7 @@ import yaml
 import otbflow
 from otbflow.codeversion import code_version
 from otbflow.config import DEFAULT_CONFIG, load_config, to_yaml
-from otbflow.experiment_config import load_experiment, shared_config
+from otbflow.experiment_config import check_experiment, shared_config
 from otbflow.io import write_text_if_changed
 
 REPO = Path(workflow.basedir).resolve().parent
@@ -23,10 +23,12 @@ ROOT = f"results/{EXP.get('experiment', 'experiment')}"
 ENV = "../envs/otbflow.yaml"
 
 
-# The experiment as given, checked (every member's config validated) before any job runs.
-write_text_if_changed(f"{ROOT}/experiment.yaml", yaml.safe_dump(EXP, sort_keys=False))
-EXP = load_experiment(f"{ROOT}/experiment.yaml")
-write_text_if_changed(f"{ROOT}/shared/shared.yaml", yaml.safe_dump(shared_config(EXP), sort_keys=False))
+# The experiment as given, checked (every member's config validated) before any job runs. Its
+# files (the experiment as given, the shared part) are written by the first jobs, not here: a dry
+# run, --lint or --summary writes nothing under results/. Their text is the rules' rerun trigger.
+GIVEN = yaml.safe_dump(EXP, sort_keys=False)
+EXP = check_experiment(yaml.safe_load(GIVEN), "the experiment (--configfile, --config)")
+SHARED = yaml.safe_dump(shared_config(EXP), sort_keys=False)
 RUNS, SEEDS = list(EXP["runs"]), list(EXP["seeds"])
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
 _SRC = str(Path(otbflow.__file__).resolve().parents[1])
@@ -53,9 +55,35 @@ rule all:
         f"{ROOT}/summary.parquet",
 
 
+rule experiment_file:
+    output:
+        f"{ROOT}/experiment.yaml",
+    log:
+        f"{ROOT}/logs/experiment_file.log",
+    localrule: True
+    params:
+        text=GIVEN,
+    run:
+        write_text_if_changed(output[0], params.text)
+        write_text_if_changed(log[0], f"wrote {output[0]}\n")
+
+
+rule shared_file:
+    output:
+        f"{ROOT}/shared/shared.yaml",
+    log:
+        f"{ROOT}/logs/shared_file.log",
+    localrule: True
+    params:
+        text=SHARED,
+    run:
+        write_text_if_changed(output[0], params.text)
+        write_text_if_changed(log[0], f"wrote {output[0]}\n")
+
+
 rule shared:
     input:
-        cfg=f"{ROOT}/shared/shared.yaml",
+        cfg=rules.shared_file.output[0],
     output:
         policy=directory(f"{ROOT}/shared/results/bootstrap/policy"),
         scaling=f"{ROOT}/shared/results/scaling/summary.json",
@@ -88,7 +116,7 @@ rule shared:
 
 rule member_config:
     input:
-        experiment=f"{ROOT}/experiment.yaml",
+        experiment=rules.experiment_file.output[0],
         policy=rules.shared.output.policy,
         scaling=rules.shared.output.scaling,
     output:
@@ -135,7 +163,7 @@ rule member:
 
 rule experiment_report:
     input:
-        experiment=f"{ROOT}/experiment.yaml",
+        experiment=rules.experiment_file.output[0],
         progress=expand(rules.member.output.progress, run=RUNS, seed=SEEDS),
         metrics=expand(rules.member.output.metrics, run=RUNS, seed=SEEDS),
         variance=rules.shared.output.variance,

@@ -26,6 +26,7 @@ TOOLS = {
     "config": "print the validated config (or every key with its help)",
     "schema-doc": "print the Parquet schema reference (docs/schema.md)",
     "submit": "run the workflow on Slurm from a head job (snakemake --workflow-profile slurm)",
+    "disk": "the disk a run will take (policies, optimizer states, data) under its retention policy",
     "experiment-member": "write one experiment member's resolved config (used by workflow/experiment.smk)",
 }
 
@@ -135,6 +136,14 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             )
             submit.add_arguments(p)
             continue
+        if name == "disk":
+            from otbflow import disk
+
+            p = sub.add_parser(
+                name, help=help_text, description=disk.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+            )
+            disk.add_arguments(p)
+            continue
         p = sub.add_parser(name, help=help_text)
         if name == "experiment-member":
             for flag in ("--experiment", "--run", "--policy", "--scaling", "--out"):
@@ -191,6 +200,10 @@ def _main(argv: list[str], program: bool) -> int:
             from otbflow.submit import main as submit_main
 
             return submit_main(ns)
+        if ns.command == "disk":
+            from otbflow.disk import main as disk_main
+
+            return disk_main(ns)
         if ns.command == "experiment-member":
             from otbflow.experiment_config import write_member_config
 

@@ -439,6 +439,20 @@ class EvaluateConfig:
 
 
 @dataclass
+class RetentionConfig:
+    policy_every: int = opt(10, ge=0)
+    """Keep the policy after every n-th update (iter_{n-1}, iter_{2n-1}, ...) besides the last
+    rollout.staleness + 1 policies (what `iterations` + 1 starts from) and, until they have run,
+    those evaluation and later iterations still read; the weights of the others are deleted once
+    every job that reads them is done (the folder stays, with PRUNED.json). 0: keep every policy.
+    docs/training.md, 'Disk: what a run keeps'."""
+    optimizer: str = opt("last", choices=("last", "all"))
+    """'last': an iteration's AdamW state (iter_k/train/optimizer/, 3x the fp32 weights) is
+    deleted once iteration k+1's train outputs are complete and recorded; the last one is kept,
+    so that the run can be extended or resumed. 'all': keep every one."""
+
+
+@dataclass
 class MismatchConfig:
     max_k2: float = opt(0.05, gt=0)
     """TRM max criterion (algorithms.md §3.3): a sequence is accepted while every token has
@@ -554,6 +568,7 @@ class Config:
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     variance: VarianceConfig = field(default_factory=VarianceConfig)
     mismatch: MismatchConfig = field(default_factory=MismatchConfig)
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
 
 

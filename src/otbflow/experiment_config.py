@@ -97,7 +97,11 @@ def load_experiment(path: str | Path) -> dict:
     """The experiment file as a plain dict, checked: its keys and their bounds, the rules between
     them (the reference and pairs are runs) and every member's config (validated by the same
     loader as any config). Errors start with the file and name the key (and the run)."""
-    data = yaml.safe_load(Path(path).read_text()) or {}
+    return check_experiment(yaml.safe_load(Path(path).read_text()) or {}, str(path))
+
+
+def check_experiment(data: dict, path: str) -> dict:
+    """``load_experiment`` of an experiment already read (``path`` names its source in errors)."""
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: an experiment is a mapping with the keys experiment, seeds, base, runs, analysis")
     if data.get("analysis", {}) is None:

@@ -12,6 +12,7 @@ import torch
 from omegaconf import DictConfig
 
 from otbflow.config import ARCHITECTURES
+from otbflow.retention import check_not_pruned
 
 CHARS = "0123456789+-*/=;#:. abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ\n"
 SPECIAL = ["<pad>", "<eos>", "<unk>"]
@@ -74,25 +75,14 @@ def build_tokenizer(mcfg: DictConfig, texts: list[str]):
     return build_bpe_tokenizer(texts, mcfg.vocab_size)
 
 
-def build_tiny_model(mcfg: DictConfig, tokenizer, seed: int):
-    """A randomly initialised ``model.arch`` model of the configured size for ``tokenizer``."""
-    from transformers import (
-        GenerationConfig,
-        GPT2Config,
-        GPT2LMHeadModel,
-        LlamaConfig,
-        LlamaForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-    )
+def tiny_model_config(mcfg: DictConfig, vocab_size: int, eos: int | None = None, pad: int | None = None):
+    """The HF config of the ``model.arch`` model of the configured size (``build_tiny_model``)."""
+    from transformers import GPT2Config, LlamaConfig, Qwen2Config
 
-    torch.manual_seed(seed)
-    eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id
     arch = mcfg.arch
     if arch == "gpt2":
-        config = GPT2Config(
-            vocab_size=len(tokenizer),
+        return GPT2Config(
+            vocab_size=vocab_size,
             n_positions=mcfg.n_positions,
             n_embd=mcfg.n_embd,
             n_layer=mcfg.n_layer,
@@ -104,27 +94,40 @@ def build_tiny_model(mcfg: DictConfig, tokenizer, seed: int):
             embd_pdrop=0.0,
             attn_pdrop=0.0,
         )
-        model = GPT2LMHeadModel(config)
-    else:
-        common = dict(
-            vocab_size=len(tokenizer),
-            hidden_size=mcfg.n_embd,
-            intermediate_size=4 * mcfg.n_embd,
-            num_hidden_layers=mcfg.n_layer,
-            num_attention_heads=mcfg.n_head,
-            num_key_value_heads=mcfg.n_kv_head or mcfg.n_head,
-            max_position_embeddings=mcfg.n_positions,
-            bos_token_id=pad,
-            eos_token_id=eos,
-            pad_token_id=pad,
-            attention_dropout=0.0,
-        )
-        if arch == "llama":
-            model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False))
-        elif arch == "qwen2":
-            model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True))
-        else:
-            raise ValueError(f"model.arch: unknown architecture {arch!r}; one of {', '.join(ARCHITECTURES)}")
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=mcfg.n_embd,
+        intermediate_size=4 * mcfg.n_embd,
+        num_hidden_layers=mcfg.n_layer,
+        num_attention_heads=mcfg.n_head,
+        num_key_value_heads=mcfg.n_kv_head or mcfg.n_head,
+        max_position_embeddings=mcfg.n_positions,
+        bos_token_id=pad,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        attention_dropout=0.0,
+    )
+    if arch == "llama":
+        return LlamaConfig(**common, tie_word_embeddings=False)
+    if arch == "qwen2":
+        return Qwen2Config(**common, tie_word_embeddings=True)
+    raise ValueError(f"model.arch: unknown architecture {arch!r}; one of {', '.join(ARCHITECTURES)}")
+
+
+def tiny_vocab_size(mcfg: DictConfig) -> int:
+    """The built tokenizer's vocabulary: the char tokenizer's, or model.vocab_size for BPE (at most:
+    the trainer stops early when the texts have fewer merges)."""
+    return len(SPECIAL) + len(dict.fromkeys(CHARS)) if mcfg.tokenizer == "char" else mcfg.vocab_size
+
+
+def build_tiny_model(mcfg: DictConfig, tokenizer, seed: int):
+    """A randomly initialised ``model.arch`` model of the configured size for ``tokenizer``."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    torch.manual_seed(seed)
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id
+    model = AutoModelForCausalLM.from_config(tiny_model_config(mcfg, len(tokenizer), eos, pad))
     # Stop on every end token the tokenizer has (ChatML: <|im_end|> and <|endoftext|>), as Qwen2.5 does.
     stops = list(dict.fromkeys(i for i in (eos, pad if tokenizer.chat_template else None) if i is not None))
     model.generation_config = GenerationConfig(
@@ -163,6 +166,7 @@ def load_policy(path: str | Path, dtype: str = "float32"):
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path}: not an HF model folder (no config.json)")
+    check_not_pruned(path)
     tok = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=getattr(torch, dtype)).to(device())
     model.eval()

@@ -160,6 +160,11 @@ def _report(cfg: DictConfig) -> list[str]:
     return ["mismatch.max_k2", "mismatch.mean_k3", *rollout_is_keys(cfg)]
 
 
+def _prune(cfg: DictConfig) -> list[str]:
+    # what iteration k keeps (otbflow.retention.decision): the last staleness + 1 policies and the last optimizer
+    return ["retention.policy_every", "retention.optimizer", "iterations", "rollout.staleness"]
+
+
 def _scaling(cfg: DictConfig) -> list[str]:
     return ["seed", "scaling.max_sequences", "scaling.ci_resamples", "rollout.temperature", "features.chunk_size"]
 
@@ -203,6 +208,13 @@ _STAGES = [
         _train,
         execution=("train.checkpoint_every",),
         dag=("iterations", "train.reset_optimizer", "train.kl_coef"),
+    ),
+    Stage(
+        "prune",
+        "apply the retention policy to an iteration's train outputs (delete the weights not kept)",
+        _prune,
+        # which iterations keep what (otbflow.retention.decision), and who reads them first
+        dag=("iterations", "rollout.staleness", "evaluate.every", "shard.n_shards", "train.reset_optimizer"),
     ),
     Stage(
         "evaluate",

@@ -16,6 +16,7 @@ import torch
 from omegaconf import DictConfig
 
 from otbflow.io import atomic_dir, write_json
+from otbflow.retention import check_not_pruned
 
 # ------------------------------------------------------------------------------------------
 # The next policy
@@ -124,6 +125,7 @@ def check_optimizer_state(folder: str, tc: DictConfig, world_size: int, policy_d
     """The meta of the optimizer state in ``folder`` if this job can resume it; otherwise an
     OptimizerStateError that says what differs and what to do."""
     path = Path(folder)
+    check_not_pruned(path)
     meta_path = path / OPTIMIZER_META
     if not meta_path.is_file():
         raise OptimizerStateError(

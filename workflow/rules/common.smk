@@ -18,6 +18,8 @@ from otbflow.config import (
     validate_workflow,
 )
 from otbflow.io import write_text_if_changed
+from otbflow.retention import decision as retention_decision, pruned_inputs, refusal as retention_refusal
+from snakemake.exceptions import WorkflowError
 
 # Snakemake's `config` holds what --configfile/--config gave (`--config 'rollout={group_size: 8}'`,
 # merged section by section; values inside such a mapping arrive as strings). It is layered over the
@@ -37,8 +39,15 @@ CHAIN_PRIORITY = 2
 
 
 RESOLVED_CONFIG = f"{R}/config.yaml"
-# The resolved config the jobs read; rewritten only when it changes (no spurious mtimes).
-write_text_if_changed(RESOLVED_CONFIG, to_yaml(CFG))
+
+
+def write_resolved_config():
+    """The resolved config the jobs read, written by the Snakefile's ``onstart`` (real executions
+    with jobs to run; not -n, --lint, --summary, --list-changes or --report, which therefore write
+    nothing under results/); rewritten only when it changes (no spurious mtimes). Nothing reads it
+    to decide what reruns: the rules' ``cfg`` params carry the digests."""
+    write_text_if_changed(RESOLVED_CONFIG, to_yaml(CFG))
+
 
 # Jobs run the same source tree the Snakefile imported, with this interpreter (or the
 # environment's `python` under --sdm conda).
@@ -152,6 +161,40 @@ def train_optional_outputs():
     if CFG.train.reset_optimizer:
         return {}
     return {"optimizer": directory(f"{R}/iter_{{k}}/train/optimizer")}
+
+
+def train_output_readers(wildcards):
+    """Every job that reads the policy or the AdamW state iteration k trained: the next
+    iteration's features and train, the rollout that samples with it (iteration k+1+staleness),
+    its evaluation."""
+    k, n = int(wildcards.k), CFG.iterations
+    files = [f"{R}/iter_{k + 1}/train/metrics.parquet"] if k + 1 < n else []
+    files += [f"{R}/iter_{k + 1}/features/shard_{s}.parquet" for s in SHARDS if k + 1 < n]
+    rollout = k + 1 + CFG.rollout.staleness
+    files += [f"{R}/iter_{rollout}/rollout/shard_{s}.parquet" for s in SHARDS if rollout < n]
+    return files + ([f"{R}/iter_{k}/eval/summary.parquet"] if k in EVALUATED else [])
+
+
+def own_optimizer_state(wildcards):
+    """The AdamW state iteration k trained (none with train.reset_optimizer)."""
+    return [] if CFG.train.reset_optimizer else [f"{R}/iter_{wildcards.k}/train/optimizer"]
+
+
+# Iterations whose train outputs the retention policy prunes (otbflow.retention): one local
+# `prune` job each, once every job that reads them is done.
+PRUNED_ITERATIONS = [
+    k
+    for k, keep in ((k, retention_decision(CFG, k)) for k in ITERATIONS)
+    if not (keep.policy and (keep.optimizer or CFG.train.reset_optimizer))
+]
+
+
+def refuse_pruned_inputs():
+    """Before the first job (onstart): a run whose jobs would read weights the retention policy
+    deleted, that none of its jobs makes again, is refused, naming them."""
+    found = pruned_inputs(workflow.dag.needrun_jobs())
+    if found:
+        raise WorkflowError(retention_refusal(found))
 
 
 def reference_policy(wildcards):

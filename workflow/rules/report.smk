@@ -5,11 +5,15 @@ rule report:
         rollouts=expand(rules.rollout.output[0], k=ITERATIONS, s=SHARDS),
         comparisons=expand(rules.advantages.output.comparison, k=ITERATIONS),
         features=expand(rules.features.output[0], k=ITERATIONS, s=SHARDS),
+        # the disk it reports is after the retention policy
+        pruned=expand(rules.prune.output, k=PRUNED_ITERATIONS),
     output:
         progress=f"{R}/report/progress.parquet",
         metrics=f"{R}/report/metrics.parquet",
         comparison=f"{R}/report/comparison.parquet",
         mismatch=f"{R}/report/mismatch.parquet",
+        # bytes under results/ after the retention policy (otbflow.disk.used)
+        disk=f"{R}/report/disk.json",
         accuracy=report(
             f"{R}/report/accuracy.png",
             caption="../report/accuracy.rst",

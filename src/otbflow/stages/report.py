@@ -19,8 +19,8 @@ import numpy as np
 import polars as pl
 from omegaconf import DictConfig
 
-from otbflow import schemas
-from otbflow.io import pyplot, read_table, save_figure, write_parquet
+from otbflow import disk, schemas
+from otbflow.io import pyplot, read_table, save_figure, write_json, write_parquet
 
 log = logging.getLogger("otbflow.report")
 PLOTS = ("accuracy", "reward", "grad_norm", "response_length", "mismatch")
@@ -236,6 +236,16 @@ def run(cfg: DictConfig, args: Args) -> None:
                 ],
             ),
         ],
+    )
+    # the disk the run takes now, after the retention policy (report/ is in the results folder)
+    use = disk.used(out.parent)
+    write_json(use, out / "disk.json")
+    log.info(
+        "disk: %s under %s, of which %s policies and optimizer states; %s deleted by the retention policy",
+        disk.gib(use["total"]),
+        out.parent,
+        disk.gib(use["train_outputs"]),
+        disk.gib(use["pruned"]),
     )
     first, last = progress.row(0, named=True), progress.row(-1, named=True)
     log.info(

@@ -1,0 +1,132 @@
+"""Retention: what a finished iteration keeps on disk (config ``retention``; docs/training.md,
+"Disk: what a run keeps").
+
+Every iteration's train stage writes the next policy (``iter_k/train/policy/``) and, unless
+``train.reset_optimizer``, its AdamW state (``iter_k/train/optimizer/``, 3x the fp32 weights).
+Kept forever they grow a run's disk without bound (a 7B model: ~14 GB of bf16 weights and ~84 GB
+of fp32 master weights and moments per iteration). The ``prune`` stage of iteration k, which
+Snakemake runs once every job that reads these outputs is done (and their completion recorded),
+deletes the heavy files of those not kept: the weights of a policy, the ``state/`` of an optimizer.
+The folder stays, with its small files, Snakemake's timestamp and ``PRUNED.json`` (what was
+deleted, why): Snakemake still sees a complete, unchanged output, so a plain rerun redoes
+nothing, while a job that would read pruned weights is refused before any job runs
+(``pruned_inputs``), and a stage run by hand on a pruned folder stops with the reason
+(``check_not_pruned``).
+
+Kept: the policy after every ``retention.policy_every``-th update, the last
+``rollout.staleness + 1`` policies (what iteration ``iterations`` would start from and sample
+with: a run can be extended), and with ``retention.optimizer: last`` only the last AdamW state.
+Importing this module imports no torch (the Snakefile imports it).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+PRUNED = "PRUNED.json"
+# Files of an HF policy folder that hold weights; the rest (config, tokenizer) is small and kept.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What iteration k keeps of its train outputs."""
+
+    policy: bool
+    optimizer: bool
+
+    def describe(self) -> str:
+        """The prune rule's per-job param (its rerun trigger): changes when the decision does."""
+        return f"policy:{'keep' if self.policy else 'prune'} optimizer:{'keep' if self.optimizer else 'prune'}"
+
+
+def decision(cfg: DictConfig, k: int) -> Decision:
+    """The retention rule, in one place: iteration k's policy is kept when k+1 is a multiple of
+    ``retention.policy_every`` (0: always) or k is one of the last ``rollout.staleness + 1``
+    iterations; its optimizer state when ``retention.optimizer`` is 'all' or k is the last."""
+    n, last, s = cfg.retention.policy_every, cfg.iterations - 1, cfg.rollout.staleness
+    policy = n == 0 or (k + 1) % n == 0 or k >= last - s
+    return Decision(policy=policy, optimizer=cfg.retention.optimizer == "all" or k >= last)
+
+
+def kept_policies(cfg: DictConfig) -> list[int]:
+    return [k for k in range(cfg.iterations) if decision(cfg, k).policy]
+
+
+def pruned_record(folder: str | Path) -> dict | None:
+    """The PRUNED.json of a pruned folder, None for a complete one."""
+    p = Path(folder) / PRUNED
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+def check_not_pruned(folder: str | Path) -> None:
+    """Stop with the reason where a stage would read a folder whose heavy files retention deleted."""
+    record = pruned_record(folder)
+    if record is not None:
+        raise FileNotFoundError(
+            f"{folder}: its {record['what']} was deleted by the retention policy ({record['reason']}; see "
+            f"{Path(folder) / PRUNED}). Rerun the train job that made it (snakemake --forcerun), or keep such "
+            "outputs with retention.policy_every / retention.optimizer before a change that reads them."
+        )
+
+
+def _size(path: Path) -> int:
+    return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def prune_folder(folder: str | Path, what: str, reason: str, heavy: list[Path]) -> int:
+    """Delete ``heavy`` (files or folders inside ``folder``), recording them first in PRUNED.json
+    (a job killed half-way leaves a folder that says it is pruned, never one that looks whole).
+    Returns the bytes freed (those recorded, for a folder already pruned)."""
+    folder = Path(folder)
+    if (record := pruned_record(folder)) is not None:
+        return sum(r["bytes"] for r in record["removed"])
+    if not heavy:
+        return 0
+    removed = [{"name": p.name, "bytes": _size(p)} for p in heavy]
+    record = {"what": what, "reason": reason, "removed": removed, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    tmp = folder / f".{PRUNED}.tmp"
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(folder / PRUNED)
+    for p in heavy:
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    return sum(r["bytes"] for r in removed)
+
+
+def policy_weights(folder: str | Path) -> list[Path]:
+    return sorted(p for p in Path(folder).iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
+
+
+def optimizer_state(folder: str | Path) -> list[Path]:
+    """The DeepSpeed checkpoint of an optimizer folder (its meta.json is kept)."""
+    return [p for p in [Path(folder) / "state"] if p.exists()]
+
+
+def pruned_inputs(jobs) -> dict[str, list[str]]:
+    """Of the jobs about to run (Snakemake's ``dag.needrun_jobs()`` with ``dag.needrun``), those
+    that read a pruned folder that no job about to run makes again: {job: [folders]}. Such a run
+    is refused before any job (the Snakefile's onstart)."""
+    jobs = list(jobs)
+    remade = {str(f) for job in jobs for f in job.output}
+    found: dict[str, list[str]] = {}
+    for job in jobs:
+        pruned = [str(f) for f in job.input if str(f) not in remade and pruned_record(f) is not None]
+        if pruned:
+            found[f"{job.rule.name} ({', '.join(f'{k}={v}' for k, v in job.wildcards_dict.items())})"] = pruned
+    return found
+
+
+def refusal(found: dict[str, list[str]]) -> str:
+    lines = [f"  {job}: {', '.join(files)}" for job, files in found.items()]
+    return (
+        "this run needs outputs whose weights the retention policy deleted, and no job of this run "
+        "makes them again:\n" + "\n".join(lines) + "\nNothing was run. Rerun the train jobs that made them "
+        "(e.g. --forcerun train), or run the change on a results folder that kept them "
+        "(retention.policy_every: 0, retention.optimizer: all)."
+    )

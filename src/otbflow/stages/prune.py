@@ -1,0 +1,50 @@
+"""Prune: apply the retention policy to iteration k's train outputs (``otbflow.retention``).
+
+Snakemake runs it (a local job of the head process, no queueing) once every job that reads the
+policy or the AdamW state iteration k trained is done: the next iteration's features and train,
+the rollout that samples with this policy, its evaluation. What is not kept loses its heavy files
+(weights, the optimizer's DeepSpeed state); the folders stay with a PRUNED.json. The output
+records what was kept, what was deleted and the bytes freed.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from otbflow.io import write_json
+from otbflow.retention import decision, optimizer_state, policy_weights, prune_folder
+
+log = logging.getLogger("otbflow.prune")
+
+
+@dataclass
+class Args:
+    iteration: int
+    """RL iteration k whose train outputs are pruned."""
+    policy: str
+    """iter_k/train/policy (HF folder)."""
+    out: str
+    """Output JSON: the decision, what was deleted, the bytes freed."""
+    optimizer: str = ""
+    """iter_k/train/optimizer (none with train.reset_optimizer)."""
+
+
+def run(cfg: DictConfig, args: Args) -> None:
+    d = decision(cfg, args.iteration)
+    freed = {"policy": 0, "optimizer": 0}
+    if not d.policy:
+        why = f"retention.policy_every={cfg.retention.policy_every}: not kept after iteration {args.iteration}"
+        freed["policy"] = prune_folder(args.policy, "weights", why, policy_weights(args.policy))
+    if args.optimizer and not d.optimizer:
+        why = f"retention.optimizer=last: iteration {args.iteration + 1} trained from it"
+        freed["optimizer"] = prune_folder(args.optimizer, "optimizer state", why, optimizer_state(args.optimizer))
+    kept = {"policy": d.policy, "optimizer": bool(args.optimizer) and d.optimizer}
+    write_json({"iteration": args.iteration, "kept": kept, "freed_bytes": freed}, args.out)
+    for name, folder in (("policy", args.policy), ("optimizer", args.optimizer)):
+        if folder:
+            state = "kept" if kept[name] else f"pruned ({freed[name] / 2**20:.1f} MiB freed)"
+            log.info("iteration %d %s: %s, %s", args.iteration, name, Path(folder), state)
