@@ -12,7 +12,7 @@ from pathlib import Path
 
 from conftest import REPO
 
-from otbflow.codeversion import WORKFLOW_ONLY, closure, direct_imports
+from otbflow.codeversion import RUN_ONLY, WORKFLOW_ONLY, closure, direct_imports
 from otbflow.pipeline import STAGES
 
 PACKAGE = REPO / "src" / "otbflow"
@@ -86,11 +86,21 @@ def loaded_by(module: str) -> set[str]:
 def test_code_versions_cover_what_each_stage_imports():
     """Independent of the static reading: every otbflow module that importing a stage module
     actually loads is in the closure its code version hashes, except the modules that declare and
-    digest the config and what only they load (codeversion.WORKFLOW_ONLY)."""
+    digest the config and what only they load (codeversion.WORKFLOW_ONLY), and the live curves
+    (codeversion.RUN_ONLY)."""
     via_config = set().union(*(loaded_by(m) for m in WORKFLOW_ONLY))
     for module in [s.module for s in STAGES.values()]:
-        missing = loaded_by(module) - set(closure(module)) - via_config
+        missing = loaded_by(module) - set(closure(module)) - via_config - RUN_ONLY
         assert not missing, f"importing {module} loads {sorted(missing)}, which its code version does not hash"
+
+
+def test_the_live_curves_are_in_no_code_version():
+    """otbflow.tracking changes how a job reports, never what it writes: no stage's code version
+    hashes it (editing it reruns nothing), and it imports no otbflow module that one would have to."""
+    assert direct_imports("otbflow.tracking") == {"otbflow"}  # its parent package only
+    for stage in ("train", "evaluate"):
+        assert "otbflow.tracking" in direct_imports(f"otbflow.stages.{stage}")
+        assert "otbflow.tracking" not in closure(f"otbflow.stages.{stage}")
 
 
 def versions(src, stages: list[str]) -> dict[str, str]:

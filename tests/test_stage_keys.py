@@ -139,7 +139,8 @@ def run_recorded(stage: str, cfg: DictConfig, **args) -> set[str]:
 
 def run_chain(tmp: Path, cfg: DictConfig, policy: str | None = None) -> dict[str, set[str]]:
     """Every stage of one iteration (and the report over it), each on the previous one's
-    outputs; the reads of each."""
+    outputs, the train and evaluate stages with their live curves (under cfg.results_dir); the
+    reads of each."""
     reads = {}
     if policy is None:
         policy = str(tmp / "policy")
@@ -163,6 +164,7 @@ def run_chain(tmp: Path, cfg: DictConfig, policy: str | None = None) -> dict[str
         reference=policy if cfg.train.kl_coef > 0 else "",
         checkpoint_dir=str(tmp / "checkpoints"),
         optimizer=str(tmp / "optimizer"),
+        tracking_name="train/iter_1",
     )
     reads["evaluate"] = run_recorded(
         "evaluate",
@@ -173,6 +175,8 @@ def run_chain(tmp: Path, cfg: DictConfig, policy: str | None = None) -> dict[str
         samples=str(tmp / "samples.parquet"),
         summary=str(tmp / "summary.parquet"),
         iteration=0,
+        train_state=str(tmp / "schedule.json"),
+        tracking_name="evaluate/iter_0",
     )
     reads["report"] = run_recorded(
         "report",
@@ -201,7 +205,7 @@ def run_chain(tmp: Path, cfg: DictConfig, policy: str | None = None) -> dict[str
 
 @pytest.mark.parametrize("column", sorted(MATRIX))
 def test_every_stage_reads_what_the_table_declares(column, tmp_path):
-    cfg = tiny_config(*SMALL, *MATRIX[column])
+    cfg = tiny_config(*SMALL, *MATRIX[column], f"results_dir={tmp_path / 'results'}")
     reads = run_chain(tmp_path, cfg)
     problems = [p for stage, keys in reads.items() for p in check(stage, column, cfg, keys)]
     assert not problems, "\n".join(problems)
@@ -265,7 +269,7 @@ if __name__ == "__main__":  # discovery: print what each stage reads beyond / sh
 
     sys.path.insert(0, str(REPO / "tests"))
     for column in sys.argv[1:] or sorted(MATRIX):
-        cfg = tiny_config(*SMALL, *MATRIX[column])
         with tempfile.TemporaryDirectory() as tmp:
+            cfg = tiny_config(*SMALL, *MATRIX[column], f"results_dir={tmp}/results")
             for stage, keys in run_chain(Path(tmp), cfg).items():
                 print("\n".join(check(stage, column, cfg, keys)) or f"{stage} [{column}] ok", flush=True)

@@ -234,6 +234,31 @@ def test_retention_prunes_what_it_does_not_keep_and_refuses_what_needs_it(run_di
     assert res.returncode == 0 and "Nothing was run" not in res.stderr, res.stderr[-3000:]
 
 
+def test_live_curves_of_the_run(run_dir):
+    """One TensorBoard folder per train and evaluate job, one event file each; the train steps
+    continue over iterations, and each evaluation sits at the step and tokens that made its policy."""
+    from test_tracking import scalars
+
+    r = run_dir / "results"
+    tb = r / "tensorboard"
+    jobs = sorted(str(p.parent.relative_to(tb)) for p in tb.rglob("events.out.tfevents.*"))
+    assert jobs == ["evaluate/initial", "evaluate/iter_0", "evaluate/iter_1", "train/iter_0", "train/iter_1"]
+    progress = read_table(r / "report/progress.parquet", schemas.PROGRESS)
+    step = 0
+    for k in range(2):
+        m = read_table(r / f"iter_{k}/train/metrics.parquet", schemas.TRAIN_METRICS)
+        loss = scalars(tb / f"train/iter_{k}")["train/loss"]
+        assert [s for s, _ in loss] == list(range(step, step + m.height))
+        assert [v for _, v in loss] == pytest.approx(m["loss"].to_list(), rel=1e-6)
+        state = json.loads((r / f"iter_{k}/train/schedule.json").read_text())
+        step = state["step"]
+        curves = scalars(tb / f"evaluate/iter_{k}")
+        assert curves["progress/tokens"] == [(step, state["tokens"])]
+        greedy = progress.filter(pl.col("policy") == f"iter_{k}")["greedy_accuracy"][0]
+        assert curves["evaluate/greedy_accuracy"] == [(step, pytest.approx(greedy, rel=1e-6))]
+    assert scalars(tb / "evaluate/initial")["progress/tokens"] == [(0, 0.0)]
+
+
 def test_html_report(run_dir):
     html = (run_dir / "results" / "report.html").read_text(errors="ignore")  # written by make run
     assert "accuracy.png" in html and "Held-out accuracy" in html
@@ -333,7 +358,8 @@ def test_the_tiny_run_is_bitwise_what_it_was(run_dir):
 
 def test_execution_only_keys_rerun_nothing(run_dir):
     """The stage table's execution keys (the engine's interpreter and memory, the checkpoint
-    period) and the jobs' threads change how jobs run, never what they write: nothing reruns."""
+    period, the live curves) and the jobs' threads change how jobs run, never what they write:
+    nothing reruns."""
     res = snakemake(
         run_dir,
         "-n",
@@ -341,6 +367,7 @@ def test_execution_only_keys_rerun_nothing(run_dir):
         f"rollout={{python: {sys.executable}, kv_cache_gib: 1, enforce_eager: true, gpu_memory_utilization: 0.5}}",
         "train={checkpoint_every: 2}",
         "resources={rollout: {threads: 2}, features: {threads: 2}}",
+        "tracking={tensorboard: false, wandb: {project: p, mode: online, group: g}}",
     )
     assert planned_rules(res.stdout) == set(), res.stdout[-3000:]
 

@@ -4,7 +4,7 @@ Snakemake cannot see edits inside an installed package, so every rule passes the
 code it runs as a ``params:`` value: a hash over the stage's module and every otbflow module it
 reaches by its imports (at any depth, lazy imports included) or names as ``"otbflow.x"`` (the
 engine registry loads its backends by name), with their parent packages; not the config module
-and the stage table (``WORKFLOW_ONLY``). The hash is over each
+and the stage table (``WORKFLOW_ONLY``), nor the live curves (``RUN_ONLY``). The hash is over each
 module's syntax tree without docstrings (formatting, comments and docstrings do not rerun a
 finished workflow; a changed expression does). Nothing is imported: the modules are parsed.
 """
@@ -24,6 +24,9 @@ PACKAGE = Path(__file__).resolve().parent
 # registry they import for its names (the allowed values of an option) is hashed where a stage
 # imports it to run its code.
 WORKFLOW_ONLY = {"otbflow.config", "otbflow.pipeline", "otbflow.codeversion"}
+# Neither hashed nor followed either: code that changes how a job reports, never what it writes
+# (the live curves, which import no other otbflow module), so that editing it reruns nothing.
+RUN_ONLY = {"otbflow.tracking"}
 _NAMED = re.compile(r"^(otbflow(?:\.\w+)+)(?::\w+)?$")
 
 
@@ -75,7 +78,7 @@ def closure(name: str) -> list[str]:
         mod = todo.pop()
         if mod not in seen:
             seen.add(mod)
-            todo += sorted(direct_imports(mod) - seen - WORKFLOW_ONLY)
+            todo += sorted(direct_imports(mod) - seen - WORKFLOW_ONLY - RUN_ONLY)
     return sorted(seen)
 
 

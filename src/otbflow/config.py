@@ -490,6 +490,36 @@ class VarianceConfig:
     the no-baseline REINFORCE ('none') and the exact oracle ('eob'), which are always measured."""
 
 
+WANDB_MODES = ("offline", "online")
+
+
+@dataclass
+class WandbConfig:
+    project: Optional[str] = None
+    """W&B project of the train and evaluate jobs' runs (one run per job, one group per workflow;
+    needs the wandb package: pip install 'otbflow[wandb]'). null: no W&B."""
+    entity: Optional[str] = None
+    """W&B entity (user or team) of the runs. null: the logged-in account's default."""
+    mode: str = opt("offline", choices=WANDB_MODES)
+    """offline: the runs are written under results_dir/wandb/ only, with no network (upload them
+    with `wandb sync`, e.g. from a login node); online: streamed to the W&B server as they go."""
+    group: Optional[str] = None
+    """W&B group of the workflow's runs. null: '<the results folder's parent>-<UTC time>', made
+    by the workflow's first job that logs to W&B and kept in results_dir/wandb/workflow.json."""
+
+
+@dataclass
+class TrackingConfig:
+    """Live curves of the train and evaluate jobs, written as they go (otbflow.tracking): how a
+    job reports, never what it writes, so changing them reruns nothing."""
+
+    tensorboard: bool = True
+    """Write TensorBoard event files under results_dir/tensorboard/<stage>/<job>/ (one folder per
+    job, made anew when the job starts): `tensorboard --logdir results/tensorboard` shows them."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases (off unless wandb.project is set)."""
+
+
 @dataclass
 class CpuJobResources:
     mem_mb: int = opt(2000, ge=1)
@@ -569,6 +599,7 @@ class Config:
     variance: VarianceConfig = field(default_factory=VarianceConfig)
     mismatch: MismatchConfig = field(default_factory=MismatchConfig)
     retention: RetentionConfig = field(default_factory=RetentionConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
 
 
@@ -871,12 +902,19 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 def describe_section(name: str) -> str:
-    """Help text for one config section: each key, its default and its docstring."""
-    cls = type(getattr(Config(), name))
-    defaults = Config().__getattribute__(name)
+    """Help text for one config section (``name`` dotted for a nested one: 'tracking.wandb'):
+    each key, its default and its docstring; a nested section's keys follow its own line."""
+    defaults: Any = Config()
+    for part in name.split("."):
+        defaults = getattr(defaults, part)
     lines = [f"{name}:"]
-    for key, doc in field_docs(cls).items():
-        lines.append(f"  {name}.{key} (default {getattr(defaults, key)!r}): {doc}")
+    for key, doc in field_docs(type(defaults)).items():
+        value = getattr(defaults, key)
+        if dataclasses.is_dataclass(value):
+            lines.append(f"  {name}.{key}: {doc}")
+            lines += [f"  {line}" for line in describe_section(f"{name}.{key}").splitlines()[1:]]
+        else:
+            lines.append(f"  {name}.{key} (default {value!r}): {doc}")
     return "\n".join(lines)
 
 

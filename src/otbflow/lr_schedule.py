@@ -33,6 +33,8 @@ CONSTANT, COSINE, LENGTH_DECAY = SCHEDULES
 class ScheduleState:
     step: int = 0
     """Optimizer steps taken so far, over all iterations (the next step's index)."""
+    tokens: int = 0
+    """Response tokens of those steps (the metrics' ``tokens``, summed): the live curves' token axis."""
     lengths: list[float] = field(default_factory=list)
     """Mean response length of every step so far (length_decay's input)."""
     surge_step: int | None = None
@@ -83,13 +85,14 @@ class LRSchedule:
             return t.lr * max(t.lr_min_ratio, 2.0 ** -((k - s.surge_step) // s.period))
         return t.lr
 
-    def observe(self, mean_length: float) -> str:
-        """Record the finished step's mean response length and advance; returns an event
-        description ('' when nothing happened) for the step that was just taken."""
+    def observe(self, mean_length: float, tokens: int = 0) -> str:
+        """Record the finished step's mean response length (and its tokens) and advance; returns an
+        event description ('' when nothing happened) for the step that was just taken."""
         t, s = self.tc, self.state
         k = s.step
         s.lengths.append(float(mean_length))
         s.step += 1
+        s.tokens += int(tokens)
         if t.lr_schedule != LENGTH_DECAY:
             return ""
         if s.surge_step is None:

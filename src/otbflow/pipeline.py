@@ -77,6 +77,8 @@ def rollout_is_keys(cfg: DictConfig) -> list[str]:
     return ["train.rollout_is"] + (["train.rollout_is_threshold"] if cfg.train.rollout_is != "none" else [])
 
 
+# The live curves of a job (otbflow.tracking): how it reports, never what it writes.
+TRACKING = ("tracking.tensorboard", "tracking.wandb")
 # How prompts are rendered for the policy (the chat template) and how responses are scored.
 RENDERING = ["task.chat", "task.system_prompt"]
 SCORING = ["task.name", "task.reward"]
@@ -206,7 +208,7 @@ _STAGES = [
         "train",
         "DeepSpeed policy update producing the next policy",
         _train,
-        execution=("train.checkpoint_every",),
+        execution=("train.checkpoint_every", *TRACKING),
         dag=("iterations", "train.reset_optimizer", "train.kl_coef"),
     ),
     Stage(
@@ -220,6 +222,7 @@ _STAGES = [
         "evaluate",
         "greedy and avg@k accuracy of a policy on held-out prompts",
         _evaluate,
+        execution=TRACKING,
         dag=("iterations", "evaluate.every", "model.path"),
         engine=True,
     ),

@@ -206,5 +206,11 @@ def policy_by_name(wildcards):
     return initial_policy() if wildcards.policy == "initial" else f"{R}/{wildcards.policy}/train/policy"
 
 
+def train_state_of_policy(wildcards):
+    """The train job's state of an evaluated policy (its optimizer steps and tokens, the live
+    curves' axes); none for the initial policy."""
+    return [] if wildcards.policy == "initial" else [f"{R}/{wildcards.policy}/train/schedule.json"]
+
+
 def policy_iteration(wildcards):
     return -1 if wildcards.policy == "initial" else int(wildcards.policy.split("_")[1])

@@ -2,6 +2,7 @@ rule evaluate:
     input:
         prompts=rules.shard.output.eval,
         policy=policy_by_name,
+        train_state=train_state_of_policy,
     output:
         samples=f"{R}/{{policy}}/eval/samples.parquet",
         summary=f"{R}/{{policy}}/eval/summary.parquet",
@@ -22,6 +23,8 @@ rule evaluate:
         cfg=stage_trigger("evaluate"),
         code=code_version("evaluate"),
         iteration=policy_iteration,
+        train_state=lambda wildcards, input: f"--train-state {input.train_state}" if input.train_state else "",
     shell:
         "OTBFLOW_THREADS={threads} {params.cmd} --prompts {input.prompts} --policy {input.policy} --name {wildcards.policy} "
-        "--samples {output.samples} --summary {output.summary} --iteration {params.iteration} > {log} 2>&1"
+        "--samples {output.samples} --summary {output.summary} --iteration {params.iteration} {params.train_state} "
+        "--tracking-name evaluate/{wildcards.policy} > {log} 2>&1"

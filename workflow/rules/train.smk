@@ -45,4 +45,4 @@ rule train:
     shell:
         "OTBFLOW_THREADS={threads} {params.cmd} --advantages {input.advantages} --policy {input.policy} --out {output.policy} "
         "--metrics {output.metrics} --state {output.state} --checkpoint-dir {params.checkpoint_dir} "
-        "--iteration {wildcards.k} {params.optional} > {log} 2>&1"
+        "--iteration {wildcards.k} {params.optional} --tracking-name train/iter_{wildcards.k} > {log} 2>&1"

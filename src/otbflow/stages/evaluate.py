@@ -4,13 +4,16 @@ Generates with ``rollout.backend`` (transformers or vLLM; one engine for both mo
 prompts rendered as the rollout renders them (``task.chat``). Writes every response (samples
 Parquet) and a one-row summary: greedy accuracy, avg@k (mean reward over k samples per prompt at
 ``evaluate.temperature``) and mean sampled response length. The seed is fixed per policy name,
-so the same policy always gets the same samples.
+so the same policy always gets the same samples. The summary is also a point of the live curves
+(``otbflow.tracking``), at the optimizer steps and tokens that made the policy (``--train-state``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import polars as pl
 from omegaconf import DictConfig
@@ -18,9 +21,11 @@ from omegaconf import DictConfig
 from otbflow import schemas
 from otbflow.engines import Sampling, open_backend, prompt_metadata, render_table
 from otbflow.io import read_table, write_parquet
+from otbflow.lr_schedule import ScheduleState
 from otbflow.model import load_tokenizer, set_threads
 from otbflow.rewards import get_reward, resolve_reward_name
 from otbflow.seeds import derive_seed
+from otbflow.tracking import open_curves
 
 log = logging.getLogger("otbflow.evaluate")
 
@@ -39,10 +44,17 @@ class Args:
     """Output one-row summary Parquet."""
     iteration: int = -1
     """Iteration that trained this policy (-1: the initial policy)."""
+    train_state: str = ""
+    """The --state JSON of the train job that wrote the policy (iter_k/train/schedule.json): the
+    optimizer steps and tokens that made it, the live curves' axes. Empty: 0 and 0 (the initial policy)."""
+    tracking_name: str = ""
+    """This job's name in the live curves (tracking.*), e.g. evaluate/iter_3: its TensorBoard folder
+    results_dir/tensorboard/<name>/ (made anew) and its W&B run. Empty: no live curves."""
 
 
 def run(cfg: DictConfig, args: Args) -> None:
     set_threads()
+    curves = open_curves(cfg, args.tracking_name)
     prompts = read_table(args.prompts, schemas.PROMPTS)
     e = cfg.evaluate
     reward_fn = get_reward(resolve_reward_name(cfg.task.name, cfg.task.reward))
@@ -93,6 +105,10 @@ def run(cfg: DictConfig, args: Args) -> None:
         schema=schemas.EVAL_SUMMARY.columns,
     )
     write_parquet(summary, args.summary)
+    made = ScheduleState(**json.loads(Path(args.train_state).read_text())) if args.train_state else ScheduleState()
+    point = summary.drop("policy", "iteration").row(0, named=True)
+    curves.log("evaluate", point, made.step, args.iteration, made.tokens)
+    curves.close()
     log.info(
         "%s: greedy accuracy %.3f, avg@%d %.3f, mean length %.1f",
         args.name,

@@ -3,7 +3,8 @@
 ``train.ppo_epochs`` seeded passes over the advantages table's rows, one optimizer step per
 mini-batch (``otbflow.trainer.Trainer``; losses and their aggregation in ``otbflow.losses``), an LR
 schedule and an AdamW state carried from iteration to iteration, resumable checkpoints within the
-job (``otbflow.train_state``); writes the next policy (an HF folder) and one metrics row per step.
+job (``otbflow.train_state``); writes the next policy (an HF folder) and one metrics row per step,
+each step also a point of the live curves (``otbflow.tracking``).
 Formulas, options, metrics, checkpoints and launchers: docs/training.md.
 """
 
@@ -26,6 +27,7 @@ from otbflow.io import SchemaError, write_json, write_parquet
 from otbflow.lr_schedule import LRSchedule
 from otbflow.model import set_threads
 from otbflow.seeds import derive_seed
+from otbflow.tracking import Curves, open_curves
 from otbflow.train_state import (
     Checkpoints,
     OptimizerStateError,
@@ -69,6 +71,9 @@ class Args:
     prev_optimizer: str = ""
     """The previous iteration's --optimizer folder: AdamW resumes from it (same world size, ZeRO stage
     and bf16). Empty: a fresh optimizer."""
+    tracking_name: str = ""
+    """This job's name in the live curves (tracking.*), e.g. train/iter_3: its TensorBoard folder
+    results_dir/tensorboard/<name>/ (made anew) and its W&B run. Empty: no live curves."""
 
 
 def run(cfg: DictConfig, args: Args) -> None:
@@ -109,6 +114,9 @@ def run(cfg: DictConfig, args: Args) -> None:
     plan = mini_batches(n, tc, seed)
     schedule = LRSchedule.from_dict(tc, json.loads(Path(args.prev_state).read_text()) if args.prev_state else None)
     schedule.set_horizon(len(plan), lambda: cfg.iterations)
+    # the live curves' step and tokens before this iteration (a checkpoint's state is further on)
+    step0, tokens0 = schedule.state.step, schedule.state.tokens
+    curves = open_curves(cfg, args.tracking_name) if rank == 0 else Curves()
     fp = fingerprint(cfg, args, world_size)
     ckpt = Checkpoints(
         args.checkpoint_dir or str(Path(args.out).with_name("checkpoint")), fp, tc.checkpoint_every, rank, world_size
@@ -122,12 +130,15 @@ def run(cfg: DictConfig, args: Args) -> None:
         torch.set_rng_state(client["torch_rng"])
         if rank == 0:
             log.warning("resuming from the checkpoint in %s after step %d of %d", ckpt.folder, start, len(plan))
+    for row in metrics:  # the steps before the checkpoint, into the job's new curves
+        tokens0 += row["tokens"]
+        curves.log("train", _curve_values(row), step0 + row["step"], args.iteration, tokens0)
 
     for i in range(start, len(plan)):
         t0 = time.perf_counter()
         m = trainer.step(plan[i], schedule.lr())
         events = ["skipped: non-finite loss or gradient"] if m["skipped"] else []
-        events += [e for e in [schedule.observe(m["mean_response_length"])] if e]
+        events += [e for e in [schedule.observe(m["mean_response_length"], m["tokens"])] if e]
         skips = skips + 1 if m["skipped"] else 0
         metrics.append(
             {
@@ -138,6 +149,7 @@ def run(cfg: DictConfig, args: Args) -> None:
                 "step_time_s": time.perf_counter() - t0,
             }
         )
+        curves.log("train", _curve_values(metrics[-1]), step0 + i, args.iteration, schedule.state.tokens)
         if rank == 0:
             for e in events:
                 log.warning("step %d: %s", i, e)
@@ -212,3 +224,10 @@ def run(cfg: DictConfig, args: Args) -> None:
             write_json(schedule.to_dict(), args.state)
         log.info("%d steps on %d sequences; next policy in %s", len(plan), n, args.out)
     ckpt.finish()
+    curves.close()
+
+
+def _curve_values(row: dict) -> dict:
+    """A metrics row as a point of the live curves: its numbers, less the iteration and the step
+    (the point's own axes)."""
+    return {k: v for k, v in row.items() if k not in ("iteration", "step")}
