@@ -50,6 +50,12 @@ VARIANCE_SEEDS = (
     "cp -r results/data/train results/scratch/vs/data/train && .venv/bin/python "
     "benchmarks/variance_seeds.py --seeds 0 --out results/scratch/vs --configfile config/tiny.yaml"
 )
+WANDB_SYNC = (
+    "otbflow evaluate --prompts results/data/eval.parquet --policy results/bootstrap/policy --name initial "
+    "--samples results/scratch/samples.parquet --summary results/scratch/summary.parquet "
+    "--tracking-name evaluate/initial evaluate.n_samples=1 tracking.wandb.project=my_project && "
+    "wandb sync --dry-run results/wandb/offline-run-* 2>&1 | grep 'Would sync 1 run'"
+)
 HOW: dict[str, str] = {
     # README: the two commands
     "make run": f'make run ARGS="{TINY}"',  # the tiny form is the session's tiny run itself
@@ -76,6 +82,11 @@ HOW: dict[str, str] = {
     "--out /tmp/next --metrics /tmp/metrics.parquet train.loss_type=reinforce train.rollout_is=sequence": "otbflow train --advantages results/iter_0/advantages/advantages.parquet --policy results/bootstrap/policy "
     "--out results/scratch/next --metrics results/scratch/metrics.parquet train.loss_type=reinforce "
     "train.rollout_is=sequence",
+    # Watching a run: TensorBoard on a free port until it serves the tiny run's curves, then stopped
+    "tensorboard --logdir results/tensorboard": "python tests/tensorboard_serves.py results/tensorboard",
+    "snakemake --cores 2 --config 'tracking={wandb: {project: my_project}}'": DRY,
+    # no network here: one evaluation writes an offline W&B run, which wandb sync finds (--dry-run)
+    "wandb sync results/wandb/offline-run-*": WANDB_SYNC,
     # Experiments
     ".venv/bin/snakemake -s workflow/experiment.smk --configfile config/experiments/otb_vs_grpo.yaml --cores 2": DRY,
     ".venv/bin/snakemake -s workflow/experiment.smk --configfile config/experiments/stability.yaml --cores 2": DRY,
