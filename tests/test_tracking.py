@@ -14,7 +14,7 @@ from conftest import tiny_config
 from otbflow import schemas
 from otbflow.io import read_table, write_json
 from otbflow.stages import advantages, evaluate, train
-from otbflow.tracking import EventFile, masked_crc32c
+from otbflow.tracking import AXES, EventFile, masked_crc32c
 
 TRAIN = ["train.mini_batch_size=4", "train.micro_batch_size=4", "train.checkpoint_every=1"]
 WANDB = ["tracking.wandb.project=otbflow-tests", "tracking.wandb.mode=offline"]
@@ -56,11 +56,13 @@ def wandb_records(run_file: Path) -> list:
 
 def wandb_run(results: Path, name: str) -> tuple:
     """The one offline W&B run folder of job ``name`` under ``results``: its run record and its
-    history rows (key -> value)."""
+    history rows (key -> value); every chart's x-axis is the step (define_metric)."""
     folders = [p for p in (results / "wandb").glob("offline-run-*") if p.name.endswith(name.replace("/", "-"))]
     assert len(folders) == 1, folders
     records = wandb_records(next(folders[0].glob("run-*.wandb")))
     run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
+    axes = {r.metric.glob_name or r.metric.name: r.metric.step_metric for r in records if r.metric.step_metric}
+    assert axes == {"train/*": "progress/step", "evaluate/*": "progress/step"} | dict.fromkeys(AXES, "progress/step")
     rows = []
     for r in records:
         if r.WhichOneof("record_type") == "history":

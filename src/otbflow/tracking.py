@@ -114,9 +114,9 @@ def start_wandb(w, root: Path, name: str):
         config=_yaml(config) if config.is_file() else None,
         settings=wandb.Settings(console="off", silent=True),  # the job's log stays in results/logs/
     )
-    run.define_metric("progress/step")
-    for prefix in ("train", "evaluate", "progress"):
-        run.define_metric(f"{prefix}/*", step_metric="progress/step")
+    run.define_metric("progress/step")  # every chart's x-axis; progress/tokens is the other one to pick
+    for key in ("train/*", "evaluate/*", *AXES):
+        run.define_metric(key, step_metric="progress/step")
     return run
 
 
