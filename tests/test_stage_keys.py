@@ -199,7 +199,7 @@ def run_chain(tmp: Path, cfg: DictConfig, policy: str | None = None) -> dict[str
     # last: it deletes what retention does not keep of the policy the chain trained
     reads["prune"] = run_recorded(
         "prune", cfg, iteration=0, policy=str(tmp / "next"), optimizer=str(tmp / "optimizer"), out=str(tmp / "k.json")
-    )
+    )  # it reads no key: the workflow passes what to keep
     return reads
 
 

@@ -163,8 +163,9 @@ def _report(cfg: DictConfig) -> list[str]:
 
 
 def _prune(cfg: DictConfig) -> list[str]:
-    # what iteration k keeps (otbflow.retention.decision): the last staleness + 1 policies and the last optimizer
-    return ["retention.policy_every", "retention.optimizer", "iterations", "rollout.staleness"]
+    # what iteration k keeps is decided by the workflow (otbflow.retention.decision), passed as
+    # flags and the rule's per-job rerun trigger: a longer run reruns only the jobs whose decision changed
+    return []
 
 
 def _scaling(cfg: DictConfig) -> list[str]:
@@ -215,8 +216,16 @@ _STAGES = [
         "prune",
         "apply the retention policy to an iteration's train outputs (delete the weights not kept)",
         _prune,
-        # which iterations keep what (otbflow.retention.decision), and who reads them first
-        dag=("iterations", "rollout.staleness", "evaluate.every", "shard.n_shards", "train.reset_optimizer"),
+        # what each iteration keeps (otbflow.retention.decision: its --keep-* flags), and who reads them first
+        dag=(
+            "retention.policy_every",
+            "retention.optimizer",
+            "iterations",
+            "rollout.staleness",
+            "evaluate.every",
+            "shard.n_shards",
+            "train.reset_optimizer",
+        ),
     ),
     Stage(
         "evaluate",

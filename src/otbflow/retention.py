@@ -41,9 +41,9 @@ class Decision:
     policy: bool
     optimizer: bool
 
-    def describe(self) -> str:
-        """The prune rule's per-job param (its rerun trigger): changes when the decision does."""
-        return f"policy:{'keep' if self.policy else 'prune'} optimizer:{'keep' if self.optimizer else 'prune'}"
+    def flags(self) -> str:
+        """The prune stage's --keep-* flags: also the rule's per-job rerun trigger."""
+        return " ".join(f for f, keep in (("--keep-policy", self.policy), ("--keep-optimizer", self.optimizer)) if keep)
 
 
 def decision(cfg: DictConfig, k: int) -> Decision:
@@ -70,7 +70,7 @@ def check_not_pruned(folder: str | Path) -> None:
     record = pruned_record(folder)
     if record is not None:
         raise FileNotFoundError(
-            f"{folder}: its {record['what']} was deleted by the retention policy ({record['reason']}; see "
+            f"{folder}: the retention policy deleted its {record['what']} ({record['reason']}; see "
             f"{Path(folder) / PRUNED}). Rerun the train job that made it (snakemake --forcerun), or keep such "
             "outputs with retention.policy_every / retention.optimizer before a change that reads them."
         )

@@ -17,9 +17,9 @@ rule prune:
         cmd=stage_cmd("prune"),
         cfg=stage_trigger("prune"),
         code=code_version("prune"),
-        # the rerun trigger of iteration k's job: what it keeps (extending `iterations` turns the
-        # last policies into pruned ones)
-        keep=lambda wildcards: retention_decision(CFG, int(wildcards.k)).describe(),
+        # what iteration k keeps, and its rerun trigger (extending `iterations` turns the last
+        # policies into pruned ones: only those jobs rerun)
+        keep=lambda wildcards: retention_decision(CFG, int(wildcards.k)).flags(),
         optional=lambda wildcards, input: f"--optimizer {input.optimizer}" if input.optimizer else "",
     shell:
-        "{params.cmd} --iteration {wildcards.k} --policy {input.policy} {params.optional} --out {output} > {log} 2>&1"
+        "{params.cmd} --iteration {wildcards.k} --policy {input.policy} {params.optional} {params.keep} --out {output} > {log} 2>&1"

@@ -1,6 +1,8 @@
 """Prune: apply the retention policy to iteration k's train outputs (``otbflow.retention``).
 
-Snakemake runs it (a local job of the head process, no queueing) once every job that reads the
+The workflow decides what iteration k keeps (``otbflow.retention.decision``: the rule's
+``--keep-*`` flags, also its rerun trigger) and runs this (a local job of the head process, no
+queueing) once every job that reads the
 policy or the AdamW state iteration k trained is done: the next iteration's features and train,
 the rollout that samples with this policy, its evaluation. What is not kept loses its heavy files
 (weights, the optimizer's DeepSpeed state); the folders stay with a PRUNED.json. The output
@@ -16,7 +18,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from otbflow.io import write_json
-from otbflow.retention import decision, optimizer_state, policy_weights, prune_folder
+from otbflow.retention import optimizer_state, policy_weights, prune_folder, pruned_record
 
 log = logging.getLogger("otbflow.prune")
 
@@ -31,18 +33,23 @@ class Args:
     """Output JSON: the decision, what was deleted, the bytes freed."""
     optimizer: str = ""
     """iter_k/train/optimizer (none with train.reset_optimizer)."""
+    keep_policy: bool = False
+    """Keep the policy's weights (the workflow passes otbflow.retention.decision's)."""
+    keep_optimizer: bool = False
+    """Keep the optimizer state (the workflow passes otbflow.retention.decision's)."""
 
 
 def run(cfg: DictConfig, args: Args) -> None:
-    d = decision(cfg, args.iteration)
     freed = {"policy": 0, "optimizer": 0}
-    if not d.policy:
-        why = f"retention.policy_every={cfg.retention.policy_every}: not kept after iteration {args.iteration}"
+    if not args.keep_policy:
+        why = f"not kept by the retention policy after iteration {args.iteration} (retention.policy_every)"
         freed["policy"] = prune_folder(args.policy, "weights", why, policy_weights(args.policy))
-    if args.optimizer and not d.optimizer:
-        why = f"retention.optimizer=last: iteration {args.iteration + 1} trained from it"
+    if args.optimizer and not args.keep_optimizer:
+        why = f"iteration {args.iteration + 1} trained from it, and retention.optimizer is 'last'"
         freed["optimizer"] = prune_folder(args.optimizer, "optimizer state", why, optimizer_state(args.optimizer))
-    kept = {"policy": d.policy, "optimizer": bool(args.optimizer) and d.optimizer}
+    # what the folders hold now (a policy pruned under an earlier, stricter setting stays pruned)
+    kept = {"policy": pruned_record(args.policy) is None}
+    kept["optimizer"] = bool(args.optimizer) and pruned_record(args.optimizer) is None
     write_json({"iteration": args.iteration, "kept": kept, "freed_bytes": freed}, args.out)
     for name, folder in (("policy", args.policy), ("optimizer", args.optimizer)):
         if folder:
