@@ -17,6 +17,7 @@ from otbflow.config import (
     to_yaml,
     validate_workflow,
 )
+from otbflow.head import guard as guard_head
 from otbflow.io import write_text_if_changed
 from otbflow.retention import decision as retention_decision, pruned_inputs, refusal as retention_refusal
 from snakemake.exceptions import WorkflowError
@@ -29,6 +30,10 @@ CFG = load_config(DEFAULT_CONFIG, extra=from_snakemake(config))
 validate_workflow(CFG)
 validate(to_container(CFG), workflow.source_path("../schemas/config.schema.yaml"), set_default=False)
 R = CFG.results_dir
+# A killed run (kill -9, node failure, its head job requeued) is continued by the same command:
+# once its head is gone, its jobs are stopped, its locks removed and its incomplete outputs redone
+# (otbflow.head). Dry runs change nothing.
+guard_head(workflow, R)
 ITERATIONS = list(range(CFG.iterations))
 EVALUATED = evaluated_iterations(CFG)  # evaluate.every; the last iteration always
 SHARDS = list(range(CFG.shard.n_shards))

@@ -1,0 +1,378 @@
+"""The head: the Snakemake process that runs a folder's workflow, and what it leaves behind when it
+is killed.
+
+Snakemake locks the folder while it runs (``.snakemake/locks/``) and marks each output of a started
+job incomplete until the job has finished (``.snakemake/incomplete/``, one JSON file per output,
+named by its base64-encoded path, holding the Slurm job id of a submitted job). A head killed by
+``kill -9``, a node failure or its head job's requeue leaves both, and its jobs run on; Snakemake's
+next start then stops (LockException, IncompleteFilesException) until ``--unlock`` and
+``--rerun-incomplete``, which are only safe once those jobs are gone. ``guard`` (called by the
+Snakefile when it is parsed) lets the same command continue instead:
+
+- every real run (not a dry run, ``--touch``, ``--nolock``, ``--lint`` or a job's own Snakemake)
+  records itself in ``.snakemake/otbflow-heads/<id>.json`` (pid, host, the process's start, the
+  Slurm job id of a head job, the job-name prefix of its stage jobs) and removes that record
+  when Snakemake returns; the processes of its local jobs carry its id (``OTBFLOW_HEAD``);
+- a recorded head is gone when its process is: on the same host its pid (with the process's start
+  time, against pid reuse), on another host its Slurm job, no longer running (a requeued head job's
+  new run is not its previous run); a head on another host without a Slurm job cannot be told
+  gone: it counts as alive;
+- while a recorded head is alive nothing is touched: Snakemake's lock decides;
+- otherwise the gone heads' jobs are stopped before anything is redone, never adopted: local
+  processes by their mark (SIGTERM, then SIGKILL), Slurm jobs by the ids in the incomplete markers
+  and by name (stage jobs are named ``otbflow-<hash of the results folder>_...``) with scancel,
+  and the head waits until they have left the queue; then the gone heads' locks are removed, and
+  Snakemake redoes the incomplete outputs (``--rerun-incomplete``).
+
+No torch, no otbflow imports: the Snakefile imports this when it is parsed.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+MARK = "OTBFLOW_HEAD"  # environment variable: the id of the head that started a process
+HEAD_JOB = "OTBFLOW_HEAD_JOB_ID"  # the head job's Slurm id (otbflow submit drops SLURM_* for Snakemake)
+RECORDS = "otbflow-heads"  # under .snakemake/
+# Slurm states of a job whose processes may still run; any other state, or none, is gone.
+RUNNING = {"RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT", "RESIZING"}
+# ... and of a job that may still start (a stage job from a gone head is cancelled in both).
+QUEUED = RUNNING | {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "PREEMPTED"}
+
+Log = Callable[[str], None]
+
+
+class HeadError(RuntimeError):
+    """The gone head's jobs could not be stopped, or Slurm could not be asked."""
+
+
+@dataclass
+class Head:
+    id: str
+    pid: int
+    host: str
+    boot: str  # /proc/sys/kernel/random/boot_id: a pid and start time are those of one boot
+    start: int  # the process's start, clock ticks after boot (/proc/<pid>/stat field 22)
+    slurm_job: str | None  # the Slurm job the head runs in (otbflow submit's head job)
+    jobname_prefix: str | None  # its stage jobs' Slurm names start with this and "_"
+    started: str  # wall clock, for people
+    argv: list[str]
+
+    def describe(self) -> str:
+        job = f", Slurm job {self.slurm_job}" if self.slurm_job else ""
+        return f"pid {self.pid} on {self.host}{job}, started {self.started}"
+
+
+def boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def process_stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, parent pid, start in clock ticks after boot) of a process; None when there is none."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()  # after "pid (comm) ": fields 3, 4, ...
+    return fields[0], int(fields[1]), int(fields[19])
+
+
+def this_process(jobname_prefix: str | None = None, argv: list[str] | None = None) -> Head:
+    pid = os.getpid()
+    stat = process_stat(pid)
+    host = socket.gethostname()
+    start = stat[2] if stat else 0
+    return Head(
+        id=f"{host}-{pid}-{start}",
+        pid=pid,
+        host=host,
+        boot=boot_id(),
+        start=start,
+        slurm_job=os.environ.get(HEAD_JOB) or os.environ.get("SLURM_JOB_ID") or None,
+        jobname_prefix=jobname_prefix,
+        started=time.strftime("%Y-%m-%d %H:%M:%S"),
+        argv=list(argv or []),
+    )
+
+
+def jobname_prefix(results_dir: str | Path) -> str:
+    """The Slurm job-name prefix of a results folder's stage jobs: stable across heads, distinct
+    between folders (a hash of its absolute path)."""
+    return "otbflow-" + hashlib.sha256(str(Path(results_dir).resolve()).encode()).hexdigest()[:10]
+
+
+def squeue(fmt: str) -> list[list[str]]:
+    """The rows of ``squeue`` for this user's jobs in every state it still lists, in format ``fmt``
+    (fields between '|', the last one may hold '|'); HeadError when Slurm does not answer."""
+    cmd = ["squeue", "--me", "--noheader", "--states=all", "--format", fmt]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise HeadError(f"squeue failed: {e}") from e
+    if res.returncode != 0:
+        raise HeadError(f"squeue failed ({res.returncode}): {res.stderr.strip()}")
+    return [line.split("|", fmt.count("|")) for line in res.stdout.splitlines() if line.strip()]
+
+
+def slurm_state(job: str) -> str | None:
+    """The state of a Slurm job, None once squeue no longer lists it."""
+    for job_id, state in squeue("%i|%T"):
+        if job_id == job:
+            return state
+    return None
+
+
+def is_gone(head: Head, me: Head, wait_s: float = 120) -> bool | None:
+    """Whether a recorded head's process has ended; None when that cannot be told (another host
+    without a Slurm job, or Slurm not answering)."""
+    if head.host == me.host:
+        if head.boot != me.boot:
+            return True  # the host rebooted since
+        stat = process_stat(head.pid)
+        return stat is None or stat[0] in "ZX" or stat[2] != head.start
+    if not head.slurm_job:
+        return None
+    if head.slurm_job == me.slurm_job:
+        return True  # the previous run of this (requeued) head job
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            state = slurm_state(head.slurm_job)
+        except HeadError:
+            return None
+        if state != "COMPLETING" or time.monotonic() > deadline:
+            return state not in RUNNING
+        time.sleep(2)
+
+
+def incomplete_jobs(snakemake_dir: Path) -> dict[str, str]:
+    """{output path: Slurm job id} of the outputs Snakemake marked incomplete with a job id."""
+    out = {}
+    root = snakemake_dir / "incomplete"
+    for path in root.rglob("*") if root.is_dir() else ():
+        if not path.is_file() or path.name == "migration_underway":
+            continue
+        try:
+            job = json.loads(path.read_text()).get("external_jobid")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if job:
+            parts = path.relative_to(root).parts  # a long name is split in folders "@chunk"
+            name = "".join(p.removeprefix("@") for p in parts)
+            try:
+                out[base64.urlsafe_b64decode(name).decode()] = str(job)
+            except ValueError:
+                out[name] = str(job)
+    return out
+
+
+def queued_jobs(job_ids: set[str], prefixes: set[str]) -> set[str]:
+    """The Slurm jobs still queued or running among ``job_ids`` (an array task counts by its array)
+    and those named ``<prefix>_...``, as ids that scancel takes (an array's own id)."""
+    bases = {j.split("_")[0] for j in job_ids}
+    found = set()
+    for job_id, array_id, state, name in squeue("%i|%F|%T|%j"):
+        if state not in QUEUED:
+            continue
+        if array_id in bases or job_id in bases or any(name.startswith(p + "_") for p in prefixes):
+            found.add(array_id or job_id.split("_")[0])
+    return found
+
+
+def stop_slurm_jobs(jobs: set[str], log: Log, timeout_s: float = 1800) -> None:
+    """scancel the jobs, then wait until squeue lists none of them queued or running."""
+    log(f"otbflow: cancelling the Slurm jobs {' '.join(sorted(jobs))} and waiting until they have left the queue")
+    res = subprocess.run(["scancel", *sorted(jobs)], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if res.returncode != 0:
+        log(f"otbflow: scancel: {res.stderr.strip()}")
+    deadline = time.monotonic() + timeout_s
+    while left := queued_jobs(jobs, set()):
+        if time.monotonic() > deadline:
+            raise HeadError(f"the Slurm jobs {' '.join(sorted(left))} are still in the queue after {timeout_s:.0f} s")
+        time.sleep(2)
+
+
+def marked_processes(ids: set[str]) -> list[int]:
+    """Processes of this host whose environment carries one of the head ids (their local jobs),
+    less this process and its ancestors."""
+    keep, pid = set(), os.getpid()
+    while pid > 1 and pid not in keep:
+        keep.add(pid)
+        stat = process_stat(pid)
+        pid = stat[1] if stat else 0
+    marks = {f"{MARK}={i}".encode() for i in ids}
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) in keep:
+            continue
+        try:
+            environ = set((entry / "environ").read_bytes().split(b"\0"))
+        except OSError:
+            continue
+        if environ & marks:
+            found.append(int(entry.name))
+    return found
+
+
+def stop_processes(pids: list[int], log: Log, grace_s: float = 10) -> None:
+    """SIGTERM, then SIGKILL after ``grace_s``; returns once they have all ended."""
+    log(f"otbflow: stopping the processes {' '.join(map(str, pids))} that the gone head started")
+    starts = {pid: process_stat(pid) for pid in pids}
+
+    def alive() -> list[int]:
+        out = []
+        for pid, before in starts.items():
+            now = process_stat(pid)
+            if before and now and now[2] == before[2] and now[0] not in "ZX":
+                out.append(pid)
+        return out
+
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 60)):
+        for pid in alive():
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        deadline = time.monotonic() + wait
+        while alive() and time.monotonic() < deadline:
+            time.sleep(0.2)
+    if left := alive():
+        raise HeadError(f"the processes {left} did not end after SIGKILL")
+
+
+class Folder:
+    """The head records of one working folder (its ``.snakemake``)."""
+
+    def __init__(self, snakemake_dir: Path):
+        self.root = Path(snakemake_dir)
+        self.records = self.root / RECORDS
+
+    def heads(self) -> list[Head]:
+        out = []
+        for path in sorted(self.records.glob("*.json")) if self.records.is_dir() else ():
+            try:
+                out.append(Head(**json.loads(path.read_text())))
+            except (OSError, ValueError, TypeError):
+                continue  # half-written by a head killed while it wrote: it never ran a job
+        return out
+
+    def record(self, head: Head) -> None:
+        self.records.mkdir(parents=True, exist_ok=True)
+        tmp = self.records / f".{head.id}.json.tmp"
+        tmp.write_text(json.dumps(asdict(head), indent=1))
+        tmp.replace(self.records / f"{head.id}.json")
+
+    def forget(self, head: Head) -> None:
+        (self.records / f"{head.id}.json").unlink(missing_ok=True)
+
+    def forget_all(self) -> None:
+        shutil.rmtree(self.records, ignore_errors=True)
+
+    def alive(self, me: Head, log: Log | None = None) -> list[Head]:
+        """The recorded heads other than ``me`` that run, or may run (asks, changes nothing)."""
+        alive = []
+        for head in self.heads():
+            if head.id != me.id and not (gone := is_gone(head, me)):
+                if log:
+                    how = "runs" if gone is False else "may still run (it cannot be asked from here)"
+                    log(f"otbflow: the head {head.describe()} {how}: its locks stay (snakemake --unlock clears them)")
+                alive.append(head)
+        return alive
+
+    def take_over(self, me: Head, log: Log) -> bool:
+        """Stop the jobs of this folder's gone heads and remove their locks, then record ``me``.
+        Returns whether no other head is alive: then every incomplete output is a gone head's
+        and is redone."""
+        if alive := self.alive(me, log):
+            self.record(me)
+            return False
+        gone = [h for h in self.heads() if h.id != me.id]
+        for head in gone:
+            log(f"otbflow: the head {head.describe()} is gone: its jobs are stopped, their outputs redone")
+        if pids := marked_processes({h.id for h in gone}):
+            stop_processes(pids, log)
+        jobs = set(incomplete_jobs(self.root).values())
+        prefixes = {h.jobname_prefix for h in gone if h.jobname_prefix}
+        if (jobs or prefixes) and (queued := queued_jobs(jobs, prefixes)):
+            stop_slurm_jobs(queued, log)
+        if gone:
+            shutil.rmtree(self.root / "locks", ignore_errors=True)
+        for head in gone:
+            self.forget(head)
+        self.record(me)
+        return not alive
+
+
+def run_kind(workflow, executor_plugin) -> str | None:
+    """ "head" for a run that executes jobs from this process, "dry" for a dry run, None for the
+    rest (--touch, --nolock, the Snakemake of one job: a Slurm job's or a local subprocess's)."""
+    from snakemake_interface_executor_plugins.settings import ExecMode
+
+    common = executor_plugin.common_settings
+    if workflow.workflow_settings.exec_mode != ExecMode.DEFAULT or common.touch_exec:
+        return None
+    if common.dryrun_exec:
+        return "dry"
+    return "head" if workflow.execution_settings.lock else None
+
+
+def guard(workflow, results_dir: str) -> None:
+    """Make ``workflow`` (the Snakefile's ``workflow``) take over from a killed head when it executes.
+
+    Wraps ``workflow.execute``: Snakemake reads the folder's locks and incomplete markers there,
+    after the Snakefile has been parsed, and only there is it known whether jobs will run (a dry
+    run, --touch and a job's own Snakemake parse the same Snakefile). A dry run changes nothing:
+    it only plans the incomplete outputs as redone where no recorded head is alive, as the run
+    would. Also names the Slurm executor's stage jobs ``otbflow-<hash>_<run uuid>`` (unless a
+    prefix is set), and makes ``snakemake --unlock`` forget the recorded heads too."""
+    from snakemake.logging import logger
+
+    execute, unlock = workflow.execute, workflow.unlock
+    prefix = jobname_prefix(results_dir)
+
+    def guarded_execute(*args, **kwargs):
+        plugin = kwargs.get("executor_plugin", args[0] if args else None)
+        settings = kwargs.get("executor_settings", args[1] if len(args) > 1 else None)
+        kind = run_kind(workflow, plugin) if plugin is not None else None
+        if kind is None:
+            return execute(*args, **kwargs)
+        folder = Folder(Path(".snakemake").resolve())
+        if kind == "dry":
+            if not folder.alive(this_process(), logger.info):
+                workflow.dag_settings.force_incomplete = True
+            return execute(*args, **kwargs)
+        named = None
+        if settings is not None and hasattr(settings, "jobname_prefix"):  # the Slurm executor
+            settings.jobname_prefix = settings.jobname_prefix or prefix
+            named = settings.jobname_prefix
+        me = this_process(named, argv=sys.argv)
+        if folder.take_over(me, logger.info):
+            workflow.dag_settings.force_incomplete = True
+        os.environ[MARK] = me.id
+        try:
+            return execute(*args, **kwargs)
+        finally:
+            folder.forget(me)
+
+    def guarded_unlock(*args, **kwargs):
+        out = unlock(*args, **kwargs)
+        Folder(Path(".snakemake").resolve()).forget_all()
+        return out
+
+    workflow.execute = guarded_execute
+    workflow.unlock = guarded_unlock
