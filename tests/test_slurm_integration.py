@@ -4,12 +4,17 @@ Runs the README's Slurm commands in a sandbox checkout that holds a copy of the 
 run: `otbflow submit` (a head job) reruns the workflow from the rollouts on with the slurm/ profile
 (rollout shards as a job array, a 2-process DeepSpeed train step through srun), the README's
 watch commands, a rerun after a config change, `--rerun`, a resubmission with nothing to do, and
-the profile without a head job. Skipped, with the reason, where Slurm cannot be started (not
-root, no apt-get). The cluster stays up afterwards (see ``local_slurm``).
+the profile without a head job. Then a head that survives (otbflow.head): the tiny run's
+iteration 1 again, once with the head job killed (kill -9) while its train job runs and the same
+command submitted again, once with a head job whose time limit is shorter than the work, which
+requeues itself; both end with the uninterrupted run's policy, bitwise. Skipped, with the reason,
+where Slurm cannot be started (not root, no apt-get). The cluster stays up afterwards (see
+``local_slurm``).
 """
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -21,6 +26,7 @@ import pytest
 import yaml
 from conftest import REPO, TINY, make_sandbox, sandbox_env
 
+from otbflow import head as H
 from otbflow import schemas
 from otbflow.io import read_metadata, read_table
 
@@ -234,3 +240,100 @@ def test_a_stale_rollout_runs_while_the_policy_trains(slurm_run):
     rollouts = [job_interval(r / f"logs/rollout/iter_1_shard_{s}.log") for s in (0, 1)]
     overlap = max(min(train[1], end) - max(train[0], start) for start, end in rollouts)
     assert overlap > 0, f"no rollout of iteration 1 ran while iteration 0 trained: train {train}, rollouts {rollouts}"
+
+
+# --- a head that survives: kill -9 of the head job, and a head job's time limit ---
+
+AGAIN = f"otbflow submit --configfile my.yaml -- results/iter_1/train/policy {FAST}"
+
+
+def policy_digest(policy: Path) -> dict[str, str]:
+    import hashlib
+
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(policy.iterdir()) if p.is_file()}
+
+
+@pytest.fixture
+def iteration_1_again(local_slurm, tiny_run, tmp_path):
+    """A sandbox with a copy of the tiny run less iteration 1's rollouts, features, advantages and
+    train, and my.yaml = config/tiny.yaml: ``AGAIN`` redoes that iteration through Slurm. Yields
+    (folder, the tiny run's iteration-1 policy digest); cancels the folder's jobs afterwards."""
+    work = make_sandbox(tmp_path / "work")
+    for name in ("results", ".snakemake"):
+        shutil.copytree(
+            tiny_run / name, work / name, symlinks=True, ignore=shutil.ignore_patterns("locks", "incomplete")
+        )
+    for stage in ("rollout", "features", "advantages", "train"):
+        shutil.rmtree(work / "results/iter_1" / stage)
+    (work / "results/logs/train/iter_1.log").unlink()
+    (work / "my.yaml").write_text(TINY.read_text())
+    yield work, policy_digest(tiny_run / "results/iter_1/train/policy")
+    listed = subprocess.run(["squeue", "-h", "-o", "%i %Z"], capture_output=True, text=True).stdout.split("\n")
+    ours = [line.split()[0] for line in listed if line.strip() and line.split()[-1].startswith(str(work))]
+    if ours:
+        subprocess.run(["scancel", *ours], capture_output=True)
+
+
+def wait_for(condition, timeout: float, what: str, every: float = 1.0):
+    deadline = time.monotonic() + timeout
+    while not (out := condition()):
+        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
+        time.sleep(every)
+    return out
+
+
+def test_a_killed_head_job_is_continued_by_the_same_command(iteration_1_again):
+    """scancel --full --signal=KILL of the head job while its train job runs: the train job runs on
+    unsupervised; the same submit command's head finds the killed head gone, cancels that train job
+    (or finds it ended), redoes it and ends with the uninterrupted run's policy, bitwise."""
+    work, want = iteration_1_again
+    start = time.perf_counter()
+    first = re.search(r"submitted the head job (\d+)", sh(work, AGAIN)).group(1)
+    wait_for(lambda: (work / "results/logs/train/iter_1.log").is_file(), 600, "the train job")
+    (record,) = (work / ".snakemake" / H.RECORDS).glob("*.json")
+    dead = H.Head(**json.loads(record.read_text()))
+    assert dead.slurm_job == first and dead.jobname_prefix == H.jobname_prefix(work / "results")
+    subprocess.run(["scancel", "--full", "--signal=KILL", first], check=True)
+    wait_for(lambda: H.slurm_state(first) not in H.RUNNING, 120, "the killed head job to end")
+    (orphan,) = H.queued_jobs(set(), {dead.jobname_prefix})  # the train job, named with the folder's prefix
+    killed_at = time.perf_counter() - start
+
+    _, log = submit(work, AGAIN)
+    assert f"the head pid {dead.pid} on {dead.host}, Slurm job {first}" in log and "is gone" in log, log[-3000:]
+    assert "rule train" in log  # redone, never adopted, even where it had ended meanwhile
+    orphan_state = H.slurm_state(orphan)
+    if orphan_state == "CANCELLED":
+        assert f"cancelling the Slurm jobs {orphan}" in log
+    assert policy_digest(work / "results/iter_1/train/policy") == want
+    print(
+        f"head killed after {killed_at:.0f} s (its train job: {orphan_state}); "
+        f"continued in {time.perf_counter() - start - killed_at:.0f} s"
+    )
+
+
+def test_a_head_job_requeues_itself_before_its_time_limit(iteration_1_again):
+    """A head job with 3 minutes for more than 3 minutes of work: Slurm signals it 60 s (up to 120 s)
+    before its limit, it stops Snakemake (SIGKILL: the stage jobs are not cancelled) and requeues
+    itself; its next run takes over and finishes with the uninterrupted run's policy, bitwise. A
+    requeued job waits about 2 minutes before Slurm starts it again (its BeginTime): released here."""
+    import submitit
+
+    work, want = iteration_1_again
+    start = time.perf_counter()
+    out = sh(work, AGAIN.replace("--configfile my.yaml", "--configfile my.yaml --time 3 --requeue-before 60"))
+    job = re.search(r"submitted the head job (\d+)", out).group(1)
+
+    def ended() -> bool:
+        row = [r for r in H.squeue("%i|%T|%r") if r[0] == job]
+        if row and row[0][1] == "PENDING" and row[0][2] == "BeginTime":
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
+        return not row or row[0][1] not in H.QUEUED
+
+    wait_for(ended, 900, "the head job", every=2)
+    sub = submitit.SlurmJob(folder=work / "logs" / "submit" / "%j", job_id=job)
+    log = Path(sub.paths.stdout).read_text() + Path(sub.paths.stderr).read_text()
+    assert sub.result() == 0, log[-3000:]
+    assert "Snakemake stopped (SIGKILL), its jobs run on" in log and f"Requeued job {job}" in log, log[-3000:]
+    assert f"Slurm job {job}" in log and "is gone" in log  # the requeued run took over from its previous run
+    assert policy_digest(work / "results/iter_1/train/policy") == want
+    print(f"finished after {log.count('Requeued job')} requeue(s), {time.perf_counter() - start:.0f} s")

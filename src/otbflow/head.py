@@ -304,12 +304,12 @@ class Folder:
         gone = [h for h in self.heads() if h.id != me.id]
         for head in gone:
             log(f"otbflow: the head {head.describe()} is gone: its jobs are stopped, their outputs redone")
-        if pids := marked_processes({h.id for h in gone}):
-            stop_processes(pids, log)
         jobs = set(incomplete_jobs(self.root).values())
         prefixes = {h.jobname_prefix for h in gone if h.jobname_prefix}
         if (jobs or prefixes) and (queued := queued_jobs(jobs, prefixes)):
-            stop_slurm_jobs(queued, log)
+            stop_slurm_jobs(queued, log)  # first: their processes carry the mark too (sbatch --export=ALL)
+        if pids := marked_processes({h.id for h in gone}):
+            stop_processes(pids, log)
         if gone:
             shutil.rmtree(self.root / "locks", ignore_errors=True)
         for head in gone:
@@ -319,16 +319,39 @@ class Folder:
 
 
 def run_kind(workflow, executor_plugin) -> str | None:
-    """ "head" for a run that executes jobs from this process, "dry" for a dry run, None for the
-    rest (--touch, --nolock, the Snakemake of one job: a Slurm job's or a local subprocess's)."""
+    """ "head" for a run that executes jobs from this process, "dry" for a dry run, "job" for the
+    Snakemake that runs one job inside a cluster job, None for the rest (--touch, --nolock, a
+    local subprocess)."""
     from snakemake_interface_executor_plugins.settings import ExecMode
 
     common = executor_plugin.common_settings
-    if workflow.workflow_settings.exec_mode != ExecMode.DEFAULT or common.touch_exec:
+    mode = workflow.workflow_settings.exec_mode
+    if mode == ExecMode.REMOTE:
+        return "job"
+    if mode != ExecMode.DEFAULT or common.touch_exec:
         return None
     if common.dryrun_exec:
         return "dry"
     return "head" if workflow.execution_settings.lock else None
+
+
+def keep_incomplete_markers(workflow) -> None:
+    """In the Snakemake of a cluster job: leave the incomplete markers to the head. That Snakemake
+    marks its outputs incomplete again when it starts (without the Slurm id the head recorded)
+    and unmarks them when it ends, without writing their metadata (the head does, once it has
+    seen the job finish). A job that ends after its head died would otherwise leave its outputs
+    looking finished, adopted by the next head unseen; with the markers kept, its Slurm id stays
+    readable while it runs, and what no head saw finish is redone."""
+    prepare = workflow._prepare_dag
+
+    def prepare_keeping_markers(*args, **kwargs):
+        out = prepare(*args, **kwargs)
+        persistence = workflow.persistence
+        persistence._mark_incomplete = lambda key, external_jobid: None
+        persistence._unmark_incomplete = lambda key: None
+        return out
+
+    workflow._prepare_dag = prepare_keeping_markers
 
 
 def guard(workflow, results_dir: str) -> None:
@@ -339,7 +362,8 @@ def guard(workflow, results_dir: str) -> None:
     run, --touch and a job's own Snakemake parse the same Snakefile). A dry run changes nothing:
     it only plans the incomplete outputs as redone where no recorded head is alive, as the run
     would. Also names the Slurm executor's stage jobs ``otbflow-<hash>_<run uuid>`` (unless a
-    prefix is set), and makes ``snakemake --unlock`` forget the recorded heads too."""
+    prefix is set), leaves the incomplete markers to the head in a cluster job's own Snakemake
+    (``keep_incomplete_markers``), and makes ``snakemake --unlock`` forget the recorded heads too."""
     from snakemake.logging import logger
 
     execute, unlock = workflow.execute, workflow.unlock
@@ -350,6 +374,9 @@ def guard(workflow, results_dir: str) -> None:
         settings = kwargs.get("executor_settings", args[1] if len(args) > 1 else None)
         kind = run_kind(workflow, plugin) if plugin is not None else None
         if kind is None:
+            return execute(*args, **kwargs)
+        if kind == "job":
+            keep_incomplete_markers(workflow)
             return execute(*args, **kwargs)
         folder = Folder(Path(".snakemake").resolve())
         if kind == "dry":

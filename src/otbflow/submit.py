@@ -5,6 +5,11 @@ The head job (1 CPU, 2 GB, submitted with submitit) runs this repository's Snake
 and ``logs/submit/`` go there); Snakemake then submits every stage as its own Slurm job with the
 resources its rule asks for. Arguments after ``--`` go to Snakemake unchanged.
 
+Before its time limit (``--requeue-before`` seconds; on preemption too) the head job requeues
+itself: it stops Snakemake with SIGKILL, so that the stage jobs in flight are not cancelled, and
+its next run takes over as after any killed head (``otbflow.head``: those jobs are cancelled and
+waited for, their outputs redone). The same command continues a head job that was killed.
+
   otbflow submit                                  # the whole workflow
   otbflow submit --rerun advantages -- --config 'advantages={estimator: grpo}'
   otbflow submit --until rollout --partition long --account my_project
@@ -14,9 +19,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+from otbflow.head import HEAD_JOB, process_stat
 
 REPO = Path(__file__).resolve().parents[2]
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
@@ -36,6 +45,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--partition", help="Slurm partition of the head job")
     p.add_argument("--account", help="Slurm account of the head job")
     p.add_argument("--time", type=int, default=3 * 24 * 60, help="head job time limit, minutes (default: 3 days)")
+    p.add_argument(
+        "--requeue-before",
+        type=int,
+        default=120,
+        metavar="SECONDS",
+        help="the head job requeues itself this long before its time limit (Slurm signals it up to 60 s "
+        "earlier still; default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-requeues",
+        type=int,
+        default=30,
+        help="time limits the head job may requeue itself at (default: %(default)s, 90 days of 3-day limits)",
+    )
     p.add_argument("--logs", default="logs/submit", help="folder of the head job's logs (default: %(default)s)")
     p.add_argument(
         "snakemake_args",
@@ -62,31 +85,71 @@ def snakemake_command(ns: argparse.Namespace) -> list[str]:
     return cmd
 
 
-def run_head(cmd: list[str], cwd: str) -> int:
-    """What the head job runs. Its own SLURM_* variables are dropped: Snakemake submits
-    independent jobs, not steps of this one."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    print("+", " ".join(cmd), flush=True)
-    returncode = subprocess.run(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL).returncode
-    if returncode != 0:
-        raise RuntimeError(f"snakemake exited with {returncode}")
-    return returncode
+class Head:
+    """What the head job runs: Snakemake, in a subprocess, until it returns. submitit checkpoints
+    a callable with a ``checkpoint`` method when Slurm signals the job (USR2, ``--requeue-before``
+    seconds before its time limit, or on preemption) and requeues the job: ``checkpoint`` stops
+    Snakemake with SIGKILL first, not SIGTERM, on which Snakemake would cancel its stage jobs;
+    the requeued run then takes over from it (``otbflow.head``)."""
+
+    def __init__(self, cmd: list[str], cwd: str):
+        self.cmd, self.cwd = cmd, cwd
+        self.proc: subprocess.Popen | None = None
+
+    def __getstate__(self) -> dict:
+        return {"cmd": self.cmd, "cwd": self.cwd, "proc": None}
+
+    def __call__(self) -> int:
+        """Snakemake without the job's SLURM_* variables (it submits independent jobs, not steps of
+        this one), told the head job's id (HEAD_JOB) instead."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+        env[HEAD_JOB] = os.environ.get("SLURM_JOB_ID", "")
+        print("+", " ".join(self.cmd), flush=True)
+        self.proc = subprocess.Popen(self.cmd, cwd=self.cwd, env=env, stdin=subprocess.DEVNULL)
+        returncode = self.proc.wait()
+        if returncode != 0:
+            raise RuntimeError(f"snakemake exited with {returncode}")
+        return returncode
+
+    def checkpoint(self):
+        """Called by submitit's signal handler, which interrupted ``__call__``'s wait for Snakemake
+        (holding the Popen's wait lock: no ``wait`` or ``poll`` here); returns the requeued run."""
+        from submitit.helpers import DelayedSubmission
+
+        if self.proc is not None and self.proc.returncode is None:  # not yet reaped: its pid is its own
+            print("otbflow: the head job is requeued: Snakemake stopped (SIGKILL), its jobs run on", flush=True)
+            stop_now(self.proc.pid)
+        return DelayedSubmission(Head(self.cmd, self.cwd))
+
+
+def stop_now(pid: int, timeout_s: float = 30) -> None:
+    """SIGKILL a child process and wait until it has died (a zombie: nobody reaps it here)."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout_s
+    while (stat := process_stat(pid)) and stat[0] not in "ZX" and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def submit(ns: argparse.Namespace):
     """Submit the head job; returns the submitit Job (``job.result()`` waits for it)."""
     import submitit
 
-    executor = submitit.AutoExecutor(folder=Path(ns.logs).resolve() / "%j", cluster="slurm")
+    executor = submitit.AutoExecutor(
+        folder=Path(ns.logs).resolve() / "%j", cluster="slurm", slurm_max_num_timeout=ns.max_requeues
+    )
     executor.update_parameters(
         name="otbflow-head",
         timeout_min=ns.time,
+        slurm_signal_delay_s=ns.requeue_before,
         cpus_per_task=1,
         mem_gb=2,
         slurm_partition=ns.partition,
         slurm_account=ns.account,
     )
-    return executor.submit(run_head, snakemake_command(ns), os.getcwd())
+    return executor.submit(Head(snakemake_command(ns), os.getcwd()))
 
 
 def main(ns: argparse.Namespace) -> int:
