@@ -106,6 +106,8 @@ HOW: dict[str, str] = {
     "otbflow submit --configfile my.yaml --rerun advantages": SLURM,
     "otbflow submit --configfile my.yaml": SLURM,
     "snakemake --workflow-profile slurm --configfile my.yaml < /dev/null": SLURM,
+    # a head that cannot be asked (README, "When the head dies"): its lock and record cleared
+    "snakemake --unlock": f"snakemake --unlock {TINY} && test ! -e .snakemake/otbflow-heads",
     # A real model and dataset
     ".venv/bin/otbflow shard --out-dir results/data task.name=dataset task.path=/data/gsm8k/train.parquet": REAL_MODEL,
     ".venv/bin/snakemake --cores 8 --config 'model={path: /models/Qwen2.5-0.5B-Instruct, dtype: bfloat16}' "

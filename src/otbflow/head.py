@@ -305,7 +305,9 @@ class Folder:
         for head in gone:
             log(f"otbflow: the head {head.describe()} is gone: its jobs are stopped, their outputs redone")
         jobs = set(incomplete_jobs(self.root).values())
-        prefixes = {h.jobname_prefix for h in gone if h.jobname_prefix}
+        # no head alive: a job named for this folder is a gone head's, even one whose record is lost
+        # (a head killed while it took over, after forgetting the records)
+        prefixes = {h.jobname_prefix for h in [*gone, me] if h.jobname_prefix}
         if (jobs or prefixes) and (queued := queued_jobs(jobs, prefixes)):
             stop_slurm_jobs(queued, log)  # first: their processes carry the mark too (sbatch --export=ALL)
         if pids := marked_processes({h.id for h in gone}):
