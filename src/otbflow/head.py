@@ -2,12 +2,12 @@
 is killed.
 
 Snakemake locks the folder while it runs (``.snakemake/locks/``) and marks each output of a started
-job incomplete until the job has finished (``.snakemake/incomplete/``, one JSON file per output,
-named by its base64-encoded path, holding the Slurm job id of a submitted job). A head killed by
-``kill -9``, a node failure or its head job's requeue leaves both, and its jobs run on; Snakemake's
-next start then stops (LockException, IncompleteFilesException) until ``--unlock`` and
-``--rerun-incomplete``, which are only safe once those jobs are gone. ``guard`` (called by the
-Snakefile when it is parsed) lets the same command continue instead:
+job incomplete until it has seen the job finish (``.snakemake/incomplete/``, one JSON file per
+output, named by its base64-encoded path, holding the Slurm job id of a submitted job). A head
+killed by ``kill -9``, a node failure or its head job's requeue leaves both, and its jobs run on;
+Snakemake's next start then stops (LockException, IncompleteFilesException) until ``--unlock``
+and ``--rerun-incomplete``, which are only safe once those jobs are gone. ``guard`` (called by
+the Snakefile when it is parsed) lets the same command continue instead:
 
 - every real run (not a dry run, ``--touch``, ``--nolock``, ``--lint`` or a job's own Snakemake)
   records itself in ``.snakemake/otbflow-heads/<id>.json`` (pid, host, the process's start, the
@@ -18,11 +18,14 @@ Snakefile when it is parsed) lets the same command continue instead:
   new run is not its previous run); a head on another host without a Slurm job cannot be told
   gone: it counts as alive;
 - while a recorded head is alive nothing is touched: Snakemake's lock decides;
-- otherwise the gone heads' jobs are stopped before anything is redone, never adopted: local
-  processes by their mark (SIGTERM, then SIGKILL), Slurm jobs by the ids in the incomplete markers
-  and by name (stage jobs are named ``otbflow-<hash of the results folder>_...``) with scancel,
-  and the head waits until they have left the queue; then the gone heads' locks are removed, and
-  Snakemake redoes the incomplete outputs (``--rerun-incomplete``).
+- otherwise the gone heads' jobs are stopped before anything is redone: Slurm jobs by the ids in
+  the incomplete markers and by name (stage jobs are named ``otbflow-<hash of the results
+  folder>_...``) with scancel, the head waiting until they have left the queue, and local
+  processes by their mark (SIGTERM, then SIGKILL); then the gone heads' locks are removed, and
+  Snakemake redoes the incomplete outputs (``--rerun-incomplete``). Cancelled, not waited for:
+  their outputs are redone either way (never adopted: a cluster job's own Snakemake leaves the
+  markers to the head, ``keep_incomplete_markers``), and a cancelled train job resumes from its
+  checkpoint, where one that ran to its end would start over.
 
 No torch, no otbflow imports: the Snakefile imports this when it is parsed.
 """
@@ -308,8 +311,13 @@ class Folder:
         # no head alive: a job named for this folder is a gone head's, even one whose record is lost
         # (a head killed while it took over, after forgetting the records)
         prefixes = {h.jobname_prefix for h in [*gone, me] if h.jobname_prefix}
-        if (jobs or prefixes) and (queued := queued_jobs(jobs, prefixes)):
-            stop_slurm_jobs(queued, log)  # first: their processes carry the mark too (sbatch --export=ALL)
+        if jobs or prefixes:
+            try:
+                queued = queued_jobs(jobs, prefixes)
+            except HeadError as e:
+                raise HeadError(f"cannot tell whether the Slurm jobs of a gone head still run: {e}") from e
+            if queued:  # first: their processes carry the mark too (sbatch --export=ALL)
+                stop_slurm_jobs(queued, log)
         if pids := marked_processes({h.id for h in gone}):
             stop_processes(pids, log)
         if gone:
