@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -125,7 +126,7 @@ def used(results_dir: str | Path) -> dict:
         size = f.stat().st_size
         out["total"] += size
         parts = f.relative_to(root).parts
-        if parts[0].startswith("iter_"):
+        if len(parts) > 1 and re.fullmatch(r"iter_\d+", parts[0]):
             out["iterations"][parts[0]] = out["iterations"].get(parts[0], 0) + size
             if len(parts) > 2 and parts[1] == "train" and parts[2] in ("policy", "optimizer"):
                 out["train_outputs"] += size
