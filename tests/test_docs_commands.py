@@ -129,6 +129,13 @@ HOW: dict[str, str] = {
     "otbflow disk --model-config benchmarks/shapes/qwen2.5-7b.json --prompt-tokens 200 iterations=100 "
     "rollout.prompts_per_iteration=512 rollout.group_size=16 rollout.max_new_tokens=4096 train.zero_stage=1 "
     "train.bf16=true": AS_SHOWN,
+    # docs/scale.md: its check rewrites nothing (the dry run it shows runs as shown); the start-up
+    # benchmark on the default shape only
+    "python benchmarks/scale.py": "python benchmarks/scale.py --check",
+    "snakemake -n --config iterations=100 'shard={n_shards: 8}' 'evaluate={every: 10}'": AS_SHOWN,
+    "benchmarks/bench_startup.py": "python benchmarks/bench_startup.py --shapes default --no-vllm --out results/scratch/startup.json",
+    "python benchmarks/bench_startup.py --out benchmarks/measured/startup.json": "python benchmarks/bench_startup.py "
+    "--shapes default --no-vllm --out results/scratch/startup.json",
     # benchmarks (tiny sizes: each prints its JSON) and set-up
     "make setup": AS_SHOWN,
     "python benchmarks/bench_rollout.py": "python benchmarks/bench_rollout.py --models tiny --backends hf --prompts 4 --max-new-tokens 8 --repeats 1",
