@@ -376,11 +376,13 @@ def render(measured: dict, jobs: dict[str, int]) -> str:
         "advantages and train in turn; at s ≥ 1 the rollouts run on their own GPUs while the chain trains, "
         "and an iteration takes the longer of the two. Grouping removes the queue waits inside the chain.\n"
     )
+    saved = {}
     add("| shape | s = 0, ungrouped | s = 0, grouped | s = 1, ungrouped | s = 1, grouped |")
     add("| --- | --- | --- | --- | --- |")
     for shape, p in periods.items():
         chain = [p["features"][i] + p["advantages"][i] + p["train"][i] for i in (0, 1)]
         s0 = [p["rollout"][i] + chain[i] for i in (0, 1)]
+        saved[shape] = [min(p["rollout"][i], chain[i]) for i in (0, 1)]
         add(
             f"| {shape} | {span(*s0)} s + 4Q | {span(*s0)} s + 2Q | max({span(*p['rollout'])} s + Q, "
             f"{span(*chain)} s + 3Q) | max({span(*p['rollout'])} s + Q, {span(*chain)} s + Q) |"
@@ -390,17 +392,19 @@ def render(measured: dict, jobs: dict[str, int]) -> str:
     add(
         f"- **Grouping** (the slurm/ profile's `groups`): sbatch submissions {tp / ITERATIONS:.1f} → "
         f"{tg / ITERATIONS:.1f} per iteration ({tp} → {tg} for the run); two queue waits per iteration instead "
-        "of four at s = 0. It saves no start-up (every stage is still its own process) and holds the group's "
-        "largest resources for the whole chain: the training GPUs sit idle during the features pass and the "
-        "CPU-only advantages step.\n"
+        "of four at s = 0. It saves no start-up (every stage is still its own process in the group job), and "
+        "the group job holds the largest of its members' resources (the train job's GPUs) for the whole chain, "
+        "the CPU-only advantages step included.\n"
         "- **Retention**: the default keeps "
         + ", ".join(f"{shape} at {100 * d[0] / d[1]:.0f} %" for shape, d in default_vs_all.items())
         + " of keeping everything at the end of the run. The optimizer state is the largest item per "
         "iteration (3.5× the fp32 policy at ZeRO-1 with bf16).\n"
         "- **Staleness**: one more policy kept per unit of s (the peak columns), the same jobs, and an "
-        "iteration as long as the longer of rollout and the training chain instead of their sum. Where "
-        "decoding dominates (the rollout rows), s = 1 saves at most the training chain's time per iteration.\n"
-        "- **Host memory at ZeRO-3**: the train job loads the whole fp32 policy in every rank before "
+        "iteration as long as the longer of rollout and the training chain instead of their sum: it saves the "
+        "shorter of the two, "
+        + ", ".join(f"{shape} {span(*saved[shape])} s" for shape in saved)
+        + " per iteration by the ranges above (before queue waits).\n"
+        "- **Host memory while the train job loads**: it loads the whole fp32 policy in every rank before "
         "DeepSpeed partitions it: "
         + ", ".join(
             f"{shape} {4 * n_params[shape] * min(8, lay['train_gpus']) / 1e9:,.0f} GB per 8-GPU node"
