@@ -257,8 +257,9 @@ def render(measured: dict, jobs: dict[str, int]) -> str:
         "job array (`slurm-array-jobs`), and the bootstrap job is not counted (a real model, `model.path`, "
         "needs none). Grouping puts the features shards, the advantages and the train job of an iteration in "
         "one Slurm job: the rollouts stay outside it, so at `rollout.staleness ≥ 1` the next rollouts still "
-        "run while the group trains. Each stage is still its own process inside the group job: grouping "
-        "saves queue waits, not start-up.\n"
+        "run while the group trains. Inside the group job the members run one after another (the Slurm "
+        "executor plugin's group jobs run one job at a time), each still its own process: grouping saves "
+        "queue waits, not start-up, and the features shards no longer run side by side.\n"
     )
     add("## Disk\n")
     add(
@@ -374,27 +375,32 @@ def render(measured: dict, jobs: dict[str, int]) -> str:
         "Per iteration, each job taking start-up + work (the ranges above), Q the queue wait of one Slurm "
         "submission on the critical path. At `rollout.staleness: 0` an iteration waits for rollout, features, "
         "advantages and train in turn; at s ≥ 1 the rollouts run on their own GPUs while the chain trains, "
-        "and an iteration takes the longer of the two. Grouping removes the queue waits inside the chain.\n"
+        "and an iteration takes the longer of the two. Grouping removes the queue waits inside the chain, "
+        f"and runs its {SHARDS} features jobs one after another.\n"
     )
     saved = {}
     add("| shape | s = 0, ungrouped | s = 0, grouped | s = 1, ungrouped | s = 1, grouped |")
     add("| --- | --- | --- | --- | --- |")
     for shape, p in periods.items():
         chain = [p["features"][i] + p["advantages"][i] + p["train"][i] for i in (0, 1)]
+        serial = [SHARDS * p["features"][i] + p["advantages"][i] + p["train"][i] for i in (0, 1)]  # grouped
         s0 = [p["rollout"][i] + chain[i] for i in (0, 1)]
+        s0_grouped = [p["rollout"][i] + serial[i] for i in (0, 1)]
         saved[shape] = [min(p["rollout"][i], chain[i]) for i in (0, 1)]
+        rollout = span(*p["rollout"])
         add(
-            f"| {shape} | {span(*s0)} s + 4Q | {span(*s0)} s + 2Q | max({span(*p['rollout'])} s + Q, "
-            f"{span(*chain)} s + 3Q) | max({span(*p['rollout'])} s + Q, {span(*chain)} s + Q) |"
+            f"| {shape} | {span(*s0)} s + 4Q | {span(*s0_grouped)} s + 2Q | max({rollout} s + Q, "
+            f"{span(*chain)} s + 3Q) | max({rollout} s + Q, {span(*serial)} s + Q) |"
         )
     add("")
     add("## What each knob changes\n")
     add(
         f"- **Grouping** (the slurm/ profile's `groups`): sbatch submissions {tp / ITERATIONS:.1f} → "
         f"{tg / ITERATIONS:.1f} per iteration ({tp} → {tg} for the run); two queue waits per iteration instead "
-        "of four at s = 0. It saves no start-up (every stage is still its own process in the group job), and "
-        "the group job holds the largest of its members' resources (the train job's GPUs) for the whole chain, "
-        "the CPU-only advantages step included.\n"
+        "of four at s = 0. It saves no start-up (every stage is still its own process in the group job); the "
+        "group job holds the largest of its members' resources (the train job's GPUs) for the whole chain, "
+        "the features shards run one after another on one of them and the advantages step on none. It pays "
+        "where a queue wait is longer than what the serial features pass adds (the table above).\n"
         "- **Retention**: the default keeps "
         + ", ".join(f"{shape} at {100 * d[0] / d[1]:.0f} %" for shape, d in default_vs_all.items())
         + " of keeping everything at the end of the run. The optimizer state is the largest item per "
