@@ -18,6 +18,7 @@ from otbflow.config import (
     validate_workflow,
 )
 from otbflow.head import guard as guard_head
+from otbflow.jobgroups import size_group_jobs
 from otbflow.io import write_text_if_changed
 from otbflow.retention import decision as retention_decision, pruned_inputs, refusal as retention_refusal
 from snakemake.exceptions import WorkflowError
@@ -34,6 +35,9 @@ R = CFG.results_dir
 # once its head is gone, its jobs are stopped, its locks removed and its incomplete outputs redone
 # (otbflow.head). Dry runs change nothing.
 guard_head(workflow, R)
+# Slurm group jobs (otbflow submit --group-iterations, the profile's groups:): sized for their members
+# run one after another, and refused where they would lose the stale rollouts' overlap (otbflow.jobgroups).
+size_group_jobs(workflow, CFG.rollout.staleness)
 ITERATIONS = list(range(CFG.iterations))
 EVALUATED = evaluated_iterations(CFG)  # evaluate.every; the last iteration always
 SHARDS = list(range(CFG.shard.n_shards))
