@@ -13,6 +13,7 @@ waited for, their outputs redone). The same command continues a head job that wa
   otbflow submit                                  # the whole workflow
   otbflow submit --rerun advantages -- --config 'advantages={estimator: grpo}'
   otbflow submit --until rollout --partition long --account my_project
+  otbflow submit --group-iterations               # one Slurm job per iteration for features, advantages, train
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import time
 from pathlib import Path
 
 from otbflow.head import HEAD_JOB, process_stat
+from otbflow.jobgroups import ITERATION_GROUPS, groups_args
 
 REPO = Path(__file__).resolve().parents[2]
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
@@ -40,6 +42,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="run these stages again and everything after them (snakemake --forcerun)",
     )
     p.add_argument("--until", metavar="STAGE", help="stop after this stage (snakemake --until)")
+    p.add_argument(
+        "--group-iterations",
+        action="store_true",
+        help=f"fewer queued jobs: one Slurm job per iteration for its {', '.join(ITERATION_GROUPS)} jobs, run one "
+        "after another (snakemake --groups; the rollouts stay their own jobs; README: Fewer queued jobs)",
+    )
     p.add_argument("--configfile", nargs="+", default=[], help="config YAML(s) layered over config/config.yaml")
     p.add_argument("--profile", default="slurm", help="workflow profile folder (default: %(default)s)")
     p.add_argument("--partition", help="Slurm partition of the head job")
@@ -76,6 +84,8 @@ def profile_path(profile: str) -> str:
 def snakemake_command(ns: argparse.Namespace) -> list[str]:
     # the passthrough first: its targets must not follow an option that takes several values
     cmd = [SNAKEMAKE, *ns.snakemake_args, "-s", str(REPO / "Snakefile"), "--workflow-profile", profile_path(ns.profile)]
+    if ns.group_iterations:
+        cmd += groups_args()
     if ns.configfile:
         cmd += ["--configfile", *(str(Path(c).resolve()) for c in ns.configfile)]
     if ns.rerun:
