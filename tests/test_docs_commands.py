@@ -106,6 +106,7 @@ HOW: dict[str, str] = {
     "otbflow submit --configfile my.yaml --rerun advantages": SLURM,
     "otbflow submit --configfile my.yaml": SLURM,
     "snakemake --workflow-profile slurm --configfile my.yaml < /dev/null": SLURM,
+    "otbflow submit --configfile my.yaml --group-iterations": SLURM,
     # a head that cannot be asked (README, "When the head dies"): its lock and record cleared
     "snakemake --unlock": f"snakemake --unlock {TINY} && test ! -e .snakemake/otbflow-heads",
     # A real model and dataset

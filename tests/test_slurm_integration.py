@@ -123,6 +123,18 @@ def submit(work: Path, command: str) -> tuple[str, str]:
 # the report), the others target iteration 0's advantages.
 ADV = "results/iter_0/advantages/advantages.parquet"
 FAST = " ".join(TEST_ARGS)
+# The grouped submission: iteration 0's features, advantages and train (forced) as one group job and
+# iteration 1's rollouts (forced; rollout.staleness 1: from the initial policy) as a job array beside
+# it. Memory and runtimes differ per stage (and fit the test node beside the head job), so that the
+# group job's request shows the largest memory and the sum of the runtimes (20 + 20 + 10 + 30 minutes).
+GROUPED_TARGETS = (
+    "results/iter_0/train/policy results/iter_1/rollout/shard_0.parquet results/iter_1/rollout/shard_1.parquet"
+)
+GROUPED_CONFIG = (
+    "--config iterations=2 'rollout={staleness: 1}' 'train={rollout_is: token}' 'resources={features: "
+    "{mem_mb: 3000, runtime: 20}, advantages: {mem_mb: 1000, runtime: 10}, train: {mem_mb: 2000, runtime: 30}, "
+    "rollout: {mem_mb: 2000}}'"
+)
 README_FORMS = {
     "otbflow submit --configfile my.yaml --partition long --account my_project": f"otbflow submit --configfile my.yaml --partition debug --account my_project -- --forcerun rollout {FAST}",
     "squeue --me": "squeue --me",
@@ -132,6 +144,9 @@ README_FORMS = {
     "otbflow submit --configfile my.yaml --rerun advantages": f"otbflow submit --configfile my.yaml --rerun advantages -- {ADV} {FAST}",
     "otbflow submit --configfile my.yaml": f"otbflow submit --configfile my.yaml -- {ADV} {FAST}",
     "snakemake --workflow-profile slurm --configfile my.yaml < /dev/null": f"snakemake --workflow-profile slurm --configfile my.yaml -n {FAST} < /dev/null",
+    # iteration 0's update again, grouped, beside iteration 1's stale rollouts (test_grouped_iterations)
+    "otbflow submit --configfile my.yaml --group-iterations": "otbflow submit --configfile my.yaml --group-iterations "
+    f"--rerun features -- {GROUPED_TARGETS} --force {GROUPED_CONFIG} {FAST}",
 }
 
 
@@ -240,6 +255,73 @@ def test_a_stale_rollout_runs_while_the_policy_trains(slurm_run):
     rollouts = [job_interval(r / f"logs/rollout/iter_1_shard_{s}.log") for s in (0, 1)]
     overlap = max(min(train[1], end) - max(train[0], start) for start, end in rollouts)
     assert overlap > 0, f"no rollout of iteration 1 ran while iteration 0 trained: train {train}, rollouts {rollouts}"
+
+
+def sbatch_calls(head_log: str) -> list[str]:
+    """One entry per sbatch call in a head's log: the Slurm log folder of a job under
+    .snakemake/slurm_logs (rule_<rule>/<wildcard values>, group_<group>_<its rules>), "array" for a
+    job array (the profile's arrays: the rollouts)."""
+    jobs = re.findall(r"has been submitted with SLURM jobid \d+ \(log: \S*/slurm_logs/(\S+)/\d+\.log\)", head_log)
+    return jobs + ["array"] * len(re.findall(r"^Submitted array job ", head_log, re.M))
+
+
+def test_grouped_iterations_submit_one_job_per_update(slurm_run):
+    """README "Fewer queued jobs": `otbflow submit --group-iterations` submits iteration 0's two
+    features jobs, advantages and 2-rank train as one Slurm job, and iteration 1's stale rollouts (one
+    job array) beside it, submitted before it ends. Counted per iteration: the ungrouped run of slurm_run
+    took 5 sbatch calls (the rollout array, 2 features, advantages, train), this one 2 (the rollout
+    array, the group job). The group job asks for its largest member's memory and the sum of its
+    members' runtimes; its name carries the folder's prefix and the incomplete markers of all its
+    members hold its Slurm id while it runs, which is how a later head finds it (otbflow.head)."""
+    work, ungrouped_log = slurm_run
+    start = time.perf_counter()
+    out = sh(work, README_FORMS["otbflow submit --configfile my.yaml --group-iterations"])
+    head_job = re.search(r"submitted the head job (\d+)", out).group(1)
+    chain = {f"results/iter_0/features/shard_{s}.parquet" for s in (0, 1)}
+    chain |= {"results/iter_0/advantages/advantages.parquet", "results/iter_0/train/policy"}
+
+    def marked() -> dict[str, str] | None:
+        found = H.incomplete_jobs(work / ".snakemake")
+        return found if chain <= set(found) else None
+
+    markers = wait_for(marked, 600, "the group job's incomplete markers", every=0.5)
+    (group,) = {markers[p] for p in chain}  # one Slurm job holds the whole chain
+    assert group in H.queued_jobs(set(), {H.jobname_prefix(work / "results")})  # found by its name too
+    request = subprocess.run(["scontrol", "show", "job", group], capture_output=True, text=True).stdout
+    for field in ("TimeLimit=01:20:00", "NumTasks=2", "CPUs/Task=1", "MinMemoryNode=3000M"):
+        assert field in request, f"{field} not in the group job's request:\n{request}"
+    import submitit
+
+    sub = submitit.SlurmJob(folder=work / "logs" / "submit" / "%j", job_id=head_job)
+    try:
+        assert sub.result() == 0
+    finally:
+        log = Path(sub.paths.stdout).read_text() + Path(sub.paths.stderr).read_text()
+
+    grouped = sbatch_calls(log)
+    assert sorted(grouped) == ["array", "group_chain_0_advantages_features_train"], grouped
+    assert f"SLURM jobid {group} (log: " in log
+    calls = sbatch_calls(ungrouped_log)
+    update = [c for c in calls if re.fullmatch(r"rule_(features|advantages|train)/0(_\d+)?", c)]
+    assert sorted(update) == ["rule_advantages/0", "rule_features/0_0", "rule_features/0_1", "rule_train/0"], calls
+    assert calls.count("array") == 1, calls  # iteration 0's rollouts
+    print(
+        f"sbatch calls per iteration: {len(update) + 1} without grouping (rollout array, {', '.join(update)}), 2 with"
+    )
+
+    r = work / "results"
+    for s in range(2):
+        fe = read_table(r / f"iter_0/features/shard_{s}.parquet", schemas.FEATURES)
+        assert fe.height == read_table(r / f"iter_0/rollout/shard_{s}.parquet", schemas.ROLLOUTS).height > 0
+        rows = read_table(r / f"iter_1/rollout/shard_{s}.parquet", schemas.ROLLOUTS)
+        assert rows["behaviour_iteration"].unique().to_list() == [0]
+    assert read_table(r / "iter_0/train/metrics.parquet", schemas.TRAIN_METRICS)["grad_norm"].is_finite().all()
+    assert read_metadata(r / "iter_0/train/metrics.parquet")["world_size"] == 2  # srun inside the group job
+    # the stale rollouts did not wait for the group job: the head submitted both before any job ended
+    # (which of them Slurm starts first depends on the test node's free CPUs)
+    first_end = log.index("Finished jobid")
+    assert log.index(f"SLURM jobid {group} (log: ") < first_end and log.index("Submitted array job") < first_end
+    print(f"grouped submission: {time.perf_counter() - start:.0f} s")
 
 
 # --- a head that survives: kill -9 of the head job, and a head job's time limit ---
