@@ -35,6 +35,7 @@ sys.path.insert(0, str(REPO / "src"))
 
 from otbflow.config import DEFAULT_CONFIG, load_config  # noqa: E402
 from otbflow.disk import count_parameters, estimate, optimizer_bytes_per_parameter  # noqa: E402
+from otbflow.jobgroups import CHAIN as GROUPED  # noqa: E402  the rules of one grouped Slurm job per iteration
 
 DOC = REPO / "docs" / "scale.md"
 STARTUP = REPO / "benchmarks" / "measured" / "startup.json"
@@ -64,8 +65,6 @@ RETENTION = [  # (policy_every, optimizer): keep everything, every policy, the d
     (10, "last"),
     (50, "last"),
 ]
-# The rules whose jobs one grouped Slurm job per iteration runs (slurm/config.yaml's `groups`).
-GROUPED = ("features", "advantages", "train")
 
 
 def overrides(shape: str, policy_every: int = 10, optimizer: str = "last", staleness: int = 0) -> list[str]:
@@ -378,7 +377,7 @@ def render(measured: dict, jobs: dict[str, int]) -> str:
         "and an iteration takes the longer of the two. Grouping removes the queue waits inside the chain, "
         f"and runs its {SHARDS} features jobs one after another.\n"
     )
-    saved = {}
+    saved, break_even = {}, {}
     add("| shape | s = 0, ungrouped | s = 0, grouped | s = 1, ungrouped | s = 1, grouped |")
     add("| --- | --- | --- | --- | --- |")
     for shape, p in periods.items():
@@ -387,6 +386,7 @@ def render(measured: dict, jobs: dict[str, int]) -> str:
         s0 = [p["rollout"][i] + chain[i] for i in (0, 1)]
         s0_grouped = [p["rollout"][i] + serial[i] for i in (0, 1)]
         saved[shape] = [min(p["rollout"][i], chain[i]) for i in (0, 1)]
+        break_even[shape] = [(s0_grouped[i] - s0[i]) / 2 for i in (0, 1)]  # 2 queue waits saved at s = 0
         rollout = span(*p["rollout"])
         add(
             f"| {shape} | {span(*s0)} s + 4Q | {span(*s0_grouped)} s + 2Q | max({rollout} s + Q, "
@@ -395,12 +395,16 @@ def render(measured: dict, jobs: dict[str, int]) -> str:
     add("")
     add("## What each knob changes\n")
     add(
-        f"- **Grouping** (the slurm/ profile's `groups`): sbatch submissions {tp / ITERATIONS:.1f} → "
+        "- **Grouping** (`--group-iterations` of otbflow submit, or the slurm/ profile's `groups`): sbatch "
+        f"submissions {tp / ITERATIONS:.1f} → "
         f"{tg / ITERATIONS:.1f} per iteration ({tp} → {tg} for the run); two queue waits per iteration instead "
         "of four at s = 0. It saves no start-up (every stage is still its own process in the group job); the "
         "group job holds the largest of its members' resources (the train job's GPUs) for the whole chain, "
-        "the features shards run one after another on one of them and the advantages step on none. It pays "
-        "where a queue wait is longer than what the serial features pass adds (the table above).\n"
+        "the features shards run one after another on one of them and the advantages step on none. At s = 0 "
+        "it shortens an iteration only where one queue wait Q is longer than half of what the serial features "
+        "pass adds: "
+        + ", ".join(f"{shape} Q > {span(*(b / 60 for b in break_even[shape]))} min" for shape in break_even)
+        + ".\n"
         "- **Retention**: the default keeps "
         + ", ".join(f"{shape} at {100 * d[0] / d[1]:.0f} %" for shape, d in default_vs_all.items())
         + " of keeping everything at the end of the run. The optimizer state is the largest item per "
