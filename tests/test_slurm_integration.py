@@ -395,14 +395,20 @@ def test_a_killed_head_job_is_continued_by_the_same_command(iteration_1_again):
 def test_a_head_job_requeues_itself_before_its_time_limit(iteration_1_again):
     """A head job with 3 minutes for more than 3 minutes of work: Slurm signals it 60 s (up to 120 s)
     before its limit, it stops Snakemake (SIGKILL: the stage jobs are not cancelled) and requeues
-    itself; its next run takes over and finishes with the uninterrupted run's policy, bitwise. A
-    requeued job waits about 2 minutes before Slurm starts it again (its BeginTime): released here."""
+    itself; its next run takes over and finishes with the uninterrupted run's policy, bitwise. The
+    train job is suspended until the head job has been requeued, so that the work outlasts the
+    signal however fast the machine (on a fast one the iteration took 85 s: no requeue); the next
+    run cancels it and redoes it. A requeued job waits about 2 minutes before Slurm starts it again
+    (its BeginTime): released here."""
     import submitit
 
     work, want = iteration_1_again
     start = time.perf_counter()
     out = sh(work, AGAIN.replace("--configfile my.yaml", "--configfile my.yaml --time 3 --requeue-before 60"))
     job = re.search(r"submitted the head job (\d+)", out).group(1)
+    wait_for(lambda: (work / "results/logs/train/iter_1.log").is_file(), 600, "the train job")
+    (train,) = wait_for(lambda: H.queued_jobs(set(), {H.jobname_prefix(work / "results")}), 60, "its Slurm id")
+    subprocess.run(["scontrol", "suspend", train], check=True)
 
     def ended() -> bool:
         row = [r for r in H.squeue("%i|%T|%r") if r[0] == job]
@@ -416,5 +422,6 @@ def test_a_head_job_requeues_itself_before_its_time_limit(iteration_1_again):
     assert sub.result() == 0, log[-3000:]
     assert "Snakemake stopped (SIGKILL), its jobs run on" in log and f"Requeued job {job}" in log, log[-3000:]
     assert f"Slurm job {job}" in log and "is gone" in log  # the requeued run took over from its previous run
+    assert f"cancelling the Slurm jobs {train}" in log and "rule train" in log  # redone, never adopted
     assert policy_digest(work / "results/iter_1/train/policy") == want
     print(f"finished after {log.count('Requeued job')} requeue(s), {time.perf_counter() - start:.0f} s")
