@@ -59,6 +59,12 @@ ASSUMPTIONS = {
     "peak_tflops": 989.0,
     "mfu": {"rollout": (0.05, 0.20), "features": (0.30, 0.50), "train": (0.25, 0.45)},
 }
+# A GPU vLLM build, cited (not measured here): torch.compile took about 39 s of a cold start of over
+# five minutes (about 142 s reading weights) for an NVFP4 35B MoE model on one DGX Spark, local NVMe.
+CITED_BUILD = {
+    "compile_s": 39.0,
+    "source": "https://route179.dev/2026/06/30/optimizing-vllm-cold-start-with-model-streaming-and-compile-caching/",
+}
 RETENTION = [  # (policy_every, optimizer): keep everything, every policy, the default, sparse
     (0, "all"),
     (1, "last"),
@@ -76,6 +82,7 @@ def overrides(shape: str, policy_every: int = 10, optimizer: str = "last", stale
         f"rollout.max_new_tokens={RESPONSE}",
         f"train.zero_stage={lay['zero_stage']}",
         "train.bf16=true",
+        "model.dtype=bfloat16",
         f"retention.policy_every={policy_every}",
         f"retention.optimizer={optimizer}",
     ]
@@ -144,10 +151,21 @@ def startup_model(measured: dict) -> dict:
     return out
 
 
-def job_startup(fits: dict, stage: str, n_params: int, optimizer_bytes: float, ranks: int) -> float:
+def rank_optimizer_bytes(n_params: int, optimizer_bytes: float, ranks: int, zero_stage: int, bf16: bool) -> float:
+    """Optimizer-state bytes one train rank reads and writes: at ZeRO-0/1/2 the module's weights
+    (bf16 or fp32; one file that rank 0 writes and every rank reads) whole, the rest (fp32 master
+    weights and moments) its 1/ranks share; at ZeRO-3 a 1/ranks share of all."""
+    if zero_stage == 3:
+        return optimizer_bytes / ranks
+    module = (2 if bf16 else 4) * n_params
+    return module + (optimizer_bytes - module) / ranks
+
+
+def job_startup(fits: dict, stage: str, n_params: int, optimizer_bytes: float) -> float:
     """Extrapolated start-up of one job of ``stage`` (seconds, the slowest rank). Every rank loads
     the whole fp32 policy; under ZeRO each of ``ranks`` reads and writes its 1/ranks of the
-    optimizer state, in parallel; rank 0 writes the next policy. The rollout job: vLLM's import
+    optimizer state (``optimizer_bytes``: already one rank's, ``rank_optimizer_bytes``), in parallel;
+    rank 0 writes the next policy. The rollout job: vLLM's import
     and reading the weights at the features job's rate; its engine build is not included."""
     weights = 4 * n_params
 
@@ -165,8 +183,8 @@ def job_startup(fits: dict, stage: str, n_params: int, optimizer_bytes: float, r
         t("train", "import_s")
         + t("train", "model_load_s", weights)
         + t("train", "deepspeed_init_s", weights)
-        + t("train", "optimizer_load_s", optimizer_bytes / ranks)
-        + t("train", "optimizer_save_s", optimizer_bytes / ranks)
+        + t("train", "optimizer_load_s", optimizer_bytes)
+        + t("train", "optimizer_save_s", optimizer_bytes)
         + t("train", "policy_save_s", weights)
     )
 
@@ -297,33 +315,41 @@ def render(measured: dict, jobs: dict[str, int]) -> str:
         f"torch {m['torch']}, {measured['date'][:10]}; page cache hot; load average "
         f"{measured['load_average_before'][0]:.1f} before, {measured['load_average_after'][0]:.1f} after), "
         "each step in a fresh process. Default: the default config's built model; 0.5B: a random "
-        "Qwen2.5-0.5B-shaped model saved in fp32. A step that moves bytes (model load, engine build, "
-        "DeepSpeed initialisation, optimizer state, policy written) is extrapolated as fixed + "
-        "seconds per GB × GB through these two points; imports are fixed.\n"
+        "Qwen2.5-0.5B-shaped model saved in fp32. A step that moves bytes (model load, DeepSpeed "
+        "initialisation, optimizer state, policy written) is extrapolated as fixed + seconds per GB × GB "
+        "through these two points; imports are fixed. DeepSpeed is initialised as the default config does "
+        "(ZeRO-0, fp32, one rank, on CPU: no NCCL, no copy to a GPU, no partitioning), so its figure is a "
+        "lower bound for a multi-rank GPU job. The machine was not idle (the load averages above, on "
+        f"{m['cores']} cores) and each step ran once, so the two-point slopes are noisy: reading the same fp32 "
+        f"weights took {model[('features', 'model_load_s')]['s_per_gb']:.2f} s per GB in the features job and "
+        f"{model[('train', 'model_load_s')]['s_per_gb']:.2f} in the train job.\n"
     )
     add("| stage | step | default (s) | 0.5B (s) | fixed (s) | s per GB | scales with |")
     add("| --- | --- | ---: | ---: | ---: | ---: | --- |")
     for (stage, step), f in model.items():
         add(
             f"| {stage} | {step.removesuffix('_s')} | {f['t_small']:.2f} | {f['t_large']:.2f} | {f['fixed_s']:.2f} | "
-            f"{f['s_per_gb']:.2f} | {f['bytes']} |"
+            f"{f['s_per_gb']:.2f} | {'CPU only: not extrapolated' if step == 'engine_build_s' else f['bytes']} |"
         )
     add("")
     add(
         "Extrapolated per job at scale: every train rank loads the whole fp32 policy, initialises "
-        "DeepSpeed, reads and writes its 1/ranks share of the optimizer state (ZeRO; the ranks in "
-        "parallel, each at the rate measured here), and rank 0 writes the next policy. The rollout job's "
-        "figure is vLLM's import plus reading the weights at the features job's rate, **without the engine "
-        "build**: on CPU the build profiles and compiles the model on the CPU (the table's last row, "
+        "DeepSpeed, reads and writes the optimizer state's module weights whole and its 1/ranks share of "
+        "the rest (ZeRO-3: a share of all; the ranks in parallel, each at the rate measured here), and "
+        "rank 0 writes the next policy. The rollout job's figure is vLLM's import plus reading the weights "
+        "at the features job's rate, plus at most a cited GPU compile (below): on CPU the build profiles "
+        "and compiles the model on the CPU (the table's last row, "
         f"{model[('vllm', 'engine_build_s')]['t_small']:.0f} s even for the default's "
         f"{measured['shapes']['default']['parameters'] / 1e6:.1f} M parameters), which says nothing about a GPU "
         "build (torch.compile for the "
         "GPU and CUDA-graph capture; its compile cache, `~/.cache/vllm/torch_compile_cache`, keyed by config "
         "and code rather than weights, lets a shared cache folder spare later iterations the compilation). "
-        "One public report gives the order of a GPU build: a 35B MoE model on one DGX Spark, vLLM, "
-        "reading the weights about 142 s and torch.compile about 39 s of a cold start over five minutes "
-        "(https://route179.dev/2026/06/30/optimizing-vllm-cold-start-with-model-streaming-and-compile-caching/); "
-        "not used in the figures below, which are lower bounds for the rollout for that reason. "
+        "One public report gives the order of a GPU build: an NVFP4-quantised 35B MoE model (about 20 GB) "
+        "on one DGX Spark from local NVMe, vLLM, reading the weights about 142 s and torch.compile about "
+        f"{CITED_BUILD['compile_s']:.0f} s of a cold start over five minutes ({CITED_BUILD['source']}). The "
+        "rollout rows below range from no compile (a warm compile cache) to that compile added; CUDA-graph "
+        "capture and the memory profiling are in neither end, and the train rows are lower bounds (the "
+        "DeepSpeed initialisation above). "
         "Loads are from a hot page cache; reading "
         "cold from a shared filesystem adds the bytes over its bandwidth (7B: "
         f"{4 * n_params['qwen2.5-7b'] / 1e9:.0f} GB of fp32 weights, "
@@ -351,6 +377,7 @@ def render(measured: dict, jobs: dict[str, int]) -> str:
         n = n_params[shape]
         cfg = load_config(DEFAULT_CONFIG, overrides(shape))
         opt_bytes = optimizer_bytes_per_parameter(cfg.train) * n
+        rank_bytes = rank_optimizer_bytes(n, opt_bytes, lay["train_gpus"], lay["zero_stage"], cfg.train.bf16)
         work = work_seconds(shape, n)
         gpus = {
             "rollout": SHARDS * lay["rollout_gpus"],
@@ -359,29 +386,32 @@ def render(measured: dict, jobs: dict[str, int]) -> str:
         }
         path = {}
         for stage in ("rollout", "features", "advantages", "train"):
-            s = job_startup(model, stage, n, opt_bytes, lay["train_gpus"])
+            s = job_startup(model, stage, n, rank_bytes)
             if stage == "advantages":
                 add(f"| {shape} | advantages | {s:.1f} | not modelled (CPU) | | 0 |")
                 path[stage] = (s, s)
                 continue
             lo, hi = work[stage]
             path[stage] = (s + lo, s + hi)
-            at_least = "≥ " if stage == "rollout" else ""  # without the engine build
+            top = s + (CITED_BUILD["compile_s"] if stage == "rollout" else 0)  # the cited compile
+            at_least = "≥ " if stage in ("rollout", "train") else ""  # graph capture; DeepSpeed on GPUs
+            share = span(100 * s / (s + hi), 100 * top / (top + lo))
             add(
-                f"| {shape} | {stage} | {at_least}{s:.0f} | {span(lo, hi)} | "
-                f"{at_least}{span(100 * s / (s + hi), 100 * s / (s + lo))} % | {at_least}{s * gpus[stage]:,.0f} |"
+                f"| {shape} | {stage} | {at_least}{span(s, top)} | {span(lo, hi)} | {at_least}{share} % | "
+                f"{at_least}{span(s * gpus[stage], top * gpus[stage], '{:,.0f}')} |"
             )
         periods[shape] = path
     add("")
     add("## Iteration time: what staleness and grouping change\n")
     add(
-        "Per iteration, each job taking start-up + work (the ranges above), Q the queue wait of one Slurm "
-        "submission on the critical path. At `rollout.staleness: 0` an iteration waits for rollout, features, "
-        "advantages and train in turn; at s ≥ 1 the rollouts run on their own GPUs while the chain trains, "
-        "and an iteration takes the longer of the two. Grouping removes the queue waits inside the chain, "
+        "Per iteration, each job taking start-up (the lower end) + work (the ranges above), Q the queue "
+        "wait of one Slurm submission on the critical path. At `rollout.staleness: 0` an iteration waits "
+        "for rollout, features, advantages and train in turn; at s ≥ 1 the rollouts run on their own GPUs "
+        "while the chain trains, and an iteration takes the longer of the two. Grouping removes the queue "
+        "waits inside the chain, "
         f"and runs its {SHARDS} features jobs one after another.\n"
     )
-    saved, break_even = {}, {}
+    saved, break_even, idle = {}, {}, {}
     add("| shape | s = 0, ungrouped | s = 0, grouped | s = 1, ungrouped | s = 1, grouped |")
     add("| --- | --- | --- | --- | --- |")
     for shape, p in periods.items():
@@ -391,6 +421,12 @@ def render(measured: dict, jobs: dict[str, int]) -> str:
         s0_grouped = [p["rollout"][i] + serial[i] for i in (0, 1)]
         saved[shape] = [min(p["rollout"][i], chain[i]) for i in (0, 1)]
         break_even[shape] = [(s0_grouped[i] - s0[i]) / 2 for i in (0, 1)]  # 2 queue waits saved at s = 0
+        lay = LAYOUT[shape]  # the group holds the train job's GPUs through the features shards and advantages
+        idle[shape] = [
+            (lay["train_gpus"] - lay["features_gpus"]) * SHARDS * p["features"][i]
+            + lay["train_gpus"] * p["advantages"][i]
+            for i in (0, 1)
+        ]
         rollout = span(*p["rollout"])
         add(
             f"| {shape} | {span(*s0)} s + 4Q | {span(*s0_grouped)} s + 2Q | max({rollout} s + Q, "
@@ -407,8 +443,10 @@ def render(measured: dict, jobs: dict[str, int]) -> str:
         "the features shards run one after another on one of them and the advantages step on none. At s = 0 "
         "it shortens an iteration only where one queue wait Q is longer than half of what the serial features "
         "pass adds: "
-        + ", ".join(f"{shape} Q > {span(*(b / 60 for b in break_even[shape]))} min" for shape in break_even)
-        + ".\n"
+        + ", ".join(f"{shape} Q > {span(*(b / 60 for b in break_even[shape]), '{:.1f}')} min" for shape in break_even)
+        + ". Meanwhile the GPUs the group job holds beyond what its running member uses sit idle: "
+        + ", ".join(f"{shape} {span(*idle[shape], '{:,.0f}')} GPU-s" for shape in idle)
+        + " per iteration.\n"
         "- **Retention**: the default keeps "
         + ", ".join(f"{shape} at {100 * d[0] / d[1]:.0f} %" for shape, d in default_vs_all.items())
         + " of keeping everything at the end of the run. The optimizer state is the largest item per "
@@ -425,7 +463,8 @@ def render(measured: dict, jobs: dict[str, int]) -> str:
             for shape, lay in LAYOUT.items()
         )
         + ". The 32B run needs a loader that partitions while it loads (`deepspeed.zero.Init`), which "
-        "otbflow does not have yet.\n"
+        "otbflow does not have yet; its features pass too, which loads the policy in fp32 before casting it "
+        f"(`load_policy`): {4 * n_params['qwen2.5-32b'] / 1e9:.0f} GB, more than one 80 GB GPU.\n"
         "- **Start-up**: where the rollout engine's build and the train job's optimizer-state read and write "
         "are large against the work, the one-job-per-stage design pays it every iteration; an in-process "
         "trainer pays it once per run.\n"
