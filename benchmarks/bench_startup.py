@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -202,20 +201,14 @@ def main() -> None:
         return
 
     import torch
+    from bench_iteration import cpu_model  # benchmarks/ is on sys.path (a script); not in the timed workers
 
     vllm = VLLM_PYTHON.is_file() and not ns.no_vllm
     result = {
         "command": " ".join(["python", "benchmarks/bench_startup.py", *sys.argv[1:]]),
         "date": datetime.now().isoformat(timespec="seconds"),
         "machine": {
-            "cpu": next(
-                (
-                    ln.split(":", 1)[1].strip()
-                    for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                    if "model name" in ln
-                ),
-                platform.processor(),
-            ),
+            "cpu": cpu_model(),
             "cores": os.cpu_count(),
             "torch": torch.__version__,
             "threads": ns.threads,

@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from otbflow.config import DEFAULT_CONFIG, load_config  # noqa: E402
-from otbflow.disk import count_parameters, estimate, optimizer_bytes_per_parameter  # noqa: E402
+from otbflow.disk import count_parameters, estimate, gib, optimizer_bytes_per_parameter  # noqa: E402
 from otbflow.jobgroups import CHAIN as GROUPED  # noqa: E402  the rules of one grouped Slurm job per iteration
 
 DOC = REPO / "docs" / "scale.md"
@@ -226,12 +226,6 @@ def work_seconds(shape: str, n_params: int) -> dict[str, tuple[float, float]]:
 # ------------------------------------------------------------------------------------------
 
 
-def tib(b: float) -> str:
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)):
-        if b >= scale or unit == "MiB":
-            return f"{b / scale:.3g} {unit}"
-
-
 def span(lo: float, hi: float, fmt: str = "{:.0f}") -> str:
     a, b = fmt.format(lo), fmt.format(hi)
     return a if a == b else f"{a}–{b}"
@@ -305,8 +299,8 @@ def render(measured: dict, jobs: dict[str, int]) -> str:
                 (every, opt), f"{every}, {opt}"
             )
             add(
-                f"| {shape} | {n_params[shape] / 1e9:.2f} B | {name} | {tib(e0['bytes']['final'])} | "
-                f"{tib(e0['bytes']['peak'])} | {tib(e1['bytes']['final'])} | {tib(e1['bytes']['peak'])} |"
+                f"| {shape} | {n_params[shape] / 1e9:.2f} B | {name} | {gib(e0['bytes']['final'])} | "
+                f"{gib(e0['bytes']['peak'])} | {gib(e1['bytes']['final'])} | {gib(e1['bytes']['peak'])} |"
             )
     add("")
     add("## Start-up per job\n")
