@@ -44,8 +44,9 @@ SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
 ITERATIONS, PROMPTS, GROUP, RESPONSE, PROMPT_TOKENS = 100, 512, 16, 4096, 200
 SHARDS, EVALUATE_EVERY = 8, 10
 # Where each stage runs (GPUs per job), per shape: rollout shards on one engine each (32B: tensor
-# parallel over 2), the features pass one GPU per shard (bf16 weights: 32B's 65 GB fit one 80 GB
-# GPU), training on one node (32B: four, ZeRO-3).
+# parallel over 2), the features pass one GPU per shard (32B: its bf16 weights would fit one 80 GB
+# GPU, but today's load_policy loads fp32 first: the document says so), training on one node (32B:
+# four, ZeRO-3).
 LAYOUT = {
     "qwen2.5-0.5b": {"rollout_gpus": 1, "features_gpus": 1, "train_gpus": 8, "zero_stage": 1},
     "qwen2.5-7b": {"rollout_gpus": 1, "features_gpus": 1, "train_gpus": 8, "zero_stage": 1},
@@ -163,10 +164,10 @@ def rank_optimizer_bytes(n_params: int, optimizer_bytes: float, ranks: int, zero
 
 def job_startup(fits: dict, stage: str, n_params: int, optimizer_bytes: float) -> float:
     """Extrapolated start-up of one job of ``stage`` (seconds, the slowest rank). Every rank loads
-    the whole fp32 policy; under ZeRO each of ``ranks`` reads and writes its 1/ranks of the
-    optimizer state (``optimizer_bytes``: already one rank's, ``rank_optimizer_bytes``), in parallel;
-    rank 0 writes the next policy. The rollout job: vLLM's import
-    and reading the weights at the features job's rate; its engine build is not included."""
+    the whole fp32 policy and reads and writes ``optimizer_bytes`` of the optimizer state (one
+    rank's, ``rank_optimizer_bytes``; the ranks in parallel); rank 0 writes the next policy. The
+    rollout job: vLLM's import and reading the weights at the features job's rate; its engine build
+    is not included (the document adds the cited compile)."""
     weights = 4 * n_params
 
     def t(st: str, step: str, nbytes: float = 0.0, fixed: bool = True) -> float:
@@ -189,6 +190,16 @@ def job_startup(fits: dict, stage: str, n_params: int, optimizer_bytes: float) -
     )
 
 
+def stage_gpus(shape: str) -> dict[str, int]:
+    """GPUs of all the jobs of a stage in one iteration (the shards' together)."""
+    lay = LAYOUT[shape]
+    return {
+        "rollout": SHARDS * lay["rollout_gpus"],
+        "features": SHARDS * lay["features_gpus"],
+        "train": lay["train_gpus"],
+    }
+
+
 def forward_flops(n_params: int, hf: dict, context: float) -> float:
     """Forward FLOPs of one token that attends to ``context`` tokens: 2 per weight it multiplies
     (every parameter but an untied input embedding, a lookup) and, per layer, 2 context d for the
@@ -200,7 +211,7 @@ def forward_flops(n_params: int, hf: dict, context: float) -> float:
 
 def work_seconds(shape: str, n_params: int) -> dict[str, tuple[float, float]]:
     """(fastest, slowest) work of one job per stage, over the MFU ranges."""
-    hf, lay = shape_config(shape), LAYOUT[shape]
+    hf = shape_config(shape)
     responses = PROMPTS * GROUP
     mid = PROMPT_TOKENS + RESPONSE / 2  # a response token's mean context
     decode = responses * RESPONSE * forward_flops(n_params, hf, mid)
@@ -209,11 +220,7 @@ def work_seconds(shape: str, n_params: int) -> dict[str, tuple[float, float]]:
         PROMPT_TOKENS * forward_flops(n_params, hf, PROMPT_TOKENS / 2) + RESPONSE * forward_flops(n_params, hf, mid)
     )
     flops = {"rollout": decode + prefill, "features": teacher, "train": 3 * teacher}
-    gpus = {
-        "rollout": SHARDS * lay["rollout_gpus"],
-        "features": SHARDS * lay["features_gpus"],
-        "train": lay["train_gpus"],
-    }
+    gpus = stage_gpus(shape)
     peak = ASSUMPTIONS["peak_tflops"] * 1e12
     return {
         s: (f / (gpus[s] * peak * ASSUMPTIONS["mfu"][s][1]), f / (gpus[s] * peak * ASSUMPTIONS["mfu"][s][0]))
@@ -373,11 +380,7 @@ def render(measured: dict, jobs: dict[str, int]) -> str:
         opt_bytes = optimizer_bytes_per_parameter(cfg.train) * n
         rank_bytes = rank_optimizer_bytes(n, opt_bytes, lay["train_gpus"], lay["zero_stage"], cfg.train.bf16)
         work = work_seconds(shape, n)
-        gpus = {
-            "rollout": SHARDS * lay["rollout_gpus"],
-            "features": SHARDS * lay["features_gpus"],
-            "train": lay["train_gpus"],
-        }
+        gpus = stage_gpus(shape)
         path = {}
         for stage in ("rollout", "features", "advantages", "train"):
             s = job_startup(model, stage, n, rank_bytes)
