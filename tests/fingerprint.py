@@ -56,9 +56,16 @@ def weights_digest(policy_dir: Path) -> str:
 # Columns that did not exist when tests/data/fingerprints/ were recorded, by the tables (path globs
 # under results/) that gained them: the digests leave them out there, so that the recorded fixtures
 # still pin every other column. What checks each one's values: tests/test_workflow.py
-# (behaviour_iteration) and tests/test_bootstrap_evaluate_report.py (the mismatch table's).
+# (behaviour_iteration), tests/test_shaping.py (verifiable_reward) and
+# tests/test_bootstrap_evaluate_report.py (the mismatch table's).
 ADDED = {
     "behaviour_iteration": (
+        "iter_*/rollout/*.parquet",
+        "iter_*/features/*.parquet",
+        "iter_*/advantages/advantages.parquet",
+        "variance/pool.parquet",
+    ),
+    "verifiable_reward": (
         "iter_*/rollout/*.parquet",
         "iter_*/features/*.parquet",
         "iter_*/advantages/advantages.parquet",

@@ -112,6 +112,7 @@ def write_rollouts(path):
             "response_length": [len(r) for r in responses],
             "finish_reason": ["length"] * N_SEQ,
             "reward": rng.random(N_SEQ).tolist(),
+            "verifiable_reward": [0.0] * N_SEQ,
         },
         schema=schemas.ROLLOUTS.columns,
     )

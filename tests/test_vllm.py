@@ -19,8 +19,8 @@ from otbflow.engines import render_prompts
 from otbflow.engines import vllm as vllm_engine
 from otbflow.io import check_schema, read_metadata, read_table
 from otbflow.model import load_tokenizer
-from otbflow.rewards import arithmetic_reward
 from otbflow.sampling import rollout_table
+from otbflow.shaping import Scorer
 from otbflow.stages import features
 
 DATA = Path(__file__).parent / "data" / "vllm_request_outputs.json"
@@ -75,7 +75,7 @@ def test_engine_and_sampling_arguments_from_config():
     assert g["n"] == 1 and g["temperature"] == 0.0 and g["stop_token_ids"] == [2]
 
 
-def test_recorded_outputs_convert_to_the_rollout_schema():
+def test_recorded_outputs_convert_to_the_rollout_schema(cfg):
     outputs, raw = recorded_outputs()
     prompt_ids = [r["prompt_token_ids"] for r in raw]
     samples = vllm_engine.samples_from_outputs(outputs, prompt_ids)
@@ -91,11 +91,9 @@ def test_recorded_outputs_convert_to_the_rollout_schema():
             "shard": [0, 0],
         }
     )
-    table = rollout_table(
-        samples, batch, iteration=0, shard=0, seed=5, reward_fn=arithmetic_reward, behaviour_iteration=0
-    )
+    table = rollout_table(samples, batch, iteration=0, shard=0, seed=5, behaviour_iteration=0, scorer=Scorer(cfg))
     check_schema(table, schemas.ROLLOUTS, "vllm rollouts")  # the identical schema as the hf backend
-    assert table["reward"].to_list() == [1.0, 0.0, 0.0, 0.0]
+    assert table["reward"].to_list() == table["verifiable_reward"].to_list() == [1.0, 0.0, 0.0, 0.0]
     assert table["group_id"].to_list() == [10, 10, 11, 11]
 
 

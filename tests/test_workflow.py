@@ -407,3 +407,39 @@ def test_bad_config_fails_before_any_job(tmp_path, override, key):
     assert res.returncode != 0
     assert key in res.stdout + res.stderr
     assert not (tmp_path / "results").exists() or not any((tmp_path / "results").rglob("*.parquet"))
+
+
+def test_the_tiny_workflow_with_dapo_sampling_and_shaped_rewards(run_dir, tmp_path):
+    """rollout.filter_groups with the cosine reward and DAPO's overlong punishment on a copy of the
+    tiny run: no group whose verifiable rewards are all equal reaches the advantages stage, the
+    training reward is shaped while evaluation still scores 0 or 1 and gives the initial policy
+    the tables it had, the report counts the dropped groups' tokens, and a rerun plans nothing."""
+    work = copy_run(run_dir, tmp_path / "run")
+    dapo = ["rollout={filter_groups: true}", "task={reward: cosine, overlong_buffer: 8, cosine: {exceed_margin: 4}}"]
+    snakemake(work, "--config", *dapo)
+    r = work / "results"
+    for k in (0, 1):
+        adv = read_table(r / f"iter_{k}/advantages/advantages.parquet", schemas.ADVANTAGES)
+        spread = adv.group_by("group_id").agg(pl.col("verifiable_reward").n_unique())["verifiable_reward"]
+        assert spread.min() == 2, k
+        assert not adv["reward"].equals(adv["verifiable_reward"])
+    summary = read_table(r / "report/rollouts.parquet", schemas.ROLLOUT_SUMMARY)
+    for k, row in enumerate(summary.iter_rows(named=True)):  # 8 prompts per iteration, 4 per shard
+        groups = read_table(r / f"iter_{k}/advantages/advantages.parquet", schemas.ADVANTAGES)["group_id"].n_unique()
+        assert groups == row["groups_kept"] and (groups == 8) == (row["shards_short"] == 0), row
+    assert summary["groups_dropped"].sum() > 0  # the bootstrapped policy leaves some groups uniform
+    kept_tokens = [
+        sum(
+            read_table(r / f"iter_{k}/rollout/shard_{s}.parquet", schemas.ROLLOUTS)["response_length"].sum()
+            for s in (0, 1)
+        )
+        for k in (0, 1)
+    ]
+    assert all(t >= kt for t, kt in zip(summary["tokens"].to_list(), kept_tokens))
+    assert any(t > kt for t, kt in zip(summary["tokens"].to_list(), kept_tokens)) == bool(
+        summary["groups_dropped"].sum()
+    )
+    evals = read_table(r / "initial/eval/samples.parquet", schemas.EVAL_SAMPLES)
+    before = read_table(run_dir / "results/initial/eval/samples.parquet", schemas.EVAL_SAMPLES)
+    assert evals.equals(before) and set(evals["reward"].to_list()) <= {0.0, 1.0}
+    assert planned_rules(snakemake(work, "-n", "--config", *dapo).stdout) == set()

@@ -35,6 +35,7 @@ from otbflow.losses import LOSS_AGG_MODES, POLICY_LOSSES
 from otbflow.lr_schedule import SCHEDULES
 from otbflow.rewards import REWARDS
 from otbflow.rollout_is import LEVELS as ROLLOUT_IS_LEVELS
+from otbflow.shaping import SHAPED_REWARDS
 from otbflow.tasks import DATASET_FORMATS
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "config" / "config.yaml"
@@ -218,13 +219,57 @@ class BootstrapConfig:
 
 
 @dataclass
+class CosineConfig:
+    """The cosine length-scaled reward (task.reward: cosine; algorithms.md §8). Defaults: the
+    values of the authors' run script (eddycmu/demystify-long-cot, scripts/run_local.sh) and their
+    code's 16-token exceed margin; L_max is rollout.max_new_tokens."""
+
+    verifier: str = opt("auto", choices=Names(REWARDS, "auto"))
+    """The verifiable reward it wraps (a response is correct where it scores 1), by registry name;
+    'auto': as task.reward's auto. Evaluation and dynamic sampling score with it."""
+    correct_min: float = opt(1.0, finite=True)
+    """r_c,min: a correct answer's reward at length L_max."""
+    correct_max: float = opt(2.0, finite=True)
+    """r_c,max: a correct answer's reward at length 0."""
+    wrong_min: float = opt(-10.0, le=0, finite=True)
+    """r_w,min: a wrong answer's reward at length 0 (<= 0, as the authors' code requires)."""
+    wrong_max: float = opt(0.0, le=0, finite=True)
+    """r_w,max: a wrong answer's reward at length L_max (<= 0)."""
+    exceed: float = opt(-10.0, finite=True)
+    """r_exceed: the reward of a response within exceed_margin tokens of L_max (cut at the limit
+    included), correct or not."""
+    exceed_margin: int = opt(16, ge=0)
+    """Tokens before L_max from which a response counts as exceeding (the authors' MAX_LEN_MARGIN);
+    must be < rollout.max_new_tokens."""
+    repetition_ngram: int = opt(40, ge=1)
+    """Words per n-gram of the sparse repetition penalty (the run script's 40)."""
+    repetition_max: float = opt(0.0, le=0, finite=True)
+    """p_max of the sparse repetition penalty added to wrong answers: (1 - distinct n-grams /
+    n-grams) * p_max. 0: off (the default; the authors' run used a dense per-token penalty
+    instead, which otbflow does not have)."""
+
+
+@dataclass
 class TaskConfig:
     name: str = opt("arithmetic", choices=TASKS)
     """'arithmetic': the built-in synthetic multi-step arithmetic task with a scratchpad.
     'dataset': prompts and answers read from `path` (JSONL or Parquet, columns prompt, answer)."""
-    reward: str = opt("auto", choices=Names(REWARDS, "auto"))
+    reward: str = opt("auto", choices=Names(REWARDS, "auto", *SHAPED_REWARDS))
     """Reward function, by registry name (see otbflow.rewards). 'auto': 'arithmetic' for the
-    synthetic task, 'math' for datasets."""
+    synthetic task, 'math' for datasets. 'cosine': the cosine length-scaled reward wrapping the
+    verifier task.cosine.verifier (task.cosine; docs/training.md, 'Reward shaping'). Evaluation
+    always scores with the verifiable reward."""
+    overlong_buffer: int = opt(0, ge=0)
+    """DAPO's soft overlong punishment (algorithms.md §6.1): L_cache, the last tokens before
+    rollout.max_new_tokens (L_max) over which the reward falls linearly by up to
+    overlong_penalty, added to the reward: overlong_penalty * min(0, (L_max - L_cache - |y|) /
+    L_cache). 0: off. At most rollout.max_new_tokens."""
+    overlong_penalty: float = opt(1.0, ge=0, finite=True)
+    """DAPO's penalty factor: what a response of L_max tokens loses. DAPO's rewards are +-1 (a
+    right-wrong gap of 2), otbflow's verifiable rewards 0 or 1 (a gap of 1): the default 1.0 costs
+    a full-length response the whole gap, twice DAPO's share of it; 0.5 keeps DAPO's ratio."""
+    cosine: CosineConfig = field(default_factory=CosineConfig)
+    """task.reward cosine: its values (task.cosine.*)."""
     n_train: int = opt(512, ge=1)
     """Synthetic task: number of training prompts."""
     n_eval: int = opt(64, ge=1)
@@ -287,6 +332,15 @@ class RolloutConfig:
     and train.rollout_is (none is refused) weights the stale samples by min(pi_prox / pi_behav, C)
     (ppo_clip) or min(pi_theta / pi_behav, C) (reinforce's bypass). docs/training.md, 'Pipelined
     iterations'."""
+    filter_groups: bool = False
+    """DAPO's dynamic sampling (algorithms.md §6.1): drop the groups whose verifiable rewards are all
+    equal (verl's metric 'acc'; shaped or learned rewards never decide it) and sample further
+    rounds of prompts, inside the rollout job, until each shard holds its share of
+    prompts_per_iteration informative groups (trimmed to exactly that) or max_gen_batches rounds are
+    spent (then it trains on what it has and says so). Needs group_size >= 2."""
+    max_gen_batches: int = opt(10, ge=0)
+    """filter_groups: most sampling rounds per rollout job (verl's max_num_gen_batches, 10). 0: no
+    limit but the shard's prompts (each round draws prompts the earlier ones did not use)."""
     batch_size: int = opt(64, ge=1)
     """hf backend: prompts per generate call."""
     tensor_parallel_size: int = opt(1, ge=1)
@@ -801,6 +855,21 @@ def check_rules(cfg: DictConfig, explicit: frozenset[str] | None = None) -> None
             t.chat,
         )
     require(t.min_terms <= t.max_terms, "task.min_terms", "in [1, task.max_terms]", t.min_terms)
+    max_len = cfg.rollout.max_new_tokens
+    require(
+        not cfg.rollout.filter_groups or cfg.rollout.group_size >= 2,
+        "rollout.group_size",
+        ">= 2 with rollout.filter_groups (a group of one always has equal rewards)",
+        cfg.rollout.group_size,
+    )
+    require(t.overlong_buffer <= max_len, "task.overlong_buffer", "<= rollout.max_new_tokens", t.overlong_buffer)
+    if t.reward == "cosine":
+        require(
+            t.cosine.exceed_margin < max_len,
+            "task.cosine.exceed_margin",
+            f"< rollout.max_new_tokens ({max_len}): otherwise every response counts as exceeding",
+            t.cosine.exceed_margin,
+        )
     if t.name == "dataset":
         require(t.path is not None, "task.path", "a JSONL or Parquet file when task.name is 'dataset'", t.path)
     require(

@@ -29,6 +29,7 @@ from otbflow.engines import BACKENDS
 from otbflow.estimators import estimator_parameters, studied, study_keys
 from otbflow.losses import POLICY_LOSSES
 from otbflow.lr_schedule import SCHEDULE_OPTIONS
+from otbflow.shaping import shaping_keys, verifier_keys
 
 
 @dataclass(frozen=True)
@@ -79,11 +80,16 @@ def rollout_is_keys(cfg: DictConfig) -> list[str]:
 
 # The live curves of a job (otbflow.tracking): how it reports, never what it writes.
 TRACKING = ("tracking.tensorboard", "tracking.wandb")
-# How prompts are rendered for the policy (the chat template) and how responses are scored.
+# How prompts are rendered for the policy (the chat template).
 RENDERING = ["task.chat", "task.system_prompt"]
-SCORING = ["task.name", "task.reward"]
 # The engine's interpreter and resources: read when the engine starts, no effect on its samples.
 ENGINE_EXECUTION = ("rollout.python", *dict.fromkeys(k for b in BACKENDS.values() for k in b.run_keys))
+
+
+def scoring(cfg: DictConfig) -> list[str]:
+    """How sampled responses are scored for training: the verifier and the shaping
+    (otbflow.shaping). Evaluation reads only the verifier's keys."""
+    return [*verifier_keys(cfg.task), *shaping_keys(cfg.task)]
 
 
 def prompt_set(cfg: DictConfig) -> list[str]:
@@ -113,14 +119,15 @@ def _shard(cfg: DictConfig) -> list[str]:
 
 
 def _rollout(cfg: DictConfig) -> list[str]:
-    r = ["group_size", "prompts_per_iteration", "temperature", "top_p", "max_new_tokens"]
-    return ["seed", *(f"rollout.{k}" for k in r), "shard.n_shards", *sampling_engine(cfg), *RENDERING, *SCORING]
+    r = ["group_size", "prompts_per_iteration", "temperature", "top_p", "max_new_tokens", "filter_groups"]
+    r += ["max_gen_batches"] if cfg.rollout.filter_groups else []
+    return ["seed", *(f"rollout.{k}" for k in r), "shard.n_shards", *sampling_engine(cfg), *RENDERING, *scoring(cfg)]
 
 
 def _variance_pool(cfg: DictConfig) -> list[str]:
     r = ["temperature", "top_p", "max_new_tokens"]
     pool = ["variance.pool_prompts", "variance.pool_size"]
-    return ["seed", *pool, *(f"rollout.{k}" for k in r), *sampling_engine(cfg), *RENDERING, *SCORING]
+    return ["seed", *pool, *(f"rollout.{k}" for k in r), *sampling_engine(cfg), *RENDERING, *scoring(cfg)]
 
 
 def _features(cfg: DictConfig) -> list[str]:
@@ -155,7 +162,7 @@ def _train(cfg: DictConfig) -> list[str]:
 
 def _evaluate(cfg: DictConfig) -> list[str]:
     e = ["evaluate.n_samples", "evaluate.temperature", "evaluate.max_new_tokens"]
-    return ["seed", *e, *sampling_engine(cfg), *RENDERING, *SCORING]
+    return ["seed", *e, *sampling_engine(cfg), *RENDERING, *verifier_keys(cfg.task)]
 
 
 def _report(cfg: DictConfig) -> list[str]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import polars as pl
 import torch
 from omegaconf import DictConfig
@@ -20,7 +21,8 @@ from omegaconf import DictConfig
 from otbflow import schemas
 from otbflow.engines import Sample, Sampling, open_backend, prompt_metadata, render_table
 from otbflow.model import load_tokenizer
-from otbflow.rewards import get_reward, resolve_reward_name
+from otbflow.seeds import derive_seed
+from otbflow.shaping import Scorer
 
 
 def select_prompts(df: pl.DataFrame, iteration: int, per_shard: int) -> pl.DataFrame:
@@ -36,12 +38,14 @@ def rollout_table(
     iteration: int,
     shard: int,
     seed: int,
-    reward_fn,
     behaviour_iteration: int,
+    scorer: Scorer,
 ) -> pl.DataFrame:
     """The rollouts table (schemas.ROLLOUTS) of any backend's samples of ``batch``'s prompts;
-    ``behaviour_iteration`` names the iteration whose starting policy sampled them."""
+    ``behaviour_iteration`` names the iteration whose starting policy sampled them; ``scorer``
+    gives each response's verifiable and training reward."""
     rows = batch.to_dicts()
+    scores = [scorer(s.text, rows[s.prompt_index]["answer"], len(s.response_ids)) for s in samples]
     return pl.DataFrame(
         {
             "iteration": [iteration] * len(samples),
@@ -59,10 +63,47 @@ def rollout_table(
             "rollout_logprobs": [s.logprobs for s in samples],
             "response_length": [len(s.response_ids) for s in samples],
             "finish_reason": [s.finish_reason for s in samples],
-            "reward": [reward_fn(s.text, rows[s.prompt_index]["answer"]) for s in samples],
+            "reward": [training for _, training in scores],
+            "verifiable_reward": [verifiable for verifiable, _ in scores],
         },
         schema=schemas.ROLLOUTS.columns,
     )
+
+
+class GroupSampler:
+    """The ``rollout.backend`` engine over one policy, opened once (at the first batch, after that
+    batch's prompts have rendered) for every batch the job samples, and the task's scorer."""
+
+    def __init__(self, cfg: DictConfig, policy: str, behaviour_iteration: int) -> None:
+        self.cfg, self.policy, self.behaviour = cfg, policy, behaviour_iteration
+        self.tok = load_tokenizer(policy)
+        self.scorer = Scorer(cfg)
+        self.backend = None
+        self.meta: dict[str, Any] = {}
+
+    def sample(self, batch: pl.DataFrame, group_size: int, iteration: int, shard: int, seed: int) -> pl.DataFrame:
+        """``group_size`` responses to each prompt of ``batch`` (table 'prompts') with the rollout
+        section's sampling options and ``seed``, scored: the rollouts table. The metadata of the
+        first call is kept in ``meta``."""
+        r = self.cfg.rollout
+        # a prompt that cannot be rendered fails before the engine starts
+        ids, chat = render_table(self.cfg, self.tok, batch)
+        if self.backend is None:
+            self.backend = open_backend(self.cfg, self.policy)
+        sampling = Sampling(group_size, r.temperature, r.top_p, r.max_new_tokens, greedy=False, seed=seed)
+        samples = self.backend.generate(ids, sampling)
+        if not self.meta:
+            self.meta = {
+                "backend": r.backend,
+                "policy": str(Path(self.policy)),
+                "iteration": iteration,
+                "behaviour_iteration": self.behaviour,
+                "seed": seed,
+                "torch_version": torch.__version__,
+                **self.backend.metadata(sampling),
+                **prompt_metadata(self.cfg, self.tok, chat, self.backend.stops),
+            }
+        return rollout_table(samples, batch, iteration, shard, seed, self.behaviour, self.scorer)
 
 
 def sample_groups(
@@ -79,22 +120,84 @@ def sample_groups(
     ``policy`` (the starting policy of iteration ``behaviour_iteration``)
     with the rollout section's sampling options and scored with the task's reward: the rollouts
     table and its metadata."""
-    r = cfg.rollout
-    tok = load_tokenizer(policy)
-    ids, chat = render_table(cfg, tok, batch)  # a prompt that cannot be rendered fails before the engine starts
-    backend = open_backend(cfg, policy)
-    sampling = Sampling(group_size, r.temperature, r.top_p, r.max_new_tokens, greedy=False, seed=seed)
-    samples = backend.generate(ids, sampling)
-    reward_fn = get_reward(resolve_reward_name(cfg.task.name, cfg.task.reward))
-    df = rollout_table(samples, batch, iteration, shard, seed, reward_fn, behaviour_iteration)
-    meta = {
-        "backend": r.backend,
-        "policy": str(Path(policy)),
-        "iteration": iteration,
-        "behaviour_iteration": behaviour_iteration,
-        "seed": seed,
-        "torch_version": torch.__version__,
-        **backend.metadata(sampling),
-        **prompt_metadata(cfg, tok, chat, backend.stops),
+    sampler = GroupSampler(cfg, policy, behaviour_iteration)
+    df = sampler.sample(batch, group_size, iteration, shard, seed)
+    return df, sampler.meta
+
+
+def uniform_groups(df: pl.DataFrame) -> pl.Series:
+    """The group ids of ``df`` (a rollouts table) whose verifiable rewards are all equal: groups
+    that carry no learning signal (DAPO's dynamic sampling drops them; verl's metric 'acc')."""
+    spread = df.group_by("group_id").agg(pl.col("verifiable_reward").n_unique().alias("values"))
+    return spread.filter(pl.col("values") == 1)["group_id"]
+
+
+def round_prompts(prompts: pl.DataFrame, used: set[int], n: int, seed: int) -> pl.DataFrame:
+    """A further round's ``n`` prompts of a shard: drawn without replacement, with ``seed``, from
+    the rows whose prompt ids are not in ``used`` (the rounds before it), so that group ids stay
+    unique within an iteration; fewer where the shard has fewer left."""
+    left = prompts.filter(~pl.col("prompt_id").is_in(sorted(used)))
+    rows = np.random.default_rng(seed).permutation(left.height)[: min(n, left.height)]
+    return left[sorted(rows.tolist())]
+
+
+def sample_informative_groups(
+    sampler: GroupSampler,
+    prompts: pl.DataFrame,
+    first: pl.DataFrame,
+    target: int,
+    iteration: int,
+    shard: int,
+) -> tuple[pl.DataFrame, dict[str, Any]]:
+    """DAPO's dynamic sampling within one rollout job (algorithms.md §6.1): round 0 samples the
+    prompts ``first`` (the iteration's window of the shard), each later round ``target`` prompts
+    the rounds before it did not use (``round_prompts``); groups whose verifiable rewards are all
+    equal are dropped, until ``target`` informative groups are held -- trimmed to exactly that,
+    in the order generated, as verl does -- or ``rollout.max_gen_batches`` rounds are spent (0:
+    until the shard's prompts run out). Every round's sampling seed and prompt draw derive from
+    (iteration, shard, round). Returns the kept groups and what happened (the Parquet metadata's
+    ``dynamic_sampling``: rounds, groups generated, dropped and kept, tokens generated in all).
+    Holding no informative group at the end is an error (there is nothing to train on)."""
+    r, seed0 = sampler.cfg.rollout, sampler.cfg.seed
+    parts, used, rounds = [], set(), []
+    kept = dropped = generated = tokens = 0
+    batch = first
+    while batch.height:
+        k = len(rounds)
+        seed = derive_seed(seed0, "rollout", iteration, shard, "round", k)
+        df = sampler.sample(batch, r.group_size, iteration, shard, seed)
+        uniform = uniform_groups(df)
+        informative = df.filter(~pl.col("group_id").is_in(uniform.implode()))
+        used |= set(batch["prompt_id"].to_list())
+        n_informative = informative["group_id"].n_unique()
+        rounds.append({"seed": seed, "groups": batch.height, "informative": n_informative})
+        generated += batch.height
+        dropped += batch.height - n_informative
+        tokens += int(df["response_length"].sum())
+        parts.append(informative)
+        kept += n_informative
+        if kept >= target or (r.max_gen_batches and len(rounds) >= r.max_gen_batches):
+            break
+        batch = round_prompts(prompts, used, target, derive_seed(seed0, "filter_groups", iteration, shard, len(rounds)))
+    if kept == 0:  # verl raises here; with some informative groups otbflow trains on those
+        raise RuntimeError(
+            f"dynamic sampling (rollout.filter_groups), iteration {iteration} shard {shard}: no group with "
+            f"unequal verifiable rewards in {len(rounds)} rounds of {generated} prompts; the policy "
+            "answers these prompts all right or all wrong. Raise rollout.max_gen_batches (0: until the "
+            "shard's prompts run out), or turn filter_groups off"
+        )
+    df = pl.concat(parts)
+    keep = df["group_id"].unique(maintain_order=True).head(target)
+    df = df.filter(pl.col("group_id").is_in(keep.implode()))
+    stats = {
+        "target_groups": target,
+        "rounds": len(rounds),
+        "round_seeds": [x["seed"] for x in rounds],
+        "groups_generated": generated,
+        "groups_dropped": dropped,
+        "groups_informative": kept,
+        "groups_kept": int(keep.len()),
+        "tokens_generated": tokens,
+        "reached": kept >= target,
     }
-    return df, meta
+    return df, stats

@@ -12,6 +12,8 @@ rule report:
         metrics=f"{R}/report/metrics.parquet",
         comparison=f"{R}/report/comparison.parquet",
         mismatch=f"{R}/report/mismatch.parquet",
+        # per iteration: tokens generated (dropped groups' included), rewards, dynamic sampling
+        rollout_summary=f"{R}/report/rollouts.parquet",
         # bytes under results/ after the retention policy (otbflow.disk.used)
         disk=f"{R}/report/disk.json",
         accuracy=report(

@@ -23,8 +23,9 @@ from otbflow.engines import Sampling, open_backend, prompt_metadata, render_tabl
 from otbflow.io import read_table, write_parquet
 from otbflow.lr_schedule import ScheduleState
 from otbflow.model import load_tokenizer, set_threads
-from otbflow.rewards import get_reward, resolve_reward_name
+from otbflow.rewards import get_reward
 from otbflow.seeds import derive_seed
+from otbflow.shaping import verifier
 from otbflow.tracking import open_curves
 
 log = logging.getLogger("otbflow.evaluate")
@@ -57,7 +58,7 @@ def run(cfg: DictConfig, args: Args) -> None:
     curves = open_curves(cfg, args.tracking_name)
     prompts = read_table(args.prompts, schemas.PROMPTS)
     e = cfg.evaluate
-    reward_fn = get_reward(resolve_reward_name(cfg.task.name, cfg.task.reward))
+    reward_fn = get_reward(verifier(cfg.task))  # never the shaped training reward
     answers, ids = prompts["answer"].to_list(), prompts["prompt_id"].to_list()
     tok = load_tokenizer(args.policy)
     prompt_ids, chat = render_table(cfg, tok, prompts)

@@ -20,7 +20,7 @@ import polars as pl
 from omegaconf import DictConfig
 
 from otbflow import disk, schemas
-from otbflow.io import pyplot, read_table, save_figure, write_json, write_parquet
+from otbflow.io import pyplot, read_metadata, read_table, save_figure, write_json, write_parquet
 
 log = logging.getLogger("otbflow.report")
 PLOTS = ("accuracy", "reward", "grad_norm", "response_length", "mismatch")
@@ -42,21 +42,48 @@ class Args:
     """Output folder for the tables and {accuracy,reward,grad_norm,response_length}.png."""
 
 
+def generation(path: str) -> dict:
+    """What one rollout job generated (its Parquet metadata's dynamic_sampling, rollout.filter_groups)
+    beyond the rows it kept: tokens, dropped groups, rounds, whether it reached its share."""
+    return read_metadata(path).get("dynamic_sampling") or {}
+
+
 def rollout_table(rollouts: list[str]) -> pl.DataFrame:
-    """Per iteration: mean rollout reward and length, and the rollout tokens generated up to and
-    including it."""
-    cols = ["iteration", "response_length", "reward"]
-    roll = pl.concat([read_table(p, schemas.ROLLOUTS).select(cols) for p in rollouts])
-    return (
-        roll.group_by("iteration")
+    """Per iteration (schemas.ROLLOUT_SUMMARY): mean rollout rewards and length of the kept rows,
+    the tokens generated (dropped groups' included) up to and including it, and dynamic sampling's
+    groups, rounds and short shards."""
+    cols = ["iteration", "group_id", "response_length", "reward", "verifiable_reward"]
+    parts = []
+    for path in rollouts:
+        part, gen = read_table(path, schemas.ROLLOUTS).select(cols), generation(path)
+        tokens = gen.get("tokens_generated", int(part["response_length"].sum()))
+        shard = {"tokens": tokens, "dropped": gen.get("groups_dropped", 0), "rounds": gen.get("rounds", 1)}
+        shard["short"] = int(not gen.get("reached", True))
+        shard_columns = {f"shard_{k}": pl.lit(v, pl.Int64) for k, v in shard.items()}
+        parts.append(part.with_columns(**shard_columns, path=pl.lit(path)))
+    roll = pl.concat(parts)
+    per_shard = (
+        roll.group_by("iteration", "path")
+        .agg(pl.col("^shard_.*$").first())
+        .group_by("iteration")
         .agg(
-            pl.col("response_length").sum().alias("tokens"),
-            pl.col("reward").mean().alias("mean_reward"),
-            pl.col("response_length").mean().cast(pl.Float64).alias("mean_rollout_length"),
+            pl.col("shard_tokens").sum().alias("tokens"),
+            pl.col("shard_dropped").sum().alias("groups_dropped"),
+            pl.col("shard_rounds").max().alias("rounds"),
+            pl.col("shard_short").sum().alias("shards_short"),
         )
+    )
+    per_row = roll.group_by("iteration").agg(
+        pl.col("reward").mean().alias("mean_reward"),
+        pl.col("verifiable_reward").mean().alias("mean_verifiable_reward"),
+        pl.col("response_length").mean().cast(pl.Float64).alias("mean_rollout_length"),
+        pl.col("group_id").n_unique().cast(pl.Int64).alias("groups_kept"),
+    )
+    return (
+        per_row.join(per_shard, on="iteration")
         .sort("iteration")
         .with_columns(pl.col("tokens").cum_sum().alias("tokens_generated"))
-        .drop("tokens")
+        .select(list(schemas.ROLLOUT_SUMMARY.columns))
     )
 
 
@@ -64,7 +91,8 @@ def progress_table(summaries: list[str], per_iteration: pl.DataFrame) -> pl.Data
     """One row per evaluated policy (the initial one has iteration -1 and 0 tokens), with the
     rollout statistics of the iteration that trained it."""
     evals = pl.concat([read_table(p, schemas.EVAL_SUMMARY) for p in summaries]).sort("iteration")
-    out = evals.join(per_iteration, on="iteration", how="left").with_columns(
+    rolled = per_iteration.select("iteration", "tokens_generated", "mean_reward", "mean_rollout_length")
+    out = evals.join(rolled, on="iteration", how="left").with_columns(
         pl.col("tokens_generated").fill_null(0),
         pl.col("mean_reward").fill_null(float("nan")),
         pl.col("mean_rollout_length").fill_null(float("nan")),
@@ -168,6 +196,15 @@ def run(cfg: DictConfig, args: Args) -> None:
     )
     comparison = pl.concat([read_table(p, schemas.COMPARISON) for p in args.comparisons])
     write_parquet(progress, out / "progress.parquet")
+    write_parquet(per_iteration, out / "rollouts.parquet")
+    if dropped := int(per_iteration["groups_dropped"].sum()):
+        log.info(
+            "dynamic sampling: %d groups dropped, %d kept over %d iterations; %d shard jobs fell short",
+            dropped,
+            per_iteration["groups_kept"].sum(),
+            per_iteration.height,
+            per_iteration["shards_short"].sum(),
+        )
     write_parquet(metrics.select(list(schemas.METRICS.columns)), out / "metrics.parquet")
     write_parquet(comparison, out / "comparison.parquet")
     tc = cfg.train
@@ -202,16 +239,15 @@ def run(cfg: DictConfig, args: Args) -> None:
             ("rollout tokens generated", "held-out accuracy", [(n, tok, y) for n, y in acc]),
         ],
     )
-    rolled = per_iteration["iteration"].to_numpy()
+    rolled, generated = per_iteration["iteration"].to_numpy(), per_iteration["tokens_generated"].to_numpy()
+    rewards = [("reward", per_iteration["mean_reward"].to_numpy())]
+    if not per_iteration["mean_reward"].equals(per_iteration["mean_verifiable_reward"]):  # shaped: both
+        rewards.append(("verifiable reward", per_iteration["mean_verifiable_reward"].to_numpy()))
     _plot(
         out / "reward.png",
         [
-            ("iteration", "mean rollout reward", [("reward", rolled, per_iteration["mean_reward"].to_numpy())]),
-            (
-                "rollout tokens generated",
-                "mean rollout reward",
-                [("reward", per_iteration["tokens_generated"].to_numpy(), per_iteration["mean_reward"].to_numpy())],
-            ),
+            ("iteration", "mean rollout reward", [(n, rolled, y) for n, y in rewards]),
+            ("rollout tokens generated", "mean rollout reward", [(n, generated, y) for n, y in rewards]),
         ],
     )
     _plot(

@@ -1,5 +1,7 @@
 """Rollout: ``rollout.group_size`` responses to each of the iteration's prompts of one shard,
-sampled by the current policy and scored (``otbflow.sampling``; backends in ``otbflow.engines``)."""
+sampled by the current policy and scored (``otbflow.sampling``; backends in ``otbflow.engines``).
+With ``rollout.filter_groups`` (DAPO's dynamic sampling) the job samples further rounds of prompts
+until it holds its share of informative groups (``otbflow.sampling.sample_informative_groups``)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from omegaconf import DictConfig
 from otbflow import schemas
 from otbflow.io import read_table, write_parquet
 from otbflow.model import set_threads
-from otbflow.sampling import sample_groups, select_prompts
+from otbflow.sampling import GroupSampler, sample_informative_groups, select_prompts
 from otbflow.seeds import derive_seed
 
 log = logging.getLogger("otbflow.rollout")
@@ -44,7 +46,26 @@ def run(cfg: DictConfig, args: Args) -> None:
     behaviour = args.iteration if args.behaviour_iteration is None else args.behaviour_iteration
     if not 0 <= behaviour <= args.iteration:
         raise ValueError(f"--behaviour-iteration {behaviour} must be in [0, --iteration {args.iteration}]")
-    df, meta = sample_groups(cfg, batch, args.policy, cfg.rollout.group_size, args.iteration, shard, seed, behaviour)
+    sampler = GroupSampler(cfg, args.policy, behaviour)
+    if cfg.rollout.filter_groups:
+        df, stats = sample_informative_groups(sampler, prompts, batch, per_shard, args.iteration, shard)
+        meta = {**sampler.meta, "dynamic_sampling": stats}
+        log.log(
+            logging.INFO if stats["reached"] else logging.WARNING,
+            "dynamic sampling, iteration %d shard %d: %d rounds, %d groups generated, %d dropped (all-equal "
+            "verifiable rewards), %d kept of %d%s",
+            args.iteration,
+            shard,
+            stats["rounds"],
+            stats["groups_generated"],
+            stats["groups_dropped"],
+            stats["groups_kept"],
+            per_shard,
+            "" if stats["reached"] else ": rollout.max_gen_batches spent (or the shard's prompts), training on these",
+        )
+    else:
+        df = sampler.sample(batch, cfg.rollout.group_size, args.iteration, shard, seed)
+        meta = sampler.meta
     write_parquet(df, args.out, metadata=meta)
     log.info(
         "iteration %d shard %d (policy of iteration %d): %d responses, mean reward %.3f, mean length %.1f",

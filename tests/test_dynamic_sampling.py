@@ -1,0 +1,79 @@
+"""DAPO's dynamic sampling (rollout.filter_groups) in the rollout stage: no group whose verifiable
+rewards are all equal is kept, the job samples further rounds from a deterministic stream until
+it holds its share or rollout.max_gen_batches rounds are spent, and says what happened."""
+
+from __future__ import annotations
+
+import logging
+
+import polars as pl
+import pytest
+from conftest import tiny_config
+
+from otbflow import schemas
+from otbflow.io import read_metadata, read_table
+from otbflow.rewards import REWARDS, register
+
+# verifiers only this test process knows (the rollout stage runs in it): the untrained tiny policy
+# writes random characters, so a length rule gives mixed groups and 'never' none
+if "length_mod5" not in REWARDS:
+    register("length_mod5")(lambda text, answer: float(len(text) % 5 == 0))
+    register("never")(lambda text, answer: 0.0)
+
+
+def roll(tiny_policy, data_dir, path, *overrides):
+    from otbflow.stages import rollout
+
+    cfg = tiny_config("rollout.filter_groups=true", "task.reward=length_mod5", *overrides)
+    args = rollout.Args(prompts=str(data_dir / "train" / "shard_0.parquet"), policy=str(tiny_policy), out=str(path))
+    rollout.run(cfg, args)
+    return read_table(path, schemas.ROLLOUTS), read_metadata(path)["dynamic_sampling"]
+
+
+def uniform(df: pl.DataFrame) -> int:
+    return df.group_by("group_id").agg(pl.col("verifiable_reward").n_unique() == 1)["verifiable_reward"].sum()
+
+
+def test_rounds_until_the_share_is_full_trimmed_to_it(tiny_policy, data_dir, tmp_path):
+    """Share 4 groups of 4 (prompts_per_iteration 8 over 2 shards), no round limit: exactly 4
+    informative groups; the tokens count every round's; a job limited to one round samples the
+    same first round (the same seed and prompts), keeping its informative groups only."""
+    df, stats = roll(tiny_policy, data_dir, tmp_path / "all.parquet", "rollout.max_gen_batches=0")
+    assert uniform(df) == 0 and df["group_id"].n_unique() == 4 and df.height == 16
+    assert stats["reached"] and stats["groups_kept"] == 4 and stats["groups_informative"] >= 4
+    assert stats["groups_generated"] == stats["groups_dropped"] + stats["groups_informative"]
+    assert stats["rounds"] == len(stats["round_seeds"]) == len(set(stats["round_seeds"]))
+    assert stats["tokens_generated"] >= df["response_length"].sum()
+    assert stats["rounds"] >= 2, "the length rule should leave some group uniform in the first round"
+
+    one, first = roll(tiny_policy, data_dir, tmp_path / "one.parquet", "rollout.max_gen_batches=1")
+    assert first["rounds"] == 1 and first["round_seeds"][0] == stats["round_seeds"][0]
+    assert uniform(one) == 0 and one["group_id"].n_unique() == first["groups_kept"] == first["groups_informative"]
+    assert first["reached"] == (first["groups_kept"] == 4)
+    # the first round's kept groups come first in the unlimited job's table, row for row
+    assert df.head(one.height).drop("seed").equals(one.drop("seed"))
+    assert set(one["seed"].to_list()) == {stats["round_seeds"][0]}
+
+
+def test_a_job_short_of_its_share_trains_on_what_it_has_and_says_so(tiny_policy, data_dir, tmp_path, caplog):
+    """A share of 16 groups on a 16-prompt shard: one round uses every prompt, the uniform groups go
+    and nothing is left to draw from: fewer than 16 groups, 'reached' false, a warning."""
+    with caplog.at_level(logging.WARNING, logger="otbflow.rollout"):
+        df, stats = roll(tiny_policy, data_dir, tmp_path / "short.parquet", "rollout.prompts_per_iteration=32")
+    assert stats["rounds"] == 1 and stats["groups_generated"] == 16
+    assert 0 < stats["groups_kept"] < 16 and not stats["reached"] and uniform(df) == 0
+    assert df["group_id"].n_unique() == stats["groups_kept"]
+    assert "training on these" in caplog.text
+
+
+def test_no_informative_group_at_all_is_an_error_naming_the_way_out(tiny_policy, data_dir, tmp_path):
+    with pytest.raises(RuntimeError, match="rollout.max_gen_batches"):
+        roll(tiny_policy, data_dir, tmp_path / "none.parquet", "task.reward=never", "rollout.max_gen_batches=2")
+    assert not (tmp_path / "none.parquet").exists()
+
+
+def test_a_group_of_one_is_refused_with_filtering():
+    from otbflow.config import ConfigError
+
+    with pytest.raises(ConfigError, match="config key 'rollout.group_size'"):
+        tiny_config("rollout.filter_groups=true", "rollout.group_size=1")
