@@ -132,6 +132,14 @@ def test_score_is_the_unpadded_forward_chat_template(qwen2_rm):
         assert s == pytest.approx(reference(qwen2_rm, ids), abs=TOL), (p, r)
 
 
+def test_empty_text_is_refused(gpt2_rm, qwen2_rm):
+    """Without a chat template an empty prompt and response have no last token to score; the
+    chat template always writes some."""
+    with pytest.raises(ValueError, match=r"pairs \[1\] render to no tokens"):
+        RewardModel(gpt2_rm).score(["1=", ""], ["1", ""])
+    assert len(RewardModel(qwen2_rm).score([""], [""])) == 1
+
+
 def test_tokenizer_without_pad_pads_with_eos(nopad_rm, caplog):
     with caplog.at_level(logging.WARNING, logger="otbflow.reward_model"):
         rm = RewardModel(nopad_rm)

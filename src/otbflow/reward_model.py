@@ -193,6 +193,12 @@ class RewardModel:
             raise ValueError(f"batch_size must be at least 1, not {batch_size}")
         texts = [self.render(p, r) for p, r in zip(prompts, responses)]
         lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=not self.chat)["input_ids"]]
+        empty = [i for i, n in enumerate(lengths) if n == 0]
+        if empty:
+            raise ValueError(
+                f"reward model {self.path}: pairs {empty[:5]} render to no tokens (empty prompt and response "
+                "without a chat template): there is no last token to score"
+            )
         cut = sum(n > self.max_length for n in lengths)
         if cut:
             log.warning(
