@@ -80,7 +80,7 @@ def worker(
     ok = reset_peak()
     t0 = time.perf_counter()
     if mode == "chunked":
-        logp, entropy = module(
+        logp, entropy, _ = module(
             batch["input_ids"], batch["attention_mask"], batch["rows"], batch["pos"], batch["targets"], 1.0, False
         )
     else:

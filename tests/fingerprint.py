@@ -56,8 +56,9 @@ def weights_digest(policy_dir: Path) -> str:
 # Columns that did not exist when tests/data/fingerprints/ were recorded, by the tables (path globs
 # under results/) that gained them: the digests leave them out there, so that the recorded fixtures
 # still pin every other column. What checks each one's values: tests/test_workflow.py
-# (behaviour_iteration), tests/test_shaping.py (verifiable_reward) and
-# tests/test_bootstrap_evaluate_report.py (the mismatch table's).
+# (behaviour_iteration), tests/test_shaping.py (verifiable_reward),
+# tests/test_bootstrap_evaluate_report.py (the mismatch table's) and tests/test_pruning.py (the
+# train metrics' pruning columns).
 ADDED = {
     "behaviour_iteration": (
         "iter_*/rollout/*.parquet",
@@ -74,6 +75,11 @@ ADDED = {
     "lag": ("report/mismatch.parquet",),
     "measures": ("report/mismatch.parquet",),
     "truncated_fraction": ("report/mismatch.parquet",),
+    # dynamic vocabulary pruning (rollout.min_p; 0 in the fixtures): tests/test_pruning.py
+    **dict.fromkeys(
+        ("pruned_vocab_fraction", "pruned_mass", "forced_tokens"),
+        ("iter_*/train/metrics.parquet", "report/metrics.parquet"),
+    ),
 }
 
 

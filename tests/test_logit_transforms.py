@@ -137,7 +137,7 @@ def test_features_and_train_logprobs_are_the_forwards(policies, model_type, tran
     batch = pack(prompts, responses, tok.pad_token_id)
     module = ResponseLogprobs(model, chunk_size=5)
     args = [batch[k] for k in ("input_ids", "attention_mask", "rows", "pos", "targets")]
-    logp, ent = module(*args, TEMPERATURE, entropy_grad=True)
+    logp, ent, _ = module(*args, TEMPERATURE, entropy_grad=True)
     assert not calls  # the body and the head only: no [tokens x V] logits
     torch.testing.assert_close(logp.detach(), ref_logp, atol=1e-5, rtol=0)
     torch.testing.assert_close(ent.detach(), ref_ent, atol=1e-5, rtol=0)

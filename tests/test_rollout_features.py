@@ -27,6 +27,7 @@ def test_rollout_table(rollouts_path, cfg):
         "temperature": 1.0,
         "top_p": 1.0,
         "top_k": 0,
+        "min_p": 0.0,
         "max_new_tokens": 24,
         "greedy": False,
     }

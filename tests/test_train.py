@@ -244,7 +244,7 @@ def test_chunked_logprobs_equal_the_full_logits(policy_dir, features_path, entro
     grads_ref = torch.autograd.grad(loss_ref, params)
 
     batch = logits.pack(prompts, responses, build_char_tokenizer().pad_token_id)
-    logp, ent = response_token_stats(
+    logp, ent, _ = response_token_stats(
         model,
         batch["input_ids"],
         batch["attention_mask"],

@@ -5,15 +5,19 @@ energy over chunks of positions without a vocabulary-sized tensor per token (``t
 ``chunked_token_stats``, ``streamed_token_stats``, ``sequence_token_stats``), plus the exact
 sequence gradient norms of the EOB oracle (``exact_grad_sq_norms``). Logits come from the output
 head followed by the model's own post-processing (``logit_transform``), which ``check_head_logits``
-verifies against the model's forward at load. The formulas are in docs/features.md."""
+verifies against the model's forward at load. With ``min_p`` > 0 (``rollout.min_p``) every path
+computes the statistics of the pruned policy pi_S (``otbflow.pruning``). The formulas are in
+docs/features.md."""
 
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
 from otbflow.progress import Progress
+from otbflow.pruning import MASK_VALUE, PRUNING_STATS, force_include, outside
 
 STAT_COLUMNS = ("logprobs", "entropy", "sum_pi_sq", "proxy")
 
@@ -27,6 +31,7 @@ def token_stats(
     *,
     inplace: bool = False,
     buffer: torch.Tensor | None = None,
+    min_p: float = 0.0,
 ) -> dict[str, torch.Tensor]:
     """Per-token statistics of softmax(logits / temperature) at the sampled ``token_ids``.
 
@@ -37,6 +42,10 @@ def token_stats(
     logp = z_y - m - log S, sum_pi_sq = sum e^2 / S^2 (= exp(lse(2z) - 2 lse(z))),
     entropy = m + log S - sum e z / S. The two sums of products are a vector norm and batched dot
     products, which allocate nothing of size V.
+
+    ``min_p`` > 0: the same statistics of the pruned policy pi_S (``otbflow.pruning``: the tokens
+    outside the safe set get logit m + MASK_VALUE, the sampled token is force-included), plus
+    ``PRUNING_STATS`` per token.
 
     Memory: only z and e are vocabulary-sized, as in a log-softmax. ``inplace=True`` lets the
     function scale an fp32 ``logits`` in place (the features stage owns each chunk's logits);
@@ -54,6 +63,11 @@ def token_stats(
     e = torch.empty_like(z) if buffer is None else buffer[: z.shape[0]]
     torch.sub(z, m, out=e)
     e.exp_()
+    pruning = {}
+    if min_p > 0:
+        s_all = e.sum(-1)
+        z, count, pruned_sum, forced = _prune(z, e, m, min_p, y)
+        pruning = dict(zip(PRUNING_STATS, (count / z.shape[-1], pruned_sum / s_all, forced.float())))
     s = e.sum(-1)
     log_s = torch.log(s)
     m = m.squeeze(-1)
@@ -63,10 +77,25 @@ def token_stats(
     entropy = m + log_s - ez / s
     pi = logp.exp()
     proxy = ((1.0 - pi) ** 2 + (sum_pi_sq - pi**2)).clamp_min(0.0)
-    return {
-        k: v.reshape(shape)
-        for k, v in (("logprobs", logp), ("entropy", entropy), ("sum_pi_sq", sum_pi_sq), ("proxy", proxy))
-    }
+    out = {"logprobs": logp, "entropy": entropy, "sum_pi_sq": sum_pi_sq, "proxy": proxy, **pruning}
+    return {k: v.reshape(shape) for k, v in out.items()}
+
+
+def _prune(
+    z: torch.Tensor, e: torch.Tensor, m: torch.Tensor, min_p: float, y: torch.Tensor, offset: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Restrict rows of temperature-scaled logits ``z`` [n, V] (a slice of the vocabulary; ``m``
+    [n, 1]: the maxima over all of it) and their e = exp(z - m) to the safe set (pruned:
+    z = m + MASK_VALUE, e = exp(MASK_VALUE)), force-including the sampled tokens ``y`` [n, 1]
+    when in the slice, whose first token id is ``offset``; e in place, z in place unless it
+    carries a gradient. Returns (z, the pruned count [n], the sum of e over the pruned tokens
+    before the masking [n], whether the sampled token was pruned [n])."""
+    cut = outside(z, m, min_p)
+    forced = force_include(cut, y, offset)
+    pruned_sum = torch.where(cut, e, 0.0).sum(-1)
+    e.masked_fill_(cut, math.exp(MASK_VALUE))
+    z = torch.where(cut, m + MASK_VALUE, z) if z.requires_grad else torch.where(cut, m + MASK_VALUE, z, out=z)
+    return z, cut.sum(-1, dtype=torch.float32), pruned_sum, forced
 
 
 # The operations a family's forward applies to lm_head(hidden) before returning its logits, in
@@ -260,25 +289,41 @@ def streamed_token_stats(
     temperature: float,
     vocab_chunk: int,
     transform: LogitTransform | None = None,
+    min_p: float = 0.0,
 ) -> dict[str, torch.Tensor]:
     """token_stats with the output head (then ``transform``, elementwise) applied over vocabulary
     slices (an online softmax), so that only n x vocab_chunk logits exist at a time. Same results
-    as token_stats(transform(head(hidden)))."""
+    as token_stats(transform(head(hidden)), min_p=min_p). With ``min_p`` > 0 a first pass over
+    the slices finds each row's maximum, which the safe set needs before any slice is pruned."""
     n = hidden.shape[0]
     dev = hidden.device
-    m = torch.full((n,), float("-inf"), device=dev)
-    s, ez, ee, z_y = (torch.zeros(n, device=dev) for _ in range(4))
     y = token_ids.reshape(-1)
     weight, bias = head.weight, head.bias
-    for v0 in range(0, weight.shape[0], vocab_chunk):
-        v1 = min(v0 + vocab_chunk, weight.shape[0])
+
+    def logits(v0: int, v1: int) -> torch.Tensor:
         z = torch.nn.functional.linear(hidden, weight[v0:v1], None if bias is None else bias[v0:v1]).float()
         if transform is not None:
             z = transform(z)
         z /= temperature
-        new_m = torch.maximum(m, torch.amax(z, dim=-1))
+        return z
+
+    slices = [(v0, min(v0 + vocab_chunk, weight.shape[0])) for v0 in range(0, weight.shape[0], vocab_chunk)]
+    m = torch.full((n,), float("-inf"), device=dev)
+    if min_p > 0:
+        for v0, v1 in slices:
+            m = torch.maximum(m, torch.amax(logits(v0, v1), dim=-1))
+        pruned_count, pruned_sum, s_all = (torch.zeros(n, device=dev) for _ in range(3))
+        forced = torch.zeros(n, dtype=torch.bool, device=dev)
+    s, ez, ee, z_y = (torch.zeros(n, device=dev) for _ in range(4))
+    for v0, v1 in slices:
+        z = logits(v0, v1)
+        new_m = torch.maximum(m, torch.amax(z, dim=-1))  # with min_p: m, already the maximum
         scale = torch.exp(m - new_m)
         e = torch.exp(z - new_m[:, None])
+        if min_p > 0:
+            s_all += e.sum(-1)
+            z, count, pruned, slice_forced = _prune(z, e, m[:, None], min_p, y, v0)
+            pruned_count, pruned_sum, forced = pruned_count + count, pruned_sum + pruned, forced | slice_forced
         s = s * scale + e.sum(-1)
         ez = ez * scale + torch.bmm(e.unsqueeze(1), z.unsqueeze(2)).reshape(-1)
         ee = ee * scale**2 + torch.linalg.vector_norm(e, dim=-1) ** 2
@@ -289,33 +334,43 @@ def streamed_token_stats(
     logp = z_y - m - log_s
     sum_pi_sq = ee / (s * s)
     pi = logp.exp()
-    return {
+    out = {
         "logprobs": logp,
         "entropy": m + log_s - ez / s,
         "sum_pi_sq": sum_pi_sq,
         "proxy": ((1.0 - pi) ** 2 + (sum_pi_sq - pi**2)).clamp_min(0.0),
     }
+    if min_p > 0:
+        stats = (pruned_count / weight.shape[0], pruned_sum / s_all, forced.float())
+        out |= dict(zip(PRUNING_STATS, stats))
+    return out
 
 
 @torch.no_grad()
 def chunked_token_stats(
-    project: ResponseLogits, targets: torch.Tensor, temperature: float, chunk_size: int, vocab_chunk: int = 0
+    project: ResponseLogits,
+    targets: torch.Tensor,
+    temperature: float,
+    chunk_size: int,
+    vocab_chunk: int = 0,
+    min_p: float = 0.0,
 ) -> dict[str, torch.Tensor]:
     """token_stats of the flattened response tokens ``targets`` over chunks of ``chunk_size``
-    positions (and, with ``vocab_chunk`` > 0, of the vocabulary). Flat fp32 CPU tensors."""
-    parts: dict[str, list[torch.Tensor]] = {k: [] for k in STAT_COLUMNS}
+    positions (and, with ``vocab_chunk`` > 0, of the vocabulary); with ``min_p`` > 0 those of the
+    pruned policy, and ``PRUNING_STATS``. Flat fp32 CPU tensors."""
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in STAT_COLUMNS + (PRUNING_STATS if min_p > 0 else ())}
     buffer = None
     for start in range(0, len(targets), chunk_size):
         sl = slice(start, start + chunk_size)
         if vocab_chunk > 0:
             stats = streamed_token_stats(
-                project.hidden(sl), project.head, targets[sl], temperature, vocab_chunk, project.transform
+                project.hidden(sl), project.head, targets[sl], temperature, vocab_chunk, project.transform, min_p
             )
         else:
             logits = project(sl)
             if buffer is None and logits.dtype == torch.float32:
                 buffer = torch.empty((min(chunk_size, len(targets)), logits.shape[-1]), device=logits.device)
-            stats = token_stats(logits, targets[sl], temperature, inplace=True, buffer=buffer)
+            stats = token_stats(logits, targets[sl], temperature, inplace=True, buffer=buffer, min_p=min_p)
             del logits
         for k, v in stats.items():
             parts[k].append(v.cpu())
@@ -331,11 +386,14 @@ def sequence_token_stats(
     chunk_size: int,
     pad_id: int,
     vocab_chunk: int = 0,
+    min_p: float = 0.0,
 ) -> list[dict[str, list[float]]]:
     """token_stats for every response token of a batch of (prompt, response) pairs, computed
-    over chunks of ``chunk_size`` response tokens; one dict of lists per sequence."""
+    over chunks of ``chunk_size`` response tokens (``min_p`` > 0: of the pruned policy, with
+    ``PRUNING_STATS``); one dict of lists per sequence."""
     batch = pack(prompt_ids, response_ids, pad_id, model.device)
-    flat = chunked_token_stats(ResponseLogits(model, batch), batch["targets"], temperature, chunk_size, vocab_chunk)
+    project = ResponseLogits(model, batch)
+    flat = chunked_token_stats(project, batch["targets"], temperature, chunk_size, vocab_chunk, min_p)
     out, offset = [], 0
     for r in response_ids:
         out.append({k: v[offset : offset + len(r)].tolist() for k, v in flat.items()})
@@ -350,10 +408,11 @@ def exact_grad_sq_norms(
     temperature: float,
     pad_id: int,
     progress: Progress | None = None,
+    min_p: float = 0.0,
 ) -> list[float]:
     """||grad_theta sum_t log pi(y_t)||^2 over all parameters, one backward pass per sequence
-    (the EOB oracle and the length-scaling fit; meant for small models). ``progress`` counts the
-    sequences done."""
+    (the EOB oracle and the length-scaling fit; meant for small models; ``min_p`` > 0: of the
+    pruned policy's log pi_S). ``progress`` counts the sequences done."""
     params = [p for p in model.parameters() if p.requires_grad]
     out = []
     for p_ids, r_ids in zip(prompt_ids, response_ids):
@@ -363,6 +422,8 @@ def exact_grad_sq_norms(
             batch = pack([p_ids], [r_ids], pad_id, model.device)
             with torch.enable_grad():
                 logits = ResponseLogits(model, batch)(slice(None)).float() / temperature
+                if min_p > 0:
+                    logits, _ = pruned_logits(logits, batch["targets"], min_p)
                 logp = torch.log_softmax(logits, -1).gather(-1, batch["targets"][:, None]).sum()
                 grads = torch.autograd.grad(logp, params, allow_unused=True)
             out.append(float(sum((g.double() ** 2).sum() for g in grads if g is not None)))
@@ -376,16 +437,36 @@ def exact_grad_sq_norms(
 # ------------------------------------------------------------------------------------------
 
 
+def pruned_logits(z: torch.Tensor, targets: torch.Tensor, min_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Temperature-scaled logits ``z`` [n, V] restricted to the safe set (``otbflow.pruning``):
+    the pruned ones replaced by max z + MASK_VALUE, the mask built without gradient and the
+    sampled ``targets`` [n] force-included; differentiable through the kept logits only. Returns
+    (the logits, ``PRUNING_STATS`` as [n, 3], no gradient)."""
+    with torch.no_grad():
+        m = torch.amax(z, dim=-1, keepdim=True)
+        cut = outside(z, m, min_p)
+        forced = force_include(cut, targets)
+        e = torch.exp(z - m)
+        mass = torch.where(cut, e, 0.0).sum(-1) / e.sum(-1)
+        stats = torch.stack([cut.sum(-1, dtype=torch.float32) / z.shape[-1], mass, forced.float()], -1)
+    return torch.where(cut, m + MASK_VALUE, z), stats
+
+
 def logit_stats(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy_grad: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log pi(y_t), entropy) of rows of logits [n, V] at ``targets`` [n], with the features
-    stage's fp32 arithmetic (``logits.token_stats``): z = logits / temperature, m = max z,
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy_grad: bool = False, min_p: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log pi(y_t), entropy, pruning) of rows of logits [n, V] at ``targets`` [n], with the
+    features stage's fp32 arithmetic (``logits.token_stats``): z = logits / temperature, m = max z,
     e = exp(z - m), s = sum e; log pi = z_y - m - log s and entropy = m + log s - sum e z / s.
     m is a constant for autograd (it cancels). The entropy carries a gradient only with
-    ``entropy_grad`` (an entropy bonus)."""
+    ``entropy_grad`` (an entropy bonus). ``min_p`` > 0: those of the pruned policy pi_S
+    (``pruned_logits``); pruning is ``PRUNING_STATS`` per row [n, 3] (zeros when off)."""
     z = logits.float() / temperature
     m = torch.amax(z, dim=-1, keepdim=True).detach()
+    if min_p > 0:
+        z, pruning = pruned_logits(z, targets, min_p)
+    else:
+        pruning = z.new_zeros(z.shape[0], len(PRUNING_STATS))
     e = torch.exp(z - m)
     s = e.sum(-1)
     log_s = torch.log(s)
@@ -394,14 +475,14 @@ def logit_stats(
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         ez = torch.bmm(e.unsqueeze(1), z.unsqueeze(2)).reshape(-1)
         entropy = m + log_s - ez / s
-    return logp, entropy
+    return logp, entropy, pruning
 
 
-def _head_stats(head, transform, hidden, targets, temperature: float, entropy_grad: bool):
+def _head_stats(head, transform, hidden, targets, temperature: float, entropy_grad: bool, min_p: float):
     logits = head(hidden)
     if transform is not None:
         logits = transform(logits.float())
-    return logit_stats(logits, targets, temperature, entropy_grad)
+    return logit_stats(logits, targets, temperature, entropy_grad, min_p)
 
 
 def response_token_stats(
@@ -414,45 +495,34 @@ def response_token_stats(
     temperature: float,
     chunk_size: int = 256,
     entropy_grad: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log pi(y_t), entropy) of every response token, flattened, computed over chunks of
-    ``chunk_size`` tokens. The transformer body runs once; the output head and ``logit_stats``
-    run per chunk, under activation checkpointing when gradients are on: the graph keeps each
-    chunk's hidden states [chunk, H] and its per-token results, never its logits, and the
-    backward recomputes one chunk's logits at a time. Peak: a few chunk x V fp32 tensors instead
-    of several [tokens x V] ones. The head is called as a module inside the caller's forward, so
-    ZeRO-3 gathers its weight for every chunk (and again for the recomputation). The model's own
-    post-processing of its logits (``logit_transform``) runs per chunk after the head, before
-    the temperature."""
+    min_p: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log pi(y_t), entropy, pruning) of every response token, flattened, computed over chunks
+    of ``chunk_size`` tokens (``logit_stats``; pruning: [tokens, 3], ``PRUNING_STATS``). The
+    transformer body runs once; the output head and ``logit_stats`` run per chunk, under
+    activation checkpointing when gradients are on: the graph keeps each chunk's hidden states
+    [chunk, H] and its per-token results, never its logits, and the backward recomputes one
+    chunk's logits at a time. Peak: a few chunk x V fp32 tensors instead of several [tokens x V]
+    ones. The head is called as a module inside the caller's forward, so ZeRO-3 gathers its
+    weight for every chunk (and again for the recomputation). The model's own post-processing of
+    its logits (``logit_transform``) runs per chunk after the head, before the temperature."""
     from torch.utils.checkpoint import checkpoint
 
     batch = {"input_ids": input_ids, "attention_mask": attention_mask, "rows": rows, "pos": pos}
     project = ResponseLogits(model, batch)
-    logps, entropies = [], []
+    outs: list[tuple[torch.Tensor, ...]] = []
     for start in range(0, len(targets), chunk_size):
         sl = slice(start, start + chunk_size)
+        args = (project.head, project.transform, project.hidden(sl), targets[sl], temperature, entropy_grad, min_p)
         if torch.is_grad_enabled():
-            out = checkpoint(
-                _head_stats,
-                project.head,
-                project.transform,
-                project.hidden(sl),
-                targets[sl],
-                temperature,
-                entropy_grad,
-                use_reentrant=False,
-                preserve_rng_state=False,
-            )
+            outs.append(checkpoint(_head_stats, *args, use_reentrant=False, preserve_rng_state=False))
         else:
-            out = _head_stats(
-                project.head, project.transform, project.hidden(sl), targets[sl], temperature, entropy_grad
-            )
-        logps.append(out[0])
-        entropies.append(out[1])
-    if not logps:
+            outs.append(_head_stats(*args))
+    if not outs:
         empty = torch.zeros(0, device=input_ids.device)
-        return empty, empty
-    return torch.cat(logps), torch.cat(entropies)
+        return empty, empty, torch.zeros(0, len(PRUNING_STATS), device=input_ids.device)
+    logp, entropy, pruning = (torch.cat(parts) for parts in zip(*outs))
+    return logp, entropy, pruning
 
 
 class ResponseLogprobs(torch.nn.Module):
@@ -464,9 +534,28 @@ class ResponseLogprobs(torch.nn.Module):
         self.policy = policy
         self.chunk_size = chunk_size
 
-    def forward(self, input_ids, attention_mask, rows, pos, targets, temperature: float, entropy_grad: bool = False):
+    def forward(
+        self,
+        input_ids,
+        attention_mask,
+        rows,
+        pos,
+        targets,
+        temperature: float,
+        entropy_grad: bool = False,
+        min_p: float = 0.0,
+    ):
         return response_token_stats(
-            self.policy, input_ids, attention_mask, rows, pos, targets, temperature, self.chunk_size, entropy_grad
+            self.policy,
+            input_ids,
+            attention_mask,
+            rows,
+            pos,
+            targets,
+            temperature,
+            self.chunk_size,
+            entropy_grad,
+            min_p,
         )
 
 
@@ -484,10 +573,12 @@ def policy_logprobs(
     temperature: float,
     pad_id: int,
     chunk_size: int = 256,
+    min_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log pi(y_t) [B, T] zero-padded, mask [B, T]) of an HF causal LM, differentiable."""
+    """(log pi(y_t) [B, T] zero-padded, mask [B, T]) of an HF causal LM, differentiable
+    (``min_p`` > 0: log pi_S of the pruned policy)."""
     batch = pack(prompt_ids, response_ids, pad_id, model.device)
-    logp, _ = response_token_stats(
+    logp, _, _ = response_token_stats(
         model,
         batch["input_ids"],
         batch["attention_mask"],
@@ -496,6 +587,7 @@ def policy_logprobs(
         batch["targets"],
         temperature,
         chunk_size,
+        min_p=min_p,
     )
     mask = to_padded(torch.ones_like(logp), batch, len(response_ids)).bool()
     return to_padded(logp, batch, len(response_ids)), mask

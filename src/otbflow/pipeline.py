@@ -119,13 +119,13 @@ def _shard(cfg: DictConfig) -> list[str]:
 
 
 def _rollout(cfg: DictConfig) -> list[str]:
-    r = ["group_size", "prompts_per_iteration", "temperature", "top_p", "max_new_tokens", "filter_groups"]
+    r = ["group_size", "prompts_per_iteration", "temperature", "top_p", "min_p", "max_new_tokens", "filter_groups"]
     r += ["max_gen_batches"] if cfg.rollout.filter_groups else []
     return ["seed", *(f"rollout.{k}" for k in r), "shard.n_shards", *sampling_engine(cfg), *RENDERING, *scoring(cfg)]
 
 
 def _variance_pool(cfg: DictConfig) -> list[str]:
-    r = ["temperature", "top_p", "max_new_tokens"]
+    r = ["temperature", "top_p", "min_p", "max_new_tokens"]
     pool = ["variance.pool_prompts", "variance.pool_size"]
     return ["seed", *pool, *(f"rollout.{k}" for k in r), *sampling_engine(cfg), *RENDERING, *scoring(cfg)]
 
@@ -133,7 +133,7 @@ def _variance_pool(cfg: DictConfig) -> list[str]:
 def _features(cfg: DictConfig) -> list[str]:
     f = ["features.batch_size", "features.chunk_size", "features.vocab_chunk_size", "features.exact_grad_norm"]
     # pi_old at the trainer's precision (train.bf16), not model.dtype (rollout, evaluate)
-    return [*f, "rollout.temperature", "train.bf16", *rollout_is_keys(cfg)]
+    return [*f, "rollout.temperature", "rollout.min_p", "train.bf16", *rollout_is_keys(cfg)]
 
 
 def _advantages(cfg: DictConfig) -> list[str]:
@@ -152,7 +152,7 @@ def _train(cfg: DictConfig) -> list[str]:
         keys += ["loss_scale_factor"]
     if t.rollout_is != "none":
         keys += ["rollout_is_threshold"]
-    other = ["seed", "rollout.temperature", "mismatch.max_k2", "mismatch.mean_k3"]
+    other = ["seed", "rollout.temperature", "rollout.min_p", "mismatch.max_k2", "mismatch.mean_k3"]
     if t.loss_agg_mode == "seq-mean-token-sum-norm" and t.loss_scale_factor == 0:
         other += ["rollout.max_new_tokens"]
     if t.lr_schedule == "cosine" and t.lr_decay_steps == 0:

@@ -90,7 +90,9 @@ class GroupSampler:
         ids, chat = render_table(self.cfg, self.tok, batch)
         if self.backend is None:
             self.backend = open_backend(self.cfg, self.policy)
-        sampling = Sampling(group_size, r.temperature, r.top_p, r.max_new_tokens, greedy=False, seed=seed)
+        sampling = Sampling(
+            group_size, r.temperature, r.top_p, r.max_new_tokens, greedy=False, seed=seed, min_p=r.min_p
+        )
         samples = self.backend.generate(ids, sampling)
         if not self.meta:
             self.meta = {

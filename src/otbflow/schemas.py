@@ -118,7 +118,7 @@ ROLLOUTS = _table(
             "rollout_logprobs",
             F32L,
             "rollout engine's log-prob of each sampled token under the distribution it was sampled from "
-            "(logits / temperature, then the top-p nucleus; docs/training.md, 'Log-probs')",
+            "(logits / temperature, then the min-p safe set and the top-p nucleus; docs/training.md, 'Log-probs')",
         ),
         ("response_length", pl.Int64, "number of response tokens"),
         ("finish_reason", pl.String, "'stop' (a stop token) or 'length' (hit max_new_tokens)"),
@@ -151,6 +151,24 @@ FEATURES = ROLLOUTS.extend(
         ("seq_max_k2", pl.Float64, "max over tokens of k2 (TRM's max criterion)"),
         ("seq_mean_k3", pl.Float64, "mean over tokens of k3 (TRM's average criterion)"),
         ("log_ppl_abs_diff", pl.Float64, "|mean_t logprobs - mean_t rollout_logprobs| (TRM's PPL gap)"),
+        (
+            "pruned_fraction",
+            pl.Float64,
+            "optional (rollout.min_p > 0): mean over tokens of the fraction of the vocabulary outside the "
+            "trainer's safe set; logprobs, entropy, sum_pi_sq and proxy are then those of the pruned, "
+            "renormalised pi_S",
+        ),
+        (
+            "pruned_mass",
+            pl.Float64,
+            "optional (rollout.min_p > 0): mean over tokens of the mass pi gives the pruned tokens, 1 - sum_{V_S} pi",
+        ),
+        (
+            "forced_tokens",
+            pl.Int64,
+            "optional (rollout.min_p > 0): sampled tokens outside the trainer's safe set, force-included in it "
+            "(the hazard of algorithms.md §5.2: the rollout engine's safe set held them)",
+        ),
         ("grad_sq_norm", pl.Float64, "optional (features.exact_grad_norm): exact ||grad_theta sum_t log pi(y_t)||^2"),
         (
             "is_weights",
@@ -164,7 +182,7 @@ FEATURES = ROLLOUTS.extend(
         c: "response_length"
         for c in ("logprobs", "entropy", "sum_pi_sq", "proxy", "log_ratio", "k1", "k2", "k3", "is_weights")
     },
-    optional=("grad_sq_norm", "is_weights"),
+    optional=("grad_sq_norm", "is_weights", "pruned_fraction", "pruned_mass", "forced_tokens"),
 )
 
 # Any float dtype (Float32 as the features stage writes, Float64 as a user's table may hold).
@@ -279,6 +297,23 @@ TRAIN_METRICS = _table(
             "(mismatch.max_k2, mismatch.mean_k3); the rest are masked with train.trm",
         ),
         ("log_ppl_abs_diff", pl.Float64, "mean |log-PPL gap| trainer vs rollout engine of the step's sequences"),
+        (
+            "pruned_vocab_fraction",
+            pl.Float64,
+            "mean over the step's valid tokens of the fraction of the vocabulary outside pi_theta's safe set "
+            "(rollout.min_p; 0 when off)",
+        ),
+        (
+            "pruned_mass",
+            pl.Float64,
+            "mean over the step's valid tokens of the probability pi_theta gives the pruned tokens, "
+            "1 - sum over the safe set of pi (rollout.min_p; 0 when off)",
+        ),
+        (
+            "forced_tokens",
+            pl.Int64,
+            "sampled tokens of the step outside pi_theta's safe set, force-included in it (rollout.min_p)",
+        ),
         ("tokens", pl.Int64, "valid response tokens in the step (before TRM masking)"),
         ("sequences", pl.Int64, "sequences in the step"),
         ("mean_response_length", pl.Float64, "mean response length of the step (the length_decay trigger's input)"),

@@ -17,8 +17,9 @@ from otbflow.estimators import total_power, variance_proxies
 from otbflow.io import read_table
 from otbflow.logits import check_head_logits, pack, padded, response_token_stats, to_padded
 from otbflow.losses import aggregate_loss, low_var_kl, policy_token_loss, trm_keep
+from otbflow.pruning import PRUNING_STATS
 
-SUMS = ("loss", "clipped", "entropy", "k3", "kl_ref", "is_w", "power", "bad")
+SUMS = ("loss", "clipped", "entropy", "k3", "kl_ref", "is_w", "power", "bad", *PRUNING_STATS)
 
 MAXES = ("is_w", "log_ratio")
 
@@ -89,6 +90,9 @@ class Trainer:
             "is_weight_max": maxes["is_w"],
             "trm_acceptance": float(accept.mean()),
             "log_ppl_abs_diff": float(np.mean([data["log_ppl_abs_diff"][i] for i in mini])),
+            "pruned_vocab_fraction": sums["pruned_fraction"] / tokens,
+            "pruned_mass": sums["pruned_mass"] / tokens,
+            "forced_tokens": int(round(sums["forced"])),
             "tokens": global_tokens,
             "sequences": len(mini),
             "mean_response_length": float(np.mean([len(data["response_ids"][i]) for i in mini])),
@@ -107,7 +111,8 @@ class Trainer:
         tc = cfg.train
         dev = engine.device
         batch = pack([data["prompt_ids"][i] for i in rows], [data["response_ids"][i] for i in rows], self.pad_id, dev)
-        flat_logp, flat_entropy = engine(
+        min_p = cfg.rollout.min_p
+        flat_logp, flat_entropy, flat_pruning = engine(
             batch["input_ids"],
             batch["attention_mask"],
             batch["rows"],
@@ -115,6 +120,7 @@ class Trainer:
             batch["targets"],
             cfg.rollout.temperature,
             tc.entropy_coef > 0,
+            min_p,
         )
         logp = to_padded(flat_logp, batch, len(rows))
         width = logp.shape[1]
@@ -132,7 +138,7 @@ class Trainer:
         kl_ref = torch.zeros_like(mask)
         if self.ref_model is not None:
             with torch.no_grad():
-                ref_flat, _ = response_token_stats(
+                ref_flat, _, _ = response_token_stats(
                     self.ref_model,
                     batch["input_ids"],
                     batch["attention_mask"],
@@ -141,6 +147,7 @@ class Trainer:
                     batch["targets"],
                     cfg.rollout.temperature,
                     tc.logprob_chunk_size,
+                    min_p=min_p,
                 )
             kl_ref = low_var_kl(logp, to_padded(ref_flat, batch, len(rows)))
             token_loss = token_loss + tc.kl_coef * kl_ref
@@ -173,6 +180,8 @@ class Trainer:
                 "bad": 0.0 if math.isfinite(float(loss.detach())) else 1.0,
             }
             valid = mask > 0
+            for j, k in enumerate(PRUNING_STATS):  # per valid token; 0 with rollout.min_p 0
+                sums[k] = float(to_padded(flat_pruning[:, j], batch, len(rows))[valid].sum())
             maxes = {
                 "is_w": float(is_w[valid].max()) if valid.any() else 0.0,
                 "log_ratio": float((logp - old_logp).abs()[valid].max()) if valid.any() else 0.0,

@@ -61,6 +61,8 @@ class Sampling:
     max_new_tokens: int = 48
     greedy: bool = False
     seed: int = 0
+    min_p: float = 0.0
+    """rho of min-p sampling after the temperature (rollout.min_p; otbflow.pruning). 0: none."""
 
 
 class Backend(Protocol):

@@ -21,6 +21,7 @@ from otbflow.engines import Sample, Sampling, stop_token_ids, truncate_at_stop
 from otbflow.logits import padded
 from otbflow.model import load_policy
 from otbflow.progress import Progress
+from otbflow.pruning import outside
 from otbflow.seeds import derive_seed
 
 log = logging.getLogger("otbflow.generate")
@@ -30,12 +31,15 @@ _NOISE_ELEMENTS = 1 << 22
 """Rows x vocabulary entries hashed at once (the int64 temporaries stay near 32 MiB each)."""
 
 
-def processed_logits(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """The logits sampling draws from, in fp32: ``logits / temperature``, then the top-p nucleus
-    (tokens sorted by probability; those whose cumulative probability from the least likely one is
-    at most 1 - top_p are set to -inf, the most likely always kept: vLLM's and transformers'
-    rule). log_softmax of the result is the log-prob contract's distribution."""
+def processed_logits(logits: torch.Tensor, temperature: float, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    """The logits sampling draws from, in fp32: ``logits / temperature``, then with ``min_p`` > 0
+    the safe set (``otbflow.pruning``: tokens below max + log min_p set to -inf, vLLM's order),
+    then the top-p nucleus (tokens sorted by probability; those whose cumulative probability from
+    the least likely one is at most 1 - top_p are set to -inf, the most likely always kept: vLLM's
+    and transformers' rule). log_softmax of the result is the log-prob contract's distribution."""
     z = logits.float() / temperature
+    if min_p > 0:
+        z = z.masked_fill(outside(z, torch.amax(z, dim=-1, keepdim=True), min_p), float("-inf"))
     if top_p < 1.0:
         ordered, index = z.sort(dim=-1, stable=True)  # ties: the higher index kept, as vLLM's torch path
         drop = ordered.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
@@ -71,8 +75,9 @@ class RowSampler:
     logits, at temperature 1). ``logprobs`` collects, per step, the sampled tokens' log-probs under
     log_softmax(processed logits)."""
 
-    def __init__(self, row_keys: torch.Tensor, temperature: float, top_p: float, greedy: bool):
+    def __init__(self, row_keys: torch.Tensor, temperature: float, top_p: float, greedy: bool, min_p: float = 0.0):
         self.row_keys, self.temperature, self.top_p, self.greedy = row_keys, temperature, top_p, greedy
+        self.min_p = min_p
         self.logprobs: list[torch.Tensor] = []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -81,7 +86,7 @@ class RowSampler:
             z = scores.float()
             token = z.argmax(dim=-1)
         else:
-            z = processed_logits(scores, self.temperature, self.top_p)
+            z = processed_logits(scores, self.temperature, self.top_p, self.min_p)
             token = torch.empty(z.shape[0], dtype=torch.long, device=z.device)
             rows = max(1, _NOISE_ELEMENTS // z.shape[-1])
             for s in range(0, z.shape[0], rows):
@@ -112,13 +117,14 @@ def hf_generate(
     seed: int = 0,
     stop_ids: list[int] | None = None,
     progress: Progress | None = None,
+    min_p: float = 0.0,
 ) -> list[Sample]:
     """Sample ``n`` responses for each prompt (greedy: one), a function of the seed and the
     prompts: ``batch_size`` changes the memory and the speed, and the samples only through the
     logits' rounding (other padding; identical in the tests' fp32 on CPU, a near-tie in bf16 on a
     GPU can flip a token).
     ``stop_ids``: tokens that end a response (default: the tokenizer's eos token); ``progress``
-    counts the prompts done (otbflow.progress)."""
+    counts the prompts done (otbflow.progress); ``min_p``: min-p sampling (``processed_logits``)."""
     from transformers import GenerationConfig, LogitsProcessorList
 
     stops = stop_ids or [tok.eos_token_id]
@@ -134,7 +140,7 @@ def hf_generate(
             width = input_ids.shape[1]
             attention = padded([[1] * len(x) for x in batch], 0, left=True, device=model.device)
             keys = row_keys(seed, range(start, start + len(batch)), n, model.device)
-            sampler = RowSampler(keys, temperature, top_p, greedy)
+            sampler = RowSampler(keys, temperature, top_p, greedy, min_p)
             res = model.generate(
                 input_ids=input_ids,
                 attention_mask=attention.repeat_interleave(n, dim=0),
@@ -193,6 +199,7 @@ class HFBackend:
             s.seed,
             self.stops,
             Progress(log, label, len(prompt_ids), "prompts"),
+            s.min_p,
         )
 
     def metadata(self, sampling: Sampling) -> dict[str, Any]:
@@ -206,6 +213,7 @@ class HFBackend:
                 "temperature": s.temperature,
                 "top_p": s.top_p,
                 "top_k": 0,
+                "min_p": s.min_p,
                 "max_new_tokens": s.max_new_tokens,
                 "greedy": s.greedy,
             },

@@ -14,9 +14,11 @@ from otbflow.model import load_tokenizer
 from otbflow.seeds import derive_seed
 
 LOGPROBS_MODE = "processed_logprobs"
-"""The sampled token's log-prob under the distribution it was drawn from (after temperature and
-top-p): the log-prob contract (docs/training.md, "Log-probs"), at every temperature. vLLM's
-``raw_logprobs`` would be log_softmax of the logits before temperature and truncation."""
+"""The sampled token's log-prob under the distribution it was drawn from (after temperature,
+min-p and top-p; vLLM's sampler applies min-p after the temperature and before top-k/top-p, and
+takes these log-probs after all three): the log-prob contract (docs/training.md, "Log-probs"), at
+every temperature. vLLM's ``raw_logprobs`` would be log_softmax of the logits before temperature
+and truncation."""
 
 
 def engine_kwargs(
@@ -57,9 +59,12 @@ def sampling_kwargs(
     greedy: bool,
     seed: int,
     stop_ids: list[int] | None = None,
+    min_p: float = 0.0,
 ) -> dict[str, Any]:
     """Arguments of ``vllm.SamplingParams``: n samples, the sampled token's log-prob only, ending
-    at the first of ``stop_ids`` (kept as the last token)."""
+    at the first of ``stop_ids`` (kept as the last token); ``min_p`` only where > 0 (vLLM keeps
+    the tokens with probability >= min_p times the largest after the temperature, the rule of
+    ``otbflow.pruning``)."""
     stops = {"stop_token_ids": list(stop_ids)} if stop_ids else {}
     if greedy:
         return {
@@ -76,6 +81,7 @@ def sampling_kwargs(
         "temperature": temperature,
         "top_p": top_p,
         "top_k": -1,
+        **({"min_p": min_p} if min_p > 0 else {}),
         "max_tokens": max_new_tokens,
         "logprobs": 0,
         "seed": seed,
@@ -153,7 +159,7 @@ class VLLMBackend:
         llm = self._engine(s)
         params = [
             vllm.SamplingParams(
-                **sampling_kwargs(s.n, s.temperature, s.top_p, s.max_new_tokens, s.greedy, seed, self.stops)
+                **sampling_kwargs(s.n, s.temperature, s.top_p, s.max_new_tokens, s.greedy, seed, self.stops, s.min_p)
             )
             for seed in request_seeds(s.seed, len(prompt_ids))
         ]
@@ -167,7 +173,9 @@ class VLLMBackend:
         return {
             "vllm_version": vllm.__version__,
             "engine": self.engine,
-            "sampling": sampling_kwargs(s.n, s.temperature, s.top_p, s.max_new_tokens, s.greedy, s.seed, self.stops),
+            "sampling": sampling_kwargs(
+                s.n, s.temperature, s.top_p, s.max_new_tokens, s.greedy, s.seed, self.stops, s.min_p
+            ),
             # the seed above is the call's; request i is sampled with request_seeds(seed, n)[i]
             "seeds": "per request: otbflow.seeds.derive_seed(seed, 'request', i)",
         }

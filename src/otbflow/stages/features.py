@@ -1,7 +1,8 @@
 """Features: one teacher-forced forward pass of the training model over stored rollouts, storing
 per response token log pi, entropy, sum pi^2, the Logit-Gradient Proxy energy, the trainer/rollout
-mismatch (k1, k2, k3) and optionally the exact gradient norm and the rollout IS weights.
-Columns, precision and memory: docs/features.md."""
+mismatch (k1, k2, k3) and optionally the exact gradient norm and the rollout IS weights. With
+rollout.min_p > 0 all of them are those of the pruned policy pi_S, and each sequence gets its
+pruning statistics. Columns, precision and memory: docs/features.md."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from otbflow.logits import STAT_COLUMNS, check_head_logits, exact_grad_sq_norms,
 from otbflow.mismatch import is_weights_column, mismatch_columns
 from otbflow.model import cast_parameters, load_policy, set_threads, trainer_dtype
 from otbflow.progress import Progress
+from otbflow.pruning import PRUNING_STATS
 
 log = logging.getLogger("otbflow.features")
 
@@ -40,6 +42,7 @@ def run(cfg: DictConfig, args: Args) -> None:
     check_head_logits(model)  # log pi comes from the output head: refuse logits it cannot reproduce
     cast_parameters(model, trainer_dtype(cfg.train))
     f = cfg.features
+    min_p = cfg.rollout.min_p
     stats: list[dict[str, list[float]]] = []
     progress = Progress(log, "features", df.height, "sequences")
     for start in range(0, df.height, f.batch_size):
@@ -52,9 +55,12 @@ def run(cfg: DictConfig, args: Args) -> None:
             f.chunk_size,
             tok.pad_token_id,
             f.vocab_chunk_size,
+            min_p,
         )
         progress.update(part.height)
     df = df.with_columns(*(pl.Series(k, [s[k] for s in stats], dtype=schemas.F32L) for k in STAT_COLUMNS))
+    if min_p > 0:
+        df = df.with_columns(*pruning_columns(stats))
     if f.exact_grad_norm:
         df = df.with_columns(
             pl.Series(
@@ -66,6 +72,7 @@ def run(cfg: DictConfig, args: Args) -> None:
                     cfg.rollout.temperature,
                     tok.pad_token_id,
                     Progress(log, "exact gradient norms", df.height, "sequences"),
+                    min_p,
                 ),
                 dtype=pl.Float64,
             )
@@ -77,6 +84,8 @@ def run(cfg: DictConfig, args: Args) -> None:
         )
     df = mismatch_columns(df).select(schemas.FEATURES.present(df.columns))
     meta = {"temperature": cfg.rollout.temperature, "policy": args.policy}
+    if min_p > 0:
+        meta["min_p"] = min_p
     if tc.rollout_is != "none":
         meta |= {"rollout_is": tc.rollout_is, "rollout_is_threshold": tc.rollout_is_threshold}
     write_parquet(df, args.out, metadata=meta)
@@ -88,3 +97,27 @@ def run(cfg: DictConfig, args: Args) -> None:
         df["seq_mean_k3"].mean(),
         df["seq_max_k2"].max(),
     )
+    if min_p > 0:
+        log.info(
+            "min_p %.3g: %.4f of the vocabulary pruned per token, pruned mass %.2e, %d sampled tokens force-included",
+            min_p,
+            df["pruned_fraction"].mean(),
+            df["pruned_mass"].mean(),
+            df["forced_tokens"].sum(),
+        )
+
+
+def pruning_columns(stats: list[dict[str, list[float]]]) -> list[pl.Series]:
+    """The per-sequence pruning columns (schemas.FEATURES) of ``sequence_token_stats``'s per-token
+    ``PRUNING_STATS``: the means of the pruned fraction and mass over the sequence's tokens, and
+    the count of force-included sampled tokens."""
+    fraction, mass, forced = PRUNING_STATS
+
+    def mean(values: list[float]) -> float:
+        return sum(values) / len(values) if values else 0.0
+
+    return [
+        pl.Series("pruned_fraction", [mean(s[fraction]) for s in stats], dtype=pl.Float64),
+        pl.Series("pruned_mass", [mean(s[mass]) for s in stats], dtype=pl.Float64),
+        pl.Series("forced_tokens", [int(sum(s[forced])) for s in stats], dtype=pl.Int64),
+    ]
