@@ -823,6 +823,41 @@ def test_the_first_ratio_is_one(dropout_policy_dir, tmp_path, precision):
     assert m["max_abs_log_ratio"][1] > 1e-3  # the metric is live: the second step sees the updated policy
 
 
+def test_the_first_ratio_is_one_with_pruning(dropout_policy_dir, tmp_path):
+    """rollout.min_p on (rho = 0.55: the untrained policy is nearly flat), through the real features
+    and train stages with other batch shapes in each: the first step's log pi_theta equals pi_old
+    to 1e-6 on every token, the random responses' tokens outside the safe set force-included by
+    both stages alike; the step's pruning metrics are live (0 < pruned share < 1, mass > 0,
+    force-included tokens counted), and the features stage counted the same force-included tokens."""
+    cfg = make_cfg(
+        "rollout.min_p=0.55",
+        "train.mini_batch_size=8",
+        "train.micro_batch_size=4",
+        "features.batch_size=5",
+        "train.logprob_chunk_size=7",
+    )
+    write_rollouts(tmp_path / "rollouts.parquet")
+    feats = tmp_path / "features.parquet"
+    features.run(
+        cfg, features.Args(rollouts=str(tmp_path / "rollouts.parquet"), policy=str(dropout_policy_dir), out=str(feats))
+    )
+    write_advantages(feats, tmp_path / "adv.parquet", random_advantages(feats))
+    args = Args(
+        advantages=str(tmp_path / "adv.parquet"),
+        policy=str(dropout_policy_dir),
+        out=str(tmp_path / "next"),
+        metrics=str(tmp_path / "metrics.parquet"),
+        checkpoint_dir=str(tmp_path / "ckpt"),
+    )
+    run(cfg, args)
+    m = read_table(args.metrics, schemas.TRAIN_METRICS)
+    assert m["max_abs_log_ratio"][0] <= 1e-6 and m["clip_fraction"][0] == 0.0
+    assert 0.0 < m["pruned_vocab_fraction"][0] < 1.0 and m["pruned_mass"][0] > 0.0
+    f = read_table(feats, schemas.FEATURES)
+    # every row is in the first step (mini_batch_size = N_SEQ): the same tokens force-included
+    assert m["forced_tokens"][0] == f["forced_tokens"].sum() > 0
+
+
 # ------------------------------------------------------------------------------------------
 # The optimizer across iterations
 # ------------------------------------------------------------------------------------------
