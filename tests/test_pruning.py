@@ -93,7 +93,11 @@ def test_every_path_computes_the_hand_computed_pruned_policy(path):
             got = streamed_token_stats(logits, identity_head(), y, T, int(path[-1]), min_p=RHO)
     else:
         logp, entropy, pruning = logit_stats(logits, y, T, min_p=RHO)
-        got = {"logprobs": logp, "entropy": entropy, **dict(zip(("pruned_fraction", "pruned_mass", "forced"), pruning.T))}
+        got = {
+            "logprobs": logp,
+            "entropy": entropy,
+            **dict(zip(("pruned_fraction", "pruned_mass", "forced"), pruning.T)),
+        }
     for i, target in enumerate(TARGETS):
         want = by_hand(target)
         for key, value in got.items():
@@ -203,7 +207,9 @@ def pruned_run(tmp_path_factory, tiny_policy, data_dir):
     )
     features.run(
         cfg,
-        features.Args(rollouts=str(out / "rollout.parquet"), policy=str(tiny_policy), out=str(out / "features.parquet")),
+        features.Args(
+            rollouts=str(out / "rollout.parquet"), policy=str(tiny_policy), out=str(out / "features.parquet")
+        ),
     )
     return out
 

@@ -206,22 +206,26 @@ out = {
     "copies": run([prompts[0], prompts[0]], 8, 1.0, 1.0, 12, False, 5),
     "again": run([prompts[0], prompts[0]], 8, 1.0, 1.0, 12, False, 5),
     **{f"T={t},top_p={p}": run(prompts, 4, t, p, 16, False, 11) for t, p in PARITY},
+    "min_p": run(prompts, 4, MIN_P_TEMPERATURE, 1.0, 16, False, 11, MIN_P),
 }
 print("CALLS=" + json.dumps(out))
 """
 PARITY = ((1.0, 1.0), (1.0, 0.9), (0.7, 0.9))
 """(temperature, top_p) of the log-prob parity test."""
+MIN_P, MIN_P_TEMPERATURE = 0.15, 0.7
+"""rollout.min_p of the pruning parity test: large, since the untrained policy is nearly flat."""
 
 
 @pytest.fixture(scope="module")
 def vllm_calls(qwen2_bpe_policy, data_dir):
     """Samples of one engine (real vLLM on CPU) on the tiny Qwen2 + BPE + chat policy: two copies of
-    one prompt, twice with one seed, and 4 prompts at each PARITY setting; and the prompts' ids."""
+    one prompt, twice with one seed, 4 prompts at each PARITY setting and 4 with min-p (MIN_P);
+    and the prompts' ids."""
     python = vllm_python()
     tok = load_tokenizer(qwen2_bpe_policy)
     prompts = read_table(data_dir / "train" / "shard_0.parquet", schemas.PROMPTS)
     ids = render_prompts(tok, prompts["prompt"][:4].to_list(), prompts["messages"][:4].to_list(), chat=True)
-    script = f"PARITY = {PARITY!r}\n" + CALLS
+    script = f"PARITY = {PARITY!r}\nMIN_P, MIN_P_TEMPERATURE = {MIN_P!r}, {MIN_P_TEMPERATURE!r}\n" + CALLS
     res = subprocess.run(
         [str(python), "-c", script, str(qwen2_bpe_policy), json.dumps(ids)],
         env=vllm_env(),
@@ -284,3 +288,38 @@ def test_rollout_logprobs_mean_the_same_on_both_backends(vllm_calls, qwen2_bpe_p
         f"max {max(deltas):.2e}; vs the raw log-softmax mean {sum(raw_deltas) / len(raw_deltas):.2e}"
     )
     assert len(deltas) >= 32 and mean <= 1e-3 and max(deltas) <= 1e-4  # no token on the other side of the nucleus
+
+
+@pytest.mark.vllm
+@pytest.mark.xdist_group("vllm")
+def test_vllm_min_p_logprobs_match_the_pruning_trainer(vllm_calls, qwen2_bpe_policy):
+    """Dynamic vocabulary pruning (rollout.min_p) on the real vLLM (CPU, fp32): vLLM samples with
+    its min_p and returns the log-prob under the pruned distribution (processed_logprobs); the
+    trainer's pi_S on the same tokens (the features stage's statistics with min_p, which the
+    train stage reproduces: tests/test_train.py::test_the_first_ratio_is_one_with_pruning) agrees
+    to mean |delta| <= 1e-3, no sampled token falls outside the trainer's safe set, and the test
+    has teeth: the pruning is live, and the unpruned trainer differs from vLLM by far more."""
+    from otbflow.logits import sequence_token_stats
+    from otbflow.model import load_policy
+
+    calls, ids = vllm_calls
+    model, tok = load_policy(qwen2_bpe_policy)
+    rows = calls["min_p"]
+    prompts, responses = [ids[pi] for pi, _, _ in rows], [r for _, r, _ in rows]
+    args = (model, prompts, responses, MIN_P_TEMPERATURE, 64, tok.pad_token_id, 0)
+    pruned, unpruned = sequence_token_stats(*args, MIN_P), sequence_token_stats(*args)
+    vllm_lp = [x for _, _, lp in rows for x in lp]
+    ours = [x for s in pruned for x in s["logprobs"]]
+    plain = [x for s in unpruned for x in s["logprobs"]]
+    delta = [abs(a - b) for a, b in zip(ours, vllm_lp)]
+    plain_delta = [abs(a - b) for a, b in zip(plain, vllm_lp)]
+    fraction = sum(x for s in pruned for x in s["pruned_fraction"]) / len(ours)
+    forced = sum(x for s in pruned for x in s["forced"])
+    mean, plain_mean = sum(delta) / len(delta), sum(plain_delta) / len(plain_delta)
+    print(
+        f"min_p={MIN_P} T={MIN_P_TEMPERATURE}: {len(delta)} tokens, {fraction:.3f} of the vocabulary pruned, "
+        f"{forced:.0f} force-included; vLLM vs the pruning trainer mean |delta| {mean:.2e}, max {max(delta):.2e}; "
+        f"vs the unpruned trainer {plain_mean:.2e}"
+    )
+    assert len(delta) >= 32 and mean <= 1e-3 and forced == 0
+    assert 0.05 < fraction < 0.95 and plain_mean > 100 * max(mean, 1e-5)
