@@ -133,6 +133,9 @@ HOW: dict[str, str] = {
     # docs/scale.md: its check rewrites nothing (the dry run it shows runs as shown); the start-up
     # benchmark on the default shape only
     "python benchmarks/scale.py": "python benchmarks/scale.py --check",
+    # docs/rewards.md: DAPO's whole recipe on the default workflow
+    "snakemake --cores 2 --config 'train={clip_ratio_high: 0.28, loss_agg_mode: token-mean, kl_coef: 0}' "
+    "'rollout={filter_groups: true}' 'task={overlong_buffer: 8, overlong_penalty: 0.5}'": DRY,
     "snakemake -n --config iterations=100 'shard={n_shards: 8}' 'evaluate={every: 10}'": AS_SHOWN,
     "benchmarks/bench_startup.py": "python benchmarks/bench_startup.py --shapes default --no-vllm --out results/scratch/startup.json",
     "python benchmarks/bench_startup.py --out benchmarks/measured/startup.json": "python benchmarks/bench_startup.py "

@@ -20,6 +20,10 @@ from keyreads import RecordingConfig
 from omegaconf import DictConfig, OmegaConf
 
 from otbflow.pipeline import EVERY_STAGE_EXECUTION, STAGES
+from otbflow.rewards import REWARDS, register
+
+if "length_mod3" not in REWARDS:  # the 'dapo' column's verifier: right where the text's length is a multiple of 3
+    register("length_mod3")(lambda text, answer: float(len(text) % 3 == 0))
 
 pytestmark = pytest.mark.slow
 
@@ -77,6 +81,20 @@ MATRIX = {
         "advantages.estimator=rloo",
         "advantages.compare=[]",
     ],
+    # DAPO's dynamic sampling and overlong shaping with the cosine reward and vocabulary pruning; the
+    # verifier scores by length (registered below) so that groups are mixed and both branches of
+    # the cosine reward are reached by the untrained policy
+    "dapo": [
+        "rollout.filter_groups=true",
+        "rollout.max_gen_batches=3",
+        "rollout.min_p=0.01",
+        "task.reward=cosine",
+        "task.cosine.verifier=length_mod3",
+        "task.cosine.exceed_margin=2",
+        "task.cosine.repetition_max=-0.5",
+        "task.overlong_buffer=4",
+        "train.clip_ratio_high=0.28",
+    ],
     "length_decay": [
         "train.lr_schedule=length_decay",
         "train.rollout_is=sequence",
@@ -104,10 +122,15 @@ def declared(stage: str, cfg: DictConfig) -> tuple[set[str], set[str]]:
 def data_dependent(cfg: DictConfig) -> set[str]:
     """Declared keys that a short run may not reach: read only once the data make it so.
     length_decay checks for a surge only after length_baseline_steps + patience steps, and sets
-    the halving period and the floor only once it found one."""
+    the halving period and the floor only once it found one. The cosine reward reads a branch's
+    values only for a response in that branch (the variance pool's few responses may all be wrong)."""
+    keys = set()
     if cfg.train.lr_schedule == "length_decay":
-        return {"train.length_surge_factor", "train.length_period_factor", "train.lr_min_ratio"}
-    return set()
+        keys |= {"train.length_surge_factor", "train.length_period_factor", "train.lr_min_ratio"}
+    if cfg.task.reward == "cosine":
+        keys |= {f"task.cosine.{k}" for k in ("correct_min", "correct_max", "wrong_min", "wrong_max")}
+        keys |= {"task.cosine.repetition_ngram", "task.cosine.repetition_max"}
+    return keys
 
 
 def check(stage: str, column: str, cfg: DictConfig, reads: set[str]) -> list[str]:
