@@ -256,3 +256,26 @@ def pytest_runtest_logstart(nodeid, location):
 
 def pytest_runtest_logfinish(nodeid, location):
     _timeline("end", nodeid)
+
+
+def save_reward_model(path: Path, arch: str, tok, n_positions: int, num_labels: int = 1, seed: int = 0) -> Path:
+    """A randomly initialised ``arch``ForSequenceClassification for ``tok``, saved with it."""
+    import torch
+    from omegaconf import OmegaConf
+    from transformers import AutoModelForSequenceClassification
+
+    from otbflow.model import tiny_model_config
+
+    small = OmegaConf.create(
+        dict(arch=arch, n_positions=n_positions, n_embd=32, n_layer=2, n_head=2, n_kv_head=1 if arch != "gpt2" else 0)
+    )
+    config = tiny_model_config(small, len(tok), tok.eos_token_id, tok.pad_token_id)
+    config.num_labels = num_labels
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_config(config)
+    # a random head is near zero (std 0.02 weights): scale it so that scores differ visibly
+    with torch.no_grad():
+        model.score.weight.mul_(50.0)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

@@ -133,6 +133,14 @@ HOW: dict[str, str] = {
     # docs/scale.md: its check rewrites nothing (the dry run it shows runs as shown); the start-up
     # benchmark on the default shape only
     "python benchmarks/scale.py": "python benchmarks/scale.py --check",
+    # docs/rewards.md: a learned reward model (the user's folder: the config check refuses a missing
+    # one, so a dry run needs a real folder; tests/test_workflow.py runs the workflow with a tiny one)
+    "snakemake --cores 2 --config 'task={reward_model: {path: /models/my-rm, weight: 0.5}}'": (
+        "python -c \"import sys; sys.path.insert(0, 'tests'); from conftest import save_reward_model; "
+        "from otbflow.model import build_char_tokenizer; "
+        "save_reward_model(__import__('pathlib').Path('results/scratch/my-rm'), 'gpt2', build_char_tokenizer(), 32)\" && "
+        "snakemake -n --cores 2 --config 'task={reward_model: {path: results/scratch/my-rm, weight: 0.5}}'"
+    ),
     # docs/rewards.md: DAPO's whole recipe on the default workflow
     "snakemake --cores 2 --config 'train={clip_ratio_high: 0.28, loss_agg_mode: token-mean, kl_coef: 0}' "
     "'rollout={filter_groups: true}' 'task={overlong_buffer: 8, overlong_penalty: 0.5}'": DRY,

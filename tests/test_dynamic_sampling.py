@@ -14,11 +14,17 @@ from otbflow import schemas
 from otbflow.io import read_metadata, read_table
 from otbflow.rewards import REWARDS, register
 
-# verifiers only this test process knows (the rollout stage runs in it): the untrained tiny policy
-# writes random characters, so a length rule gives mixed groups and 'never' none
-if "length_mod5" not in REWARDS:
+
+@pytest.fixture(autouse=True, scope="module")
+def test_verifiers():
+    """Verifiers only these tests know (the rollout stage runs in-process), removed afterwards so
+    that the registry the config's choices come from is the package's again: the untrained tiny
+    policy writes random characters, so a length rule gives mixed groups and 'never' none."""
     register("length_mod5")(lambda text, answer: float(len(text) % 5 == 0))
     register("never")(lambda text, answer: 0.0)
+    yield
+    for name in ("length_mod5", "never"):
+        REWARDS.pop(name)
 
 
 def roll(tiny_policy, data_dir, path, *overrides):

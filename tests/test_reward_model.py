@@ -13,37 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
-from omegaconf import OmegaConf
+from conftest import REPO, save_reward_model
 
-from otbflow.model import build_bpe_tokenizer, build_char_tokenizer, tiny_model_config
+from otbflow.model import build_bpe_tokenizer, build_char_tokenizer
 from otbflow.reward_model import RewardModel, check_reward_model, max_length_of
 
 PROMPTS = ["1+2=", "12+30-7=", "7=", "", "5*5=", "100-1=", "3+3+3="]
 RESPONSES = ["3", "35;#35", "7" * 20, "#0", "25;#25<eos>", "", "9;#9"]
 TOL = 1e-5
-
-
-def tiny_cfg(arch: str, n_positions: int):
-    return OmegaConf.create(
-        dict(arch=arch, n_positions=n_positions, n_embd=32, n_layer=2, n_head=2, n_kv_head=1 if arch != "gpt2" else 0)
-    )
-
-
-def save_reward_model(path: Path, arch: str, tok, n_positions: int, num_labels: int = 1, seed: int = 0) -> Path:
-    """A randomly initialised ``arch``ForSequenceClassification for ``tok``, saved with it."""
-    from transformers import AutoModelForSequenceClassification
-
-    config = tiny_model_config(tiny_cfg(arch, n_positions), len(tok), tok.eos_token_id, tok.pad_token_id)
-    config.num_labels = num_labels
-    torch.manual_seed(seed)
-    model = AutoModelForSequenceClassification.from_config(config)
-    # a random head is near zero (std 0.02 weights): scale it so that scores differ visibly
-    with torch.no_grad():
-        model.score.weight.mul_(50.0)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
 
 
 def bpe_tokenizer():
@@ -283,12 +260,12 @@ def test_missing_score_head_weights_are_refused(tmp_path):
     """A causal LM's folder whose config.json claims a sequence-classification architecture passes
     the cheap check, but loading finds the score head absent from the weights (HF would initialise
     it at random): refused."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     tok = build_char_tokenizer()
     path = tmp_path / "relabelled"
-    config = tiny_model_config(tiny_cfg("gpt2", 32), len(tok), tok.eos_token_id, tok.pad_token_id)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    rm = save_reward_model(tmp_path / "rm", "gpt2", tok, 32)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(rm)).save_pretrained(path)
     tok.save_pretrained(path)
     data = json.loads((path / "config.json").read_text())
     data.update(architectures=["GPT2ForSequenceClassification"], num_labels=1)
@@ -296,3 +273,42 @@ def test_missing_score_head_weights_are_refused(tmp_path):
     check_reward_model(path)
     with pytest.raises(ValueError, match=r"weights missing from the checkpoint \(score\.weight"):
         RewardModel(path)
+
+
+def test_the_config_checks_the_folder_before_anything_runs(gpt2_rm, tmp_path):
+    """task.reward_model.path is checked when the config loads: a missing folder and a two-label
+    model are refused naming the key."""
+    from conftest import tiny_config
+
+    from otbflow.config import ConfigError
+
+    assert tiny_config(f"task.reward_model.path={gpt2_rm}").task.reward_model.weight == 1.0
+    with pytest.raises(ConfigError, match="config key .task.reward_model.path.*no such folder"):
+        tiny_config(f"task.reward_model.path={tmp_path / 'nowhere'}")
+    two = save_reward_model(tmp_path / "two", "gpt2", build_char_tokenizer(), 32, num_labels=2)
+    with pytest.raises(ConfigError, match="config key 'task.reward_model.path'.*label"):
+        tiny_config(f"task.reward_model.path={two}")
+
+
+def test_the_score_stage_adds_the_weighted_score_to_the_reward(gpt2_rm, rollouts_path, tmp_path):
+    """The score stage's table: the rollout's columns unchanged but the reward, rm_score equal to
+    each pair scored alone, and reward = the rollout's reward + weight * rm_score."""
+    from conftest import tiny_config
+
+    from otbflow import schemas
+    from otbflow.io import read_table
+    from otbflow.stages import score
+
+    out = tmp_path / "scored.parquet"
+    score.run(
+        tiny_config(f"task.reward_model.path={gpt2_rm}", "task.reward_model.weight=0.5"),
+        score.Args(str(rollouts_path), str(out)),
+    )
+    before, after = read_table(rollouts_path, schemas.ROLLOUTS), read_table(out, schemas.ROLLOUTS)
+    assert after.drop("reward", "rm_score").equals(before.drop("reward"))
+    rm = RewardModel(gpt2_rm)
+    for i in (0, 3, after.height - 1):
+        alone = rm.score([after["prompt"][i]], [after["response_text"][i]])[0]
+        assert after["rm_score"][i] == pytest.approx(alone, abs=TOL)
+    assert (after["reward"] - before["reward"] - 0.5 * after["rm_score"]).abs().max() < 1e-12
+    assert after["rm_score"].std() > 0

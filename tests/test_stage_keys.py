@@ -22,8 +22,15 @@ from omegaconf import DictConfig, OmegaConf
 from otbflow.pipeline import EVERY_STAGE_EXECUTION, STAGES
 from otbflow.rewards import REWARDS, register
 
-if "length_mod3" not in REWARDS:  # the 'dapo' column's verifier: right where the text's length is a multiple of 3
+
+@pytest.fixture(autouse=True, scope="module")
+def length_verifier():
+    """The 'dapo' column's verifier (right where the text's length is a multiple of 3), removed
+    afterwards: the config's choices come from the registry."""
     register("length_mod3")(lambda text, answer: float(len(text) % 3 == 0))
+    yield
+    REWARDS.pop("length_mod3")
+
 
 pytestmark = pytest.mark.slow
 
@@ -81,7 +88,8 @@ MATRIX = {
         "advantages.estimator=rloo",
         "advantages.compare=[]",
     ],
-    # DAPO's dynamic sampling and overlong shaping with the cosine reward and vocabulary pruning; the
+    # DAPO's dynamic sampling and overlong shaping with the cosine reward, vocabulary pruning and (added
+    # in the test) a learned reward model; the
     # verifier scores by length (registered below) so that groups are mixed and both branches of
     # the cosine reward are reached by the untrained policy
     "dapo": [
@@ -172,6 +180,10 @@ def run_chain(tmp: Path, cfg: DictConfig, policy: str | None = None) -> dict[str
     prompts = str(tmp / "data" / "train" / "shard_0.parquet")
     rollouts, features, adv = tmp / "rollout.parquet", tmp / "features.parquet", tmp / "advantages.parquet"
     reads["rollout"] = run_recorded("rollout", cfg, prompts=prompts, policy=policy, out=str(rollouts), iteration=1)
+    if cfg.task.reward_model.path is not None:  # the chain reads the scored table, as the workflow does
+        scored = tmp / "scored.parquet"
+        reads["score"] = run_recorded("score", cfg, rollouts=str(rollouts), out=str(scored))
+        rollouts = scored
     reads["features"] = run_recorded("features", cfg, rollouts=str(rollouts), policy=policy, out=str(features))
     reads["advantages"] = run_recorded(
         "advantages", cfg, features=[str(features)], out=str(adv), comparison=str(tmp / "comparison.parquet")
@@ -228,7 +240,15 @@ def run_chain(tmp: Path, cfg: DictConfig, policy: str | None = None) -> dict[str
 
 @pytest.mark.parametrize("column", sorted(MATRIX))
 def test_every_stage_reads_what_the_table_declares(column, tmp_path):
-    cfg = tiny_config(*SMALL, *MATRIX[column], f"results_dir={tmp_path / 'results'}")
+    extra = []
+    if column == "dapo":  # with a learned reward model: the score stage too
+        from conftest import save_reward_model
+
+        from otbflow.model import build_char_tokenizer
+
+        rm = save_reward_model(tmp_path / "rm", "gpt2", build_char_tokenizer(), 32)
+        extra = [f"task.reward_model.path={rm}", "task.reward_model.weight=0.5"]
+    cfg = tiny_config(*SMALL, *MATRIX[column], *extra, f"results_dir={tmp_path / 'results'}")
     reads = run_chain(tmp_path, cfg)
     problems = [p for stage, keys in reads.items() for p in check(stage, column, cfg, keys)]
     assert not problems, "\n".join(problems)

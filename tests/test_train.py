@@ -114,7 +114,7 @@ def write_rollouts(path):
             "reward": rng.random(N_SEQ).tolist(),
             "verifiable_reward": [0.0] * N_SEQ,
         },
-        schema=schemas.ROLLOUTS.columns,
+        schema=schemas.ROLLOUTS.required,
     )
     write_parquet(rollouts, path)
 

@@ -250,6 +250,26 @@ class CosineConfig:
 
 
 @dataclass
+class RewardModelConfig:
+    """A learned reward model (algorithms.md §9; docs/rewards.md): a local HF
+    AutoModelForSequenceClassification folder with one label, scoring (prompt, response) in a job
+    of its own (rule score) after each rollout job."""
+
+    path: Optional[str] = None
+    """The reward model's folder (config.json with one label, its tokenizer beside it), checked when
+    the config loads, before any generation. null: no reward model."""
+    weight: float = opt(1.0, finite=True)
+    """lambda: the reward that trains is the rollout's reward (verifiable, shaped where asked) plus
+    weight * score; both stay in the table (verifiable_reward, rm_score). With task.reward zero the
+    score alone trains."""
+    dtype: str = opt("float32", choices=DTYPES)
+    """Precision the reward model runs in."""
+    batch_size: int = opt(8, ge=1)
+    """(prompt, response) pairs per forward pass (memory, not scores: batched scores equal
+    one-by-one scores)."""
+
+
+@dataclass
 class TaskConfig:
     name: str = opt("arithmetic", choices=TASKS)
     """'arithmetic': the built-in synthetic multi-step arithmetic task with a scratchpad.
@@ -270,6 +290,8 @@ class TaskConfig:
     a full-length response the whole gap, twice DAPO's share of it; 0.5 keeps DAPO's ratio."""
     cosine: CosineConfig = field(default_factory=CosineConfig)
     """task.reward cosine: its values (task.cosine.*)."""
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """A learned reward model whose weighted score is added to the reward (task.reward_model.*)."""
     n_train: int = opt(512, ge=1)
     """Synthetic task: number of training prompts."""
     n_eval: int = opt(64, ge=1)
@@ -629,6 +651,8 @@ class ResourcesConfig:
     """The shard job (CPU only)."""
     rollout: StageJobResources = field(default_factory=lambda: StageJobResources(mem_mb=8000, runtime=120))
     """Each rollout job (one per shard and iteration)."""
+    score: StageJobResources = field(default_factory=lambda: StageJobResources(mem_mb=8000, runtime=60))
+    """Each reward-model scoring job (task.reward_model.path; one per shard and iteration)."""
     features: StageJobResources = field(default_factory=lambda: StageJobResources(mem_mb=8000, runtime=60))
     """Each features job (one per shard and iteration)."""
     advantages: CpuJobResources = field(default_factory=lambda: CpuJobResources(mem_mb=4000, runtime=30))
@@ -865,6 +889,13 @@ def check_rules(cfg: DictConfig, explicit: frozenset[str] | None = None) -> None
         )
     require(t.min_terms <= t.max_terms, "task.min_terms", "in [1, task.max_terms]", t.min_terms)
     max_len = cfg.rollout.max_new_tokens
+    if t.reward_model.path is not None:
+        from otbflow.reward_model import check_reward_model  # reads config.json only, no torch
+
+        try:
+            check_reward_model(t.reward_model.path)
+        except ValueError as e:
+            raise ConfigError(f"config key 'task.reward_model.path': {e}") from None
     require(
         not cfg.rollout.filter_groups or cfg.rollout.group_size >= 2,
         "rollout.group_size",

@@ -124,6 +124,10 @@ def _rollout(cfg: DictConfig) -> list[str]:
     return ["seed", *(f"rollout.{k}" for k in r), "shard.n_shards", *sampling_engine(cfg), *RENDERING, *scoring(cfg)]
 
 
+def _score(cfg: DictConfig) -> list[str]:
+    return ["task.reward_model.path", "task.reward_model.weight", "task.reward_model.dtype"]
+
+
 def _variance_pool(cfg: DictConfig) -> list[str]:
     r = ["temperature", "top_p", "min_p", "max_new_tokens"]
     pool = ["variance.pool_prompts", "variance.pool_size"]
@@ -201,10 +205,18 @@ _STAGES = [
         engine=True,
     ),
     Stage(
+        "score",
+        "score the rollouts with a learned reward model (task.reward_model) and add it to the reward",
+        _score,
+        execution=("task.reward_model.batch_size",),
+        dag=("iterations", "shard.n_shards"),
+    ),
+    Stage(
         "features",
         "teacher-forced forward pass: log-probs, entropy, sum pi^2, proxy energy, mismatch",
         _features,
-        dag=("iterations", "shard.n_shards"),
+        # with a reward model it reads the score stage's table instead of the rollout's
+        dag=("iterations", "shard.n_shards", "task.reward_model.path"),
     ),
     Stage(
         "advantages",
@@ -246,7 +258,7 @@ _STAGES = [
         "report",
         "collect metrics of all iterations and plot them",
         _report,
-        dag=("iterations", "evaluate.every", "shard.n_shards"),
+        dag=("iterations", "evaluate.every", "shard.n_shards", "task.reward_model.path"),
     ),
     Stage(
         "scaling",

@@ -66,7 +66,7 @@ def rollout_table(
             "reward": [training for _, training in scores],
             "verifiable_reward": [verifiable for verifiable, _ in scores],
         },
-        schema=schemas.ROLLOUTS.columns,
+        schema=schemas.ROLLOUTS.required,
     )
 
 

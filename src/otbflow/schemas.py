@@ -45,6 +45,11 @@ class TableSchema:
         """The table's columns in order, optional ones only where ``available``."""
         return [c for c in self.columns if c not in self.optional or c in available]
 
+    @property
+    def required(self) -> dict[str, pl.DataType]:
+        """The columns every such table has (the optional ones left out), with their dtypes."""
+        return {c: t for c, t in self.columns.items() if c not in self.optional}
+
 
 def _table(name, where, doc, cols, optional=(), ragged=None) -> TableSchema:
     return TableSchema(
@@ -126,10 +131,18 @@ ROLLOUTS = _table(
             "reward",
             pl.Float64,
             "the outcome reward that trains: verifiable_reward, shaped where the config says so "
-            "(task.reward cosine, task.overlong_buffer; otbflow.shaping)",
+            "(task.reward cosine, task.overlong_buffer; otbflow.shaping), plus task.reward_model.weight "
+            "* rm_score with a reward model",
         ),
         ("verifiable_reward", pl.Float64, "the verifier's score (task.reward or task.cosine.verifier), unshaped"),
+        (
+            "rm_score",
+            pl.Float64,
+            "optional (task.reward_model.path; the score stage's output): the learned reward model's "
+            "score of (prompt, response); reward includes task.reward_model.weight times it",
+        ),
     ],
+    optional=("rm_score",),
     ragged={"response_ids": "response_length", "rollout_logprobs": "response_length"},
 )
 

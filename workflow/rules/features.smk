@@ -1,6 +1,6 @@
 rule features:
     input:
-        rollouts=rules.rollout.output[0],
+        rollouts=scored_rollouts(),
         policy=policy_for_iteration,
     output:
         f"{R}/iter_{{k}}/features/shard_{{s}}.parquet",

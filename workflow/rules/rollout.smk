@@ -27,3 +27,29 @@ rule rollout:
     shell:
         "OTBFLOW_THREADS={threads} {params.cmd} --prompts {input.prompts} --policy {input.policy} --out {output} "
         "--iteration {wildcards.k} --behaviour-iteration {params.behaviour} > {log} 2>&1"
+
+
+rule score:
+    input:
+        rollouts=rules.rollout.output[0],
+    output:
+        f"{R}/iter_{{k}}/rollout/scored_{{s}}.parquet",
+    log:
+        f"{R}/logs/score/iter_{{k}}_shard_{{s}}.log",
+    benchmark:
+        f"{R}/benchmarks/score/iter_{{k}}_shard_{{s}}.tsv"
+    priority: CHAIN_PRIORITY
+    conda:
+        stage_env("score")
+    threads: CFG.resources.score.threads
+    resources:
+        gpu=CFG.resources.score.gpu,
+        cpus_per_gpu=CFG.resources.score.cpus_per_gpu,
+        mem_mb=CFG.resources.score.mem_mb,
+        runtime=runtime(CFG.resources.score.runtime),
+    params:
+        cmd=stage_cmd("score"),
+        cfg=stage_trigger("score"),
+        code=code_version("score"),
+    shell:
+        "OTBFLOW_THREADS={threads} {params.cmd} --rollouts {input.rollouts} --out {output} > {log} 2>&1"
