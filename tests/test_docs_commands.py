@@ -133,6 +133,8 @@ HOW: dict[str, str] = {
     # docs/scale.md: its check rewrites nothing (the dry run it shows runs as shown); the start-up
     # benchmark on the default shape only
     "python benchmarks/scale.py": "python benchmarks/scale.py --check",
+    "python benchmarks/bench_pruning_mismatch.py": "python benchmarks/bench_pruning_mismatch.py "
+    "--prompts-per-shard 2 --group-size 2 --min-p 0,0.01",
     # docs/rewards.md: a learned reward model (the user's folder: the config check refuses a missing
     # one, so a dry run needs a real folder; tests/test_workflow.py runs the workflow with a tiny one)
     "snakemake --cores 2 --config 'task={reward_model: {path: /models/my-rm, weight: 0.5}}'": (

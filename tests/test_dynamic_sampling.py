@@ -47,15 +47,15 @@ def test_rounds_until_the_share_is_full_trimmed_to_it(tiny_policy, data_dir, tmp
     df, stats = roll(tiny_policy, data_dir, tmp_path / "all.parquet", "rollout.max_gen_batches=0")
     assert uniform(df) == 0 and df["group_id"].n_unique() == 4 and df.height == 16
     assert stats["reached"] and stats["groups_kept"] == 4 and stats["groups_informative"] >= 4
-    assert stats["groups_generated"] == stats["groups_dropped"] + stats["groups_informative"]
+    assert stats["groups_generated"] == 4 * stats["rounds"]  # 16 prompts: every round draws a full share
     assert stats["rounds"] == len(stats["round_seeds"]) == len(set(stats["round_seeds"]))
-    assert stats["tokens_generated"] >= df["response_length"].sum()
+    assert stats["tokens_generated"] > df["response_length"].sum()  # the dropped groups' tokens count
     assert stats["rounds"] >= 2, "the length rule should leave some group uniform in the first round"
 
     one, first = roll(tiny_policy, data_dir, tmp_path / "one.parquet", "rollout.max_gen_batches=1")
     assert first["rounds"] == 1 and first["round_seeds"][0] == stats["round_seeds"][0]
     assert uniform(one) == 0 and one["group_id"].n_unique() == first["groups_kept"] == first["groups_informative"]
-    assert first["reached"] == (first["groups_kept"] == 4)
+    assert not first["reached"] and first["groups_kept"] < 4  # the unlimited job needed a second round
     # the first round's kept groups come first in the unlimited job's table, row for row
     assert df.head(one.height).drop("seed").equals(one.drop("seed"))
     assert set(one["seed"].to_list()) == {stats["round_seeds"][0]}
@@ -72,10 +72,25 @@ def test_a_job_short_of_its_share_trains_on_what_it_has_and_says_so(tiny_policy,
     assert "training on these" in caplog.text
 
 
-def test_no_informative_group_at_all_is_an_error_naming_the_way_out(tiny_policy, data_dir, tmp_path):
-    with pytest.raises(RuntimeError, match="rollout.max_gen_batches"):
-        roll(tiny_policy, data_dir, tmp_path / "none.parquet", "task.reward=never", "rollout.max_gen_batches=2")
-    assert not (tmp_path / "none.parquet").exists()
+def test_a_shard_without_informative_groups_writes_an_empty_table(tiny_policy, data_dir, tmp_path):
+    """Every group uniform ('never' scores nothing right): the job spends its rounds and writes an
+    empty table, short of its share; the advantages stage refuses an iteration whose shards are all
+    empty, naming the way out."""
+    df, stats = roll(tiny_policy, data_dir, tmp_path / "none.parquet", "task.reward=never", "rollout.max_gen_batches=2")
+    assert df.height == 0 and stats["rounds"] == 2 and stats["groups_kept"] == 0 and not stats["reached"]
+    assert stats["tokens_generated"] > 0
+    from otbflow.stages import advantages, features
+
+    cfg = tiny_config("rollout.filter_groups=true", "task.reward=never")
+    feats = tmp_path / "features.parquet"
+    features.run(cfg, features.Args(rollouts=str(tmp_path / "none.parquet"), policy=str(tiny_policy), out=str(feats)))
+    assert read_table(feats, schemas.FEATURES).height == 0
+    args = advantages.Args(
+        features=[str(feats)], out=str(tmp_path / "a.parquet"), comparison=str(tmp_path / "c.parquet")
+    )
+    with pytest.raises(ValueError, match="rollout.max_gen_batches"):
+        advantages.run(cfg, args)
+    assert not (tmp_path / "a.parquet").exists()
 
 
 def test_a_group_of_one_is_refused_with_filtering():

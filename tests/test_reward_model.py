@@ -312,3 +312,12 @@ def test_the_score_stage_adds_the_weighted_score_to_the_reward(gpt2_rm, rollouts
         assert after["rm_score"][i] == pytest.approx(alone, abs=TOL)
     assert (after["reward"] - before["reward"] - 0.5 * after["rm_score"]).abs().max() < 1e-12
     assert after["rm_score"].std() > 0
+    # alone: the score is the whole training reward; the verifier's column stays
+    alone = tmp_path / "alone.parquet"
+    cfg = tiny_config(
+        f"task.reward_model.path={gpt2_rm}", "task.reward_model.weight=0.5", "task.reward_model.alone=true"
+    )
+    score.run(cfg, score.Args(str(rollouts_path), str(alone)))
+    only = read_table(alone, schemas.ROLLOUTS)
+    assert (only["reward"] - 0.5 * only["rm_score"]).abs().max() < 1e-12
+    assert only["verifiable_reward"].equals(before["verifiable_reward"])

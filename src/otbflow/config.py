@@ -260,8 +260,10 @@ class RewardModelConfig:
     the config loads, before any generation. null: no reward model."""
     weight: float = opt(1.0, finite=True)
     """lambda: the reward that trains is the rollout's reward (verifiable, shaped where asked) plus
-    weight * score; both stay in the table (verifiable_reward, rm_score). With task.reward zero the
-    score alone trains."""
+    weight * score; both stay in the table (verifiable_reward, rm_score)."""
+    alone: bool = False
+    """Train on weight * score alone (no verifiable or shaped reward in the sum). The verifier still
+    scores every response for evaluation and dynamic sampling (verifiable_reward)."""
     dtype: str = opt("float32", choices=DTYPES)
     """Precision the reward model runs in."""
     batch_size: int = opt(8, ge=1)
@@ -282,8 +284,8 @@ class TaskConfig:
     overlong_buffer: int = opt(0, ge=0)
     """DAPO's soft overlong punishment (algorithms.md §6.1): L_cache, the last tokens before
     rollout.max_new_tokens (L_max) over which the reward falls linearly by up to
-    overlong_penalty, added to the reward: overlong_penalty * min(0, (L_max - L_cache - |y|) /
-    L_cache). 0: off. At most rollout.max_new_tokens."""
+    overlong_penalty, added to the reward: overlong_penalty * max(-1, min(0, (L_max - L_cache -
+    |y|) / L_cache)). 0: off. At most rollout.max_new_tokens."""
     overlong_penalty: float = opt(1.0, ge=0, finite=True)
     """DAPO's penalty factor: what a response of L_max tokens loses. DAPO's rewards are +-1 (a
     right-wrong gap of 2), otbflow's verifiable rewards 0 or 1 (a gap of 1): the default 1.0 costs

@@ -125,7 +125,8 @@ def _rollout(cfg: DictConfig) -> list[str]:
 
 
 def _score(cfg: DictConfig) -> list[str]:
-    return ["task.reward_model.path", "task.reward_model.weight", "task.reward_model.dtype"]
+    # the folder by its path: a reward model whose files change in place is not noticed (docs/rewards.md)
+    return [f"task.reward_model.{k}" for k in ("path", "weight", "alone", "dtype")]
 
 
 def _variance_pool(cfg: DictConfig) -> list[str]:

@@ -52,13 +52,6 @@ def arithmetic_reward(response: str, answer: str) -> float:
     return float(response.rsplit("#", 1)[1].strip() == answer.strip())
 
 
-@register("zero")
-def zero_reward(response: str, answer: str) -> float:
-    """0.0 for every response: no verifiable reward. With task.reward_model the score alone trains
-    (evaluation accuracy is then 0 by construction)."""
-    return 0.0
-
-
 _BOXED = re.compile(r"\\boxed\{")
 _NUM = r"-?(?:\d+(?:,\d{3})*(?:\.\d+)?|\.\d+)"
 _NUMBER = re.compile(_NUM + r"(?:/\d+)?")

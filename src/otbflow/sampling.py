@@ -159,7 +159,9 @@ def sample_informative_groups(
     until the shard's prompts run out). Every round's sampling seed and prompt draw derive from
     (iteration, shard, round). Returns the kept groups and what happened (the Parquet metadata's
     ``dynamic_sampling``: rounds, groups generated, dropped and kept, tokens generated in all).
-    Holding no informative group at the end is an error (there is nothing to train on)."""
+    A shard left with no informative group writes an empty table (the other shards train); the
+    advantages stage stops the iteration only when every shard is empty (verl raises on the whole
+    batch)."""
     r, seed0 = sampler.cfg.rollout, sampler.cfg.seed
     parts, used, rounds = [], set(), []
     kept = dropped = generated = tokens = 0
@@ -181,13 +183,6 @@ def sample_informative_groups(
         if kept >= target or (r.max_gen_batches and len(rounds) >= r.max_gen_batches):
             break
         batch = round_prompts(prompts, used, target, derive_seed(seed0, "filter_groups", iteration, shard, len(rounds)))
-    if kept == 0:  # verl raises here; with some informative groups otbflow trains on those
-        raise RuntimeError(
-            f"dynamic sampling (rollout.filter_groups), iteration {iteration} shard {shard}: no group with "
-            f"unequal verifiable rewards in {len(rounds)} rounds of {generated} prompts; the policy "
-            "answers these prompts all right or all wrong. Raise rollout.max_gen_batches (0: until the "
-            "shard's prompts run out), or turn filter_groups off"
-        )
     df = pl.concat(parts)
     keep = df["group_id"].unique(maintain_order=True).head(target)
     df = df.filter(pl.col("group_id").is_in(keep.implode()))

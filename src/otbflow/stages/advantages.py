@@ -34,6 +34,12 @@ class Args:
 
 def run(cfg: DictConfig, args: Args) -> None:
     table = pl.concat([read_table(p, schemas.FEATURES) for p in args.features], how="vertical")
+    if table.height == 0:
+        raise ValueError(
+            f"iteration {args.iteration}: no sequences in any shard ({len(args.features)}): dynamic sampling "
+            "(rollout.filter_groups) found no group with unequal verifiable rewards in any shard. Raise "
+            "rollout.max_gen_batches (0: until the shards' prompts run out), or turn filter_groups off"
+        )
     a = cfg.advantages
     rows = []
     for name in dict.fromkeys(list(a.compare) + [a.estimator]):

@@ -89,6 +89,9 @@ def run(cfg: DictConfig, args: Args) -> None:
     if tc.rollout_is != "none":
         meta |= {"rollout_is": tc.rollout_is, "rollout_is_threshold": tc.rollout_is_threshold}
     write_parquet(df, args.out, metadata=meta)
+    if df.height == 0:  # a shard that dynamic sampling left empty (rollout.filter_groups)
+        log.warning("no sequences: an empty table written")
+        return
     log.info(
         "%d sequences, %d tokens; mean proxy %.4f, mean k3 %.2e, max k2 %.2e",
         df.height,

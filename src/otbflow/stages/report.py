@@ -52,10 +52,13 @@ def rollout_table(rollouts: list[str]) -> pl.DataFrame:
     """Per iteration (schemas.ROLLOUT_SUMMARY): mean rollout rewards and length of the kept rows,
     the tokens generated (dropped groups' included) up to and including it, and dynamic sampling's
     groups, rounds and short shards."""
-    cols = ["iteration", "group_id", "response_length", "reward", "verifiable_reward"]
+    cols = ["iteration", "group_id", "response_length", "reward", "verifiable_reward", "rm_score"]
     parts = []
     for path in rollouts:
-        part, gen = read_table(path, schemas.ROLLOUTS).select(cols), generation(path)
+        table, gen = read_table(path, schemas.ROLLOUTS), generation(path)
+        if "rm_score" not in table.columns:  # no reward model
+            table = table.with_columns(rm_score=pl.lit(None, pl.Float64))
+        part = table.select(cols)
         tokens = gen.get("tokens_generated", int(part["response_length"].sum()))
         shard = {"tokens": tokens, "dropped": gen.get("groups_dropped", 0), "rounds": gen.get("rounds", 1)}
         shard["short"] = int(not gen.get("reached", True))
@@ -77,6 +80,7 @@ def rollout_table(rollouts: list[str]) -> pl.DataFrame:
         pl.col("reward").mean().alias("mean_reward"),
         pl.col("verifiable_reward").mean().alias("mean_verifiable_reward"),
         pl.col("response_length").mean().cast(pl.Float64).alias("mean_rollout_length"),
+        pl.col("rm_score").mean().alias("mean_rm_score"),
         pl.col("group_id").n_unique().cast(pl.Int64).alias("groups_kept"),
     )
     return (

@@ -1,7 +1,8 @@
 """Score: a learned reward model (``task.reward_model``; ``otbflow.reward_model``) scores each
 (prompt, response) of one rollout shard in a job of its own, so that on a cluster its GPU is this
 job's resource. The output is the rollouts table with ``rm_score`` added and the reward that
-trains raised by ``task.reward_model.weight`` times it; ``verifiable_reward`` stays as it was.
+trains raised by ``task.reward_model.weight`` times it (or, with ``alone``, replaced by that);
+``verifiable_reward`` stays as it was.
 Contract (rendering, truncation, padding, the last-token score): docs/rewards.md."""
 
 from __future__ import annotations
@@ -37,8 +38,10 @@ def run(cfg: DictConfig, args: Args) -> None:
     model = RewardModel(rm.path, device=device(), dtype=rm.dtype)
     scores = model.score(df["prompt"].to_list(), df["response_text"].to_list(), batch_size=rm.batch_size)
     score = pl.Series("rm_score", scores, dtype=pl.Float64)
-    df = df.with_columns(score, reward=pl.col("reward") + rm.weight * score)
-    meta = {**read_metadata(args.rollouts), "reward_model": {"path": rm.path, "weight": rm.weight, "dtype": rm.dtype}}
+    base = pl.lit(0.0) if rm.alone else pl.col("reward")
+    df = df.with_columns(score, reward=base + rm.weight * score)
+    info = {"path": rm.path, "weight": rm.weight, "alone": rm.alone, "dtype": rm.dtype}
+    meta = {**read_metadata(args.rollouts), "reward_model": info}
     write_parquet(df.select(schemas.ROLLOUTS.present(df.columns)), args.out, metadata=meta)
     log.info(
         "%d responses scored by %s: mean score %.4f (sd %.4f), mean reward %.4f (weight %g)",
