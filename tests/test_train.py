@@ -785,6 +785,26 @@ def test_schedule_state_survives_iterations(policy_dir, features_path, tmp_path)
 # ------------------------------------------------------------------------------------------
 
 
+def features_then_train(cfg, policy_dir, tmp_path):
+    """The random rollouts through the real features stage, random advantages, then the real train
+    stage: (its metrics table, the features table's path)."""
+    write_rollouts(tmp_path / "rollouts.parquet")
+    feats = tmp_path / "features.parquet"
+    features.run(
+        cfg, features.Args(rollouts=str(tmp_path / "rollouts.parquet"), policy=str(policy_dir), out=str(feats))
+    )
+    write_advantages(feats, tmp_path / "adv.parquet", random_advantages(feats))
+    args = Args(
+        advantages=str(tmp_path / "adv.parquet"),
+        policy=str(policy_dir),
+        out=str(tmp_path / "next"),
+        metrics=str(tmp_path / "metrics.parquet"),
+        checkpoint_dir=str(tmp_path / "ckpt"),
+    )
+    run(cfg, args)
+    return read_table(args.metrics, schemas.TRAIN_METRICS), feats
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_the_first_ratio_is_one(dropout_policy_dir, tmp_path, precision):
     """A GPT-2 with dropout 0.1 everywhere, through the real features and train stages, with other
@@ -803,21 +823,7 @@ def test_the_first_ratio_is_one(dropout_policy_dir, tmp_path, precision):
     if precision == "bf16":
         overrides += ["train.bf16=true", "train.zero_stage=1"]
     cfg = make_cfg(*overrides)
-    write_rollouts(tmp_path / "rollouts.parquet")
-    feats = tmp_path / "features.parquet"
-    features.run(
-        cfg, features.Args(rollouts=str(tmp_path / "rollouts.parquet"), policy=str(dropout_policy_dir), out=str(feats))
-    )
-    write_advantages(feats, tmp_path / "adv.parquet", random_advantages(feats))
-    args = Args(
-        advantages=str(tmp_path / "adv.parquet"),
-        policy=str(dropout_policy_dir),
-        out=str(tmp_path / "next"),
-        metrics=str(tmp_path / "metrics.parquet"),
-        checkpoint_dir=str(tmp_path / "ckpt"),
-    )
-    run(cfg, args)
-    m = read_table(args.metrics, schemas.TRAIN_METRICS)
+    m, feats = features_then_train(cfg, dropout_policy_dir, tmp_path)
     # a bf16 discrepancy would be orders of magnitude above 1e-6 (0 measured: bitwise)
     assert m["max_abs_log_ratio"][0] <= 1e-6 and m["clip_fraction"][0] == 0.0
     assert m["max_abs_log_ratio"][1] > 1e-3  # the metric is live: the second step sees the updated policy
@@ -836,21 +842,7 @@ def test_the_first_ratio_is_one_with_pruning(dropout_policy_dir, tmp_path):
         "features.batch_size=5",
         "train.logprob_chunk_size=7",
     )
-    write_rollouts(tmp_path / "rollouts.parquet")
-    feats = tmp_path / "features.parquet"
-    features.run(
-        cfg, features.Args(rollouts=str(tmp_path / "rollouts.parquet"), policy=str(dropout_policy_dir), out=str(feats))
-    )
-    write_advantages(feats, tmp_path / "adv.parquet", random_advantages(feats))
-    args = Args(
-        advantages=str(tmp_path / "adv.parquet"),
-        policy=str(dropout_policy_dir),
-        out=str(tmp_path / "next"),
-        metrics=str(tmp_path / "metrics.parquet"),
-        checkpoint_dir=str(tmp_path / "ckpt"),
-    )
-    run(cfg, args)
-    m = read_table(args.metrics, schemas.TRAIN_METRICS)
+    m, feats = features_then_train(cfg, dropout_policy_dir, tmp_path)
     assert m["max_abs_log_ratio"][0] <= 1e-6 and m["clip_fraction"][0] == 0.0
     assert 0.0 < m["pruned_vocab_fraction"][0] < 1.0 and m["pruned_mass"][0] > 0.0
     f = read_table(feats, schemas.FEATURES)
