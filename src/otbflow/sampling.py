@@ -163,35 +163,30 @@ def sample_informative_groups(
     advantages stage stops the iteration only when every shard is empty (verl raises on the whole
     batch)."""
     r, seed0 = sampler.cfg.rollout, sampler.cfg.seed
-    parts, used, rounds = [], set(), []
-    kept = dropped = generated = tokens = 0
+    parts, used, seeds = [], set(), []
+    kept = generated = tokens = 0
     batch = first
     while batch.height:
-        k = len(rounds)
-        seed = derive_seed(seed0, "rollout", iteration, shard, "round", k)
-        df = sampler.sample(batch, r.group_size, iteration, shard, seed)
-        uniform = uniform_groups(df)
-        informative = df.filter(~pl.col("group_id").is_in(uniform.implode()))
+        seeds.append(derive_seed(seed0, "rollout", iteration, shard, "round", len(seeds)))
+        df = sampler.sample(batch, r.group_size, iteration, shard, seeds[-1])
+        informative = df.filter(~pl.col("group_id").is_in(uniform_groups(df).implode()))
         used |= set(batch["prompt_id"].to_list())
-        n_informative = informative["group_id"].n_unique()
-        rounds.append({"seed": seed, "groups": batch.height, "informative": n_informative})
         generated += batch.height
-        dropped += batch.height - n_informative
+        kept += informative["group_id"].n_unique()
         tokens += int(df["response_length"].sum())
         parts.append(informative)
-        kept += n_informative
-        if kept >= target or (r.max_gen_batches and len(rounds) >= r.max_gen_batches):
+        if kept >= target or (r.max_gen_batches and len(seeds) >= r.max_gen_batches):
             break
-        batch = round_prompts(prompts, used, target, derive_seed(seed0, "filter_groups", iteration, shard, len(rounds)))
+        batch = round_prompts(prompts, used, target, derive_seed(seed0, "filter_groups", iteration, shard, len(seeds)))
     df = pl.concat(parts)
     keep = df["group_id"].unique(maintain_order=True).head(target)
     df = df.filter(pl.col("group_id").is_in(keep.implode()))
     stats = {
         "target_groups": target,
-        "rounds": len(rounds),
-        "round_seeds": [x["seed"] for x in rounds],
+        "rounds": len(seeds),
+        "round_seeds": seeds,
         "groups_generated": generated,
-        "groups_dropped": dropped,
+        "groups_dropped": generated - kept,
         "groups_informative": kept,
         "groups_kept": int(keep.len()),
         "tokens_generated": tokens,

@@ -42,46 +42,47 @@ class Args:
     """Output folder for the tables and {accuracy,reward,grad_norm,response_length}.png."""
 
 
-def generation(path: str) -> dict:
-    """What one rollout job generated (its Parquet metadata's dynamic_sampling, rollout.filter_groups)
-    beyond the rows it kept: tokens, dropped groups, rounds, whether it reached its share."""
-    return read_metadata(path).get("dynamic_sampling") or {}
-
-
 def rollout_table(rollouts: list[str]) -> pl.DataFrame:
     """Per iteration (schemas.ROLLOUT_SUMMARY): mean rollout rewards and length of the kept rows,
     the tokens generated (dropped groups' included) up to and including it, and dynamic sampling's
-    groups, rounds and short shards."""
+    groups, rounds and short shards. What a job generated beyond the rows it kept is in its Parquet
+    metadata (dynamic_sampling, with rollout.filter_groups); a shard it left empty still counts."""
     cols = ["iteration", "group_id", "response_length", "reward", "verifiable_reward", "rm_score"]
-    parts = []
+    rows, shards = [], []
     for path in rollouts:
-        table, gen = read_table(path, schemas.ROLLOUTS), generation(path)
+        table, meta = read_table(path, schemas.ROLLOUTS), read_metadata(path)
         if "rm_score" not in table.columns:  # no reward model
             table = table.with_columns(rm_score=pl.lit(None, pl.Float64))
-        part = table.select(cols)
-        tokens = gen.get("tokens_generated", int(part["response_length"].sum()))
-        shard = {"tokens": tokens, "dropped": gen.get("groups_dropped", 0), "rounds": gen.get("rounds", 1)}
-        shard["short"] = int(not gen.get("reached", True))
-        shard_columns = {f"shard_{k}": pl.lit(v, pl.Int64) for k, v in shard.items()}
-        parts.append(part.with_columns(**shard_columns, path=pl.lit(path)))
-    roll = pl.concat(parts)
+        rows.append(table.select(cols))
+        # the sampling job's record of its iteration (an empty shard has no rows to tell it)
+        iteration = meta.get("iteration", table["iteration"][0] if table.height else None)
+        if iteration is None:
+            continue
+        gen = meta.get("dynamic_sampling") or {}
+        shards.append(
+            {
+                "iteration": iteration,
+                "tokens": gen.get("tokens_generated", int(table["response_length"].sum())),
+                "groups_dropped": gen.get("groups_dropped", 0),
+                "rounds": gen.get("rounds", 1),
+                "shards_short": int(not gen.get("reached", True)),
+            }
+        )
     per_shard = (
-        roll.group_by("iteration", "path")
-        .agg(pl.col("^shard_.*$").first())
+        pl.DataFrame(shards, schema_overrides=dict.fromkeys(shards[0], pl.Int64))
+        .group_by("iteration")
+        .agg(pl.col("tokens", "groups_dropped", "shards_short").sum(), pl.col("rounds").max())
+    )
+    per_row = (
+        pl.concat(rows)
         .group_by("iteration")
         .agg(
-            pl.col("shard_tokens").sum().alias("tokens"),
-            pl.col("shard_dropped").sum().alias("groups_dropped"),
-            pl.col("shard_rounds").max().alias("rounds"),
-            pl.col("shard_short").sum().alias("shards_short"),
+            pl.col("reward").mean().alias("mean_reward"),
+            pl.col("verifiable_reward").mean().alias("mean_verifiable_reward"),
+            pl.col("response_length").mean().cast(pl.Float64).alias("mean_rollout_length"),
+            pl.col("rm_score").mean().alias("mean_rm_score"),
+            pl.col("group_id").n_unique().cast(pl.Int64).alias("groups_kept"),
         )
-    )
-    per_row = roll.group_by("iteration").agg(
-        pl.col("reward").mean().alias("mean_reward"),
-        pl.col("verifiable_reward").mean().alias("mean_verifiable_reward"),
-        pl.col("response_length").mean().cast(pl.Float64).alias("mean_rollout_length"),
-        pl.col("rm_score").mean().alias("mean_rm_score"),
-        pl.col("group_id").n_unique().cast(pl.Int64).alias("groups_kept"),
     )
     return (
         per_row.join(per_shard, on="iteration")
