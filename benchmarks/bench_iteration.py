@@ -21,7 +21,11 @@ work (interpreter, imports, config; the process's exit). ``chain_s``: the sum ov
 iteration must wait for of their mean job time (s = 0: rollout, features, advantages, train; s >=
 1: features, advantages, train, the rollout being off that path) -- the critical path if every job
 started the moment its inputs existed; ``period_s - chain_s`` is then what scheduling and shared
-cores add. Threads per job: the config's ``resources`` (printed).
+cores add. ``job_seconds_per_iteration``: the jobs' seconds summed over an iteration;
+``core_floor_s`` = that / ``--cores``, the shortest period those jobs allow with every core busy
+(at s = 1 the binding bound on a small machine); ``core_floor`` in the s1-over-s0 ratios is s = 1's
+floor over s = 0's period, the lowest ratio overlap alone can reach there. Threads per job: the
+config's ``resources`` (printed).
 
 Prints JSON (and writes it to ``--out``). The default, 4 iterations of each setting and TRL, takes
 about 15 minutes on a 2-core CPU; run it with nothing else on the machine::
@@ -142,6 +146,7 @@ def run_setting(work: Path, name: str, policy: Path, iterations: int, cores: int
     period = (ends[-1] - ends[0]) / (len(ends) - 1) if len(ends) > 1 else wall
     on_path = STAGES[1:] if name in PIPELINED else STAGES
     chain = sum(stages[s]["job_s"] for s in on_path)
+    job_seconds = sum(stages[s]["job_s"] * stages[s]["jobs"] for s in STAGES) / iterations
     return {
         "overrides": SETTINGS[name],
         "wall_s": wall,
@@ -150,6 +155,8 @@ def run_setting(work: Path, name: str, policy: Path, iterations: int, cores: int
         "chain_s": chain,
         "chain_stages": list(on_path),
         "scheduling_and_sharing_s": period - chain,
+        "job_seconds_per_iteration": job_seconds,
+        "core_floor_s": job_seconds / cores,
         "stages": stages,
         "startup_s_per_iteration": sum(stages[s]["startup_s"] * stages[s]["jobs"] for s in STAGES) / iterations,
     }
@@ -214,6 +221,9 @@ def main(argv: list[str] | None = None) -> dict:
             ratios[f"{est}_s1_over_s0"] = {
                 "wall_per_iteration": s[f"{est}_s1"]["per_iteration_s"] / s[f"{est}_s0"]["per_iteration_s"],
                 "steady": s[f"{est}_s1"]["period_s"] / s[f"{est}_s0"]["period_s"],
+                # the lowest steady ratio these jobs allow on --cores cores: s = 1's job-seconds
+                # spread over every core with none idle, against s = 0's measured period
+                "core_floor": s[f"{est}_s1"]["core_floor_s"] / s[f"{est}_s0"]["period_s"],
             }
         for st in ("s0", "s1"):
             if "trl" in result and f"{est}_{st}" in s:
