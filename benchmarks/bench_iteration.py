@@ -23,8 +23,8 @@ iteration must wait for of their mean job time (s = 0: rollout, features, advant
 started the moment its inputs existed; ``period_s - chain_s`` is then what scheduling and shared
 cores add. ``job_seconds_per_iteration``: the jobs' seconds summed over an iteration;
 ``core_floor_s`` = that / ``--cores``, the shortest period those jobs allow with every core busy
-(at s = 1 the binding bound on a small machine); ``core_floor`` in the s1-over-s0 ratios is s = 1's
-floor over s = 0's period, the lowest ratio overlap alone can reach there. Threads per job: the
+(at s = 1 the binding bound on a small machine); ``core_floor`` and ``chain_floor`` in the
+s1-over-s0 ratios bound what overlap can reach (``ratios``). Threads per job: the
 config's ``resources`` (printed).
 
 Prints JSON (and writes it to ``--out``). The default, 4 iterations of each setting and TRL, takes
@@ -162,6 +162,34 @@ def run_setting(work: Path, name: str, policy: Path, iterations: int, cores: int
     }
 
 
+def ratios(result: dict) -> dict:
+    """s = 1 against s = 0 and each setting against TRL, on two bases: wall / iterations (one-off
+    costs included: Snakemake's start, TRL's imports and model load, the pipeline's fill) and the
+    steady state (the period between iterations' ends). Two floors for s = 1 over s = 0, each
+    against s = 0's measured period: every core busy (``core_floor``: s = 1's job-seconds over the
+    cores) and unlimited cores (``chain_floor``: the chain s = 1 waits for, features -> advantages
+    -> train, at s = 0's job times, where no job shares a core with a rollout). Both come from mean
+    job times over all iterations, the period from iterations 1 on, so a measured ratio can fall a
+    little below them."""
+    s, out = result["settings"], {}
+    for est in ("grpo", "otb"):
+        if f"{est}_s0" in s and f"{est}_s1" in s:
+            s0, s1 = s[f"{est}_s0"], s[f"{est}_s1"]
+            out[f"{est}_s1_over_s0"] = {
+                "wall_per_iteration": s1["per_iteration_s"] / s0["per_iteration_s"],
+                "steady": s1["period_s"] / s0["period_s"],
+                "core_floor": s1["core_floor_s"] / s0["period_s"],
+                "chain_floor": sum(s0["stages"][st]["job_s"] for st in s1["chain_stages"]) / s0["period_s"],
+            }
+        for st in ("s0", "s1"):
+            if "trl" in result and f"{est}_{st}" in s:
+                out[f"{est}_{st}_over_trl"] = {
+                    "wall_per_iteration": s[f"{est}_{st}"]["per_iteration_s"] / result["trl"]["wall_per_iteration_s"],
+                    "steady": s[f"{est}_{st}"]["period_s"] / result["trl"]["period_s"],
+                }
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated: " + ", ".join(SETTINGS))
@@ -212,26 +240,7 @@ def main(argv: list[str] | None = None) -> dict:
         later = trl["per_iteration_s"][1:] or trl["per_iteration_s"]
         trl["period_s"] = sum(later) / len(later)
         result["trl"] = trl
-    # two bases: wall / iterations (one-off costs included: Snakemake's start, TRL's imports and
-    # model load, the pipeline's fill) and the steady state (period between iterations' ends)
-    s = result["settings"]
-    ratios = {}
-    for est in ("grpo", "otb"):
-        if f"{est}_s0" in s and f"{est}_s1" in s:
-            ratios[f"{est}_s1_over_s0"] = {
-                "wall_per_iteration": s[f"{est}_s1"]["per_iteration_s"] / s[f"{est}_s0"]["per_iteration_s"],
-                "steady": s[f"{est}_s1"]["period_s"] / s[f"{est}_s0"]["period_s"],
-                # the lowest steady ratio these jobs allow on --cores cores: s = 1's job-seconds
-                # spread over every core with none idle, against s = 0's measured period
-                "core_floor": s[f"{est}_s1"]["core_floor_s"] / s[f"{est}_s0"]["period_s"],
-            }
-        for st in ("s0", "s1"):
-            if "trl" in result and f"{est}_{st}" in s:
-                ratios[f"{est}_{st}_over_trl"] = {
-                    "wall_per_iteration": s[f"{est}_{st}"]["per_iteration_s"] / trl["wall_per_iteration_s"],
-                    "steady": s[f"{est}_{st}"]["period_s"] / trl["period_s"],
-                }
-    result["ratios"] = ratios
+    result["ratios"] = ratios(result)
     text = json.dumps(result, indent=1)
     print(text)
     if ns.out:
