@@ -460,8 +460,10 @@ def render(measured: dict, jobs: dict[str, int]) -> str:
             for shape, lay in LAYOUT.items()
         )
         + ". The 32B run needs a loader that partitions while it loads (`deepspeed.zero.Init`), which "
-        "otbflow does not have yet; its features pass too, which loads the policy in fp32 before casting it "
-        f"(`load_policy`): {4 * n_params['qwen2.5-32b'] / 1e9:.0f} GB, more than one 80 GB GPU.\n"
+        "otbflow does not have yet. The features pass loads the fp32 policy on the host and casts it to the "
+        "trainer's precision there, before the move (`load_policy`): with bf16 its GPU holds "
+        f"{2 * n_params['qwen2.5-32b'] / 1e9:.0f} GB at 32B, the host {4 * n_params['qwen2.5-32b'] / 1e9:.0f} GB "
+        "while it loads.\n"
         "- **Start-up**: where the rollout engine's build and the train job's optimizer-state read and write "
         "are large against the work, the one-job-per-stage design pays it every iteration; an in-process "
         "trainer pays it once per run.\n"

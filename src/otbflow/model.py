@@ -159,8 +159,11 @@ def load_tokenizer(path: str | Path):
     return tok
 
 
-def load_policy(path: str | Path, dtype: str = "float32"):
-    """(model in eval mode on the default device, tokenizer) from a local HF folder."""
+def load_policy(path: str | Path, dtype: str = "float32", cast_to: torch.dtype | None = None):
+    """(model in eval mode on the default device, tokenizer) from a local HF folder, loaded at
+    ``dtype``. ``cast_to``: its floating-point parameters then cast to that precision
+    (``cast_parameters``) on the host, before the move, so that the device holds only the cast copy
+    (a 32B policy: 65 GB in bf16 instead of 131 GB in fp32)."""
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
@@ -168,7 +171,10 @@ def load_policy(path: str | Path, dtype: str = "float32"):
         raise FileNotFoundError(f"{path}: not an HF model folder (no config.json)")
     check_not_pruned(path)
     tok = load_tokenizer(path)
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=getattr(torch, dtype)).to(device())
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=getattr(torch, dtype))
+    if cast_to is not None:
+        cast_parameters(model, cast_to)
+    model = model.to(device())
     model.eval()
     return model, tok
 

@@ -16,7 +16,7 @@ from otbflow import schemas
 from otbflow.io import read_table, write_parquet
 from otbflow.logits import STAT_COLUMNS, check_head_logits, exact_grad_sq_norms, sequence_token_stats
 from otbflow.mismatch import is_weights_column, mismatch_columns
-from otbflow.model import cast_parameters, load_policy, set_threads, trainer_dtype
+from otbflow.model import load_policy, set_threads, trainer_dtype
 from otbflow.progress import Progress
 from otbflow.pruning import PRUNING_STATS
 
@@ -38,9 +38,8 @@ def run(cfg: DictConfig, args: Args) -> None:
     df = read_table(args.rollouts, schemas.ROLLOUTS)
     # pi_old at the trainer's precision (fp32, or DeepSpeed's bf16 cast with train.bf16), so that
     # the first PPO ratio of the train stage is 1; model.dtype is the rollout/evaluate dtype
-    model, tok = load_policy(args.policy, "float32")
+    model, tok = load_policy(args.policy, "float32", cast_to=trainer_dtype(cfg.train))
     check_head_logits(model)  # log pi comes from the output head: refuse logits it cannot reproduce
-    cast_parameters(model, trainer_dtype(cfg.train))
     f = cfg.features
     min_p = cfg.rollout.min_p
     stats: list[dict[str, list[float]]] = []
