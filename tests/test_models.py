@@ -61,7 +61,6 @@ def test_bpe_tokenizer_and_chat_template_reload_offline(qwen2_bpe):
     assert stop_token_ids(tok, path) == gen["eos_token_id"]
 
 
-
 def test_a_policy_cast_on_the_host_equals_the_one_cast_after_loading(qwen2_bpe):
     """load_policy(cast_to=bf16) (the features stage at train.bf16) casts before the move to the
     device: every parameter equals the fp32 checkpoint's value rounded to bf16, as DeepSpeed's bf16
@@ -76,6 +75,7 @@ def test_a_policy_cast_on_the_host_equals_the_one_cast_after_loading(qwen2_bpe):
     inv_freq = [name for name, _ in cast.named_buffers() if name.endswith("inv_freq")]
     assert inv_freq and all(cast.get_buffer(n).dtype == torch.float32 for n in inv_freq)
     assert all(torch.equal(b, buffers[n]) for n, b in cast.named_buffers())
+
 
 def test_chat_rendering_and_its_errors(qwen2_bpe, tiny_policy):
     cfg, path = qwen2_bpe
