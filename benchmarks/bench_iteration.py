@@ -23,9 +23,10 @@ iteration must wait for of their mean job time (s = 0: rollout, features, advant
 started the moment its inputs existed; ``period_s - chain_s`` is then what scheduling and shared
 cores add. ``job_seconds_per_iteration``: the jobs' seconds summed over an iteration;
 ``core_floor_s`` = that / ``--cores``, the shortest period those jobs allow with every core busy
-(at s = 1 the binding bound on a small machine); ``core_floor`` and ``chain_floor`` in the
-s1-over-s0 ratios bound what overlap can reach (``ratios``). Threads per job: the
-config's ``resources`` (printed).
+(at s = 1 the binding bound on a small machine; it counts a job as one core, true of the default
+``resources``, one thread per job); ``periods_s``: each time between consecutive train jobs'
+ends; ``core_floor`` and ``chain_floor`` in the s1-over-s0 ratios bound what overlap can reach
+(``ratios``). Threads per job: the config's ``resources`` (printed).
 
 Prints JSON (and writes it to ``--out``). The default, 4 iterations of each setting and TRL, takes
 about 15 minutes on a 2-core CPU; run it with nothing else on the machine::
@@ -152,6 +153,7 @@ def run_setting(work: Path, name: str, policy: Path, iterations: int, cores: int
         "wall_s": wall,
         "per_iteration_s": wall / iterations,
         "period_s": period,
+        "periods_s": [b - a for a, b in zip(ends, ends[1:])],
         "chain_s": chain,
         "chain_stages": list(on_path),
         "scheduling_and_sharing_s": period - chain,

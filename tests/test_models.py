@@ -61,13 +61,24 @@ def test_bpe_tokenizer_and_chat_template_reload_offline(qwen2_bpe):
     assert stop_token_ids(tok, path) == gen["eos_token_id"]
 
 
-def test_a_policy_cast_on_the_host_equals_the_one_cast_after_loading(qwen2_bpe):
+def test_a_policy_cast_on_the_host_equals_the_one_cast_after_loading(qwen2_bpe, monkeypatch):
     """load_policy(cast_to=bf16) (the features stage at train.bf16) casts before the move to the
-    device: every parameter equals the fp32 checkpoint's value rounded to bf16, as DeepSpeed's bf16
-    engine casts it, and the buffers (Qwen2's rotary inv_freq) stay fp32 as in that engine."""
+    device: when the model is moved its parameters are already bf16, every one equal to the fp32
+    checkpoint's value rounded to bf16, as DeepSpeed's bf16 engine casts it, and the buffers
+    (Qwen2's rotary inv_freq) stay fp32 as in that engine."""
     _, path = qwen2_bpe
     fp32, _ = load_policy(path, "float32")
+    moved: list[set] = []  # the parameters' dtypes whenever a model is moved
+    to = torch.nn.Module.to
+
+    def recording_to(self, *args, **kwargs):
+        moved.append({p.dtype for p in self.parameters()})
+        return to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "to", recording_to)
     cast, _ = load_policy(path, "float32", cast_to=torch.bfloat16)
+    monkeypatch.undo()
+    assert moved and all(dtypes == {torch.bfloat16} for dtypes in moved)
     params = dict(fp32.named_parameters())
     for name, p in cast.named_parameters():
         assert p.dtype == torch.bfloat16 and torch.equal(p, params[name].to(torch.bfloat16)), name

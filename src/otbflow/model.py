@@ -163,7 +163,7 @@ def load_policy(path: str | Path, dtype: str = "float32", cast_to: torch.dtype |
     """(model in eval mode on the default device, tokenizer) from a local HF folder, loaded at
     ``dtype``. ``cast_to``: its floating-point parameters then cast to that precision
     (``cast_parameters``) on the host, before the move, so that the device holds only the cast copy
-    (a 32B policy: 65 GB in bf16 instead of 131 GB in fp32)."""
+    (a 32B policy: 66 GB in bf16 instead of 131 GB in fp32)."""
     from transformers import AutoModelForCausalLM
 
     path = Path(path)

@@ -39,7 +39,9 @@ def run(cfg: DictConfig, args: Args) -> None:
     # pi_old at the trainer's precision (fp32, or DeepSpeed's bf16 cast with train.bf16), so that
     # the first PPO ratio of the train stage is 1; model.dtype is the rollout/evaluate dtype
     model, tok = load_policy(args.policy, "float32", cast_to=trainer_dtype(cfg.train))
-    check_head_logits(model)  # log pi comes from the output head: refuse logits it cannot reproduce
+    # log pi comes from the output head: refuse logits it cannot reproduce (here at the trainer's
+    # precision, 2e-2 at bf16; the train job checks the same policy at fp32, 1e-4)
+    check_head_logits(model)
     f = cfg.features
     min_p = cfg.rollout.min_p
     stats: list[dict[str, list[float]]] = []
