@@ -144,7 +144,8 @@ def run_setting(work: Path, name: str, policy: Path, iterations: int, cores: int
         job_s, work_s = sum(j["job_s"] for j in mine) / len(mine), sum(j["work_s"] for j in mine) / len(mine)
         stages[stage] = {"jobs": len(mine), "job_s": job_s, "work_s": work_s, "startup_s": job_s - work_s}
     ends = sorted(j["end"] for j in js if j["stage"] == "train")
-    period = (ends[-1] - ends[0]) / (len(ends) - 1) if len(ends) > 1 else wall
+    periods = [b - a for a, b in zip(ends, ends[1:])]
+    period = sum(periods) / len(periods) if periods else wall
     on_path = STAGES[1:] if name in PIPELINED else STAGES
     chain = sum(stages[s]["job_s"] for s in on_path)
     job_seconds = sum(stages[s]["job_s"] * stages[s]["jobs"] for s in STAGES) / iterations
@@ -153,7 +154,7 @@ def run_setting(work: Path, name: str, policy: Path, iterations: int, cores: int
         "wall_s": wall,
         "per_iteration_s": wall / iterations,
         "period_s": period,
-        "periods_s": [b - a for a, b in zip(ends, ends[1:])],
+        "periods_s": periods,
         "chain_s": chain,
         "chain_stages": list(on_path),
         "scheduling_and_sharing_s": period - chain,
