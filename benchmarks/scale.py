@@ -164,8 +164,9 @@ def rank_optimizer_bytes(n_params: int, optimizer_bytes: float, ranks: int, zero
 
 def job_startup(fits: dict, stage: str, n_params: int, optimizer_bytes: float) -> float:
     """Extrapolated start-up of one job of ``stage`` (seconds, the slowest rank). Every rank loads
-    the whole fp32 policy and reads and writes ``optimizer_bytes`` of the optimizer state (one
-    rank's, ``rank_optimizer_bytes``; the ranks in parallel); rank 0 writes the next policy. The
+    the whole fp32 policy (at ZeRO-3 rank 0 reads it and hands the others their shares) and reads
+    and writes ``optimizer_bytes`` of the optimizer state (one rank's, ``rank_optimizer_bytes``;
+    the ranks in parallel); rank 0 writes the next policy. The
     rollout job: vLLM's import and reading the weights at the features job's rate; its engine build
     is not included (the document adds the cited compile)."""
     weights = 4 * n_params
@@ -453,15 +454,20 @@ def render(measured: dict, jobs: dict[str, int]) -> str:
         "shorter of the two, "
         + ", ".join(f"{shape} {span(*saved[shape])} s" for shape in saved)
         + " per iteration by the ranges above (before queue waits).\n"
-        "- **Host memory while the train job loads**: it loads the whole fp32 policy in every rank before "
-        "DeepSpeed partitions it: "
+        "- **Memory while the train job loads**: at ZeRO-1/2 every rank loads the whole fp32 policy "
+        "(memory-mapped from the checkpoint: page cache that the ranks of a node share) and DeepSpeed moves "
+        "the whole module to its GPU, as those stages keep the weights whole on every GPU anyway. At ZeRO-3 "
+        "the policy is partitioned while it loads (`deepspeed.zero.Init` through transformers' DeepSpeed "
+        "integration; docs/training.md): each GPU receives its 1/ranks share, "
         + ", ".join(
-            f"{shape} {4 * n_params[shape] * min(8, lay['train_gpus']) / 1e9:,.0f} GB per 8-GPU node"
+            f"{shape} {4 * n_params[shape] / lay['train_gpus'] / 1e9:,.1f} GB fp32"
             for shape, lay in LAYOUT.items()
+            if lay["zero_stage"] == 3
         )
-        + ". The 32B run needs a loader that partitions while it loads (`deepspeed.zero.Init`), which "
-        "otbflow does not have yet. The features pass loads the fp32 policy on the host and casts it to the "
-        "trainer's precision there, before the move (`load_policy`): with bf16 its GPU holds "
+        + " per GPU, where a whole module would take "
+        f"{4 * n_params['qwen2.5-32b'] / 1e9:.0f} GB (fp32) or {2 * n_params['qwen2.5-32b'] / 1e9:.0f} GB "
+        "(bf16) of one GPU before it is partitioned. The features pass loads the fp32 policy on the host and "
+        "casts it to the trainer's precision there, before the move (`load_policy`): with bf16 its GPU holds "
         f"{2 * n_params['qwen2.5-32b'] / 1e9:.0f} GB at 32B, the host {4 * n_params['qwen2.5-32b'] / 1e9:.0f} GB "
         "while it loads.\n"
         "- **Start-up**: where the rollout engine's build and the train job's optimizer-state read and write "

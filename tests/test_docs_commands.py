@@ -169,6 +169,8 @@ HOW: dict[str, str] = {
     ".venv/bin/python benchmarks/bench_train_memory.py": ".venv/bin/python benchmarks/bench_train_memory.py "
     "--sequences 1 --response-len 16 --layers 1 --vocab 4096",
     "benchmarks/variance_seeds.py": VARIANCE_SEEDS,
+    "python benchmarks/bench_zero3_load.py --hidden 1536 --layers 12": "python benchmarks/bench_zero3_load.py "
+    "--hidden 128 --layers 1 --vocab 1000",
     "python benchmarks/bench_dry_run.py --iterations 500 --repeats 3": "python benchmarks/bench_dry_run.py "
     "--iterations 3 --repeats 1",
     "python benchmarks/bench_rewards.py --responses 2000 --repeats 3": "python benchmarks/bench_rewards.py "

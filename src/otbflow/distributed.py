@@ -12,6 +12,8 @@ from omegaconf import DictConfig
 
 from otbflow.logits import ResponseLogprobs, check_head_logits
 
+log = logging.getLogger(__name__)
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -88,22 +90,77 @@ def deepspeed_config(tc: DictConfig, world_size: int) -> dict:
 
 def build_engine(policy_dir: str, tc: DictConfig, world_size: int):
     import deepspeed
-    from transformers import AutoModelForCausalLM
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    policy = AutoModelForCausalLM.from_pretrained(policy_dir, local_files_only=True, dtype=torch.float32)
-    check_head_logits(policy)  # on the fp32 model, before DeepSpeed casts, moves or partitions it
+    skip_cpu_shm_op()  # before ZeRO-3's loader starts the process group; CPU-only, nothing changes on GPUs
+    config = deepspeed_config(tc, world_size)
+    policy = load_partitioned(policy_dir, config) if tc.zero_stage == 3 else load_whole(policy_dir)
+    if tc.zero_stage != 3:
+        check_head_logits(policy)  # on the fp32 model, before DeepSpeed casts or moves it
     # Eval mode, as in the features stage: no dropout (nor any other train-only randomness), so that
     # log pi_theta at the first step is the stored log pi_old. verl keeps dropout out of RL too
     # (its supported models have zero dropout, `override_config` exists "mainly [for] dropout",
     # its Megatron attention hard-codes dropout_rate = 0.0); eval() also covers models whose
     # checkpoints do set dropout, such as GPT-2's 0.1. Gradients are unaffected by the mode.
     module = ResponseLogprobs(policy, tc.logprob_chunk_size).eval()
-    skip_cpu_shm_op()  # the op is CPU-only: nothing changes on GPUs
-    engine, *_ = deepspeed.initialize(
-        model=module, model_parameters=module.parameters(), config=deepspeed_config(tc, world_size)
-    )
+    engine, *_ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config=config)
+    if tc.zero_stage == 3:
+        check_head_logits(engine.module.policy)  # partitioned: ZeRO-3's hooks gather each layer for the check
     return engine
+
+
+def load_whole(policy_dir: str):
+    """The fp32 policy, whole, in this process (every rank holds all of it until DeepSpeed takes it)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(policy_dir, local_files_only=True, dtype=torch.float32)
+
+
+def load_partitioned(policy_dir: str, config: dict):
+    """The policy under ZeRO-3, partitioned while it loads: transformers' DeepSpeed integration
+    (``HfDeepSpeedConfig``) builds the model inside ``deepspeed.zero.Init``, so that each rank
+    allocates only its 1/world share of every parameter, and rank 0 alone reads the checkpoint's
+    values (memory-mapped) and hands each parameter out (the other ranks read only names and
+    shapes). Host memory while loading: the shares, instead of one whole fp32 model per rank."""
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    hf_ds = HfDeepSpeedConfig(config)  # transformers keeps a weak reference: ZeRO-3 while it lives
+    try:
+        model = AutoModelForCausalLM.from_pretrained(policy_dir, local_files_only=True, dtype=torch.float32)
+    finally:
+        del hf_ds  # later loads in this process (tokenizer, the reference policy) are plain ones
+    held = sum(p.ds_tensor.numel() for p in model.parameters())
+    total = sum(p.ds_numel for p in model.parameters())
+    log.info(
+        "%s loaded partitioned (ZeRO-3): rank %d holds %d of its %d parameter elements",
+        policy_dir,
+        torch.distributed.get_rank(),
+        held,
+        total,
+    )
+    return model
+
+
+def load_reference(path: str, device, tc: DictConfig, world_size: int):
+    """The frozen reference policy of the KL term, in fp32 (whatever train.bf16 says). Whole on
+    every rank's device, or under ZeRO-3 partitioned as the policy is (``load_partitioned``) and
+    wrapped in a DeepSpeed engine without an optimizer, whose hooks gather each layer for its
+    forward: a whole fp32 copy per GPU would not fit where ZeRO-3 is needed."""
+    if tc.zero_stage != 3:
+        ref = load_whole(path).to(device)
+    else:
+        import deepspeed
+
+        config = dict(deepspeed_config(tc, world_size), bf16={"enabled": False})
+        del config["optimizer"], config["gradient_clipping"]
+        ref, *_ = deepspeed.initialize(model=load_partitioned(path, config), config=config)
+        ref = ref.module
+    ref.eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    check_head_logits(ref)
+    return ref
 
 
 def all_reduce(values: list[float], world_size: int, device, op: str = "sum") -> list[float]:

@@ -256,7 +256,8 @@ def check_head_logits(model) -> LogitTransform | None:
     head = model.get_output_embeddings()
     if head is None:
         raise ValueError(f"{model_type}: the model has no output embeddings (lm_head); otbflow needs one")
-    ids = [(7919 * i + 11) % head.weight.shape[0] for i in range(CHECK_TOKENS)]
+    n_vocab = getattr(head.weight, "ds_shape", head.weight.shape)[0]  # ZeRO-3: the whole, not this rank's share
+    ids = [(7919 * i + 11) % n_vocab for i in range(CHECK_TOKENS)]
     batch = pack([ids[:1]], [ids[1:]], 0, model.device)
     training = model.training
     model.eval()

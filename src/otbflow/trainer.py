@@ -15,7 +15,7 @@ from otbflow import schemas
 from otbflow.distributed import all_reduce, grads_finite, param_grad_norm
 from otbflow.estimators import total_power, variance_proxies
 from otbflow.io import read_table
-from otbflow.logits import check_head_logits, pack, padded, response_token_stats, to_padded
+from otbflow.logits import pack, padded, response_token_stats, to_padded
 from otbflow.losses import aggregate_loss, low_var_kl, policy_token_loss, trm_keep
 from otbflow.pruning import PRUNING_STATS
 
@@ -218,14 +218,3 @@ def mini_batches(n: int, tc: DictConfig, seed: int) -> list[list[int]]:
         order = torch.randperm(n, generator=order_rng).tolist()
         plan += [order[s : s + tc.mini_batch_size] for s in range(0, n, tc.mini_batch_size)]
     return plan
-
-
-def load_reference(path: str, device):
-    from transformers import AutoModelForCausalLM
-
-    ref = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32).to(device)
-    ref.eval()
-    for p in ref.parameters():
-        p.requires_grad_(False)
-    check_head_logits(ref)
-    return ref

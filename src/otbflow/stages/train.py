@@ -22,7 +22,13 @@ import torch
 from omegaconf import DictConfig
 
 from otbflow import schemas
-from otbflow.distributed import _destroy_process_group, build_engine, deepspeed_config, init_distributed_env
+from otbflow.distributed import (
+    _destroy_process_group,
+    build_engine,
+    deepspeed_config,
+    init_distributed_env,
+    load_reference,
+)
 from otbflow.io import SchemaError, write_json, write_parquet
 from otbflow.lr_schedule import LRSchedule
 from otbflow.model import set_threads
@@ -40,7 +46,7 @@ from otbflow.train_state import (
     save_optimizer_state,
     save_policy,
 )
-from otbflow.trainer import Trainer, load_reference, load_rows, mini_batches
+from otbflow.trainer import Trainer, load_rows, mini_batches
 
 log = logging.getLogger("otbflow.train")
 
@@ -104,7 +110,7 @@ def run(cfg: DictConfig, args: Args) -> None:
                 prev_meta.get("optimizer_steps"),
             )
     atexit.register(_destroy_process_group)
-    ref_model = load_reference(args.reference, engine.device) if tc.kl_coef > 0 else None
+    ref_model = load_reference(args.reference, engine.device, tc, world_size) if tc.kl_coef > 0 else None
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(args.policy, local_files_only=True)
