@@ -458,13 +458,15 @@ def render(measured: dict, jobs: dict[str, int]) -> str:
         "(memory-mapped from the checkpoint: page cache that the ranks of a node share) and DeepSpeed moves "
         "the whole module to its GPU, as those stages keep the weights whole on every GPU anyway. At ZeRO-3 "
         "the policy is partitioned while it loads (`deepspeed.zero.Init` through transformers' DeepSpeed "
-        "integration; docs/training.md): each GPU receives its 1/ranks share, "
+        "integration; docs/training.md): each GPU keeps its 1/ranks share, "
         + ", ".join(
-            f"{shape} {4 * n_params[shape] / lay['train_gpus'] / 1e9:,.1f} GB fp32"
+            f"{shape} {2 * n_params[shape] / lay['train_gpus'] / 1e9:,.1f} GB in bf16 (each module is built whole "
+            f"on the GPU and then partitioned: a moment's peak of the largest, the embedding, "
+            f"{2 * shape_config(shape)['vocab_size'] * shape_config(shape)['hidden_size'] / 1e9:.1f} GB)"
             for shape, lay in LAYOUT.items()
             if lay["zero_stage"] == 3
         )
-        + " per GPU, where a whole module would take "
+        + ", where a whole module would take "
         f"{4 * n_params['qwen2.5-32b'] / 1e9:.0f} GB (fp32) or {2 * n_params['qwen2.5-32b'] / 1e9:.0f} GB "
         "(bf16) of one GPU before it is partitioned. The features pass loads the fp32 policy on the host and "
         "casts it to the trainer's precision there, before the move (`load_policy`): with bf16 its GPU holds "
