@@ -8,7 +8,7 @@ fp32 as the train stage reads it. Then, for each mode, ``--ranks`` ranks on this
 - ``partitioned``: the train stage as it is (``load_partitioned``: transformers' DeepSpeed
   integration builds the model inside ``deepspeed.zero.Init``; rank 0 alone reads the values).
 - ``whole``: the train stage before the change (main at b389a5f): every rank loads the whole fp32
-  policy (``load_whole``), then ``deepspeed.initialize`` partitions it.
+  policy (``load_fp32``), then ``deepspeed.initialize`` partitions it.
 
 Per rank: ``load_peak_rss_mib``, the process's peak resident memory (VmHWM; file-backed pages of
 the memory-mapped checkpoint included) from the start of the load until the model is loaded;
@@ -79,7 +79,7 @@ def worker(mode: str, policy: str, out: str) -> None:
 
     D.skip_cpu_shm_op()
     deepspeed.init_distributed()  # the process group before the baseline, in both modes
-    load = D.load_whole if mode == "whole" else D.load_partitioned  # whole: main before the change
+    load = D.load_fp32 if mode == "whole" else D.load_partitioned  # whole: main before the change
     marks = {}
 
     def measured_load(policy_dir: str, config: dict):

@@ -94,8 +94,10 @@ def build_engine(policy_dir: str, tc: DictConfig, world_size: int):
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     skip_cpu_shm_op()  # before ZeRO-3's loader starts the process group; CPU-only, nothing changes on GPUs
     config = deepspeed_config(tc, world_size)
-    policy = load_partitioned(policy_dir, config) if tc.zero_stage == 3 else load_whole(policy_dir)
-    if tc.zero_stage != 3:
+    if tc.zero_stage == 3:
+        policy = load_partitioned(policy_dir, config)  # checked below, once ZeRO-3's hooks can gather it
+    else:
+        policy = load_fp32(policy_dir)
         check_head_logits(policy)  # on the fp32 model, before DeepSpeed casts or moves it
     # Eval mode, as in the features stage: no dropout (nor any other train-only randomness), so that
     # log pi_theta at the first step is the stored log pi_old. verl keeps dropout out of RL too
@@ -109,7 +111,7 @@ def build_engine(policy_dir: str, tc: DictConfig, world_size: int):
     return engine
 
 
-def load_whole(policy_dir: str):
+def load_fp32(policy_dir: str):
     """The fp32 policy, whole, in this process (every rank holds all of it until DeepSpeed takes it)."""
     from transformers import AutoModelForCausalLM
 
@@ -117,17 +119,17 @@ def load_whole(policy_dir: str):
 
 
 def load_partitioned(policy_dir: str, config: dict):
-    """The policy under ZeRO-3, partitioned while it loads: transformers' DeepSpeed integration
-    (``HfDeepSpeedConfig``) builds the model inside ``deepspeed.zero.Init``, so that each rank
-    allocates only its 1/world share of every parameter, and rank 0 alone reads the checkpoint's
-    values (memory-mapped) and hands each parameter out (the other ranks read only names and
-    shapes). Host memory while loading: the shares, instead of one whole fp32 model per rank."""
-    from transformers import AutoModelForCausalLM
+    """The policy under ZeRO-3, partitioned while it loads: ``load_fp32`` while transformers'
+    DeepSpeed integration (``HfDeepSpeedConfig``) is live builds the model inside
+    ``deepspeed.zero.Init``, which builds each module's parameters on the device and keeps this
+    rank's 1/world share of them; rank 0 alone reads the checkpoint's values (memory-mapped) and
+    hands each parameter out (the other ranks read only names and shapes). No GPU ever holds the
+    whole module (docs/training.md: what it costs and saves)."""
     from transformers.integrations import HfDeepSpeedConfig
 
     hf_ds = HfDeepSpeedConfig(config)  # transformers keeps a weak reference: ZeRO-3 while it lives
     try:
-        model = AutoModelForCausalLM.from_pretrained(policy_dir, local_files_only=True, dtype=torch.float32)
+        model = load_fp32(policy_dir)
     finally:
         del hf_ds  # later loads in this process (tokenizer, the reference policy) are plain ones
     held = sum(p.ds_tensor.numel() for p in model.parameters())
@@ -148,7 +150,7 @@ def load_reference(path: str, device, tc: DictConfig, world_size: int):
     wrapped in a DeepSpeed engine without an optimizer, whose hooks gather each layer for its
     forward: a whole fp32 copy per GPU would not fit where ZeRO-3 is needed."""
     if tc.zero_stage != 3:
-        ref = load_whole(path).to(device)
+        ref = load_fp32(path).to(device)
     else:
         import deepspeed
 
