@@ -321,3 +321,23 @@ def test_the_score_stage_adds_the_weighted_score_to_the_reward(gpt2_rm, rollouts
     only = read_table(alone, schemas.ROLLOUTS)
     assert (only["reward"] - 0.5 * only["rm_score"]).abs().max() < 1e-12
     assert only["verifiable_reward"].equals(before["verifiable_reward"])
+
+
+def test_the_score_stage_writes_an_empty_table_for_an_empty_shard(gpt2_rm, rollouts_path, tmp_path):
+    """A shard that dynamic sampling left empty is legal (features and advantages read it): the
+    score stage writes an empty table with the scored columns and the rollout's metadata, where it
+    crashed in the tokenizer (IndexError) before."""
+    from conftest import tiny_config
+
+    from otbflow import schemas
+    from otbflow.io import read_metadata, read_table, write_parquet
+    from otbflow.stages import score
+
+    empty = tmp_path / "empty.parquet"
+    write_parquet(read_table(rollouts_path, schemas.ROLLOUTS).head(0), empty, metadata={"iteration": 3})
+    out = tmp_path / "scored.parquet"
+    score.run(tiny_config(f"task.reward_model.path={gpt2_rm}"), score.Args(str(empty), str(out)))
+    scored = read_table(out, schemas.ROLLOUTS)
+    assert scored.height == 0 and "rm_score" in scored.columns
+    assert read_metadata(out)["iteration"] == 3
+    assert RewardModel(gpt2_rm).score([], []) == []

@@ -191,6 +191,8 @@ class RewardModel:
             raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, not {batch_size}")
+        if not prompts:  # a shard that dynamic sampling left empty: nothing to score
+            return []
         texts = [self.render(p, r) for p, r in zip(prompts, responses)]
         lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=not self.chat)["input_ids"]]
         empty = [i for i, n in enumerate(lengths) if n == 0]

@@ -35,14 +35,19 @@ def run(cfg: DictConfig, args: Args) -> None:
     if rm.path is None:
         raise ValueError("task.reward_model.path is null: there is no reward model to score with")
     df = read_table(args.rollouts, schemas.ROLLOUTS)
-    model = RewardModel(rm.path, device=device(), dtype=rm.dtype)
-    scores = model.score(df["prompt"].to_list(), df["response_text"].to_list(), batch_size=rm.batch_size)
+    scores = []  # a shard that dynamic sampling left empty (rollout.filter_groups): no model to load
+    if df.height:
+        model = RewardModel(rm.path, device=device(), dtype=rm.dtype)
+        scores = model.score(df["prompt"].to_list(), df["response_text"].to_list(), batch_size=rm.batch_size)
     score = pl.Series("rm_score", scores, dtype=pl.Float64)
     base = pl.lit(0.0) if rm.alone else pl.col("reward")
     df = df.with_columns(score, reward=base + rm.weight * score)
     info = {"path": rm.path, "weight": rm.weight, "alone": rm.alone, "dtype": rm.dtype}
     meta = {**read_metadata(args.rollouts), "reward_model": info}
     write_parquet(df.select(schemas.ROLLOUTS.present(df.columns)), args.out, metadata=meta)
+    if not df.height:
+        log.info("no responses to score (a shard that dynamic sampling left empty): an empty table written")
+        return
     log.info(
         "%d responses scored by %s: mean score %.4f (sd %.4f), mean reward %.4f (weight %g)",
         df.height,
