@@ -77,8 +77,8 @@ def test_engine_and_sampling_arguments_from_config():
 
 def test_recorded_outputs_convert_to_the_rollout_schema(cfg):
     outputs, raw = recorded_outputs()
-    prompt_ids = [r["prompt_token_ids"] for r in raw]
-    samples = vllm_engine.samples_from_outputs(outputs, prompt_ids)
+    prompt_ids = [r["prompt_token_ids"] for r in raw[::2]]  # 2 prompts x 2 samples, one request per row
+    samples = vllm_engine.samples_from_outputs(outputs, prompt_ids, n=2)
     assert [(s.prompt_index, s.sample_idx) for s in samples] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert samples[0].logprobs[4] == pytest.approx(-1.2) and samples[0].finish_reason == "stop"
     assert samples[1].finish_reason == "length" and len(samples[1].logprobs) == len(samples[1].response_ids)
@@ -101,7 +101,25 @@ def test_missing_logprobs_is_an_error():
     outputs, raw = recorded_outputs()
     outputs[0].outputs[0].logprobs = None
     with pytest.raises(ValueError, match="SamplingParams.logprobs must be 0"):
-        vllm_engine.samples_from_outputs(outputs, [r["prompt_token_ids"] for r in raw])
+        vllm_engine.samples_from_outputs(outputs, [r["prompt_token_ids"] for r in raw[::2]], n=2)
+
+
+def test_every_sampled_row_has_its_own_seed():
+    """vLLM seeds child j of an n-sample request with seed + j, so hashed request seeds closer than
+    n shared noise streams: at 4,096 prompts x 8 samples the old layout, one 31-bit seed per
+    prompt, put two requests 6 apart for call seed 4 (found by trying seeds). One n = 1 request per
+    row, each seeded by its own 63-bit hash: all 32,768 seeds distinct, and a row's seed depends
+    on (call seed, prompt, sample) only, not on how many prompts the call has."""
+    from otbflow.seeds import derive_seed
+
+    n_prompts, n = 4096, 8
+    old = sorted(derive_seed(4, "request", i) for i in range(n_prompts))
+    assert min(b - a for a, b in zip(old, old[1:])) == 6  # the old layout's children collide
+    seeds = vllm_engine.request_seeds(4, n_prompts, n)
+    assert len(seeds) == n_prompts * n and len(set(seeds)) == len(seeds)
+    assert all(0 <= x < 2**63 for x in seeds) and max(seeds) >= 2**40  # 63-bit, not 31-bit, hashes
+    assert vllm_engine.request_seeds(4, 3, n) == seeds[: 3 * n]
+    assert vllm_engine.request_seeds(5, 3, n) != seeds[: 3 * n]
 
 
 def test_the_cli_entry_point_is_guarded_against_re_import():

@@ -90,12 +90,15 @@ def sampling_kwargs(
     }
 
 
-def request_seeds(seed: int, n_requests: int) -> list[int]:
-    """One seed per request (prompt row) of a call, hashed from the call's seed and the row. vLLM
-    seeds child j of a request with its seed + j: one seed for every request made sample j of every
-    prompt draw the same noise (two copies of a prompt got the same 8 responses), and seed + row
-    would give sample j of row i the noise of sample j - 1 of row i + 1."""
-    return [derive_seed(seed, "request", i) for i in range(n_requests)]
+def request_seeds(seed: int, n_prompts: int, n: int) -> list[int]:
+    """One seed per sampled row (prompt i, sample j) of a call, in row order (i major), each
+    hashed from (the call's seed, i, j) in 63 bits. Each row is its own vLLM request with n = 1:
+    vLLM seeds child j of an n-sample request with seed + j, so requests whose seeds lie closer
+    than n would share noise streams (over 4,096 hashed request seeds two were 6 apart, with
+    n = 8), and one seed for all requests made sample j of every prompt draw the same noise.
+    vLLM fans an n-sample request out into n child requests anyway, and prefix caching shares the
+    prompt's KV blocks between them, so n = 1 requests cost the engine the same."""
+    return [derive_seed(seed, "request", i, "sample", j, bits=63) for i in range(n_prompts) for j in range(n)]
 
 
 def _token_logprob(entry: Any, token: int) -> float:
@@ -105,21 +108,24 @@ def _token_logprob(entry: Any, token: int) -> float:
     return float(getattr(value, "logprob", value))
 
 
-def samples_from_outputs(outputs: Iterable[Any], prompt_ids: list[list[int]]) -> list[Sample]:
-    """Convert ``LLM.generate`` results (one RequestOutput per prompt, in order, each with n
-    CompletionOutputs) to the backend-independent ``Sample`` records."""
+def samples_from_outputs(outputs: Iterable[Any], prompt_ids: list[list[int]], n: int = 1) -> list[Sample]:
+    """Convert ``LLM.generate`` results to the backend-independent ``Sample`` records: one
+    RequestOutput per sampled row, in row order (prompt i's ``n`` samples, then prompt i + 1's),
+    each with one CompletionOutput (``request_seeds``' layout)."""
     samples = []
-    for pi, request in enumerate(outputs):
-        for completion in sorted(request.outputs, key=lambda c: c.index):
-            tokens = list(completion.token_ids)
-            if completion.logprobs is None or len(completion.logprobs) != len(tokens):
-                raise ValueError(
-                    f"prompt {pi} sample {completion.index}: vLLM returned no per-token log-probs "
-                    f"(SamplingParams.logprobs must be 0)"
-                )
-            reason = "stop" if completion.finish_reason == "stop" else "length"
-            logprobs = [_token_logprob(entry, tok) for entry, tok in zip(completion.logprobs, tokens)]
-            samples.append(Sample(pi, completion.index, prompt_ids[pi], tokens, logprobs, reason, completion.text))
+    for k, request in enumerate(outputs):
+        pi, j = divmod(k, n)
+        if len(request.outputs) != 1:
+            raise ValueError(f"request {k}: {len(request.outputs)} completions; one per request (n = 1) is sent")
+        completion = request.outputs[0]
+        tokens = list(completion.token_ids)
+        if completion.logprobs is None or len(completion.logprobs) != len(tokens):
+            raise ValueError(
+                f"prompt {pi} sample {j}: vLLM returned no per-token log-probs (SamplingParams.logprobs must be 0)"
+            )
+        reason = "stop" if completion.finish_reason == "stop" else "length"
+        logprobs = [_token_logprob(entry, tok) for entry, tok in zip(completion.logprobs, tokens)]
+        samples.append(Sample(pi, j, prompt_ids[pi], tokens, logprobs, reason, completion.text))
     return samples
 
 
@@ -157,14 +163,16 @@ class VLLMBackend:
 
         s = sampling
         llm = self._engine(s)
+        n = 1 if s.greedy else s.n
         params = [
             vllm.SamplingParams(
-                **sampling_kwargs(s.n, s.temperature, s.top_p, s.max_new_tokens, s.greedy, seed, self.stops, s.min_p)
+                **sampling_kwargs(1, s.temperature, s.top_p, s.max_new_tokens, s.greedy, seed, self.stops, s.min_p)
             )
-            for seed in request_seeds(s.seed, len(prompt_ids))
+            for seed in request_seeds(s.seed, len(prompt_ids), n)
         ]
-        outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
-        return samples_from_outputs(outputs, prompt_ids)
+        requests = [{"prompt_token_ids": ids} for ids in prompt_ids for _ in range(n)]
+        outputs = llm.generate(requests, params, use_tqdm=False)
+        return samples_from_outputs(outputs, prompt_ids, n)
 
     def metadata(self, sampling: Sampling) -> dict[str, Any]:
         import vllm
@@ -176,6 +184,6 @@ class VLLMBackend:
             "sampling": sampling_kwargs(
                 s.n, s.temperature, s.top_p, s.max_new_tokens, s.greedy, s.seed, self.stops, s.min_p
             ),
-            # the seed above is the call's; request i is sampled with request_seeds(seed, n)[i]
-            "seeds": "per request: otbflow.seeds.derive_seed(seed, 'request', i)",
+            # the seed above is the call's; row (i, j) is its own n = 1 request (request_seeds)
+            "seeds": "per row: otbflow.seeds.derive_seed(seed, 'request', i, 'sample', j, bits=63)",
         }
