@@ -292,12 +292,12 @@ def test_per_seed_table_on_hand_made_curves():
 
     curves = pl.DataFrame(
         [
-            ("r", 0, -1, 0.5, 0.5, 0.0, 10.0),
-            ("r", 0, 0, 0.4, 0.6, 100.0, 12.0),
-            ("r", 0, 1, 0.8, 0.9, 300.0, 30.0),
-            ("s", 0, -1, 0.5, 0.5, 0.0, 10.0),
-            ("s", 0, 0, 0.6, 0.7, 100.0, 8.0),
-            ("s", 0, 1, 0.9, 1.0, 400.0, 9.0),
+            ("r", 0, -1, 0.5, 0.5, 0.0, 10.0, 0),
+            ("r", 0, 0, 0.4, 0.6, 100.0, 12.0, 8),
+            ("r", 0, 1, 0.8, 0.9, 300.0, 30.0, 16),
+            ("s", 0, -1, 0.5, 0.5, 0.0, 10.0, 0),
+            ("s", 0, 0, 0.6, 0.7, 100.0, 8.0, 8),
+            ("s", 0, 1, 0.9, 1.0, 400.0, 9.0, 16),
         ],
         schema=[
             "run",
@@ -307,6 +307,7 @@ def test_per_seed_table_on_hand_made_curves():
             "greedy_accuracy",
             "tokens_generated",
             "mean_response_length",
+            "responses_generated",
         ],
         orient="row",
     )
@@ -344,7 +345,10 @@ def test_late_gain_with_evaluations_every_other_iteration():
     from otbflow.stages.experiment import per_seed_table
 
     curves = pl.DataFrame(
-        [("r", 0, it, acc, acc, 100.0 * (it + 1), 10.0) for it, acc in [(-1, 0.3), (1, 0.5), (3, 0.6), (5, 0.65)]],
+        [
+            ("r", 0, it, acc, acc, 100.0 * (it + 1), 10.0, 8 * (it + 1))
+            for it, acc in [(-1, 0.3), (1, 0.5), (3, 0.6), (5, 0.65)]
+        ],
         schema=[
             "run",
             "seed",
@@ -353,6 +357,7 @@ def test_late_gain_with_evaluations_every_other_iteration():
             "greedy_accuracy",
             "tokens_generated",
             "mean_response_length",
+            "responses_generated",
         ],
         orient="row",
     )
@@ -424,7 +429,7 @@ def test_paired_table_on_hand_made_seeds():
     assert (pairs["accuracy_diff_lo"], pairs["accuracy_diff_hi"]) == pytest.approx((-0.1252, 0.2752), abs=1e-3)
     first = pairs["a_first_seeds"], pairs["b_first_seeds"], pairs["neither_seeds"], pairs["undecided_seeds"]
     assert first == (2, 1, 0, 1)
-    assert pairs["matched_responses"] == 0 and math.isnan(pairs["matched_diff"])
+    assert pairs["matched_responses"] == 0 and math.isnan(pairs["matched_responses_diff"])
     pairs = paired_table(exp, pl.concat([per_seed, both_zero]), curves).row(0, named=True)
     first = pairs["a_first_seeds"], pairs["b_first_seeds"], pairs["neither_seeds"], pairs["undecided_seeds"]
     assert first == (2, 1, 1, 2)
@@ -450,11 +455,13 @@ def test_paired_table_compares_at_an_equal_budget_without_interpolating():
     exp = {"analysis": {"pairs": [["a", "b"]], "confidence": 0.95}}
     pairs = paired_table(exp, per_seed, curves).row(0, named=True)
     assert pairs["matched_responses"] == 4096
-    assert pairs["matched_tokens_a"] == pytest.approx(8.0 * 4096) and pairs["matched_tokens_b"] == pytest.approx(
-        8.2 * 4096
+    assert pairs["matched_responses_tokens_a"] == pytest.approx(8.0 * 4096) and pairs[
+        "matched_responses_tokens_b"
+    ] == pytest.approx(8.2 * 4096)
+    assert pairs["matched_responses_diff"] == pytest.approx(0.08) and pairs["matched_responses_a_better_seeds"] == 2
+    assert (pairs["matched_responses_diff_lo"], pairs["matched_responses_diff_hi"]) == pytest.approx(
+        (-0.1741, 0.3341), abs=1e-3
     )
-    assert pairs["matched_diff"] == pytest.approx(0.08) and pairs["matched_a_better_seeds"] == 2
-    assert (pairs["matched_diff_lo"], pairs["matched_diff_hi"]) == pytest.approx((-0.1741, 0.3341), abs=1e-3)
 
 
 def test_summary_reports_censored_tokens_to_target_and_the_late_trend():
@@ -482,7 +489,9 @@ def test_summary_reports_censored_tokens_to_target_and_the_late_trend():
                 "tokens_trained": 900.0,
                 "final_response_length": 16.0,
                 "max_length_ratio": 1.0,
+                "responses_generated": 800.0,
                 "max_grad_norm": 0.5,
+                "nonfinite_steps": 0,
             }
             for i, (t, g) in enumerate(zip(ttt, late))
         ]
@@ -500,6 +509,90 @@ def test_summary_reports_censored_tokens_to_target_and_the_late_trend():
     assert flat["late_trend"] == "plateau" and slow["late_trend"] == "unresolved"
     # final avg@k 0.50..0.54: mean 0.52, s = 0.01581, 0.52 +- 2.776 x 0.00707 = 0.52 +- 0.01963
     assert (flat["final_accuracy_lo"], flat["final_accuracy_hi"]) == pytest.approx((0.50037, 0.53963), abs=1e-4)
+
+
+def _member_report(root: Path, run: str, seed: int, responses: list[int], grad_norms: list[float]) -> None:
+    """A member's report/progress.parquet (the initial policy and one evaluation per entry of
+    ``responses``, its cumulative responses generated; 10 tokens per response) and
+    report/metrics.parquet (one step per entry of ``grad_norms``; NaN: a skipped step)."""
+    from otbflow.io import write_parquet
+
+    report = root / run / f"seed_{seed}" / "results" / "report"
+    n = len(responses) + 1
+    progress = {
+        "policy": ["initial"] + [f"iter_{k}" for k in range(n - 1)],
+        "iteration": list(range(-1, n - 1)),
+        "greedy_accuracy": [0.3] * n,
+        "sampled_accuracy": [0.3] + [0.3 + 0.01 * (k + 1) + 0.1 * (run == "dapo") for k in range(n - 1)],
+        "k": [4] * n,
+        "mean_response_length": [10.0] * n,
+        "n_prompts": [64] * n,
+        "tokens_generated": [10 * r for r in [0] + responses],
+        "mean_reward": [float("nan")] + [0.5] * (n - 1),
+        "mean_rollout_length": [float("nan")] + [10.0] * (n - 1),
+        "responses_generated": [0] + responses,
+    }
+    write_parquet(pl.DataFrame(progress, schema=schemas.PROGRESS.columns), report / "progress.parquet")
+    steps = len(grad_norms)
+    metrics = {c: [0.0] * steps for c, t in schemas.METRICS.columns.items() if t == pl.Float64}
+    metrics |= {c: list(range(steps)) for c, t in schemas.METRICS.columns.items() if t == pl.Int64}
+    metrics |= {"iteration": [0] * steps, "grad_norm": grad_norms, "event": [""] * steps}
+    metrics |= {"skipped": [g != g for g in grad_norms], "tokens": [100] * steps}
+    write_parquet(pl.DataFrame(metrics, schema=schemas.METRICS.columns), report / "metrics.parquet")
+
+
+def test_budgets_are_what_the_members_generated(tmp_path):
+    """Two runs of the stability probe's shape (128 prompts x 4 per iteration: 512 responses by the
+    config). GRPO's reports count 512, 1,024; DAPO's (dynamic sampling: dropped groups generated
+    too) 1,800, 3,900 on seed 0 and 2,100, 4,000 on seed 1. There is no equal budget: the config's
+    arithmetic gave both 512 and 1,024 and compared them at 1,024 as if equal. With DAPO's seed 0
+    at 512, 2,000 and seed 1 at 512, 2,200 they meet at 512 only. The per-seed and summary tables
+    carry the responses the reports counted."""
+    from otbflow.stages.experiment import collect, paired_table, per_seed_table, summary_table
+
+    exp = {
+        "experiment": "probe",
+        "seeds": [0, 1],
+        "base": {"iterations": 2, "rollout": {"prompts_per_iteration": 128, "group_size": 4}},
+        "runs": {"dapo": {"rollout": {"filter_groups": True}}, "grpo": {}},
+        "analysis": {"pairs": [["dapo", "grpo"]], "confidence": 0.95, "target": 0.9},
+    }
+    exp["analysis"] |= {"plateau_window": 1, "plateau_margin": 0.02}
+    for seed, responses in ((0, [1800, 3900]), (1, [2100, 4000])):
+        _member_report(tmp_path, "dapo", seed, responses, [0.5, 0.7])
+        _member_report(tmp_path, "grpo", seed, [512, 1024], [0.4, 0.6])
+    curves, metrics = collect(exp, tmp_path)
+    per_seed = per_seed_table(exp, curves, metrics)
+    pairs = paired_table(exp, per_seed, curves).row(0, named=True)
+    assert pairs["matched_responses"] == 0 and math.isnan(pairs["matched_responses_diff"])
+    assert per_seed.filter(pl.col("run") == "dapo")["responses_generated"].to_list() == [3900.0, 4000.0]
+    assert per_seed.filter(pl.col("run") == "dapo")["tokens_generated"].to_list() == [39000.0, 40000.0]
+    summary = summary_table(exp, per_seed)
+    assert summary["responses_generated"].to_list() == [3950.0, 1024.0]
+    for seed, responses in ((0, [512, 2000]), (1, [512, 2200])):
+        _member_report(tmp_path, "dapo", seed, responses, [0.5, 0.7])
+    curves, metrics = collect(exp, tmp_path)
+    pairs = paired_table(exp, per_seed_table(exp, curves, metrics), curves).row(0, named=True)
+    assert pairs["matched_responses"] == 512 and pairs["matched_responses_diff"] == pytest.approx(0.1)
+    assert pairs["matched_responses_tokens_a"] == pairs["matched_responses_tokens_b"] == 5120.0
+
+
+def test_skipped_steps_are_counted_beside_a_finite_max_grad_norm(tmp_path):
+    """A seed whose steps read grad norms 0.4, NaN (skipped: non-finite), 0.9, NaN: the max over the
+    finite steps is 0.9 and 2 steps are counted non-finite (polars' max skips NaN, so a max alone
+    showed 0.9 and nothing else); a seed with every step finite counts 0; the summary adds them."""
+    from otbflow.stages.experiment import collect, per_seed_table, summary_table
+
+    nan = float("nan")
+    exp = {"seeds": [0, 1], "runs": {"lr_high": {}}, "analysis": {"confidence": 0.95, "target": 0.9}}
+    exp["analysis"] |= {"plateau_window": 1, "plateau_margin": 0.02}
+    _member_report(tmp_path, "lr_high", 0, [512], [0.4, nan, 0.9, nan])
+    _member_report(tmp_path, "lr_high", 1, [512], [0.3, 0.5])
+    per_seed = per_seed_table(exp, *collect(exp, tmp_path))
+    assert per_seed["max_grad_norm"].to_list() == [0.9, 0.5]
+    assert per_seed["nonfinite_steps"].to_list() == [2, 0]
+    summary = summary_table(exp, per_seed).row(0, named=True)
+    assert summary["max_grad_norm"] == 0.9 and summary["nonfinite_steps"] == 2
 
 
 def test_analysis_section_is_checked(tmp_path):

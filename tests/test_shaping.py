@@ -167,3 +167,54 @@ def test_the_rollout_stores_both_rewards_and_shaping_leaves_the_samples_alone(ti
         want -= max(0, n - 16) / 8
         assert row["reward"] == pytest.approx(want), row
     assert shaped.filter(pl.col("response_length") >= 20).height > 0  # the tiny policy runs long: exceeding is tested
+
+
+def _grpo(groups: list[list[float]]) -> list[list[float]]:
+    """Std-normalised GRPO's per-sequence advantage of each group of rewards (one token each)."""
+    from otbflow.estimators import compute_advantages
+
+    rows = [{"group_id": g, "reward": r, "logprobs": [-1.0]} for g, rs in enumerate(groups) for r in rs]
+    adv = [a[0] for a in compute_advantages(pl.DataFrame(rows), "grpo")["advantages"].to_list()]
+    return [adv[4 * g : 4 * g + 4] for g in range(len(groups))]
+
+
+def test_std_normalised_grpo_is_scale_invariant_and_the_cosine_reward_fills_every_group():
+    """docs/results.md (the probe's cosine grad norms): every right/wrong pattern of a group of 4 with
+    lengths 10, 20, 30, 40 under a 48-token limit (the probe's cosine, margin 1), enumerated. An
+    identity, whatever the rewards' scale: a group whose rewards are not all equal gets
+    std-normalised advantages with sum A^2 = N - 1 = 3 (unbiased std), a uniform one 0. {0, 1}
+    rewards: 14 of 16 patterns mixed, mean A^2 per sequence 0.75 x 14/16 = 0.65625, 87.5% of
+    sequences non-zero; the same rewards on {-10, 2}: the same advantages; the cosine reward: all
+    16 groups non-uniform, mean A^2 0.75 (the maximum), 100% non-zero."""
+    import itertools
+
+    lengths = (10, 20, 30, 40)
+    probe = SimpleNamespace(**{**vars(SEED), "exceed_margin": 1})
+    patterns = list(itertools.product((0.0, 1.0), repeat=4))
+    binary = _grpo([list(p) for p in patterns])
+    rescaled = _grpo([[12 * r - 10 for r in p] for p in patterns])  # {0, 1} -> {-10, 2}
+    cosine = _grpo([[cosine_reward(r == 1.0, n, 48, probe) for r, n in zip(p, lengths)] for p in patterns])
+    for adv, signal in ((binary, "mixed"), (rescaled, "mixed"), (cosine, "every")):  # sum A^2 per group
+        for p, a in zip(patterns, adv):
+            want = 3.0 if signal == "every" or len(set(p)) == 2 else 0.0  # N - 1, to the std's 1e-6 eps
+            assert sum(x * x for x in a) == pytest.approx(want, abs=1e-4)
+    assert all(a == pytest.approx(b, abs=1e-5) for g, h in zip(binary, rescaled) for a, b in zip(g, h))
+    flat = {name: [x for g in adv for x in g] for name, adv in (("binary", binary), ("cosine", cosine))}
+    assert sum(x * x for x in flat["binary"]) / 64 == pytest.approx(0.65625, abs=1e-5)
+    assert sum(x != 0 for x in flat["binary"]) / 64 == 0.875
+    assert sum(x * x for x in flat["cosine"]) / 64 == pytest.approx(0.75, abs=1e-5)
+    assert all(x != 0 for x in flat["cosine"])
+
+
+def test_an_all_correct_group_is_not_zero_advantage_under_shaping():
+    """docs/rewards.md (why dynamic sampling filters on the verifiable reward): the overlong
+    punishment with L_max 48, buffer 10, factor 1 gives an all-correct group of lengths 20, 30,
+    40, 45 the rewards 1, 1, 1 - 2/10 = 0.8, 1 - 7/10 = 0.3; mean 0.775, deviations 0.225, 0.225,
+    0.025, -0.475, unbiased std sqrt(0.3275 / 3) = 0.33040: GRPO advantages +0.681, +0.681,
+    +0.076, -1.438. The same group unshaped: all 0."""
+    lengths = (20, 30, 40, 45)
+    rewards = [1.0 + overlong_penalty(n, 48, 10, 1.0) for n in lengths]
+    assert rewards == pytest.approx([1.0, 1.0, 0.8, 0.3])
+    (adv,) = _grpo([rewards])
+    assert adv == pytest.approx([0.681, 0.681, 0.076, -1.438], abs=1e-3)
+    assert _grpo([[1.0] * 4]) == [[0.0] * 4]

@@ -14,7 +14,7 @@ import pytest
 from conftest import REPO, TINY
 
 from otbflow import schemas
-from otbflow.io import read_table
+from otbflow.io import read_metadata, read_table
 
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("workflow")]
@@ -140,7 +140,7 @@ def test_every_output_reads_back_with_polars(run_dir):
 
 def test_iteration_one_samples_from_iteration_zero_policy(run_dir):
     r = run_dir / "results"
-    meta = __import__("otbflow.io", fromlist=["read_metadata"]).read_metadata(r / "iter_1/rollout/shard_0.parquet")
+    meta = read_metadata(r / "iter_1/rollout/shard_0.parquet")
     assert meta["policy"].endswith("iter_0/train/policy")
     for k in (0, 1):  # on-policy (rollout.staleness 0): every row says so
         rows = read_table(r / f"iter_{k}/rollout/shard_1.parquet", schemas.ROLLOUTS)
@@ -460,6 +460,17 @@ def test_the_tiny_workflow_with_the_seeds_systems(run_dir, tmp_path):
     ]
     assert all(t >= kt for t, kt in zip(summary["tokens"].to_list(), kept_tokens))
     assert any(t > kt for t, kt in zip(summary["tokens"].to_list(), kept_tokens))  # dropped groups' tokens
+    # responses generated: group_size (4) x the groups each job's metadata says it generated
+    generated = [
+        sum(
+            4 * read_metadata(r / f"iter_{k}/rollout/shard_{s}.parquet")["dynamic_sampling"]["groups_generated"]
+            for s in (0, 1)
+        )
+        for k in (0, 1)
+    ]
+    assert summary["responses"].to_list() == generated and sum(generated) > 4 * summary["groups_kept"].sum()
+    progress = read_table(r / "report/progress.parquet", schemas.PROGRESS)
+    assert progress["responses_generated"].to_list() == [0, generated[0], generated[0] + generated[1]]
     evals = read_table(r / "initial/eval/samples.parquet", schemas.EVAL_SAMPLES)
     before = read_table(run_dir / "results/initial/eval/samples.parquet", schemas.EVAL_SAMPLES)
     assert evals.equals(before) and set(evals["reward"].to_list()) <= {0.0, 1.0}

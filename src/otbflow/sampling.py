@@ -128,8 +128,11 @@ def sample_groups(
 
 
 def uniform_groups(df: pl.DataFrame) -> pl.Series:
-    """The group ids of ``df`` (a rollouts table) whose verifiable rewards are all equal: groups
-    that carry no learning signal (DAPO's dynamic sampling drops them; verl's metric 'acc')."""
+    """The group ids of ``df`` (a rollouts table) whose verifiable rewards are all equal (all right
+    or all wrong): groups that carry no signal about correctness (DAPO's dynamic sampling drops
+    them; verl's metric 'acc'). Their advantage is zero under the group-mean baselines with the
+    verifiable reward alone, but not under a shaped reward (overlong, cosine: it varies with the
+    length) or OTB's zero-tail; there what they teach is length (docs/rewards.md)."""
     spread = df.group_by("group_id").agg(pl.col("verifiable_reward").n_unique().alias("values"))
     return spread.filter(pl.col("values") == 1)["group_id"]
 
@@ -158,13 +161,14 @@ def sample_informative_groups(
     in the order generated, as verl does -- or ``rollout.max_gen_batches`` rounds are spent (0:
     until the shard's prompts run out). Every round's sampling seed and prompt draw derive from
     (iteration, shard, round). Returns the kept groups and what happened (the Parquet metadata's
-    ``dynamic_sampling``: rounds, groups generated, dropped and kept, tokens generated in all).
+    ``dynamic_sampling``: rounds, groups generated, dropped and kept, responses and tokens
+    generated in all).
     A shard left with no informative group writes an empty table (the other shards train); the
     advantages stage stops the iteration only when every shard is empty (verl raises on the whole
     batch)."""
     r, seed0 = sampler.cfg.rollout, sampler.cfg.seed
     parts, used, seeds = [], set(), []
-    kept = generated = tokens = 0
+    kept = generated = responses = tokens = 0
     batch = first
     while batch.height:
         seeds.append(derive_seed(seed0, "rollout", iteration, shard, "round", len(seeds)))
@@ -173,6 +177,7 @@ def sample_informative_groups(
         used |= set(batch["prompt_id"].to_list())
         generated += batch.height
         kept += informative["group_id"].n_unique()
+        responses += df.height
         tokens += int(df["response_length"].sum())
         parts.append(informative)
         if kept >= target or (r.max_gen_batches and len(seeds) >= r.max_gen_batches):
@@ -189,6 +194,7 @@ def sample_informative_groups(
         "groups_dropped": generated - kept,
         "groups_informative": kept,
         "groups_kept": int(keep.len()),
+        "responses_generated": responses,
         "tokens_generated": tokens,
         "reached": kept >= target,
     }

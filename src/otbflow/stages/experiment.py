@@ -15,8 +15,7 @@ import polars as pl
 from omegaconf import DictConfig
 
 from otbflow import schemas
-from otbflow.config import DEFAULT_CONFIG, load_config
-from otbflow.experiment_config import load_experiment, member_config
+from otbflow.experiment_config import load_experiment
 from otbflow.io import atomic_file, pyplot, read_table, save_figure, write_parquet
 from otbflow.stats import late_trend, t_interval
 
@@ -39,27 +38,17 @@ class Args:
 # ------------------------------------------------------------------------------------------
 
 
-def responses_per_iteration(exp: dict, run: str) -> int:
-    """Rollout responses one iteration of ``run`` generates (rollout.prompts_per_iteration x
-    rollout.group_size of its member config; the same for every seed)."""
-    cfg = load_config(DEFAULT_CONFIG, extra=member_config(exp, run, exp["seeds"][0], "/shared/policy", 1.0))
-    return int(cfg.rollout.prompts_per_iteration) * int(cfg.rollout.group_size)
-
-
 def collect(exp: dict, root: Path) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """(curves: every member's eval progress with the rollout responses generated up to each
-    evaluated policy, metrics: every member's train steps), with run and seed."""
+    """(curves: every member's eval progress, with the rollout responses and tokens generated up
+    to each evaluated policy as its report counted them -- from the rollouts' metadata, groups
+    that dynamic sampling dropped included --, metrics: every member's train steps), with run and
+    seed."""
     curves, metrics = [], []
     for name in exp["runs"]:
-        per_iteration = responses_per_iteration(exp, name)
         for seed in exp["seeds"]:
             r = root / name / f"seed_{seed}" / "results" / "report"
             tag = [pl.lit(name).alias("run"), pl.lit(seed, pl.Int64).alias("seed")]
-            curves.append(
-                read_table(r / "progress.parquet", schemas.PROGRESS).with_columns(
-                    *tag, ((pl.col("iteration") + 1) * per_iteration).alias("responses_generated")
-                )
-            )
+            curves.append(read_table(r / "progress.parquet", schemas.PROGRESS).with_columns(tag))
             metrics.append(read_table(r / "metrics.parquet", schemas.METRICS).with_columns(tag))
     return pl.concat(curves), pl.concat(metrics, how="diagonal_relaxed")
 
@@ -94,12 +83,16 @@ def per_seed_table(exp: dict, curves: pl.DataFrame, metrics: pl.DataFrame) -> pl
     it did not: censored at the member's tokens_generated), the avg@k gain over the last
     ``plateau_window`` iterations (from the last evaluation at least that many iterations before
     the final one, see evaluate.every; nan if there is none), the longest mean response length
-    relative to the initial one, the largest grad norm and the lowest avg@k on the way."""
+    relative to the initial one, the largest finite grad norm and, beside it, the steps whose loss
+    or gradient was not finite (skipped: no update; the instability signal a max over the
+    finite norms would hide), and the lowest avg@k on the way."""
     a = exp["analysis"]
     target = float(a["target"])
+    finite = pl.col("grad_norm").is_finite()
     trained = metrics.group_by("run", "seed").agg(
         pl.col("tokens").sum().cast(pl.Float64).alias("tokens_trained"),
-        pl.col("grad_norm").max().alias("max_grad_norm"),
+        pl.col("grad_norm").filter(finite).max().fill_null(float("nan")).alias("max_grad_norm"),
+        (~finite).sum().cast(pl.Int64).alias("nonfinite_steps"),  # a skipped step's norm is NaN
     )
     window = int(a["plateau_window"])
     rows = []
@@ -120,6 +113,7 @@ def per_seed_table(exp: dict, curves: pl.DataFrame, metrics: pl.DataFrame) -> pl
                 "final_greedy_accuracy": part["greedy_accuracy"][-1],
                 "min_accuracy": float(acc.min()),
                 "tokens_generated": float(part["tokens_generated"][-1]),
+                "responses_generated": float(part["responses_generated"][-1]),
                 "target_accuracy": target,
                 "reached_target": ttt is not None,
                 "tokens_to_target": float("nan") if ttt is None else ttt,
@@ -168,11 +162,13 @@ def summary_table(exp: dict, per_seed: pl.DataFrame) -> pl.DataFrame:
                 "tokens_to_target_min": float(reached.min()) if len(reached) else float("nan"),
                 "tokens_to_target_max": float(reached.max()) if len(reached) else float("nan"),
                 "tokens_generated": float(part["tokens_generated"].mean()),
+                "responses_generated": float(part["responses_generated"].mean()),
                 "tokens_trained": float(part["tokens_trained"].mean()),
                 "final_response_length": float(part["final_response_length"].mean()),
                 "max_length_ratio": float(part["max_length_ratio"].max()),
                 "min_accuracy": float(part["min_accuracy"].min()),
                 "max_grad_norm": float(part["max_grad_norm"].max()),
+                "nonfinite_steps": int(part["nonfinite_steps"].sum()),
             }
         )
     return pl.DataFrame(rows, schema=schemas.EXPERIMENT_SUMMARY.columns)
@@ -193,10 +189,12 @@ def first_to_target(ta: float | None, tb: float | None, end_a: float, end_b: flo
 
 
 def matched_budget(curves: pl.DataFrame, a: str, b: str) -> int:
-    """The largest number of rollout responses after which both runs were evaluated on every seed
-    (the initial policy aside): the point where they compare at an equal rollout budget without
-    interpolating either curve. 0 if there is none (make evaluate.every put evaluations there,
-    e.g. N = 4 every 4th iteration against N = 16 every iteration)."""
+    """The largest number of rollout responses generated (dropped groups' included: the members'
+    reports count them from the rollouts' metadata) after which both runs were evaluated on every
+    seed (the initial policy aside): the point where they compare at an equal rollout budget
+    without interpolating either curve. 0 if there is none: make evaluate.every put evaluations
+    there (e.g. N = 4 every 4th iteration against N = 16 every iteration); a run with dynamic
+    sampling generates a budget of its own per seed and iteration, so it rarely has one."""
     common = None
     for run in (a, b):
         for _, part in curves.filter(pl.col("run") == run).group_by("seed"):
@@ -208,8 +206,9 @@ def matched_budget(curves: pl.DataFrame, a: str, b: str) -> int:
 def paired_table(exp: dict, per_seed: pl.DataFrame, curves: pl.DataFrame) -> pl.DataFrame:
     """For each analysis pair [a, b], seed by seed: the final avg@k difference a - b with the
     t-interval of the per-seed differences (assumed normal); which run reached the target first
-    (counts of seeds); and the avg@k difference at the largest equal rollout budget where both
-    were evaluated (``matched_budget``), with its t-interval and both runs' tokens there."""
+    (counts of seeds); and the avg@k difference at the largest equal budget of rollout responses
+    where both were evaluated (``matched_budget``; the ``matched_responses*`` columns), with its
+    t-interval and both runs' tokens there."""
     an = exp["analysis"]
     rows = []
     for a, b in an["pairs"]:
@@ -239,12 +238,12 @@ def paired_table(exp: dict, per_seed: pl.DataFrame, curves: pl.DataFrame) -> pl.
             "neither_seeds": first.count("neither"),
             "undecided_seeds": first.count("undecided"),
             "matched_responses": budget,
-            "matched_tokens_a": float("nan"),
-            "matched_tokens_b": float("nan"),
-            "matched_diff": float("nan"),
-            "matched_diff_lo": float("nan"),
-            "matched_diff_hi": float("nan"),
-            "matched_a_better_seeds": 0,
+            "matched_responses_tokens_a": float("nan"),
+            "matched_responses_tokens_b": float("nan"),
+            "matched_responses_diff": float("nan"),
+            "matched_responses_diff_lo": float("nan"),
+            "matched_responses_diff_hi": float("nan"),
+            "matched_responses_a_better_seeds": 0,
         }
         if budget:
             at = curves.filter(pl.col("responses_generated") == budget)
@@ -252,12 +251,12 @@ def paired_table(exp: dict, per_seed: pl.DataFrame, curves: pl.DataFrame) -> pl.
             mdiff = (m["sampled_accuracy"] - m["sampled_accuracy_b"]).to_numpy()
             mci = t_interval(mdiff, an["confidence"])
             row |= {
-                "matched_tokens_a": float(m["tokens_generated"].mean()),
-                "matched_tokens_b": float(m["tokens_generated_b"].mean()),
-                "matched_diff": float(mdiff.mean()),
-                "matched_diff_lo": mci[0],
-                "matched_diff_hi": mci[1],
-                "matched_a_better_seeds": int((mdiff > 0).sum()),
+                "matched_responses_tokens_a": float(m["tokens_generated"].mean()),
+                "matched_responses_tokens_b": float(m["tokens_generated_b"].mean()),
+                "matched_responses_diff": float(mdiff.mean()),
+                "matched_responses_diff_lo": mci[0],
+                "matched_responses_diff_hi": mci[1],
+                "matched_responses_a_better_seeds": int((mdiff > 0).sum()),
             }
         rows.append(row)
     return pl.DataFrame(rows, schema=schemas.EXPERIMENT_PAIRS.columns)

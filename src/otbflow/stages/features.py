@@ -28,7 +28,10 @@ class Args:
     rollouts: str
     """Rollouts Parquet (table 'rollouts')."""
     policy: str
-    """HF folder of the training model (the policy that sampled these rollouts)."""
+    """HF folder of the training model: the policy the iteration starts from, pi_old of its update
+    (pi_prox). On-policy it is the one that sampled these rollouts; with rollout.staleness s >= 1
+    they were sampled by the policy of iteration k - s (the rollouts' behaviour_iteration) and this
+    is the proximal policy of decoupled PPO."""
     out: str
     """Output features Parquet."""
 

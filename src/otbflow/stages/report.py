@@ -44,9 +44,10 @@ class Args:
 
 def rollout_table(rollouts: list[str]) -> pl.DataFrame:
     """Per iteration (schemas.ROLLOUT_SUMMARY): mean rollout rewards and length of the kept rows,
-    the tokens generated (dropped groups' included) up to and including it, and dynamic sampling's
-    groups, rounds and short shards. What a job generated beyond the rows it kept is in its Parquet
-    metadata (dynamic_sampling, with rollout.filter_groups); a shard it left empty still counts."""
+    the responses and tokens generated (dropped groups' included) in it and up to it, and dynamic
+    sampling's groups, rounds and short shards. What a job generated beyond the rows it kept is in
+    its Parquet metadata (dynamic_sampling, with rollout.filter_groups); a shard it left empty
+    still counts."""
     cols = ["iteration", "group_id", "response_length", "reward", "verifiable_reward", "rm_score"]
     rows, shards = [], []
     for path in rollouts:
@@ -62,7 +63,8 @@ def rollout_table(rollouts: list[str]) -> pl.DataFrame:
         shards.append(
             {
                 "iteration": iteration,
-                "tokens": gen.get("tokens_generated", int(table["response_length"].sum())),
+                "responses": gen["responses_generated"] if gen else table.height,
+                "tokens": gen["tokens_generated"] if gen else int(table["response_length"].sum()),
                 "groups_dropped": gen.get("groups_dropped", 0),
                 "rounds": gen.get("rounds", 1),
                 "shards_short": int(not gen.get("reached", True)),
@@ -71,7 +73,7 @@ def rollout_table(rollouts: list[str]) -> pl.DataFrame:
     per_shard = (
         pl.DataFrame(shards, schema_overrides=dict.fromkeys(shards[0], pl.Int64))
         .group_by("iteration")
-        .agg(pl.col("tokens", "groups_dropped", "shards_short").sum(), pl.col("rounds").max())
+        .agg(pl.col("responses", "tokens", "groups_dropped", "shards_short").sum(), pl.col("rounds").max())
     )
     per_row = (
         pl.concat(rows)
@@ -87,7 +89,10 @@ def rollout_table(rollouts: list[str]) -> pl.DataFrame:
     return (
         per_row.join(per_shard, on="iteration")
         .sort("iteration")
-        .with_columns(pl.col("tokens").cum_sum().alias("tokens_generated"))
+        .with_columns(
+            pl.col("tokens").cum_sum().alias("tokens_generated"),
+            pl.col("responses").cum_sum().alias("responses_generated"),
+        )
         .select(list(schemas.ROLLOUT_SUMMARY.columns))
     )
 
@@ -96,9 +101,11 @@ def progress_table(summaries: list[str], per_iteration: pl.DataFrame) -> pl.Data
     """One row per evaluated policy (the initial one has iteration -1 and 0 tokens), with the
     rollout statistics of the iteration that trained it."""
     evals = pl.concat([read_table(p, schemas.EVAL_SUMMARY) for p in summaries]).sort("iteration")
-    rolled = per_iteration.select("iteration", "tokens_generated", "mean_reward", "mean_rollout_length")
+    rolled = per_iteration.select(
+        "iteration", "tokens_generated", "responses_generated", "mean_reward", "mean_rollout_length"
+    )
     out = evals.join(rolled, on="iteration", how="left").with_columns(
-        pl.col("tokens_generated").fill_null(0),
+        pl.col("tokens_generated", "responses_generated").fill_null(0),
         pl.col("mean_reward").fill_null(float("nan")),
         pl.col("mean_rollout_length").fill_null(float("nan")),
     )
