@@ -75,6 +75,9 @@ ADDED = {
     "lag": ("report/mismatch.parquet",),
     "measures": ("report/mismatch.parquet",),
     "truncated_fraction": ("report/mismatch.parquet",),
+    # the responses generated (issue 34): tests/test_workflow.py::test_the_tiny_workflow_with_the_seeds_systems
+    "responses": ("report/rollouts.parquet",),
+    "responses_generated": ("report/rollouts.parquet", "report/progress.parquet"),
     # dynamic vocabulary pruning (rollout.min_p; 0 in the fixtures): tests/test_pruning.py
     **dict.fromkeys(
         ("pruned_vocab_fraction", "pruned_mass", "forced_tokens"),
