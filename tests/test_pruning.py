@@ -148,10 +148,11 @@ def test_rho_zero_is_the_unpruned_policy():
 # ------------------------------------------------------------------------------------------
 
 
-def test_min_p_needs_top_p_one_and_a_bound():
+def test_min_p_is_bounded_and_goes_with_any_top_p():
+    """Both engines apply min-p before top-p (tests/test_vllm.py checks vLLM's log-probs against
+    engines.hf.processed_logits with both on), so top_p < 1 is no longer refused with min_p."""
     assert tiny_config("rollout.min_p=6.1e-6").rollout.min_p == pytest.approx(6.1e-6)
-    with pytest.raises(ConfigError, match=r"config key 'rollout.min_p': must be 0 when rollout.top_p is 0.9"):
-        tiny_config("rollout.min_p=0.01", "rollout.top_p=0.9")
+    assert tiny_config("rollout.min_p=0.01", "rollout.top_p=0.9").rollout.top_p == 0.9
     for bad in ("1.0", "-0.1"):
         with pytest.raises(ConfigError, match=r"config key 'rollout.min_p': must be in \[0, 1\)"):
             tiny_config(f"rollout.min_p={bad}")

@@ -225,6 +225,7 @@ out = {
     "again": run([prompts[0], prompts[0]], 8, 1.0, 1.0, 12, False, 5),
     **{f"T={t},top_p={p}": run(prompts, 4, t, p, 16, False, 11) for t, p in PARITY},
     "min_p": run(prompts, 4, MIN_P_TEMPERATURE, 1.0, 16, False, 11, MIN_P),
+    "min_p,top_p=0.9": run(prompts, 4, MIN_P_TEMPERATURE, 0.9, 16, False, 11, MIN_P),
 }
 print("CALLS=" + json.dumps(out))
 """
@@ -237,8 +238,8 @@ MIN_P, MIN_P_TEMPERATURE = 0.15, 0.7
 @pytest.fixture(scope="module")
 def vllm_calls(qwen2_bpe_policy, data_dir):
     """Samples of one engine (real vLLM on CPU) on the tiny Qwen2 + BPE + chat policy: two copies of
-    one prompt, twice with one seed, 4 prompts at each PARITY setting and 4 with min-p (MIN_P);
-    and the prompts' ids."""
+    one prompt, twice with one seed, 4 prompts at each PARITY setting and 4 with min-p (MIN_P),
+    without and with top_p 0.9; and the prompts' ids."""
     python = vllm_python()
     tok = load_tokenizer(qwen2_bpe_policy)
     prompts = read_table(data_dir / "train" / "shard_0.parquet", schemas.PROMPTS)
@@ -306,6 +307,36 @@ def test_rollout_logprobs_mean_the_same_on_both_backends(vllm_calls, qwen2_bpe_p
         f"max {max(deltas):.2e}; vs the raw log-softmax mean {sum(raw_deltas) / len(raw_deltas):.2e}"
     )
     assert len(deltas) >= 32 and mean <= 1e-3 and max(deltas) <= 1e-4  # no token on the other side of the nucleus
+
+
+@pytest.mark.vllm
+@pytest.mark.xdist_group("vllm")
+def test_min_p_then_top_p_in_the_same_order_on_both_backends(vllm_calls, qwen2_bpe_policy):
+    """rollout.min_p with top_p 0.9 on the real vLLM (CPU, fp32): its log-probs equal the
+    transformers backend's processed logits (min-p's safe set, then the nucleus of pi_S) to mean
+    |delta| <= 1e-3 and every token to 1e-4; taking the nucleus before the safe set (the other
+    order) renormalises over another set, which the test tells apart."""
+    import torch
+
+    from otbflow.engines.hf import processed_logits
+    from otbflow.model import load_policy
+
+    calls, ids = vllm_calls
+    model, _ = load_policy(qwen2_bpe_policy)
+    T, deltas, other = MIN_P_TEMPERATURE, [], []
+    for pi, response, logprobs in calls["min_p,top_p=0.9"]:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids[pi] + response])).logits[0, len(ids[pi]) - 1 : -1]
+        target = torch.tensor(response)[:, None]
+        ours = torch.log_softmax(processed_logits(logits, T, 0.9, MIN_P), -1).gather(-1, target).squeeze(-1)
+        nucleus_first = processed_logits(processed_logits(logits, T, 0.9) * T, T, 1.0, MIN_P)
+        swapped = torch.log_softmax(nucleus_first, -1).gather(-1, target).squeeze(-1)
+        deltas += (ours - torch.tensor(logprobs)).abs().tolist()
+        other += (swapped - torch.tensor(logprobs)).abs().tolist()
+    mean, other_mean = sum(deltas) / len(deltas), sum(other) / len(other)
+    print(f"min_p={MIN_P} top_p=0.9: {len(deltas)} tokens, mean |delta| {mean:.2e}; the other order {other_mean:.2e}")
+    assert len(deltas) >= 32 and mean <= 1e-3 and max(deltas) <= 1e-4
+    assert other_mean > 100 * max(mean, 1e-5)  # measured: 1.2e-7 against 5.2e-2
 
 
 @pytest.mark.vllm

@@ -352,8 +352,9 @@ class RolloutConfig:
     (the safe set), and the features and train stages compute pi_old, pi_theta, entropy, sum pi^2
     and the proxy of the same pruned, renormalised policy (pruned logits at max - 50; a sampled
     token outside the trainer's safe set is force-included and counted). 0: off (no min-p passed to
-    the engines). The authors' fork suggests e^-12 = 6.1e-6. Needs top_p = 1 (the engines order
-    min-p and top-p differently; otbflow has no top-k). Evaluation samples without it.
+    the engines). The authors' fork suggests e^-12 = 6.1e-6. With top_p < 1 both engines take the
+    nucleus of pi_S (min-p first, vLLM's order), which the trainer sees as off-policyness, as for
+    top_p alone; otbflow has no top-k. Evaluation samples without it.
     docs/training.md, 'Dynamic vocabulary pruning'."""
     max_new_tokens: int = opt(48, ge=1)
     """Most tokens generated per response; longer ones finish with reason 'length'."""
@@ -961,13 +962,6 @@ def check_rules(cfg: DictConfig, explicit: frozenset[str] | None = None) -> None
         "train.mini_batch_size",
         "a multiple of train.micro_batch_size",
         tr.mini_batch_size,
-    )
-    require(
-        cfg.rollout.min_p == 0 or cfg.rollout.top_p == 1,
-        "rollout.min_p",
-        f"0 when rollout.top_p is {cfg.rollout.top_p} (< 1): transformers and vLLM apply min-p and top-p in "
-        "different orders, so pruning needs top_p = 1",
-        cfg.rollout.min_p,
     )
     # DeepSpeed with bf16 and no ZeRO updates bf16 weights in place (no fp32 master): small steps vanish
     require(not tr.bf16 or tr.zero_stage >= 1, "train.bf16", "false unless train.zero_stage >= 1", tr.bf16)
