@@ -57,8 +57,8 @@ def weights_digest(policy_dir: Path) -> str:
 # under results/) that gained them: the digests leave them out there, so that the recorded fixtures
 # still pin every other column. What checks each one's values: tests/test_workflow.py
 # (behaviour_iteration), tests/test_shaping.py (verifiable_reward),
-# tests/test_bootstrap_evaluate_report.py (the mismatch table's) and tests/test_pruning.py (the
-# train metrics' pruning columns).
+# tests/test_bootstrap_evaluate_report.py (the mismatch table's), tests/test_pruning.py (the
+# train metrics' pruning columns) and tests/test_dynamic_sampling.py (reward_timeouts).
 ADDED = {
     "behaviour_iteration": (
         "iter_*/rollout/*.parquet",
@@ -83,6 +83,8 @@ ADDED = {
         ("pruned_vocab_fraction", "pruned_mass", "forced_tokens"),
         ("iter_*/train/metrics.parquet", "report/metrics.parquet"),
     ),
+    # reward calls past the reward's deadline (issue 35; 0 in the fixtures)
+    "reward_timeouts": ("report/rollouts.parquet",),
 }
 
 

@@ -62,6 +62,40 @@ def test_evaluate(tmp_path, cfg, tiny_policy, data_dir):
     assert read_table(tmp_path / "s.parquet", schemas.EVAL_SAMPLES).equals(first)  # fixed seed per policy
 
 
+def test_evaluate_counts_the_reward_timeouts(tmp_path, cfg, tiny_policy, data_dir, monkeypatch, caplog):
+    """Issue 35: evaluation scores under the reward's deadline as the rollout does, and says how many
+    calls ran past it (here a stand-in verifier whose calls on responses of even length time out,
+    counted as the math reward's worker counts them) in the samples' metadata and its log."""
+    import logging
+
+    from otbflow import rewards
+    from otbflow.io import read_metadata
+
+    timed_out = []
+
+    def verifier(text, answer):
+        if len(text) % 2:
+            return 1.0
+        timed_out.append(text)
+        rewards._WORKER.timeouts += 1
+        return 0.0
+
+    monkeypatch.setitem(rewards.REWARDS, "arithmetic", verifier)
+    args = evaluate.Args(
+        prompts=str(data_dir / "eval.parquet"),
+        policy=str(tiny_policy),
+        name="initial",
+        samples=str(tmp_path / "s.parquet"),
+        summary=str(tmp_path / "m.parquet"),
+    )
+    with caplog.at_level(logging.WARNING, logger="otbflow.evaluate"):
+        evaluate.run(cfg, args)
+    samples = read_table(tmp_path / "s.parquet", schemas.EVAL_SAMPLES)
+    assert 0 < len(timed_out) == int((samples["response_text"].str.len_chars() % 2 == 0).sum())
+    assert read_metadata(tmp_path / "s.parquet")["reward_timeouts"] == len(timed_out)
+    assert f"initial: {len(timed_out)} of {samples.height} reward calls ran past" in caplog.text
+
+
 def test_report_tables_and_token_accounting(tmp_path, rollouts_path, features_path, cfg):
     roll = pl.read_parquet(rollouts_path)
     feats = pl.read_parquet(features_path)

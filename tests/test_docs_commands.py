@@ -175,6 +175,8 @@ HOW: dict[str, str] = {
     "--iterations 3 --repeats 1",
     "python benchmarks/bench_rewards.py --responses 2000 --repeats 3": "python benchmarks/bench_rewards.py "
     "--responses 20 --repeats 1",
+    "python benchmarks/bench_reward_adversarial.py": "python benchmarks/bench_reward_adversarial.py --sizes 8000 "
+    "--old-sizes 1000",
     # the lint CI runs (.ci/run); Snakemake's own lint runs here
     "make lint": CI,
     "snakemake --lint": AS_SHOWN,

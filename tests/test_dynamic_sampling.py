@@ -22,9 +22,25 @@ def test_verifiers():
     policy writes random characters, so a length rule gives mixed groups and 'never' none."""
     register("length_mod5")(lambda text, answer: float(len(text) % 5 == 0))
     register("never")(lambda text, answer: 0.0)
+    register("times_out_mod3")(times_out_mod3)
     yield
-    for name in ("length_mod5", "never"):
+    for name in ("length_mod5", "never", "times_out_mod3"):
         REWARDS.pop(name)
+
+
+TIMED_OUT: list[str] = []
+
+
+def times_out_mod3(text: str, answer: str) -> float:
+    """A verifier whose calls on responses of a length divisible by 3 run past the deadline: it
+    counts them as the math reward's worker does (otbflow.rewards.reward_timeouts) and scores 0."""
+    from otbflow import rewards
+
+    if len(text) % 3:
+        return float(len(text) % 3 == 1)
+    TIMED_OUT.append(text)
+    rewards._WORKER.timeouts += 1
+    return 0.0
 
 
 def roll(tiny_policy, data_dir, path, *overrides):
@@ -98,3 +114,33 @@ def test_a_group_of_one_is_refused_with_filtering():
 
     with pytest.raises(ConfigError, match="config key 'rollout.group_size'"):
         tiny_config("rollout.filter_groups=true", "rollout.group_size=1")
+
+
+def test_reward_timeouts_are_counted_over_every_round_and_warned_of(tiny_policy, data_dir, tmp_path, caplog):
+    """Issue 35: a reward call past its deadline scores 0 silently no more. The rollout's metadata
+    counts the calls of every round (dropped groups' included), the job's log says how many, and
+    the report's rollouts table sums them per iteration."""
+    TIMED_OUT.clear()
+    with caplog.at_level(logging.WARNING, logger="otbflow.rollout"):
+        df, stats = roll(
+            tiny_policy, data_dir, tmp_path / "t.parquet", "task.reward=times_out_mod3", "rollout.max_gen_batches=0"
+        )
+    meta = read_metadata(tmp_path / "t.parquet")
+    kept = int((df["response_text"].str.len_chars() % 3 == 0).sum())
+    assert stats["rounds"] >= 2 and len(TIMED_OUT) > kept  # some of them in dropped groups
+    assert meta["reward_timeouts"] == len(TIMED_OUT)
+    assert f"{len(TIMED_OUT)} reward calls ran past the reward's deadline and scored 0" in caplog.text
+
+
+def test_the_report_sums_the_reward_timeouts_per_iteration(rollouts_path, tmp_path):
+    from otbflow.io import write_parquet
+    from otbflow.stages import report
+
+    roll = pl.read_parquet(rollouts_path)
+    paths = []
+    for k, shard, meta in [(0, 0, {"reward_timeouts": 2}), (0, 1, {"reward_timeouts": 3}), (1, 0, {"seed": 1})]:
+        table = roll.with_columns(pl.lit(k, pl.Int64).alias("iteration"), pl.lit(shard, pl.Int64).alias("shard"))
+        paths.append(str(write_parquet(table, tmp_path / f"r{k}_{shard}.parquet", metadata=meta)))
+    out = report.rollout_table(paths)
+    assert out.columns[-1] == "reward_timeouts"  # appended: the table's other columns keep their places
+    assert out["reward_timeouts"].to_list() == [5, 0]  # a file written before the count: none

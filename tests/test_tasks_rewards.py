@@ -273,16 +273,31 @@ def test_math_reward_has_a_hard_deadline_in_any_thread(monkeypatch):
     from otbflow import rewards
 
     assert math_reward("\\boxed{2}", "2") == 1.0  # the worker is up
-    first = rewards._WORKER.proc.pid
+    first, timeouts = rewards._WORKER.proc.pid, rewards.reward_timeouts()
     monkeypatch.setattr(rewards, "MATH_VERIFY_TIMEOUT_S", 1.0)
     with ThreadPoolExecutor(1) as pool:
         start = time.monotonic()
         assert pool.submit(math_reward, PATHOLOGICAL, "1").result() == 0.0
         took = time.monotonic() - start
     assert 1.0 <= took < 3.0
+    assert rewards.reward_timeouts() == timeouts + 1  # counted (issue 35: no silent zero)
     assert rewards._WORKER.proc is None  # killed; the next call starts another
     assert math_reward("\\boxed{\\frac{1}{2}}", "0.5") == 1.0
     assert rewards._WORKER.proc.pid != first
+
+
+def test_the_fallback_runs_under_the_deadline_too(monkeypatch):
+    """Issue 35: the fallback extractor ran in the calling process, after the worker's deadline, with
+    none of its own. It runs in the worker now: the caller's copy is never called."""
+    from otbflow import rewards
+
+    def in_the_caller(*args):
+        raise AssertionError("the fallback ran in the calling process, outside the deadline")
+
+    monkeypatch.setattr(rewards, "fallback_math_reward", in_the_caller)
+    unclosed = "so it is \\boxed{7"  # math-verify parses nothing: the fallback decides
+    assert math_reward(unclosed, "7") == 1.0 and math_reward(unclosed, "8") == 0.0
+    assert math_reward("#### " + "." * 80_000 + "x", "1") == 0.0  # the issue's payload, under the deadline
 
 
 def test_a_forked_process_scores_with_its_own_worker():
@@ -471,3 +486,164 @@ def test_verl_prompts_keep_their_system_message_through_the_chat_template(tmp_pa
                 out=str(tmp_path / "no.parquet"),
             ),
         )
+
+
+# ------------------------------------------------------------------------------------------
+# The fallback extractor reads any response in linear time (issue 35, item 4). The references are
+# the regexes it had before, copied here: slow (quadratic on the strings below) and obviously what
+# the fallback meant. Speed is measured in benchmarks/bench_reward_adversarial.py, not here.
+# ------------------------------------------------------------------------------------------
+
+OLD_NUM = r"-?(?:\d+(?:,\d{3})*(?:\.\d+)?|\.\d+)"
+OLD_GSM8K_MARKER = r"####[ \t]*\\?\$?[ \t]*(" + OLD_NUM + r")[ \t]*\.?[ \t]*$"
+
+
+def old_marked_answer(text):
+    import re
+
+    from otbflow.rewards import _drop_thousands, last_boxed
+
+    found = re.findall(OLD_GSM8K_MARKER, text, re.MULTILINE)
+    if found:
+        return _drop_thousands(found[-1])
+    boxed = last_boxed(text)
+    return None if boxed is None else boxed.strip()
+
+
+def old_normalise_text(s):
+    """The old _normalise's three regex steps (a closing full stop, spaces, \\text{} macros)."""
+    import re
+
+    s = re.sub(r"\.+$", "", s).strip()
+    s = re.sub(r"(?<!\d) | (?!\d)", "", s)
+    without_text = re.sub(r"\\(?:text|mbox|mathrm)\{[^}]*\}", "", s)
+    return without_text if without_text else re.sub(r"\\(?:text|mbox|mathrm)\{([^}]*)\}", r"\1", s)
+
+
+def old_fallback(response, answer):
+    import re
+
+    def extract(text):
+        marked = old_marked_answer(text)
+        if marked is not None:
+            return marked
+        if "####" in text:
+            return text.rsplit("####", 1)[1].strip().split("\n")[0].strip()
+        nums = re.findall(OLD_NUM + r"(?:/\d+)?", text)
+        return nums[-1] if nums else None
+
+    def normalise(ans):
+        from otbflow.rewards import _drop_thousands
+
+        s = ans.strip().replace("\\$", "").replace("$", "").replace("\\!", "").replace("{,}", ",").strip()
+        s = old_normalise_text(s)
+        s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+        m = re.fullmatch(r"\\frac\{(-?\d+)\}\{(\d+)\}", s)
+        if m:
+            s = f"{m.group(1)}/{m.group(2)}"
+        s = _drop_thousands(s)
+        try:
+            if re.fullmatch(r"-?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+)?", s):
+                num, _, den = s.partition("/")
+                return repr(round(float(num) / float(den or 1), 6))
+        except ZeroDivisionError:
+            pass
+        return s
+
+    pred = extract(response)
+    if pred is None:
+        return 0.0
+    ref = extract(answer) if ("####" in answer or "\\boxed" in answer) else answer
+    if ref is None:
+        return 0.0
+    pred, ref = normalise(pred), normalise(ref)
+    return float(bool(pred) and pred == ref)
+
+
+PIECES = [
+    "#", "####", "#####", " ", "  ", "\t", "\n", "\r", "\\", "$", "\\$", "-", ",", ".", "..", "0", "1", "7", "12",
+    "345", "1,234", ",567", "/", "x", "a b", "{", "}", "{,}", "\\!", "\\text{", "\\mbox{", "\\mathrm{", "\\boxed{",
+    "\\frac{", "\\dfrac{", " cm}", "Evelyn",
+]  # fmt: skip
+
+
+def random_texts(n, seed, most=30):
+    import random
+
+    rng = random.Random(seed)
+    return ["".join(rng.choice(PIECES) for _ in range(rng.randint(0, most))) for _ in range(n)]
+
+
+# the shapes that made the old regexes quadratic (a failing match retried from every position),
+# at sizes the quadratic references still read in well under a second
+ADVERSARIAL = [
+    "#### " + "." * 3000 + "x",  # the issue's payload, shorter: _normalise's '\.+$'
+    "#### " + " " * 3000 + "x",  # the marker's two blank runs around an optional '\' and '$'
+    "#### 5" + " " * 3000 + "x",  # and the blank runs around the optional closing full stop
+    "#### " + "\\text{" * 600,  # '\text{[^}]*' with no closing brace, retried at every macro
+    "#### " + "\\text{" * 300 + "}" + "\\mbox{a}" * 300,
+    "####" * 1000 + " 5",
+    "#### 5.\n" * 500 + "#### 7 .",
+    "1," * 2000 + "1",
+    "." * 3000 + "5",
+    "\\boxed{" * 1000,
+    "\\boxed{" + "{" * 1000 + "}" * 999,
+]
+
+
+def test_the_fallback_reads_the_marker_as_the_old_regex_did():
+    texts = random_texts(20_000, seed=1) + ADVERSARIAL + [s for s, _ in GSM8K_SOLUTIONS]
+    for text in texts:
+        assert marked_answer(text) == old_marked_answer(text), repr(text)
+
+
+def test_the_fallback_normalises_as_the_old_regexes_did():
+    from otbflow.rewards import _normalise
+
+    for text in random_texts(20_000, seed=2) + ADVERSARIAL:
+        assert fallback_math_reward(text, "7") == old_fallback(text, "7"), repr(text)
+        assert _normalise(text) == _normalise_with_old_steps(text), repr(text)
+
+
+def _normalise_with_old_steps(ans):
+    import re
+
+    from otbflow.rewards import _drop_thousands
+
+    s = ans.strip().replace("\\$", "").replace("$", "").replace("\\!", "").replace("{,}", ",").strip()
+    s = old_normalise_text(s)
+    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    m = re.fullmatch(r"\\frac\{(-?\d+)\}\{(\d+)\}", s)
+    if m:
+        s = f"{m.group(1)}/{m.group(2)}"
+    s = _drop_thousands(s)
+    try:
+        if re.fullmatch(r"-?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+)?", s):
+            num, _, den = s.partition("/")
+            return repr(round(float(num) / float(den or 1), 6))
+    except ZeroDivisionError:
+        pass
+    return s
+
+
+def test_random_responses_score_as_before_against_random_references():
+    responses, references = random_texts(5_000, seed=3), random_texts(5_000, seed=4, most=6)
+    for response, reference in zip(responses, references):
+        assert fallback_math_reward(response, reference) == old_fallback(response, reference), (response, reference)
+
+
+@pytest.mark.parametrize(
+    "response, answer, expected",
+    [
+        ("#### " + "." * 80_000 + "x", "1", 0.0),  # the issue's 35 s payload: no number after the marker
+        ("#### " + "." * 80_000 + "5", ".5", 0.0),  # '.....5': no number, so no marker; the text after it
+        ("#### " + " " * 80_000 + "5", "5", 1.0),  # the marker, however many blanks
+        ("#### 5" + " " * 80_000 + ".", "5", 1.0),
+        ("#### 5" + " " * 80_000 + "x", "5", 0.0),  # no marker: '5   ...x', no number by value
+        ("#### " + "\\text{" * 20_000, "1", 0.0),
+        ("#### \\text{12}" + "\\text{" * 20_000, "12", 0.0),  # the macros without a '}' are kept
+        ("The answer is 7" + "." * 80_000, "7", 1.0),  # the last number
+    ],
+)
+def test_the_adversarial_payloads_score_by_hand(response, answer, expected):
+    assert fallback_math_reward(response, answer) == expected

@@ -1,7 +1,9 @@
 """Verifiable rewards, chosen by name from a registry. A reward is ``fn(response_text, answer) ->
-float``; add one with ``@register("name")``. ``arithmetic`` scores the synthetic task, ``math``
-uses math-verify (in a worker process with a hard deadline) with a small fallback extractor: how
-it parses and compares, README.md, "A real model and dataset"."""
+float``; add one with ``@register("name")``. ``arithmetic`` scores the synthetic task (string
+methods in the calling process, linear in the response); ``math`` uses math-verify with a small
+fallback extractor (its patterns linear in the text), both in a worker process under a hard
+deadline whose time-outs score 0 and are counted (``reward_timeouts``): how it parses and
+compares, README.md, "A real model and dataset"."""
 
 from __future__ import annotations
 
@@ -52,14 +54,16 @@ def arithmetic_reward(response: str, answer: str) -> float:
     return float(response.rsplit("#", 1)[1].strip() == answer.strip())
 
 
+# Every pattern below is read in time linear in the text (the responses are the policy's, up to
+# rollout.max_new_tokens tokens of anything): none has two quantifiers that can share a character,
+# so a failed match never backtracks over what it read; a number reads one way only.
 _BOXED = re.compile(r"\\boxed\{")
 _NUM = r"-?(?:\d+(?:,\d{3})*(?:\.\d+)?|\.\d+)"
 _NUMBER = re.compile(_NUM + r"(?:/\d+)?")
-# GSM8K's final-answer line, as verl's gsm8k reward reads it: '#### ' and a number ($ and thousands
-# separators allowed), here with nothing after it on its line but a full stop (so that a markdown
-# heading such as '#### 2. Add the costs' is no answer)
-_GSM8K_MARKER = re.compile(r"####[ \t]*\\?\$?[ \t]*(" + _NUM + r")[ \t]*\.?[ \t]*$", re.MULTILINE)
+_NUM_AT = re.compile(_NUM)
+_BLANKS = re.compile(r"[ \t]*")
 _THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+_TEXT_MACROS = ("\\text{", "\\mbox{", "\\mathrm{")
 
 
 def last_boxed(text: str) -> str | None:
@@ -79,13 +83,32 @@ def _drop_thousands(s: str) -> str:
     return s.replace(",", "") if _THOUSANDS.fullmatch(s) else s
 
 
+def gsm8k_marker_number(line: str) -> str | None:
+    """The number of GSM8K's final-answer line, as verl's gsm8k reward reads it: '####', blanks
+    (spaces, tabs), an optional '\\' and '$', blanks, a number (thousands separators allowed), and
+    nothing after it on the line but blanks and one full stop (so that a markdown heading such as
+    '#### 2. Add the costs' is no answer); None where ``line`` (no newline in it) is no such line.
+    The '####' is the one that ends at the line's last '#': nothing after the marker may be a '#'."""
+    k = line.rfind("#")
+    if k < 3 or line[k - 3 : k + 1] != "####":
+        return None
+    i = _BLANKS.match(line, k + 1).end()
+    i += line.startswith("\\", i)
+    i += line.startswith("$", i)
+    number = _NUM_AT.match(line, _BLANKS.match(line, i).end())
+    if number is None or line[number.end() :].strip(" \t") not in ("", "."):
+        return None
+    return number.group()
+
+
 def marked_answer(text: str) -> str | None:
     """The answer a response marks as final: the number of its last '#### x' line (GSM8K's
-    marker; thousands separators dropped), else the content of its last \\boxed{} (stripped;
-    possibly empty); None where it has neither."""
-    found = _GSM8K_MARKER.findall(text)
-    if found:
-        return _drop_thousands(found[-1])
+    marker, ``gsm8k_marker_number``; thousands separators dropped), else the content of its last
+    \\boxed{} (stripped; possibly empty); None where it has neither."""
+    for line in reversed(text.split("\n")):
+        found = gsm8k_marker_number(line)
+        if found is not None:
+            return _drop_thousands(found)
     boxed = last_boxed(text)
     return None if boxed is None else boxed.strip()
 
@@ -109,10 +132,10 @@ def _normalise(ans: str) -> str:
     \\frac{a}{b} and a/b by value, $ and spaces dropped (spaces between digits kept), a \\text{}
     unit after a value dropped, a \\text{} answer read as its text."""
     s = ans.strip().replace("\\$", "").replace("$", "").replace("\\!", "").replace("{,}", ",").strip()
-    s = re.sub(r"\.+$", "", s).strip()
+    s = s.rstrip(".").strip()
     s = re.sub(r"(?<!\d) | (?!\d)", "", s)
-    without_text = re.sub(r"\\(?:text|mbox|mathrm)\{[^}]*\}", "", s)
-    s = without_text if without_text else re.sub(r"\\(?:text|mbox|mathrm)\{([^}]*)\}", r"\1", s)
+    without_text = _replace_text_macros(s, keep_content=False)
+    s = without_text if without_text else _replace_text_macros(s, keep_content=True)
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     m = re.fullmatch(r"\\frac\{(-?\d+)\}\{(\d+)\}", s)
     if m:
@@ -125,6 +148,30 @@ def _normalise(ans: str) -> str:
     except ZeroDivisionError:
         pass
     return s
+
+
+def _replace_text_macros(s: str, keep_content: bool) -> str:
+    """``s`` with each \\text{...}, \\mbox{...} and \\mathrm{...} (up to the first '}' after it)
+    replaced by its content (``keep_content``) or by nothing, left to right, as
+    re.sub(r"\\\\(?:text|mbox|mathrm)\\{([^}]*)\\}", ...) does, in one pass: where no '}' follows
+    a macro, none follows any later one either. Each macro's next position is searched for
+    only once it falls behind, so the searches cover the text once."""
+    out, i = [], 0
+    upcoming = dict.fromkeys(_TEXT_MACROS, -1)
+    while True:
+        for macro, at in upcoming.items():
+            if 0 <= at < i or at == -1:
+                found = s.find(macro, i)
+                upcoming[macro] = found if found >= 0 else len(s) + 1
+        macro = min(upcoming, key=upcoming.get)
+        start = upcoming[macro]
+        close = s.find("}", start + len(macro)) if start <= len(s) else -1
+        if close < 0:
+            break
+        out += [s[i:start], s[start + len(macro) : close] if keep_content else ""]
+        i = close + 1
+    out.append(s[i:])
+    return "".join(out)
 
 
 def fallback_math_reward(response: str, answer: str) -> float:
@@ -141,7 +188,9 @@ def fallback_math_reward(response: str, answer: str) -> float:
 
 
 MATH_VERIFY_TIMEOUT_S = 5.0
-"""Hard deadline of one ``math`` reward call's math-verify work (parsing both sides and comparing)."""
+"""Hard deadline of one ``math`` reward call: math-verify (parsing both sides and comparing) and,
+where it parses nothing, the fallback extractor, both in the worker. Past it the call scores 0.0
+and counts in ``reward_timeouts``."""
 WORKER_START_TIMEOUT_S = 120.0
 """How long the math-verify worker may take to start (imports sympy): a slow start is no timeout."""
 
@@ -193,6 +242,8 @@ class MathVerifyWorker:
         self.buf = b""
         self.poller = None  # poll, not select.select: no limit on the descriptor's number
         self.lock = threading.Lock()
+        self.timeouts = 0
+        """Calls that ran past their deadline (or on which the worker died): each scored 0.0."""
 
     def _start(self) -> None:
         src = str(Path(__file__).resolve().parents[1])  # the folder that holds the otbflow package
@@ -247,9 +298,9 @@ class MathVerifyWorker:
                 if attempt:
                     raise
 
-    def score(self, response: str, answer: str, timeout: float) -> float | None:
-        """``math_verify_score(response, answer)`` in the worker; 0.0 past ``timeout`` seconds or
-        where the worker dies on it."""
+    def score(self, response: str, answer: str, timeout: float) -> float:
+        """``math_score(response, answer)`` in the worker; 0.0 past ``timeout`` seconds or where
+        the worker dies on it (counted in ``timeouts``)."""
         request = (json.dumps([response, answer]) + "\n").encode()
         with self.lock:
             self._send(request)
@@ -257,6 +308,7 @@ class MathVerifyWorker:
                 return self._read(timeout)
             except (_Timeout, EOFError):
                 self.stop()
+                self.timeouts += 1
                 return 0.0
             except BaseException:  # interrupted: its late reply must not answer the next request
                 self.stop()
@@ -278,9 +330,25 @@ if hasattr(os, "register_at_fork"):
 atexit.register(lambda: _WORKER.stop())
 
 
+def reward_timeouts() -> int:
+    """Reward calls of this process that ran past their deadline and scored 0.0 (``math``: past
+    ``MATH_VERIFY_TIMEOUT_S``); a caller counts its own as the difference before and after."""
+    return _WORKER.timeouts
+
+
+def math_score(response: str, answer: str) -> float:
+    """The ``math`` reward without its deadline: ``math_verify_score``, else (math-verify parses
+    nothing, or fails) ``fallback_math_reward``. Run where a deadline is kept (``math_reward``)."""
+    try:
+        score = math_verify_score(response, answer)
+    except Exception:  # math-verify catches its own errors; anything else: the fallback decides
+        score = None
+    return fallback_math_reward(response, answer) if score is None else score
+
+
 def _serve() -> None:
     """The worker's loop (``MathVerifyWorker``): a JSON [response, answer] line in, a JSON score
-    (or null) line out; "ready" first, once math-verify is imported and warm."""
+    line out (``math_score``); "ready" first, once math-verify is imported and warm."""
     import logging
     import signal
 
@@ -299,18 +367,14 @@ def _serve() -> None:
     out.write(b'"ready"\n')
     for line in sys.stdin.buffer:
         response, answer = json.loads(line)
-        try:
-            score = math_verify_score(response, answer)
-        except Exception:  # math-verify catches its own errors; anything else: the fallback decides
-            score = None
-        out.write((json.dumps(score) + "\n").encode())
+        out.write((json.dumps(math_score(response, answer)) + "\n").encode())
 
 
 @register("math")
 def math_reward(response: str, answer: str) -> float:
     """1.0 if math-verify finds the response's final answer equal to the reference
-    (``math_verify_score``: the marked answer, '#### x' or the last \\boxed{}, where there is one),
-    within ``MATH_VERIFY_TIMEOUT_S`` (0.0 past it, in any thread); the fallback extractor where
-    math-verify parses nothing."""
-    score = _WORKER.score(response, answer, MATH_VERIFY_TIMEOUT_S)
-    return fallback_math_reward(response, answer) if score is None else score
+    (``math_verify_score``: the marked answer, '#### x' or the last \\boxed{}, where there is one);
+    the fallback extractor where math-verify parses nothing (``math_score``). All of it runs in
+    the worker within ``MATH_VERIFY_TIMEOUT_S``, in any thread: 0.0 past it, counted in
+    ``reward_timeouts``."""
+    return _WORKER.score(response, answer, MATH_VERIFY_TIMEOUT_S)

@@ -84,7 +84,8 @@ class GroupSampler:
     def sample(self, batch: pl.DataFrame, group_size: int, iteration: int, shard: int, seed: int) -> pl.DataFrame:
         """``group_size`` responses to each prompt of ``batch`` (table 'prompts') with the rollout
         section's sampling options and ``seed``, scored: the rollouts table. The metadata of the
-        first call is kept in ``meta``."""
+        first call is kept in ``meta``, with ``reward_timeouts``: the reward calls of every call so
+        far that ran past their deadline (each scored 0)."""
         r = self.cfg.rollout
         # a prompt that cannot be rendered fails before the engine starts
         ids, chat = render_table(self.cfg, self.tok, batch)
@@ -105,7 +106,9 @@ class GroupSampler:
                 **self.backend.metadata(sampling),
                 **prompt_metadata(self.cfg, self.tok, chat, self.backend.stops),
             }
-        return rollout_table(samples, batch, iteration, shard, seed, self.behaviour, self.scorer)
+        table = rollout_table(samples, batch, iteration, shard, seed, self.behaviour, self.scorer)
+        self.meta["reward_timeouts"] = self.scorer.timeouts
+        return table
 
 
 def sample_groups(

@@ -440,6 +440,12 @@ ROLLOUT_SUMMARY = _table(
             pl.Int64,
             "shards whose job stopped at rollout.max_gen_batches (or the shard's prompts) short of its share",
         ),
+        (
+            "reward_timeouts",
+            pl.Int64,
+            "reward calls that ran past the reward's deadline (math: otbflow.rewards.MATH_VERIFY_TIMEOUT_S) "
+            "and scored 0, over the shards and dynamic sampling's rounds (the rollouts' metadata)",
+        ),
     ],
 )
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 
-from otbflow.rewards import get_reward, resolve_reward_name
+from otbflow.rewards import get_reward, resolve_reward_name, reward_timeouts
 
 SHAPED_REWARDS = ("cosine",)
 """``task.reward`` values that shape a verifiable reward instead of naming one."""
@@ -102,12 +102,17 @@ def training_reward(task, max_len: int, verifiable: float, length: int, text: st
 
 
 class Scorer:
-    """The rewards of responses under a config: ``(verifiable, training)`` of one response."""
+    """The rewards of responses under a config: ``(verifiable, training)`` of one response.
+    ``timeouts`` counts the calls whose verifier ran past its deadline (scored 0.0;
+    ``otbflow.rewards.reward_timeouts``)."""
 
     def __init__(self, cfg) -> None:
         self.task, self.max_len = cfg.task, cfg.rollout.max_new_tokens
         self.verify = get_reward(verifier(cfg.task))
+        self.timeouts = 0
 
     def __call__(self, text: str, answer: str, length: int) -> tuple[float, float]:
+        before = reward_timeouts()
         verifiable = self.verify(text, answer)
+        self.timeouts += reward_timeouts() - before
         return verifiable, training_reward(self.task, self.max_len, verifiable, length, text)

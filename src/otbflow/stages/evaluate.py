@@ -4,7 +4,9 @@ Generates with ``rollout.backend`` (transformers or vLLM; one engine for both mo
 prompts rendered as the rollout renders them (``task.chat``). Writes every response (samples
 Parquet) and a one-row summary: greedy accuracy, avg@k (mean reward over k samples per prompt at
 ``evaluate.temperature``) and mean sampled response length. The seed is fixed per policy name,
-so the same policy always gets the same samples. The summary is also a point of the live curves
+so the same policy always gets the same samples. Each response is scored with the verifiable
+reward under the reward's deadline, as the rollout scores it (a call past it scores 0; the samples'
+metadata counts them: ``reward_timeouts``). The summary is also a point of the live curves
 (``otbflow.tracking``), at the optimizer steps and tokens that made the policy (``--train-state``).
 """
 
@@ -23,7 +25,7 @@ from otbflow.engines import Sampling, open_backend, prompt_metadata, render_tabl
 from otbflow.io import read_table, write_parquet
 from otbflow.lr_schedule import ScheduleState
 from otbflow.model import load_tokenizer, set_threads
-from otbflow.rewards import get_reward
+from otbflow.rewards import get_reward, reward_timeouts
 from otbflow.seeds import derive_seed
 from otbflow.shaping import verifier
 from otbflow.tracking import open_curves
@@ -64,6 +66,7 @@ def run(cfg: DictConfig, args: Args) -> None:
     prompt_ids, chat = render_table(cfg, tok, prompts)
     backend = open_backend(cfg, args.policy)
     rows, meta = [], {"backend": cfg.rollout.backend, "policy": args.policy}
+    timeouts_before = reward_timeouts()
     for mode in ("greedy", "sampled"):
         sampling = Sampling(
             e.n_samples,
@@ -88,6 +91,15 @@ def run(cfg: DictConfig, args: Args) -> None:
             for s in samples
         ]
     df = pl.DataFrame(rows, schema=schemas.EVAL_SAMPLES.columns)
+    meta["reward_timeouts"] = reward_timeouts() - timeouts_before
+    if meta["reward_timeouts"]:
+        log.warning(
+            "%s: %d of %d reward calls ran past the reward's deadline and scored 0 (the samples' metadata: "
+            "reward_timeouts)",
+            args.name,
+            meta["reward_timeouts"],
+            df.height,
+        )
     write_parquet(df, args.samples, metadata={**meta, **prompt_metadata(cfg, tok, chat, backend.stops)})
     greedy = df.filter(pl.col("mode") == "greedy")
     sampled = df.filter(pl.col("mode") == "sampled")

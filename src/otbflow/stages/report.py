@@ -44,10 +44,10 @@ class Args:
 
 def rollout_table(rollouts: list[str]) -> pl.DataFrame:
     """Per iteration (schemas.ROLLOUT_SUMMARY): mean rollout rewards and length of the kept rows,
-    the responses and tokens generated (dropped groups' included) in it and up to it, and dynamic
-    sampling's groups, rounds and short shards. What a job generated beyond the rows it kept is in
-    its Parquet metadata (dynamic_sampling, with rollout.filter_groups); a shard it left empty
-    still counts."""
+    the responses and tokens generated (dropped groups' included) in it and up to it, dynamic
+    sampling's groups, rounds and short shards, and the reward calls past their deadline. What a
+    job generated beyond the rows it kept is in its Parquet metadata (dynamic_sampling, with
+    rollout.filter_groups; reward_timeouts, over every round); a shard it left empty still counts."""
     cols = ["iteration", "group_id", "response_length", "reward", "verifiable_reward", "rm_score"]
     rows, shards = [], []
     for path in rollouts:
@@ -68,12 +68,16 @@ def rollout_table(rollouts: list[str]) -> pl.DataFrame:
                 "groups_dropped": gen.get("groups_dropped", 0),
                 "rounds": gen.get("rounds", 1),
                 "shards_short": int(not gen.get("reached", True)),
+                "reward_timeouts": meta.get("reward_timeouts", 0),  # absent: written before it was counted
             }
         )
     per_shard = (
         pl.DataFrame(shards, schema_overrides=dict.fromkeys(shards[0], pl.Int64))
         .group_by("iteration")
-        .agg(pl.col("responses", "tokens", "groups_dropped", "shards_short").sum(), pl.col("rounds").max())
+        .agg(
+            pl.col("responses", "tokens", "groups_dropped", "shards_short", "reward_timeouts").sum(),
+            pl.col("rounds").max(),
+        )
     )
     per_row = (
         pl.concat(rows)
@@ -216,6 +220,11 @@ def run(cfg: DictConfig, args: Args) -> None:
             per_iteration["groups_kept"].sum(),
             per_iteration.height,
             per_iteration["shards_short"].sum(),
+        )
+    if timeouts := int(per_iteration["reward_timeouts"].sum()):
+        log.warning(
+            "%d rollout reward calls ran past the reward's deadline and scored 0 (rollouts.parquet: reward_timeouts)",
+            timeouts,
         )
     write_parquet(metrics.select(list(schemas.METRICS.columns)), out / "metrics.parquet")
     write_parquet(comparison, out / "comparison.parquet")

@@ -1,7 +1,9 @@
 """Rollout: ``rollout.group_size`` responses to each of the iteration's prompts of one shard,
 sampled by the current policy and scored (``otbflow.sampling``; backends in ``otbflow.engines``).
 With ``rollout.filter_groups`` (DAPO's dynamic sampling) the job samples further rounds of prompts
-until it holds its share of informative groups (``otbflow.sampling.sample_informative_groups``)."""
+until it holds its share of informative groups (``otbflow.sampling.sample_informative_groups``).
+The metadata's ``reward_timeouts`` counts the reward calls (of every round) that ran past their
+deadline and scored 0; the job's log warns where there are any."""
 
 from __future__ import annotations
 
@@ -66,6 +68,14 @@ def run(cfg: DictConfig, args: Args) -> None:
     else:
         df = sampler.sample(batch, cfg.rollout.group_size, args.iteration, shard, seed)
         meta = sampler.meta
+    if timeouts := meta.get("reward_timeouts", 0):
+        log.warning(
+            "iteration %d shard %d: %d reward calls ran past the reward's deadline and scored 0 (the "
+            "metadata's reward_timeouts; the report's rollouts table sums them per iteration)",
+            args.iteration,
+            shard,
+            timeouts,
+        )
     write_parquet(df, args.out, metadata=meta)
     log.info(
         "iteration %d shard %d (policy of iteration %d): %d responses, mean reward %.3f, mean length %.1f",
