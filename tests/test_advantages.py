@@ -879,3 +879,84 @@ def test_estimator_options_come_from_the_config():
         "baseline_shift": -0.1,
     }
     assert advantages.estimator_options(cfg, "otb") == {"handle_zero_tail": True, "baseline_shift": -0.1}
+
+
+# ------------------------------------------------------------------------------------------
+# Non-finite inputs are refused where they are read, naming the row, its group and the token
+# (issue 35, item 5: one NaN log-prob made every advantage of 1,024 rows NaN, exit 0)
+# ------------------------------------------------------------------------------------------
+
+
+def poisoned(table, column, *cells):
+    """``table`` with ``column``'s entries at the (row, token) ``cells`` replaced by the values
+    given with them (token None: a per-row column's value)."""
+    values = table[column].to_list()
+    for row, token, value in cells:
+        if token is None:
+            values[row] = value
+        else:
+            values[row][token] = value
+    return table.with_columns(pl.Series(column, values, dtype=table.schema[column]))
+
+
+def first_non_finite(table, column):
+    """(row, token) of the first non-finite entry, one row and one token at a time."""
+    for i, value in enumerate(table[column].to_list()):
+        for t, v in enumerate(value if isinstance(value, list) else [value]):
+            if not math.isfinite(v):
+                return i, (t if isinstance(value, list) else None)
+    return None
+
+
+@pytest.mark.parametrize(
+    "estimator, column", [("grpo", "logprobs"), ("otb", "logprobs"), ("otb", "sum_pi_sq"), ("rloo", "reward")]
+)
+def test_an_estimator_refuses_a_non_finite_input_naming_the_row_and_token(estimator, column):
+    t = random_table(0)
+    first, later = [i for i, x in enumerate(t["logprobs"]) if len(x) >= 3][2:4]
+    if column == "reward":
+        bad = poisoned(t, column, (later, None, float("inf")), (first, None, float("nan")))
+    else:
+        bad = poisoned(t, column, (later, 0, float("-inf")), (first, 2, float("nan")))
+    row, token = first_non_finite(bad, column)
+    where = rf"row {row} \(group_id {bad['group_id'][row]}\)" + (f" token {token}" if token is not None else "")
+    with pytest.raises(SchemaError, match=rf"estimator '{estimator}' input: column '{column}' {where}: .* \(2 rows"):
+        compute_advantages(bad, estimator)
+
+
+def test_an_estimator_reads_only_its_own_columns():
+    """GRPO reads no sum_pi_sq: a NaN there is not its concern (the stage refuses it; see below)."""
+    t = random_table(0)
+    bad = poisoned(t, "sum_pi_sq", ([i for i, x in enumerate(t["logprobs"]) if len(x) >= 3][0], 2, float("nan")))
+    assert compute_advantages(bad, "grpo")["advantages"].equals(compute_advantages(t, "grpo")["advantages"])
+
+
+@pytest.mark.parametrize(
+    "column, token",
+    [
+        ("logprobs", 2),
+        ("rollout_logprobs", 0),
+        ("entropy", 1),
+        ("sum_pi_sq", 3),
+        ("proxy", 2),
+        ("k3", 0),
+        ("reward", None),
+    ],
+)
+def test_the_stage_refuses_a_non_finite_feature_before_any_output(features_path, tmp_path, column, token):
+    from conftest import tiny_config
+
+    table = read_table(features_path, schemas.FEATURES)
+    row = 5
+    assert table["response_length"][row] > (token or 0)
+    bad = poisoned(table, column, (row, token, float("nan")))
+    path = tmp_path / "shard_0.parquet"
+    bad.write_parquet(path)
+    assert first_non_finite(bad, column) == (row, token)
+    args = advantages.Args(
+        features=[str(path)], out=str(tmp_path / "a.parquet"), comparison=str(tmp_path / "c.parquet")
+    )
+    where = rf"row {row} \(group_id {table['group_id'][row]}\)" + (f" token {token}" if token is not None else "")
+    with pytest.raises(SchemaError, match=rf"shard_0.parquet: column '{column}' {where}: nan is not a finite number"):
+        advantages.run(tiny_config(), args)
+    assert not (tmp_path / "a.parquet").exists() and not (tmp_path / "c.parquet").exists()

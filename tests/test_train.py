@@ -711,15 +711,18 @@ def test_variance_proxies_against_the_spec(policy_dir, features_path, tmp_path, 
 # ------------------------------------------------------------------------------------------
 
 
-def nan_advantages(features_path):
+def overflowing_advantages(features_path):
+    """Row 0's advantages are finite but 3e38 (float32's largest is 3.4e38): the loss of the step
+    holding it overflows to infinity. (NaN or infinite advantages are refused when the table is
+    read: test_non_finite_inputs_are_refused_before_any_work.)"""
     adv = random_advantages(features_path)
-    adv[0] = [float("nan")] * len(adv[0])
+    adv[0] = [3e38] * len(adv[0])
     return adv
 
 
 @pytest.mark.parametrize("zero_stage", [0, 1])
 def test_a_non_finite_step_is_skipped(policy_dir, features_path, tmp_path, zero_stage):
-    """Row 0's advantages are NaN: the step holding it makes no update, the other one does."""
+    """Row 0's advantages overflow the loss: the step holding it makes no update, the other one does."""
     m, args = run_stage(
         policy_dir,
         features_path,
@@ -727,7 +730,7 @@ def test_a_non_finite_step_is_skipped(policy_dir, features_path, tmp_path, zero_
         "train.mini_batch_size=4",
         "train.micro_batch_size=2",
         f"train.zero_stage={zero_stage}",
-        adv=nan_advantages(features_path),
+        adv=overflowing_advantages(features_path),
     )
     assert m["skipped"].sum() == 1 and m.filter(pl.col("skipped"))["event"][0].startswith("skipped")
     assert m.filter(~pl.col("skipped"))["grad_norm"].is_finite().all()
@@ -744,7 +747,7 @@ def test_consecutive_non_finite_steps_fail_the_job(policy_dir, features_path, tm
         tmp_path,
         *overrides,
         "train.max_consecutive_skips=3",
-        adv=nan_advantages(features_path),
+        adv=overflowing_advantages(features_path),
     )
     assert m["skipped"].to_list() == [True, True]
     for p, q in zip(load_model(policy_dir).parameters(), load_model(args.out).parameters()):
@@ -752,6 +755,25 @@ def test_consecutive_non_finite_steps_fail_the_job(policy_dir, features_path, tm
     with pytest.raises(RuntimeError, match="2 consecutive optimizer steps"):
         run_stage(policy_dir, features_path, tmp_path, *overrides, "train.max_consecutive_skips=2", name="fail")
     assert not (tmp_path / "fail").exists() and not (tmp_path / "fail.parquet").exists()
+
+
+@pytest.mark.parametrize("column, token", [("rollout_logprobs", 1), ("advantages", 0), ("seq_mean_k3", None)])
+def test_non_finite_inputs_are_refused_before_any_work(policy_dir, features_path, tmp_path, column, token):
+    """Issue 35: a NaN in the train stage's input stops it before the engine starts, naming the
+    file, the column, the row, its group and the token; nothing is written."""
+    table = write_advantages(features_path, tmp_path / "adv.parquet", random_advantages(features_path))
+    row = [i for i, n in enumerate(table["response_length"]) if n > (token or 0)][2]
+    values = table[column].to_list()
+    if token is None:
+        values[row] = float("nan")
+    else:
+        values[row][token] = float("nan")
+    write_parquet(table.with_columns(pl.Series(column, values, dtype=table.schema[column])), tmp_path / "adv.parquet")
+    where = rf"row {row} \(group_id {table['group_id'][row]}\)" + (f" token {token}" if token is not None else "")
+    with pytest.raises(SchemaError, match=rf"adv.parquet: column '{column}' {where}: nan is not a finite number"):
+        run_stage(policy_dir, features_path, tmp_path)
+    assert not (tmp_path / "run").exists() and not (tmp_path / "run.parquet").exists()
+    assert not (tmp_path / "run.ckpt").exists()
 
 
 # ------------------------------------------------------------------------------------------

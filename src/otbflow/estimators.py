@@ -23,7 +23,7 @@ import pyarrow as pa
 from omegaconf import DictConfig
 
 from otbflow import schemas
-from otbflow.io import SchemaError, check_schema
+from otbflow.io import SchemaError, check_finite, check_schema
 
 EPS_OTB = 1e-8
 EPS_STD = 1e-6
@@ -473,11 +473,10 @@ def _check_input(table: pl.DataFrame, est: Estimator) -> None:
                 f"estimator '{est.name}' needs column '{col}', which the table lacks ({est.name}: {est.doc})"
             )
     check_schema(table, schemas.ADVANTAGE_INPUT, f"estimator '{est.name}' input")  # dtypes, nulls, ragged lists
-    reward = table["reward"].cast(pl.Float64)
-    bad = (~reward.is_finite()).arg_true()
-    if len(bad):
-        i = int(bad[0])
-        raise SchemaError(f"non-finite reward {reward[i]} in row {i} (group_id {table['group_id'][i]})")
+    # every float column it reads: a NaN in one row's would make every advantage of the batch NaN
+    read = ("reward", "logprobs", "token_rewards", "is_weights", *est.needs)
+    floats = [c for c in dict.fromkeys(read) if c in schemas.ADVANTAGE_INPUT.floats]
+    check_finite(table, floats, f"estimator '{est.name}' input")
 
 
 def _arrow(values: np.ndarray, dtype: type) -> pa.Array:

@@ -5,7 +5,8 @@
   parameters, versions) is stored in the Parquet footer; ``read_metadata`` reads it back.
 - ``read_table``: reads a Parquet file and checks it against a table schema from
   ``otbflow.schemas`` before any work starts: missing column, wrong dtype, ragged per-token
-  lists. Errors name the file and the column.
+  lists. Errors name the file and the column. ``check_finite``: no NaN or infinity in the float
+  columns a stage reads, naming the first bad row and token.
 - ``atomic_file``: the one write-to-a-temporary-name-then-rename; ``write_json`` and
   ``write_text`` (summaries, schedule state, configs) use it too.
 - ``atomic_dir``: a context manager for folder outputs (HF model folders): write into a
@@ -21,9 +22,11 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Iterable, Iterator, Mapping
 
+import numpy as np
 import polars as pl
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from otbflow.schemas import TableSchema
@@ -126,6 +129,40 @@ def check_schema(df: pl.DataFrame, schema: TableSchema, source: str) -> None:
                 f"{source}: column '{col}' is ragged against '{length_col}': row {i} has "
                 f"{lengths[i]} entries, expected {expected[i]} ({len(bad)} rows differ)"
             )
+
+
+def check_finite(df: pl.DataFrame, columns: Iterable[str], source: str) -> None:
+    """Raise SchemaError unless every value of the float ``columns`` of ``df`` (those it has; a
+    per-token list column's every entry) is finite, naming ``source``, the column, the first row
+    that holds a NaN, an infinity or a null entry (its index, its group_id where the table has
+    one, and for a list column the token position) and how many rows do. One NaN log-prob would
+    otherwise turn every advantage of a batch into NaN, and the error surface steps later."""
+    for col in columns:
+        if col not in df.columns:
+            continue
+        series = df[col]
+        if isinstance(series.dtype, pl.List):
+            lengths = series.list.len().fill_null(0).to_numpy().astype(np.int64)
+            arr = series.to_arrow()
+            arr = arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
+            values = pl.Series(arr.flatten()).cast(pl.Float64).to_numpy()
+        else:
+            lengths, values = None, series.cast(pl.Float64).to_numpy()
+        bad = np.flatnonzero(~np.isfinite(values))
+        if not len(bad):
+            continue
+        at, token = int(bad[0]), ""
+        rows = bad
+        if lengths is not None:
+            starts = np.concatenate([[0], np.cumsum(lengths)])
+            rows = np.searchsorted(starts, bad, side="right") - 1
+            token = f" token {at - int(starts[rows[0]])}"
+        row = int(rows[0])
+        group = f" (group_id {df['group_id'][row]})" if "group_id" in df.columns else ""
+        raise SchemaError(
+            f"{source}: column '{col}' row {row}{group}{token}: {values[at]} is not a finite number "
+            f"({len(np.unique(rows))} rows of '{col}' hold non-finite values)"
+        )
 
 
 def read_table(path: str | Path, schema: TableSchema) -> pl.DataFrame:

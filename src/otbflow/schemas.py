@@ -46,6 +46,11 @@ class TableSchema:
         return [c for c in self.columns if c not in self.optional or c in available]
 
     @property
+    def floats(self) -> list[str]:
+        """The float columns and per-token float list columns (``otbflow.io.check_finite``)."""
+        return [c for c, t in self.columns.items() if t in (pl.Float32, pl.Float64, F32L, pl.List(pl.Float64))]
+
+    @property
     def required(self) -> dict[str, pl.DataType]:
         """The columns every such table has (the optional ones left out), with their dtypes."""
         return {c: t for c, t in self.columns.items() if c not in self.optional}

@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 from otbflow import schemas
 from otbflow.distributed import all_reduce, grads_finite, param_grad_norm
 from otbflow.estimators import total_power, variance_proxies
-from otbflow.io import read_table
+from otbflow.io import check_finite, read_table
 from otbflow.logits import pack, padded, response_token_stats, to_padded
 from otbflow.losses import aggregate_loss, low_var_kl, policy_token_loss, trm_keep
 from otbflow.pruning import PRUNING_STATS
@@ -189,11 +189,16 @@ class Trainer:
         return sums, maxes
 
 
+SEQUENCE_FLOATS = ("log_ppl_abs_diff", "seq_max_k2", "seq_mean_k3")
+
+
 def load_rows(path: str, cfg: DictConfig) -> dict:
     """The columns training uses, as Python lists and arrays; loss_mask is all ones when
     absent. ``accept`` is the TRM verdict of each sequence, ``keep`` what the loss uses (all
-    ones unless train.trm)."""
+    ones unless train.trm). A float column it reads that holds a NaN or an infinity is refused
+    before any work, naming the row, its group and the token (``otbflow.io.check_finite``)."""
     df = read_table(path, schemas.ADVANTAGES)
+    check_finite(df, ["logprobs", "rollout_logprobs", "advantages", "proxy", *SEQUENCE_FLOATS], path)
     data = {
         c: df[c].to_list()
         for c in ("prompt_ids", "response_ids", "logprobs", "rollout_logprobs", "advantages", "proxy")

@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 
 from otbflow import schemas
 from otbflow.estimators import compare, estimator_options
-from otbflow.io import read_table, write_parquet
+from otbflow.io import check_finite, read_table, write_parquet
 
 log = logging.getLogger("otbflow.advantages")
 
@@ -32,8 +32,16 @@ class Args:
     """RL iteration k (recorded in the comparison table)."""
 
 
+def read_features(path: str) -> pl.DataFrame:
+    """One features shard, refused (naming the file, the row, its group and the token) where a float
+    column holds a NaN or an infinity: the estimators and the train stage read them all."""
+    table = read_table(path, schemas.FEATURES)
+    check_finite(table, schemas.FEATURES.floats, path)
+    return table
+
+
 def run(cfg: DictConfig, args: Args) -> None:
-    table = pl.concat([read_table(p, schemas.FEATURES) for p in args.features], how="vertical")
+    table = pl.concat([read_features(p) for p in args.features], how="vertical")
     if table.height == 0:
         raise ValueError(
             f"iteration {args.iteration}: no sequences in any shard ({len(args.features)}): dynamic sampling "
