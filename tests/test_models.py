@@ -14,7 +14,7 @@ from otbflow.engines import render_prompts, stop_token_ids, truncate_at_stop, us
 from otbflow.engines.hf import hf_generate
 from otbflow.io import read_metadata
 from otbflow.logits import sequence_token_stats
-from otbflow.model import build_tiny_model, build_tokenizer, load_policy
+from otbflow.model import build_char_tokenizer, build_tiny_model, build_tokenizer, load_policy
 from otbflow.stages import bootstrap
 
 ARCHS = [("gpt2", "char"), ("llama", "char"), ("llama", "bpe"), ("qwen2", "bpe")]
@@ -191,3 +191,59 @@ def test_bootstrap_builds_a_qwen2_bpe_chat_policy(tmp_path):
     ]
     assert tok.decode(row) + "\n" == tok.apply_chat_template(conversation, tokenize=False)
     assert response[-1] == tok.eos_token_id and user.endswith("=")
+
+
+# ------------------------------------------------------------------------------------------
+# A policy folder checked against what it must hold (issue 35, item 6)
+# ------------------------------------------------------------------------------------------
+
+
+def without(folder, tmp_path, name, keep=()):
+    """A copy of ``folder`` without its tokenizer files (those named in ``keep`` kept)."""
+    import shutil
+
+    out = tmp_path / name
+    shutil.copytree(folder, out)
+    for f in out.iterdir():
+        if "token" in f.name and f.name not in keep:
+            f.unlink()
+    return out
+
+
+def test_model_path_without_its_tokenizer_is_refused_when_the_config_loads(tiny_policy, tmp_path):
+    """Was: accepted by the dry run; AutoTokenizer then built an empty tokenizer of length 1 and the
+    rollout died with an IndexError."""
+    from otbflow.config import ConfigError
+
+    assert tiny_config(f"model.path={tiny_policy}").model.path == str(tiny_policy)
+    for bare in (
+        without(tiny_policy, tmp_path, "bare"),
+        without(tiny_policy, tmp_path, "cfg", ("tokenizer_config.json",)),
+    ):
+        with pytest.raises(
+            ConfigError, match=r"config key 'model.path': .*: no tokenizer files \(one of tokenizer.json"
+        ):
+            tiny_config(f"model.path={bare}")
+    with pytest.raises(ConfigError, match="config key 'model.path': .*nowhere: no such folder"):
+        tiny_config(f"model.path={tmp_path / 'nowhere'}")
+    (tmp_path / "weights").mkdir()
+    with pytest.raises(ConfigError, match="config key 'model.path': .*weights: no config.json"):
+        tiny_config(f"model.path={tmp_path / 'weights'}")
+
+
+def test_a_tokenizer_far_smaller_than_the_embedding_is_refused(tiny_policy, tmp_path):
+    from otbflow.model import load_tokenizer
+
+    with pytest.raises(ValueError, match="bare: no tokenizer files"):
+        load_tokenizer(without(tiny_policy, tmp_path, "bare"))
+    assert len(load_tokenizer(tiny_policy)) == json.loads((tiny_policy / "config.json").read_text())["vocab_size"]
+    # another model's embedding (config.json) beside this tokenizer: 76 tokens for 50,257 rows
+    wrong = without(tiny_policy, tmp_path, "wrong", ("tokenizer.json", "tokenizer_config.json"))
+    config = json.loads((wrong / "config.json").read_text())
+    (wrong / "config.json").write_text(json.dumps(config | {"vocab_size": 50257}))
+    n = len(build_char_tokenizer())
+    with pytest.raises(ValueError, match=rf"its tokenizer has {n} tokens for an embedding of 50257"):
+        load_tokenizer(wrong)
+    # a padded embedding (Qwen2.5 pads 151,665 tokens to 151,936 rows) is no mistake
+    (wrong / "config.json").write_text(json.dumps(config | {"vocab_size": 2 * n}))
+    assert len(load_tokenizer(wrong)) == n

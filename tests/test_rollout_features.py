@@ -257,3 +257,64 @@ def test_features_write_is_weights_only_when_rollout_is_is_on(features_path):
     # the default config (train.rollout_is: none) writes no is_weights; the stage with it on is
     # held against verl's weights and OTB in test_advantages.py
     assert "is_weights" not in read_table(features_path, schemas.FEATURES).columns
+
+
+# ------------------------------------------------------------------------------------------
+# Prompts against the policy's positions, before any generation (issue 35, item 6)
+# ------------------------------------------------------------------------------------------
+
+
+def expression(chars: int) -> str:
+    """An arithmetic prompt of ``chars`` characters: as many tokens for the char tokenizer."""
+    return ("1+" * chars)[: chars - 1] + "="
+
+
+def write_prompts(path, lengths):
+    from otbflow.io import write_parquet
+    from otbflow.tasks import user_message
+
+    texts = [expression(n) for n in lengths]
+    table = pl.DataFrame(
+        {
+            "prompt_id": list(range(len(texts))),
+            "prompt": texts,
+            "messages": [user_message(t) for t in texts],
+            "answer": ["1"] * len(texts),
+            "data_source": ["arithmetic"] * len(texts),
+            "split": ["train"] * len(texts),
+            "shard": [0] * len(texts),
+        },
+        schema=schemas.PROMPTS.columns,
+    )
+    return write_parquet(table, path)
+
+
+def test_a_prompt_longer_than_the_positions_is_refused_before_generation(tiny_policy, tmp_path, cfg):
+    """Was: an IndexError in the model's position embedding, mid-generation (203 tokens against 128
+    positions). Now the rollout and the evaluation refuse it before the engine starts, naming the
+    prompt, its length and the policy's positions; a prompt that just fits is no concern."""
+    from otbflow.engines import check_prompt_lengths
+    from otbflow.stages import evaluate, rollout
+
+    assert (cfg.model.n_positions, cfg.rollout.max_new_tokens, cfg.evaluate.max_new_tokens) == (128, 24, 24)
+    lengths = [4, 104, 105, 203]  # 104 + 24 = 128 fits exactly; 105 + 24 = 129 does not
+    prompts = write_prompts(tmp_path / "prompts.parquet", lengths)
+    want = (
+        r"prompt 2: 105 tokens rendered \+ {key} 24 = 129 positions, more than the policy's 128 "
+        r"\(.*config.json: n_positions\); 2 of 4 prompts are too long \(the longest: 203 tokens\)"
+    )
+    out = tmp_path / "rollout.parquet"
+    with pytest.raises(ValueError, match=want.format(key="rollout.max_new_tokens")):
+        rollout.run(cfg, rollout.Args(prompts=str(prompts), policy=str(tiny_policy), out=str(out)))
+    args = evaluate.Args(
+        prompts=str(prompts),
+        policy=str(tiny_policy),
+        name="initial",
+        samples=str(tmp_path / "s.parquet"),
+        summary=str(tmp_path / "m.parquet"),
+    )
+    with pytest.raises(ValueError, match=want.format(key="evaluate.max_new_tokens")):
+        evaluate.run(cfg, args)
+    assert not out.exists() and not (tmp_path / "s.parquet").exists() and not (tmp_path / "m.parquet").exists()
+    ids = [[0] * n for n in lengths[:2]]
+    check_prompt_lengths(ids, [0, 1], 24, "rollout.max_new_tokens", tiny_policy)  # fits: no error

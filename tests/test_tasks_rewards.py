@@ -647,3 +647,30 @@ def test_random_responses_score_as_before_against_random_references():
 )
 def test_the_adversarial_payloads_score_by_hand(response, answer, expected):
     assert fallback_math_reward(response, answer) == expected
+
+
+def test_a_prompt_far_too_long_for_the_model_is_refused_at_shard_time(tmp_path, tiny_policy):
+    """Issue 35: a 10 MB prompt was sharded, then the rollout ran 130 s to 15 GB and died allocating
+    184 GB. The shard stage refuses a prompt of more characters than 64 per position of model.path's
+    model (128 positions: 8,192 characters), naming the file, the column and the row; at the bound
+    it passes (the rollout's token check decides whether it fits)."""
+    rows = [{"prompt": f"What is {i}+{i}?", "answer": str(2 * i)} for i in range(12)]
+    rows[3]["prompt"] = "1" * 10_000_000
+    pl.DataFrame(rows).write_ndjson(tmp_path / "big.jsonl")
+    with pytest.raises(
+        SchemaError, match=r"big.jsonl: column 'prompt' row 3: 10,000,000 characters, more than 8,192 \(64 per position"
+    ):
+        shard_dataset(tmp_path, tmp_path / "big.jsonl", f"model.path={tiny_policy}")
+    rows[3]["prompt"] = "1" * 8_192
+    pl.DataFrame(rows).write_ndjson(tmp_path / "edge.jsonl")
+    assert shard_dataset(tmp_path, tmp_path / "edge.jsonl", f"model.path={tiny_policy}").height == 12
+    # verl messages count every message's content, the system message's too
+    verl = pl.DataFrame(
+        {
+            "prompt": [[{"role": "system", "content": "s" * 8_000}, {"role": "user", "content": "q" * 193}]] * 4,
+            "reward_model": [{"ground_truth": "1"}] * 4,
+        }
+    )
+    verl.write_parquet(tmp_path / "verl_big.parquet")
+    with pytest.raises(SchemaError, match=r"verl_big.parquet: column 'prompt' row 0: 8,193 characters"):
+        shard_dataset(tmp_path, tmp_path / "verl_big.parquet", f"model.path={tiny_policy}")

@@ -29,7 +29,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 # The registries that own the choice lists (none of them imports torch, nor this module).
-from otbflow.engines import BACKENDS, chat_setting
+from otbflow.engines import BACKENDS, chat_setting, check_policy_folder
 from otbflow.estimators import ESTIMATORS, estimator_parameters
 from otbflow.losses import LOSS_AGG_MODES, POLICY_LOSSES
 from otbflow.lr_schedule import SCHEDULES
@@ -171,7 +171,8 @@ def check_fields(cls: type, node: Any, prefix: str = "") -> None:
 class ModelConfig:
     path: Optional[str] = None
     """Local HF causal-LM folder to start from (e.g. a downloaded Qwen checkpoint; its tokenizer,
-    chat template and generation config come with it). null: the bootstrap stage builds and
+    chat template and generation config come with it), checked when the config loads: config.json
+    and the tokenizer's vocabulary files must be there. null: the bootstrap stage builds and
     warm-starts a small model (arch, tokenizer and the sizes below)."""
     arch: str = opt("gpt2", choices=ARCHITECTURES)
     """Built model's architecture: gpt2 | llama | qwen2 (HF GPT2LMHeadModel, LlamaForCausalLM,
@@ -894,6 +895,11 @@ def check_rules(cfg: DictConfig, explicit: frozenset[str] | None = None) -> None
             t.chat,
         )
     require(t.min_terms <= t.max_terms, "task.min_terms", "in [1, task.max_terms]", t.min_terms)
+    if m.path is not None:  # config.json and the tokenizer's files, before any job (no torch)
+        try:
+            check_policy_folder(m.path)
+        except ValueError as e:
+            raise ConfigError(f"config key 'model.path': {e}") from None
     max_len = cfg.rollout.max_new_tokens
     if t.reward_model.path is not None:
         from otbflow.reward_model import check_reward_model  # reads config.json only, no torch

@@ -12,6 +12,7 @@ import torch
 from omegaconf import DictConfig
 
 from otbflow.config import ARCHITECTURES
+from otbflow.engines import VOCABULARY_FILES, check_tokenizer
 from otbflow.retention import check_not_pruned
 
 CHARS = "0123456789+-*/=;#:. abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ\n"
@@ -149,10 +150,14 @@ def device() -> torch.device:
 
 def load_tokenizer(path: str | Path):
     """The tokenizer of a local HF folder, left-padding (batched generation), with a pad token
-    (the eos token where the checkpoint has none)."""
+    (the eos token where the checkpoint has none). A folder without a tokenizer's vocabulary, or
+    whose tokenizer is far smaller than the model's embedding, is refused (``check_tokenizer``)."""
     from transformers import AutoTokenizer
 
+    if not any((Path(path) / f).is_file() for f in VOCABULARY_FILES):
+        raise ValueError(f"{path}: no tokenizer files (one of {', '.join(VOCABULARY_FILES)})")
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    check_tokenizer(tok, path)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"

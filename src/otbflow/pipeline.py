@@ -197,7 +197,14 @@ _STAGES = [
         _bootstrap,
         dag=("model.path",),
     ),
-    Stage("shard", "split the prompts into train shards and an eval set", _shard, dag=("shard.n_shards",)),
+    Stage(
+        "shard",
+        "split the prompts into train shards and an eval set",
+        _shard,
+        # a dataset prompt too long for model.path's positions is refused (it changes no output)
+        execution=("model.path",),
+        dag=("shard.n_shards",),
+    ),
     Stage(
         "rollout",
         "sample G responses per prompt and score them",

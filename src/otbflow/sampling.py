@@ -19,7 +19,7 @@ import torch
 from omegaconf import DictConfig
 
 from otbflow import schemas
-from otbflow.engines import Sample, Sampling, open_backend, prompt_metadata, render_table
+from otbflow.engines import Sample, Sampling, check_prompt_lengths, open_backend, prompt_metadata, render_table
 from otbflow.model import load_tokenizer
 from otbflow.seeds import derive_seed
 from otbflow.shaping import Scorer
@@ -87,8 +87,9 @@ class GroupSampler:
         first call is kept in ``meta``, with ``reward_timeouts``: the reward calls of every call so
         far that ran past their deadline (each scored 0)."""
         r = self.cfg.rollout
-        # a prompt that cannot be rendered fails before the engine starts
+        # a prompt that cannot be rendered, or is too long for the policy, fails before the engine starts
         ids, chat = render_table(self.cfg, self.tok, batch)
+        check_prompt_lengths(ids, batch["prompt_id"].to_list(), r.max_new_tokens, "rollout.max_new_tokens", self.policy)
         if self.backend is None:
             self.backend = open_backend(self.cfg, self.policy)
         sampling = Sampling(

@@ -19,6 +19,7 @@ from pathlib import Path
 import polars as pl
 from omegaconf import DictConfig
 
+from otbflow.engines import PROMPT_CHARS_PER_POSITION, model_config, model_positions, prompt_char_limit
 from otbflow.io import SchemaError
 from otbflow.rewards import last_boxed
 from otbflow.seeds import derive_seed, task_seed
@@ -197,13 +198,33 @@ def user_message(prompt: str) -> str:
 DATASET_COLUMNS = {"prompt": pl.String, "messages": pl.String, "answer": pl.String, "data_source": pl.String}
 
 
-def load_dataset_file(path: str | Path, fmt: str = "auto", prompt_template: str = "{prompt}") -> pl.DataFrame:
+def load_dataset_file(
+    path: str | Path, fmt: str = "auto", prompt_template: str = "{prompt}", max_prompt_chars: int | None = None
+) -> pl.DataFrame:
     """A local dataset in any layout of ``task.format`` as the columns prompt (text: the prompt
     after ``prompt_template``, or verl's last user message), messages (JSON list of {role,
     content}: what a chat template renders), answer (the reference the reward checks) and
     data_source. GSM8K answers are the text after '####' (commas removed), MATH answers the
     last \\boxed{} of the solution, verl's reward_model.ground_truth. A missing column or an
-    answer that cannot be found fails naming the file and the column."""
+    answer that cannot be found fails naming the file and the column; a prompt whose messages
+    hold more than ``max_prompt_chars`` characters (None: no limit) fails naming its row."""
+    out, fmt = _dataset_rows(path, fmt, prompt_template)
+    if max_prompt_chars is not None:
+        sizes = [sum(len(m["content"]) for m in json.loads(s)) for s in out["messages"].to_list()]
+        bad = [i for i, n in enumerate(sizes) if n > max_prompt_chars]
+        if bad:
+            raise _bad_rows(
+                path,
+                LAYOUT_COLUMNS[fmt][0],
+                bad,
+                f"{sizes[bad[0]]:,} characters, more than {max_prompt_chars:,} ({PROMPT_CHARS_PER_POSITION} per "
+                "position of model.path's model): no such prompt fits its positions",
+            )
+    return out
+
+
+def _dataset_rows(path: str | Path, fmt: str, prompt_template: str) -> tuple[pl.DataFrame, str]:
+    """``load_dataset_file``'s table and the layout it read."""
     df = read_dataset_file(path)
     fmt = detect_format(df, path) if fmt == "auto" else fmt
     needed = LAYOUT_COLUMNS[fmt]
@@ -223,23 +244,23 @@ def load_dataset_file(path: str | Path, fmt: str = "auto", prompt_template: str 
                 f"{path}: task.prompt_template applies to text prompts; this verl file's prompts "
                 "are chat messages, used as they are (set task.prompt_template to '{prompt}')"
             )
-        return _verl_rows(df, path)
+        return _verl_rows(df, path), fmt
     if fmt == "prompt_answer":
         if isinstance(df.schema["prompt"], pl.List):
             raise SchemaError(f"{path}: column 'prompt' holds lists (messages?): use task.format verl")
-        return _text_rows(df["prompt"].to_list(), df["answer"].to_list(), source, prompt_template)
+        return _text_rows(df["prompt"].to_list(), df["answer"].to_list(), source, prompt_template), fmt
     if fmt == "gsm8k":
         solutions = df["answer"].cast(pl.String).to_list()
         bad = [i for i, a in enumerate(solutions) if "####" not in a]
         if bad:
             raise _bad_rows(path, "answer", bad, "no '#### <answer>' line (GSM8K layout)")
         answers = [a.rsplit("####", 1)[1].strip().replace(",", "") for a in solutions]
-        return _text_rows(df["question"].to_list(), answers, source, prompt_template)
+        return _text_rows(df["question"].to_list(), answers, source, prompt_template), fmt
     boxed = [last_boxed(str(s)) for s in df["solution"].to_list()]
     bad = [i for i, b in enumerate(boxed) if b is None]
     if bad:
         raise _bad_rows(path, "solution", bad, "no \\boxed{} answer (MATH layout)")
-    return _text_rows(df["problem"].to_list(), [b.strip() for b in boxed], source, prompt_template)
+    return _text_rows(df["problem"].to_list(), [b.strip() for b in boxed], source, prompt_template), fmt
 
 
 def synthetic_splits(cfg: DictConfig) -> tuple[pl.DataFrame, pl.DataFrame]:
@@ -258,12 +279,23 @@ def synthetic_splits(cfg: DictConfig) -> tuple[pl.DataFrame, pl.DataFrame]:
     return df[t.n_eval :], df[: t.n_eval]
 
 
+def max_prompt_chars(cfg: DictConfig) -> int | None:
+    """The most characters a dataset prompt may have (``otbflow.engines.prompt_char_limit`` of
+    model.path's positions); None without model.path (a shard stage run alone: the rollout's own
+    token check still applies) or where its config.json names no positions."""
+    if cfg.model.path is None:
+        return None
+    found = model_positions(model_config(cfg.model.path))
+    return None if found is None else prompt_char_limit(found[0])
+
+
 def dataset_splits(cfg: DictConfig) -> tuple[pl.DataFrame, pl.DataFrame]:
     t = cfg.task
-    df = load_dataset_file(t.path, t.format, t.prompt_template)
+    limit = max_prompt_chars(cfg)
+    df = load_dataset_file(t.path, t.format, t.prompt_template, limit)
     df = df.sample(fraction=1.0, shuffle=True, seed=derive_seed(task_seed(cfg), "task"))
     if t.eval_path:
-        return df, load_dataset_file(t.eval_path, t.format, t.prompt_template)
+        return df, load_dataset_file(t.eval_path, t.format, t.prompt_template, limit)
     if df.height <= t.n_eval:
         raise ValueError(
             f"{t.path}: {df.height} rows cannot give task.n_eval={t.n_eval} eval rows and a training split"

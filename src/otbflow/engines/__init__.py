@@ -2,7 +2,11 @@
 (one generated response), ``Sampling`` (what to generate), ``Backend`` (implemented by
 ``otbflow.engines.hf`` and ``otbflow.engines.vllm``, which depend on this module, never the other
 way round; ``open_backend`` builds one by name), prompt rendering (``render_prompts``) and stop
-tokens (``stop_token_ids``). Chat rendering and stop tokens: README.md, "A real model and dataset"."""
+tokens (``stop_token_ids``), and the checks of a policy folder against its inputs that run before
+any generation: its tokenizer files (``check_policy_folder``, also when the config loads), its
+tokenizer's size (``check_tokenizer``) and its positions against the rendered prompts
+(``check_prompt_lengths``; the shard stage's ``prompt_char_limit``). Chat rendering and stop
+tokens: README.md, "A real model and dataset"."""
 
 from __future__ import annotations
 
@@ -108,6 +112,101 @@ def truncate_at_stop(tokens: list[int], stops: set[int] | list[int]) -> tuple[in
         if t in stops:
             return i + 1, "stop"
     return len(tokens), "length"
+
+
+# A tokenizer's vocabulary is in one of these (a fast tokenizer, a slow BPE's vocab.json with its
+# merges, SentencePiece, WordPiece); a folder with none, or with tokenizer_config.json alone, gives
+# AutoTokenizer an empty tokenizer of length 1, with which generation fails deep in the model.
+VOCABULARY_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "vocab.txt", "spiece.model")
+# config.json keys that give a causal LM's positions (transformers' names across architectures).
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
+PROMPT_CHARS_PER_POSITION = 64
+"""The shard stage refuses a prompt of more characters than this many per position of the model
+(``prompt_char_limit``): a prompt that fits the positions averages a few characters a token, and
+one past this bound could never fit; it is stopped before any tokenizer or GPU sees it."""
+
+
+def model_config(path: str | Path) -> dict[str, Any]:
+    """The config.json of the HF model folder ``path``; ValueError naming the folder where it is
+    no folder, has no config.json or one that is not a JSON object."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"{path}: no such folder (a local HF causal-LM folder is needed)")
+    file = path / "config.json"
+    if not file.is_file():
+        raise ValueError(f"{path}: no config.json, not an HF model folder")
+    try:
+        config = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file}: not a JSON object")
+    return config
+
+
+def model_positions(config: dict[str, Any]) -> tuple[int, str] | None:
+    """(the positions a causal LM reads, prompt and response together, the config.json key that
+    says so), or None where its config names none (``POSITION_KEYS``)."""
+    for key in POSITION_KEYS:
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value, key
+    return None
+
+
+def check_policy_folder(path: str | Path) -> None:
+    """Raise ValueError naming ``path`` unless it is an HF model folder (config.json) with a
+    tokenizer's vocabulary beside it (``VOCABULARY_FILES``). Reads config.json and file names
+    only (no torch, no weights): the config check runs it on model.path before any job."""
+    model_config(path)
+    if not any((Path(path) / f).is_file() for f in VOCABULARY_FILES):
+        raise ValueError(
+            f"{path}: no tokenizer files (one of {', '.join(VOCABULARY_FILES)}): the policy's tokenizer "
+            "renders the prompts and decodes the responses (copy it beside the weights)"
+        )
+
+
+def check_tokenizer(tok, path: str | Path) -> None:
+    """Raise ValueError unless the tokenizer loaded from ``path`` has at least half as many tokens
+    as the model's embedding has rows (config.json's vocab_size; checkpoints pad the embedding by
+    a few hundred rows at most): fewer is a wrong or broken tokenizer, e.g. the empty one that
+    AutoTokenizer builds from a folder without its vocabulary files."""
+    vocab = model_config(path).get("vocab_size") if (Path(path) / "config.json").is_file() else None
+    if isinstance(vocab, int) and vocab > 0 and 2 * len(tok) < vocab:
+        raise ValueError(
+            f"{path}: its tokenizer has {len(tok)} tokens for an embedding of {vocab} (config.json vocab_size): "
+            "not this model's tokenizer, or a folder without its vocabulary files "
+            f"({', '.join(VOCABULARY_FILES)})"
+        )
+
+
+def prompt_char_limit(positions: int) -> int:
+    """The most characters the shard stage lets a prompt have for a model of ``positions``."""
+    return PROMPT_CHARS_PER_POSITION * positions
+
+
+def check_prompt_lengths(
+    prompt_ids: list[list[int]], ids: list, max_new_tokens: int, key: str, policy: str | Path
+) -> None:
+    """Raise ValueError, before any generation, where a rendered prompt (``prompt_ids``, with the
+    prompt ids ``ids``) and ``max_new_tokens`` (the config key ``key``) need more positions than
+    the policy's config.json gives, naming the first such prompt, its length and how many there
+    are. Nothing is checked where the config names no positions."""
+    found = model_positions(model_config(policy))
+    if found is None:
+        return
+    positions, name = found
+    room = positions - max_new_tokens
+    long = [i for i, p in enumerate(prompt_ids) if len(p) > room]
+    if long:
+        i = long[0]
+        raise ValueError(
+            f"prompt {ids[i]}: {len(prompt_ids[i])} tokens rendered + {key} {max_new_tokens} = "
+            f"{len(prompt_ids[i]) + max_new_tokens} positions, more than the policy's {positions} "
+            f"({Path(policy) / 'config.json'}: {name}); {len(long)} of {len(prompt_ids)} prompts are too long "
+            f"(the longest: {max(len(prompt_ids[j]) for j in long)} tokens). Lower {key}, or drop or shorten "
+            "those prompts in the dataset"
+        )
 
 
 def chat_setting(cfg: DictConfig) -> str:

@@ -21,7 +21,7 @@ import polars as pl
 from omegaconf import DictConfig
 
 from otbflow import schemas
-from otbflow.engines import Sampling, open_backend, prompt_metadata, render_table
+from otbflow.engines import Sampling, check_prompt_lengths, open_backend, prompt_metadata, render_table
 from otbflow.io import read_table, write_parquet
 from otbflow.lr_schedule import ScheduleState
 from otbflow.model import load_tokenizer, set_threads
@@ -64,6 +64,7 @@ def run(cfg: DictConfig, args: Args) -> None:
     answers, ids = prompts["answer"].to_list(), prompts["prompt_id"].to_list()
     tok = load_tokenizer(args.policy)
     prompt_ids, chat = render_table(cfg, tok, prompts)
+    check_prompt_lengths(prompt_ids, ids, e.max_new_tokens, "evaluate.max_new_tokens", args.policy)
     backend = open_backend(cfg, args.policy)
     rows, meta = [], {"backend": cfg.rollout.backend, "policy": args.policy}
     timeouts_before = reward_timeouts()
