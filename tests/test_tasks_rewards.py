@@ -674,3 +674,99 @@ def test_a_prompt_far_too_long_for_the_model_is_refused_at_shard_time(tmp_path, 
     verl.write_parquet(tmp_path / "verl_big.parquet")
     with pytest.raises(SchemaError, match=r"verl_big.parquet: column 'prompt' row 0: 8,193 characters"):
         shard_dataset(tmp_path, tmp_path / "verl_big.parquet", f"model.path={tiny_policy}")
+
+
+# ------------------------------------------------------------------------------------------
+# Unreadable, empty and non-text rows refused naming the file and the line or row (issue 35, item 7)
+# ------------------------------------------------------------------------------------------
+
+
+def jsonl(path, *lines: bytes):
+    path.write_bytes(b"".join(line + b"\n" for line in lines))
+    return path
+
+
+GOOD = b'{"prompt": "1+1=", "answer": "2"}'
+
+
+@pytest.mark.parametrize(
+    "lines, error",
+    [
+        # was: polars' "stream did not contain valid UTF-8 at line 0", naming no file
+        (
+            (GOOD, GOOD, b'{"prompt": "caf\xe9", "answer": "4"}'),
+            r"d.jsonl: line 3: not UTF-8 \(byte 0xe9 at character 16\)",
+        ),
+        (
+            (GOOD, b"", GOOD, b'{"prompt": "2+2=", "answer": "4"'),
+            r"d.jsonl: line 4: not JSON \(Expecting ',' delimiter",
+        ),
+        ((GOOD, b"[1, 2]"), r"d.jsonl: line 2: a JSON list, not an object"),
+    ],
+)
+def test_an_unreadable_jsonl_line_is_named(tmp_path, lines, error):
+    with pytest.raises(SchemaError, match=error):
+        load_dataset_file(jsonl(tmp_path / "d.jsonl", *lines))
+
+
+def test_a_broken_parquet_dataset_names_the_file(tmp_path):
+    (tmp_path / "d.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(SchemaError, match=r"d.parquet: not a readable Parquet file"):
+        load_dataset_file(tmp_path / "d.parquet")
+
+
+@pytest.mark.parametrize(
+    "name, error",
+    [
+        ("empty_prompt.jsonl", r"column 'prompt' row 2: empty prompt \(1 rows\)"),
+        ("blank_prompt.jsonl", r"column 'prompt' row 1: empty prompt"),
+        ("number_prompt.jsonl", r"column 'prompt' row 1: 5 is not a string"),  # polars reads it as '5'
+        ("number_prompts.parquet", r"column 'prompt' row 0: 0 is not a string"),
+        ("empty_answer.jsonl", r"column 'answer' row 1: empty answer \(an empty reference scores 0"),
+        ("gsm8k_empty.jsonl", r"column 'answer' row 1: empty answer .* after '####'"),
+        ("math_empty.jsonl", r"column 'solution' row 0: empty answer .* in its last \\boxed\{\}"),
+        ("question_empty.jsonl", r"column 'question' row 0: empty prompt"),
+        ("verl_empty.parquet", r"column 'prompt' row 1: empty prompt \(the last user message\)"),
+        ("verl_null.parquet", r"column 'prompt' row 0: a message whose content is not a string"),
+        ("verl_no_truth.parquet", r"column 'reward_model.ground_truth' row 2: empty answer"),
+    ],
+)
+def test_empty_and_non_text_rows_are_refused_naming_the_row(tmp_path, name, error):
+    """Was: accepted (an empty answer scores 0 against every response; an empty prompt samples from nothing)."""
+    rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(4)]
+    path = tmp_path / name
+    if name == "empty_prompt.jsonl":
+        rows[2]["prompt"] = ""
+    elif name == "blank_prompt.jsonl":
+        rows[1]["prompt"] = " \n\t"
+    elif name == "number_prompt.jsonl":
+        rows[1]["prompt"] = 5
+    elif name == "empty_answer.jsonl":
+        rows[1]["answer"] = "  "
+    if name.endswith(".jsonl") and not name.startswith(("gsm8k", "math", "question")):
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif name == "number_prompts.parquet":
+        pl.DataFrame({"prompt": [0, 1, 2], "answer": ["0", "2", "4"]}).write_parquet(path)
+    elif name == "gsm8k_empty.jsonl":
+        pl.DataFrame({"question": ["q1", "q2"], "answer": ["1+1=2\n#### 2", "so\n####  "]}).write_ndjson(path)
+    elif name == "math_empty.jsonl":
+        pl.DataFrame({"problem": ["p1", "p2"], "solution": ["\\boxed{ }", "\\boxed{1}"]}).write_ndjson(path)
+    elif name == "question_empty.jsonl":
+        pl.DataFrame({"question": ["", "q2"], "answer": ["#### 1", "#### 2"]}).write_ndjson(path)
+    else:
+        contents = ["q0", "q1", "q2"]
+        truth = ["1", "2", "3"]
+        if name == "verl_empty.parquet":
+            contents[1] = ""
+        elif name == "verl_null.parquet":
+            contents[0] = None
+        else:
+            truth[2] = ""
+        pl.DataFrame(
+            {
+                "prompt": [[{"role": "user", "content": c}] for c in contents],
+                "reward_model": [{"ground_truth": t} for t in truth],
+            }
+        ).write_parquet(path)
+    with pytest.raises(SchemaError, match=rf"{name}: {error}"):
+        load_dataset_file(path)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Iterator
 
 import polars as pl
 from omegaconf import DictConfig
@@ -93,15 +94,65 @@ LAYOUT_COLUMNS = {
 
 
 def read_dataset_file(path: str | Path) -> pl.DataFrame:
-    """A local JSONL or Parquet file, as it is."""
+    """A local JSONL or Parquet file, as it is; one it cannot read fails naming the file and, for
+    JSONL, the first line that is not UTF-8 or not a JSON object (``jsonl_rows``)."""
     path = Path(path)
     if not path.is_file():
         raise SchemaError(f"{path}: dataset file not found")
     if path.suffix in (".jsonl", ".json"):
-        return pl.read_ndjson(path)
+        try:
+            return pl.read_ndjson(path)
+        except Exception as e:  # polars names neither the file nor, for bad bytes, the right line
+            for _ in jsonl_rows(path):  # raises at the first bad line
+                pass
+            raise SchemaError(f"{path}: not readable as JSON lines ({e})") from None
     if path.suffix == ".parquet":
-        return pl.read_parquet(path)
+        try:
+            return pl.read_parquet(path)
+        except Exception as e:
+            raise SchemaError(f"{path}: not a readable Parquet file ({e})") from None
     raise SchemaError(f"{path}: unsupported dataset format '{path.suffix}' (use .jsonl or .parquet)")
+
+
+def jsonl_rows(path: Path) -> Iterator[dict]:
+    """The JSON objects of a JSONL file, one per non-blank line (polars' rows), read line by line;
+    SchemaError naming the file and the line (1-based) that is not UTF-8 or not a JSON object."""
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise SchemaError(
+                    f"{path}: line {number}: not UTF-8 (byte 0x{line[e.start]:02x} at character {e.start + 1})"
+                ) from None
+            if not text.strip():
+                continue
+            try:
+                row = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise SchemaError(f"{path}: line {number}: not JSON ({e.msg} at character {e.colno})") from None
+            if not isinstance(row, dict):
+                raise SchemaError(f"{path}: line {number}: a JSON {type(row).__name__}, not an object")
+            yield row
+
+
+def _as_given(path: Path, df: pl.DataFrame, column: str) -> list:
+    """The values of ``column`` as the file holds them: a JSONL file's, from its lines (polars
+    reads a column that mixes strings and numbers as strings), a Parquet file's from ``df``."""
+    if Path(path).suffix == ".parquet":
+        return df[column].to_list()
+    return [row.get(column) for row in jsonl_rows(Path(path))]
+
+
+def _check_texts(path, column: str, values: list, what: str, strings_only: bool = True) -> None:
+    """Refuse, naming the first row, values that are no string (``strings_only``) or empty."""
+    if strings_only:
+        bad = [i for i, v in enumerate(values) if not isinstance(v, str)]
+        if bad:
+            raise _bad_rows(path, column, bad, f"{values[bad[0]]!r} is not a string ({what} must be text)")
+    bad = [i for i, v in enumerate(values) if not str(v).strip()]
+    if bad:
+        raise _bad_rows(path, column, bad, f"empty {what}")
 
 
 def detect_format(df: pl.DataFrame, path: str | Path) -> str:
@@ -124,6 +175,9 @@ def detect_format(df: pl.DataFrame, path: str | Path) -> str:
     )
 
 
+ANSWER = "answer (an empty reference scores 0 against any response)"
+
+
 def _bad_rows(path, column: str, bad: list[int], what: str) -> SchemaError:
     return SchemaError(f"{path}: column '{column}' row {bad[0]}: {what} ({len(bad)} rows)")
 
@@ -144,17 +198,22 @@ def _verl_rows(df: pl.DataFrame, path) -> pl.DataFrame:
             f"{path}: missing column 'reward_model.ground_truth' (verl: reward_model is a struct "
             f"with ground_truth; got {rm})"
         )
-    messages = [
-        [{"role": str(m["role"]), "content": str(m["content"])} for m in msgs or []] for msgs in df["prompt"].to_list()
-    ]
+    given = df["prompt"].to_list()
+    bad = [i for i, msgs in enumerate(given) if any(not isinstance(m["content"], str) for m in msgs or [])]
+    if bad:
+        raise _bad_rows(path, "prompt", bad, "a message whose content is not a string")
+    messages = [[{"role": str(m["role"]), "content": m["content"]} for m in msgs or []] for msgs in given]
     bad = [i for i, msgs in enumerate(messages) if not any(m["role"] == "user" for m in msgs)]
     if bad:
         raise _bad_rows(path, "prompt", bad, "no user message")
+    prompts = [[m for m in msgs if m["role"] == "user"][-1]["content"] for msgs in messages]
+    _check_texts(path, "prompt", prompts, "prompt (the last user message)")
     truth = df["reward_model"].struct.field("ground_truth")
     answers = [json.dumps(v) if isinstance(v, (list, dict)) else str(v) for v in truth.to_list()]
     bad = [i for i, v in enumerate(truth.to_list()) if v is None]
     if bad:
         raise _bad_rows(path, "reward_model.ground_truth", bad, "null")
+    _check_texts(path, "reward_model.ground_truth", answers, ANSWER, strings_only=False)
     source = (
         df["data_source"].cast(pl.String).fill_null("verl").to_list()
         if "data_source" in df.columns
@@ -162,7 +221,7 @@ def _verl_rows(df: pl.DataFrame, path) -> pl.DataFrame:
     )
     return pl.DataFrame(
         {
-            "prompt": [[m for m in msgs if m["role"] == "user"][-1]["content"] for msgs in messages],
+            "prompt": prompts,
             "messages": [json.dumps(msgs, ensure_ascii=False) for msgs in messages],
             "answer": answers,
             "data_source": source,
@@ -245,22 +304,30 @@ def _dataset_rows(path: str | Path, fmt: str, prompt_template: str) -> tuple[pl.
                 "are chat messages, used as they are (set task.prompt_template to '{prompt}')"
             )
         return _verl_rows(df, path), fmt
+    prompt_column = LAYOUT_COLUMNS[fmt][0]
+    if fmt == "prompt_answer" and isinstance(df.schema["prompt"], pl.List):
+        raise SchemaError(f"{path}: column 'prompt' holds lists (messages?): use task.format verl")
+    prompts = _as_given(path, df, prompt_column)
+    _check_texts(path, prompt_column, prompts, "prompt")
     if fmt == "prompt_answer":
-        if isinstance(df.schema["prompt"], pl.List):
-            raise SchemaError(f"{path}: column 'prompt' holds lists (messages?): use task.format verl")
-        return _text_rows(df["prompt"].to_list(), df["answer"].to_list(), source, prompt_template), fmt
+        answers = [str(a) for a in df["answer"].to_list()]
+        _check_texts(path, "answer", answers, ANSWER, strings_only=False)
+        return _text_rows(prompts, answers, source, prompt_template), fmt
     if fmt == "gsm8k":
         solutions = df["answer"].cast(pl.String).to_list()
         bad = [i for i, a in enumerate(solutions) if "####" not in a]
         if bad:
             raise _bad_rows(path, "answer", bad, "no '#### <answer>' line (GSM8K layout)")
         answers = [a.rsplit("####", 1)[1].strip().replace(",", "") for a in solutions]
-        return _text_rows(df["question"].to_list(), answers, source, prompt_template), fmt
+        _check_texts(path, "answer", answers, ANSWER + " after '####'", strings_only=False)
+        return _text_rows(prompts, answers, source, prompt_template), fmt
     boxed = [last_boxed(str(s)) for s in df["solution"].to_list()]
     bad = [i for i, b in enumerate(boxed) if b is None]
     if bad:
         raise _bad_rows(path, "solution", bad, "no \\boxed{} answer (MATH layout)")
-    return _text_rows(df["problem"].to_list(), [b.strip() for b in boxed], source, prompt_template), fmt
+    answers = [b.strip() for b in boxed]
+    _check_texts(path, "solution", answers, ANSWER + " in its last \\boxed{}", strings_only=False)
+    return _text_rows(prompts, answers, source, prompt_template), fmt
 
 
 def synthetic_splits(cfg: DictConfig) -> tuple[pl.DataFrame, pl.DataFrame]:
