@@ -960,3 +960,38 @@ def test_the_stage_refuses_a_non_finite_feature_before_any_output(features_path,
     with pytest.raises(SchemaError, match=rf"shard_0.parquet: column '{column}' {where}: nan is not a finite number"):
         advantages.run(tiny_config(), args)
     assert not (tmp_path / "a.parquet").exists() and not (tmp_path / "c.parquet").exists()
+
+
+def test_the_stage_takes_one_iterations_shards_each_once(features_path, tmp_path):
+    """Issue 35: the stage merged a shard given twice (groups of 2G responses) and shards of
+    different iterations. It refuses them, and a group_id in two files, naming the files."""
+    from conftest import tiny_config
+
+    table = read_table(features_path, schemas.FEATURES)
+    assert table["shard"].unique().to_list() == [0] and table["iteration"].unique().to_list() == [0]
+
+    def run(*tables_or_paths):
+        paths = []
+        for i, t in enumerate(tables_or_paths):
+            if isinstance(t, pl.DataFrame):
+                t.write_parquet(tmp_path / f"f{i}.parquet")
+                t = tmp_path / f"f{i}.parquet"
+            paths.append(str(t))
+        args = advantages.Args(features=paths, out=str(tmp_path / "a.parquet"), comparison=str(tmp_path / "c.parquet"))
+        advantages.run(tiny_config(), args)
+
+    shard1 = table.with_columns(pl.lit(1, pl.Int64).alias("shard"), pl.col("group_id") + 1000)
+    with pytest.raises(SchemaError, match=r"--features: .*shard_0.parquet is given twice"):
+        run(features_path, features_path)
+    with pytest.raises(
+        SchemaError, match=r"shards of different iterations: .*f0.parquet \(iteration 0\), .*f1.parquet \(iteration 1\)"
+    ):
+        run(table, shard1.with_columns(pl.lit(1, pl.Int64).alias("iteration")))
+    with pytest.raises(SchemaError, match=r"--features: shard 0 is in .*f0.parquet and in .*f1.parquet"):
+        run(table, table)  # a copy of one shard under another name
+    group = table["group_id"][0]
+    with pytest.raises(SchemaError, match=rf"--features: group_id {group} is in .*f0.parquet and in .*f1.parquet"):
+        run(table, table.with_columns(pl.lit(1, pl.Int64).alias("shard")))
+    assert not (tmp_path / "a.parquet").exists() and not (tmp_path / "c.parquet").exists()
+    run(table, shard1)  # two shards of one iteration
+    assert read_table(tmp_path / "a.parquet", schemas.ADVANTAGES).height == 2 * table.height
