@@ -178,6 +178,13 @@ def test_member_config_layers_base_run_and_seed():
             "config key 'analysis.target_fraction' was removed: the target is now a fixed avg@k, analysis.target",
         ),
         ({"analysis": {"reference": "grpo_n4"}}, "config key 'analysis.reference' was removed: the target is now"),
+        # names that become folders: results/<experiment>/<run>/seed_<seed>, never outside results/
+        ({"experiment": "../../../x"}, "config key 'experiment': must be a folder name, free of slashes"),
+        ({"experiment": ".."}, "config key 'experiment': must be a folder name, a name other than '.' and '..'"),
+        ({"experiment": "-x"}, "config key 'experiment': must be a folder name, not starting with '-'"),
+        ({"experiment": ""}, "config key 'experiment': must be a folder name, not empty"),
+        ({"runs": {"a/b": {}}}, "config key 'runs.a/b': must be a folder name, free of slashes"),
+        ({"runs": {"x\ny": {}}}, "config key 'runs.x\ny': must be a folder name, free of control characters"),
     ],
 )
 def test_bad_experiment_fails_before_any_job(tmp_path, change, message):

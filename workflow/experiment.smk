@@ -6,8 +6,10 @@
 # keeps its own caching: rerun a stage of one member with snakemake --directory on its folder.
 import hashlib
 import os
+import re
 import sys
 from pathlib import Path
+from shlex import quote
 
 import yaml
 
@@ -19,7 +21,6 @@ from otbflow.io import write_text_if_changed
 
 REPO = Path(workflow.basedir).resolve().parent
 EXP = dict(config)
-ROOT = f"results/{EXP.get('experiment', 'experiment')}"
 ENV = "../envs/otbflow.yaml"
 
 
@@ -28,24 +29,27 @@ ENV = "../envs/otbflow.yaml"
 # run, --lint or --summary writes nothing under results/. Their text is the rules' rerun trigger.
 GIVEN = yaml.safe_dump(EXP, sort_keys=False)
 EXP = check_experiment(yaml.safe_load(GIVEN), "the experiment (--configfile, --config)")
+# a plain name (check_experiment): results/<experiment> is a folder of results/, never outside it
+ROOT = f"results/{EXP['experiment']}"
 SHARED = yaml.safe_dump(shared_config(EXP), sort_keys=False)
 RUNS, SEEDS = list(EXP["runs"]), list(EXP["seeds"])
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
 _SRC = str(Path(otbflow.__file__).resolve().parents[1])
-OTBFLOW = f"PYTHONPATH={_SRC}${{PYTHONPATH:+:$PYTHONPATH}} {sys.executable} -m otbflow"
+# every path reaching a shell is quoted (shlex.quote here, {log:q}, {input.x:q} in the rules)
+OTBFLOW = f"PYTHONPATH={quote(_SRC)}${{PYTHONPATH:+:$PYTHONPATH}} {quote(sys.executable)} -m otbflow"
 DEFAULTS = hashlib.sha256(to_yaml(load_config(DEFAULT_CONFIG)).encode()).hexdigest()[:16]
 
 
 def inner(directory, configfile, targets, threads):
     """The default workflow in its own folder (standard input closed, as for any Snakemake run)."""
     return (
-        f"{SNAKEMAKE} -s {REPO}/Snakefile --directory {directory} --configfile {os.path.abspath(configfile)} "
-        f"--cores {threads} {' '.join(targets)} < /dev/null"
+        f"{quote(SNAKEMAKE)} -s {quote(f'{REPO}/Snakefile')} --directory {quote(directory)} "
+        f"--configfile {quote(os.path.abspath(configfile))} --cores {threads} {' '.join(map(quote, targets))} < /dev/null"
     )
 
 
 wildcard_constraints:
-    run="|".join(RUNS),
+    run="|".join(map(re.escape, RUNS)),
     seed=r"\d+",
 
 
@@ -111,7 +115,7 @@ rule shared:
             threads,
         ),
     shell:
-        "{params.cmd} > {log} 2>&1"
+        "{params.cmd} > {log:q} 2>&1"
 
 
 rule member_config:
@@ -132,8 +136,8 @@ rule member_config:
         # covers: the config module declares, the stages' triggers see values) writes it anew
         defaults=DEFAULTS,
     shell:
-        "{params.cmd} --experiment {input.experiment} --run {wildcards.run} --seed {wildcards.seed} "
-        "--policy {input.policy} --scaling {input.scaling} --out {output} > {log} 2>&1"
+        "{params.cmd} --experiment {input.experiment:q} --run {wildcards.run:q} --seed {wildcards.seed} "
+        "--policy {input.policy:q} --scaling {input.scaling:q} --out {output:q} > {log:q} 2>&1"
 
 
 rule member:
@@ -158,7 +162,7 @@ rule member:
             threads,
         ),
     shell:
-        "{params.cmd} > {log} 2>&1"
+        "{params.cmd} > {log:q} 2>&1"
 
 
 rule experiment_report:
@@ -189,4 +193,4 @@ rule experiment_report:
         code=code_version("experiment"),
         root=lambda wildcards, output: os.path.dirname(output.summary),
     shell:
-        "{params.cmd} --experiment {input.experiment} --root {params.root} --out-dir {params.root} > {log} 2>&1"
+        "{params.cmd} --experiment {input.experiment:q} --root {params.root:q} --out-dir {params.root:q} > {log:q} 2>&1"

@@ -812,6 +812,27 @@ def require(ok: bool, key: str, what: str, value: Any) -> None:
         raise ConfigError(f"config key '{key}': must be {what} (got {value!r})")
 
 
+def require_path_text(key: str, value: Any, name: bool = False) -> None:
+    """A config string that becomes a path (``name``: one folder name, such as an experiment's or
+    a run's): refused when empty, with a leading '-' (read as an option by the stages' CLIs), a
+    control character or a brace (Snakemake reads braces in a path as a wildcard); a name also
+    when it is '.' or '..' or holds a slash (it would leave its parent folder). Other characters,
+    spaces, quotes and '$' included, are quoted wherever a path reaches a shell."""
+    what = "a folder name" if name else "a path"
+    text = value if isinstance(value, str) else None
+    for bad, why in [
+        (text is None, "a string"),
+        (text == "", "not empty"),
+        (text and any(ord(c) < 32 or ord(c) == 127 for c in text), "free of control characters"),
+        (text and any(c in "{}" for c in text), "free of braces (Snakemake reads them as wildcards)"),
+        (text and text.startswith("-"), "not starting with '-' (the stages' CLIs read it as an option)"),
+        (name and text and any(c in "/\\" for c in text), "free of slashes (a name, not a path)"),
+        (name and text in (".", ".."), "a name other than '.' and '..'"),
+    ]:
+        if bad:
+            raise ConfigError(f"config key '{key}': must be {what}, {why} (got {value!r})")
+
+
 def evaluated_iterations(cfg: DictConfig) -> list[int]:
     """Iterations whose policy the workflow evaluates (evaluate.every; the last one always)."""
     every, last = cfg.evaluate.every, cfg.iterations - 1
@@ -871,6 +892,7 @@ def check_staleness(cfg: DictConfig, explicit: frozenset[str] | None) -> None:
 def check_rules(cfg: DictConfig, explicit: frozenset[str] | None = None) -> None:
     """The rules that relate several keys (each key's own bounds are in its metadata)."""
     m, t, a, tr = cfg.model, cfg.task, cfg.advantages, cfg.train
+    require_path_text("results_dir", cfg.results_dir)
     check_staleness(cfg, explicit)
     chat = chat_setting(cfg)
     require(m.n_embd % m.n_head == 0, "model.n_head", "a divisor of model.n_embd", m.n_head)

@@ -32,6 +32,7 @@ from otbflow.config import (
     nest,
     opt,
     require,
+    require_path_text,
     to_yaml,
 )
 from otbflow.io import write_text
@@ -144,10 +145,14 @@ def check_experiment(data: dict, path: str) -> dict:
 
 
 def check_experiment_rules(exp: dict) -> None:
-    """The rules between keys of an experiment (each key's own bounds are in its metadata)."""
+    """The rules between keys of an experiment (each key's own bounds are in its metadata). The
+    experiment's name and its runs' are folder names (results/<experiment>/<run>/seed_<seed>)."""
+    require_path_text("experiment", exp["experiment"], name=True)
     require(len(exp["seeds"]) > 0, "seeds", "a non-empty list of integers", exp["seeds"])
     runs = list(exp["runs"] or {})
     require(len(runs) > 0, "runs", "a mapping of run names to config overrides", exp["runs"])
+    for run in runs:
+        require_path_text(f"runs.{run}", run, name=True)
     a = exp["analysis"]
     for i, pair in enumerate(a["pairs"]):
         require(

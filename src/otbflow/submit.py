@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -114,7 +115,7 @@ class Head:
         this one), told the head job's id (HEAD_JOB) instead."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
         env[HEAD_JOB] = os.environ.get("SLURM_JOB_ID", "")
-        print("+", " ".join(self.cmd), flush=True)
+        print("+", shlex.join(self.cmd), flush=True)
         self.proc = subprocess.Popen(self.cmd, cwd=self.cwd, env=env, stdin=subprocess.DEVNULL)
         returncode = self.proc.wait()
         if returncode != 0:
@@ -164,9 +165,10 @@ def submit(ns: argparse.Namespace):
 
 def main(ns: argparse.Namespace) -> int:
     job = submit(ns)
-    print(f"submitted the head job {job.job_id}: {' '.join(snakemake_command(ns))}")
+    # the commands it prints are quoted, to be pasted into a shell as they are
+    print(f"submitted the head job {job.job_id}: {shlex.join(snakemake_command(ns))}")
     print(f"  head log:    {job.paths.stdout}  (errors: {job.paths.stderr})")
     print(f"  job logs:    {os.getcwd()}/.snakemake/slurm_logs/ and the stage logs under results/logs/")
-    print(f"  follow it:   tail -f {job.paths.stdout}")
+    print(f"  follow it:   tail -f {shlex.quote(str(job.paths.stdout))}")
     print(f"  its jobs:    squeue --me   (stop: scancel {job.job_id})")
     return 0

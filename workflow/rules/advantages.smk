@@ -21,5 +21,5 @@ rule advantages:
         cfg=stage_trigger("advantages"),
         code=code_version("advantages"),
     shell:
-        "OTBFLOW_THREADS={threads} {params.cmd} --features {input.features} --out {output.advantages} "
-        "--comparison {output.comparison} --iteration {wildcards.k} > {log} 2>&1"
+        "OTBFLOW_THREADS={threads} {params.cmd} --features {input.features:q} --out {output.advantages:q} "
+        "--comparison {output.comparison:q} --iteration {wildcards.k} > {log:q} 2>&1"

@@ -17,4 +17,4 @@ rule bootstrap:
         cfg=stage_trigger("bootstrap"),
         code=code_version("bootstrap"),
     shell:
-        "OTBFLOW_THREADS={threads} {params.cmd} --out {output.policy} --metrics {output.curve} > {log} 2>&1"
+        "OTBFLOW_THREADS={threads} {params.cmd} --out {output.policy:q} --metrics {output.curve:q} > {log:q} 2>&1"

@@ -2,6 +2,7 @@
 import os
 import sys
 from pathlib import Path
+from shlex import quote
 
 from snakemake.utils import validate
 
@@ -59,10 +60,12 @@ def write_resolved_config():
 
 
 # Jobs run the same source tree the Snakefile imported, with this interpreter (or the
-# environment's `python` under --sdm conda).
+# environment's `python` under --sdm conda). Every path and interpreter that reaches a shell is
+# quoted (shlex.quote here, {input:q}/{output:q}/{log:q}/{params.x:q} in the rules): a results_dir
+# or an interpreter path with a space, a quote or $(...) is a name, never shell syntax.
 _SRC = str(Path(otbflow.__file__).resolve().parents[1])
 _PY = "python" if "conda" in str(workflow.deployment_settings.deployment_method).lower() else sys.executable
-OTBFLOW = f"PYTHONPATH={_SRC}${{PYTHONPATH:+:$PYTHONPATH}} {_PY} -m otbflow"
+PYTHONPATH = f"PYTHONPATH={quote(_SRC)}${{PYTHONPATH:+:$PYTHONPATH}}"
 
 
 def stage_cmd(stage):
@@ -76,12 +79,8 @@ def stage_cmd(stage):
     python = CFG.rollout.python if STAGES[stage].engine else None
     res = CFG.resources.get(stage, {})
     launcher = launch_processes(res.tasks, res.cpus_per_task) if "tasks" in res else ""
-    cli = (
-        OTBFLOW
-        if python is None and not launcher
-        else f"PYTHONPATH={_SRC}${{PYTHONPATH:+:$PYTHONPATH}} {launcher}{python or _PY} -m otbflow"
-    )
-    command = f"{cli} {STAGES[stage].command} --config {RESOLVED_CONFIG}"
+    cli = f"{PYTHONPATH} {launcher}{quote(python or _PY)} -m otbflow"
+    command = f"{cli} {STAGES[stage].command} --config {quote(RESOLVED_CONFIG)}"
     return lambda wildcards, input: command
 
 
@@ -97,14 +96,17 @@ def stage_env(stage):
 
 
 def launch_processes(tasks, cpus_per_task):
-    """Command prefix that starts ``tasks`` copies of a command (nothing for one): srun inside a
-    Slurm job (train.py maps SLURM_PROCID/LOCALID/NTASKS), torchrun on this machine otherwise.
-    Decided when the job runs, so the command (a rerun trigger) is the same under every executor."""
+    """Command prefix that starts ``tasks`` copies of the command that follows it (nothing for
+    one): srun inside a Slurm job (train.py maps SLURM_PROCID/LOCALID/NTASKS), torchrun on this
+    machine otherwise. Decided when the job runs, so the command is the same under every executor.
+    A ``bash -c`` script that receives the command as its arguments ("$@"): the command's quoted
+    words reach srun or torchrun as they are (a command substitution would split them again)."""
     if tasks == 1:
         return ""
     srun = f"srun --ntasks={tasks} --cpus-per-task={cpus_per_task} --kill-on-bad-exit=1"
-    torchrun = f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node={tasks} --no-python"
-    return f'$(if [ -n "${{SLURM_JOB_ID:-}}" ]; then echo {srun}; else echo {torchrun}; fi) '
+    torchrun = f"{quote(sys.executable)} -m torch.distributed.run --standalone --nproc_per_node={tasks} --no-python"
+    script = f'if [ -n "${{SLURM_JOB_ID:-}}" ]; then exec {srun} "$@"; else exec {torchrun} "$@"; fi'
+    return f"bash -c {quote(script)} launch "
 
 
 def runtime(minutes):

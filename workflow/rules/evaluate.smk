@@ -23,8 +23,10 @@ rule evaluate:
         cfg=stage_trigger("evaluate"),
         code=code_version("evaluate"),
         iteration=policy_iteration,
-        train_state=lambda wildcards, input: f"--train-state {input.train_state}" if input.train_state else "",
+        train_state=lambda wildcards, input: (
+            f"--train-state {' '.join(map(quote, input.train_state))}" if input.train_state else ""
+        ),
     shell:
-        "OTBFLOW_THREADS={threads} {params.cmd} --prompts {input.prompts} --policy {input.policy} --name {wildcards.policy} "
-        "--samples {output.samples} --summary {output.summary} --iteration {params.iteration} {params.train_state} "
-        "--tracking-name evaluate/{wildcards.policy} > {log} 2>&1"
+        "OTBFLOW_THREADS={threads} {params.cmd} --prompts {input.prompts:q} --policy {input.policy:q} --name {wildcards.policy} "
+        "--samples {output.samples:q} --summary {output.summary:q} --iteration {params.iteration} {params.train_state} "
+        "--tracking-name evaluate/{wildcards.policy} > {log:q} 2>&1"

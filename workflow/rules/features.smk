@@ -23,4 +23,4 @@ rule features:
         cfg=stage_trigger("features"),
         code=code_version("features"),
     shell:
-        "OTBFLOW_THREADS={threads} {params.cmd} --rollouts {input.rollouts} --policy {input.policy} --out {output} > {log} 2>&1"
+        "OTBFLOW_THREADS={threads} {params.cmd} --rollouts {input.rollouts:q} --policy {input.policy:q} --out {output:q} > {log:q} 2>&1"

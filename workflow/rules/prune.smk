@@ -20,6 +20,8 @@ rule prune:
         # what iteration k keeps, and its rerun trigger (extending `iterations` turns the last
         # policies into pruned ones: only those jobs rerun)
         keep=lambda wildcards: retention_decision(CFG, int(wildcards.k)).flags(),
-        optional=lambda wildcards, input: f"--optimizer {input.optimizer}" if input.optimizer else "",
+        optional=lambda wildcards, input: (
+            f"--optimizer {' '.join(map(quote, input.optimizer))}" if input.optimizer else ""
+        ),
     shell:
-        "{params.cmd} --iteration {wildcards.k} --policy {input.policy} {params.optional} {params.keep} --out {output} > {log} 2>&1"
+        "{params.cmd} --iteration {wildcards.k} --policy {input.policy:q} {params.optional} {params.keep} --out {output:q} > {log:q} 2>&1"

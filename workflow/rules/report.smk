@@ -57,5 +57,5 @@ rule report:
         code=code_version("report"),
         out_dir=lambda wildcards, output: os.path.dirname(output.progress),
     shell:
-        "OTBFLOW_THREADS={threads} {params.cmd} --summaries {input.summaries} --metrics {input.metrics} --rollouts {input.rollouts} "
-        "--comparisons {input.comparisons} --features {input.features} --out-dir {params.out_dir} > {log} 2>&1"
+        "OTBFLOW_THREADS={threads} {params.cmd} --summaries {input.summaries:q} --metrics {input.metrics:q} --rollouts {input.rollouts:q} "
+        "--comparisons {input.comparisons:q} --features {input.features:q} --out-dir {params.out_dir:q} > {log:q} 2>&1"

@@ -25,8 +25,8 @@ rule rollout:
         code=code_version("rollout"),
         behaviour=behaviour_iteration,
     shell:
-        "OTBFLOW_THREADS={threads} {params.cmd} --prompts {input.prompts} --policy {input.policy} --out {output} "
-        "--iteration {wildcards.k} --behaviour-iteration {params.behaviour} > {log} 2>&1"
+        "OTBFLOW_THREADS={threads} {params.cmd} --prompts {input.prompts:q} --policy {input.policy:q} --out {output:q} "
+        "--iteration {wildcards.k} --behaviour-iteration {params.behaviour} > {log:q} 2>&1"
 
 
 rule score:
@@ -52,4 +52,4 @@ rule score:
         cfg=stage_trigger("score"),
         code=code_version("score"),
     shell:
-        "OTBFLOW_THREADS={threads} {params.cmd} --rollouts {input.rollouts} --out {output} > {log} 2>&1"
+        "OTBFLOW_THREADS={threads} {params.cmd} --rollouts {input.rollouts:q} --out {output:q} > {log:q} 2>&1"

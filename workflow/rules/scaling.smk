@@ -27,4 +27,4 @@ rule scaling:
         code=code_version("scaling"),
         out_dir=lambda wildcards, output: os.path.dirname(output.summary),
     shell:
-        "OTBFLOW_THREADS={threads} {params.cmd} --rollouts {input.rollouts} --policy {input.policy} --out-dir {params.out_dir} > {log} 2>&1"
+        "OTBFLOW_THREADS={threads} {params.cmd} --rollouts {input.rollouts:q} --policy {input.policy:q} --out-dir {params.out_dir:q} > {log:q} 2>&1"

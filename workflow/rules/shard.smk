@@ -20,4 +20,4 @@ rule shard:
         code=code_version("shard"),
         out_dir=lambda wildcards, output: os.path.dirname(output.eval),
     shell:
-        "OTBFLOW_THREADS={threads} {params.cmd} --out-dir {params.out_dir} > {log} 2>&1"
+        "OTBFLOW_THREADS={threads} {params.cmd} --out-dir {params.out_dir:q} > {log:q} 2>&1"

@@ -36,13 +36,13 @@ rule train:
         checkpoint_dir=f"{R}/checkpoints/train/iter_{{k}}",
         optional=lambda wildcards, input, output: " ".join(
             [
-                f"--{name.replace('_', '-')} {getattr(input, name)}"
+                f"--{name.replace('_', '-')} {' '.join(map(quote, getattr(input, name)))}"
                 for name in ("prev_state", "prev_optimizer", "reference")
                 if getattr(input, name)
             ]
-            + ([f"--optimizer {output.optimizer}"] if hasattr(output, "optimizer") else [])
+            + ([f"--optimizer {quote(output.optimizer)}"] if hasattr(output, "optimizer") else [])
         ),
     shell:
-        "OTBFLOW_THREADS={threads} {params.cmd} --advantages {input.advantages} --policy {input.policy} --out {output.policy} "
-        "--metrics {output.metrics} --state {output.state} --checkpoint-dir {params.checkpoint_dir} "
-        "--iteration {wildcards.k} {params.optional} --tracking-name train/iter_{wildcards.k} > {log} 2>&1"
+        "OTBFLOW_THREADS={threads} {params.cmd} --advantages {input.advantages:q} --policy {input.policy:q} --out {output.policy:q} "
+        "--metrics {output.metrics:q} --state {output.state:q} --checkpoint-dir {params.checkpoint_dir:q} "
+        "--iteration {wildcards.k} {params.optional} --tracking-name train/iter_{wildcards.k} > {log:q} 2>&1"

@@ -21,7 +21,7 @@ rule variance_pool:
         cfg=stage_trigger("variance_pool"),
         code=code_version("variance_pool"),
     shell:
-        "OTBFLOW_THREADS={threads} {params.cmd} --prompts {input.prompts} --policy {input.policy} --out {output} > {log} 2>&1"
+        "OTBFLOW_THREADS={threads} {params.cmd} --prompts {input.prompts:q} --policy {input.policy:q} --out {output:q} > {log:q} 2>&1"
 
 
 rule variance:
@@ -52,4 +52,4 @@ rule variance:
         code=code_version("variance"),
         out_dir=lambda wildcards, output: os.path.dirname(output.summary),
     shell:
-        "OTBFLOW_THREADS={threads} {params.cmd} --rollouts {input.pool} --policy {input.policy} --out-dir {params.out_dir} > {log} 2>&1"
+        "OTBFLOW_THREADS={threads} {params.cmd} --rollouts {input.pool:q} --policy {input.policy:q} --out-dir {params.out_dir:q} > {log:q} 2>&1"
