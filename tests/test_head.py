@@ -183,6 +183,55 @@ def test_the_processes_of_a_gone_head_are_found_by_their_mark_and_stopped():
         other.wait()
 
 
+# --- one head per results folder: its lock ---
+
+
+def test_the_results_folder_has_one_head(tmp_path, fake_slurm):
+    """The lock in the results folder: taken when free, refused while its holder runs or cannot
+    be asked (naming it and the folder, writing nothing), taken over from a gone holder, freed
+    only by its holder."""
+    lock = H.ResultsLock(tmp_path / "results")
+    mine = replace(me(), workdir=str(tmp_path / "a"))
+    assert lock.acquire(mine, print) is None and lock.holder() == mine
+    assert lock.acquire(mine, print) is None  # its own: held already
+    held = lock.path.read_text()
+    other = replace(me(), id="other", workdir=str(tmp_path / "b"))
+    with pytest.raises(H.FolderHeld) as refused:  # a live head of this host (this process)
+        lock.acquire(other, print)
+    assert f"{lock.folder} is held by the head pid {os.getpid()} on {mine.host}" in str(refused.value)
+    assert f"from the working folder {tmp_path / 'a'}, which runs" in str(refused.value)
+    assert lock.path.read_text() == held and sorted(p.name for p in lock.folder.iterdir()) == [H.LOCK]
+    lock.release(other)  # not its holder: nothing happens
+    assert lock.path.read_text() == held
+    lock.release(mine)
+    assert not lock.path.exists()
+
+    # a head on another host: asked of Slurm; without a Slurm job it cannot be asked (counts as alive)
+    elsewhere = replace(me(), id="elsewhere", host="elsewhere", slurm_job=None)
+    lock.acquire(elsewhere, print)
+    with pytest.raises(H.FolderHeld, match="may still run"):
+        lock.acquire(mine, print)
+    lock.path.unlink()
+    head_job = replace(elsewhere, id="head-job", slurm_job="100")
+    lock.acquire(head_job, print)
+    fake_slurm("100|100|RUNNING|otbflow-head")
+    with pytest.raises(H.FolderHeld, match="Slurm job 100"):
+        lock.acquire(mine, print)
+    # the head job requeued (the same Slurm job id, maybe on another host): its dead run is taken over
+    lines = []
+    assert lock.acquire(replace(me(), id="requeued", slurm_job="100"), lines.append) == head_job
+    assert lock.holder().id == "requeued" and any("is gone" in line for line in lines), lines
+    # a dead process of this host (a reaped pid) is gone too
+    proc = subprocess.Popen(["sleep", "0"])
+    stat = H.process_stat(proc.pid)
+    proc.wait()
+    lock.path.unlink()
+    dead = replace(me(), id="dead", pid=proc.pid, start=stat[2] if stat else 0)
+    lock.acquire(dead, print)
+    assert lock.acquire(mine, print) == dead and lock.holder() == mine
+    assert sorted(p.name for p in lock.folder.iterdir()) == [H.LOCK]
+
+
 # --- a Snakefile with the guard: kill -9 of Snakemake, then the same command ---
 
 TOY = """
@@ -204,9 +253,9 @@ rule slow:
 """
 
 
-def toy(work: Path, *args: str, sleep: float = 0.5, background=False):
+def toy(work: Path, *args: str, sleep: float = 0.5, background=False, env: dict | None = None):
     cmd = [SNAKEMAKE, "--cores", "2", *args]
-    env = dict(os.environ, TOY_SLEEP=str(sleep), PYTHONPATH=str(REPO / "src"))
+    env = dict(os.environ, TOY_SLEEP=str(sleep), PYTHONPATH=str(REPO / "src"), **(env or {}))
     if background:
         return subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
@@ -252,21 +301,100 @@ def test_a_killed_snakemake_is_continued_by_the_same_command(tmp_path):
 
 
 def test_a_live_snakemake_keeps_the_folder(tmp_path):
-    """A second Snakemake on the same outputs while the first runs: it stops at Snakemake's lock,
-    names the head that holds the folder, and neither its record nor its jobs are touched."""
+    """A second Snakemake on the same outputs while the first runs: it is refused at the results
+    folder's lock, before Snakemake's own, naming the head that holds the folder, and neither the
+    first's record, its lock nor its jobs are touched."""
     (tmp_path / "Snakefile").write_text(TOY)
     first = toy(tmp_path, sleep=15, background=True)
+    lock = H.ResultsLock(tmp_path / "results")
     try:
         wait_for(lambda: len(markers(tmp_path)) == 2, what="both jobs to start")
+        held = lock.path.read_text()
         second = toy(tmp_path)
         log = second.stdout + second.stderr
-        assert second.returncode != 0 and "LockException" in log and f"the head pid {first.pid}" in log, log
+        assert second.returncode != 0 and f"is held by the head pid {first.pid}" in log, log
+        assert "nothing was run" in log and lock.path.read_text() == held
         assert len(list((tmp_path / ".snakemake" / H.RECORDS).glob("*.json"))) == 1
         assert first.poll() is None and len(markers(tmp_path)) == 2
     finally:
         first.terminate()  # SIGTERM: Snakemake waits for its jobs, then removes its record
         first.wait(timeout=60)
-    assert not list((tmp_path / ".snakemake" / H.RECORDS).glob("*.json"))
+    assert not list((tmp_path / ".snakemake" / H.RECORDS).glob("*.json")) and not lock.path.exists()
+
+
+# A toy whose outputs are in a results folder outside its working folder (TOY_RESULTS), each
+# written half first: a job killed mid-way leaves a file that must not be taken for finished.
+SHARED_TOY = """
+import os
+
+from otbflow.head import guard
+
+R = os.environ["TOY_RESULTS"]
+guard(workflow, R)
+
+
+rule all:
+    input:
+        expand(f"{R}/{{i}}.txt", i=range(2)),
+
+
+rule slow:
+    output:
+        f"{R}/{{i}}.txt",
+    shell:
+        "echo half > {output:q}; sleep $TOY_SLEEP; echo {wildcards.i} > {output:q}"
+"""
+
+
+def test_two_working_folders_share_one_results_folder(tmp_path):
+    """Two checkouts (two working folders) on one results folder: while the first runs, the
+    second is refused before any job, naming the holder and the folder, and touches nothing of
+    the first's; its dry run works and says so. Once the first is killed with kill -9, the second
+    takes the folder over: the first's orphaned jobs are stopped and its half-written outputs
+    redone, not adopted; it frees the folder when it ends, and the first checkout runs again."""
+    results = tmp_path / "shared results"
+    a, b = tmp_path / "a", tmp_path / "b"
+    for work in (a, b):
+        work.mkdir()
+        (work / "Snakefile").write_text(SHARED_TOY)
+    env = {"TOY_RESULTS": str(results)}
+    lock = H.ResultsLock(results)
+    first = toy(a, sleep=60, background=True, env=env)
+    try:
+        wait_for(lambda: len(markers(a)) == 2, what="both jobs of the first head to start")
+        wait_for(lambda: all((results / f"{i}.txt").is_file() for i in range(2)), what="the half-written outputs")
+        before = {p.name: p.read_text() for p in results.iterdir()}
+        second = toy(b, sleep=0.5, env=env)
+        log = second.stdout + second.stderr
+        assert second.returncode != 0, log
+        assert f"the results folder {results} is held by the head pid {first.pid}" in log, log
+        assert f"from the working folder {a}, which runs" in log and "nothing was run" in log, log
+        assert "rule slow" not in log and not (b / ".snakemake" / H.RECORDS).exists()
+        assert {p.name: p.read_text() for p in results.iterdir()} == before
+        assert first.poll() is None and len(markers(a)) == 2
+        dry = toy(b, "-n", env=env)
+        assert dry.returncode == 0 and "a real run here is refused" in dry.stdout + dry.stderr, dry.stderr
+        assert {p.name: p.read_text() for p in results.iterdir()} == before
+
+        dead = lock.holder()
+        assert dead.pid == first.pid and dead.workdir == str(a)
+        first.kill()
+        first.wait()
+        assert H.marked_processes({dead.id}), "the jobs of a killed Snakemake run on"
+        second = toy(b, sleep=0.5, env=env)
+        log = second.stdout + second.stderr
+        assert second.returncode == 0, log
+        assert f"the head pid {first.pid} on {dead.host}" in log and f"it ran from {a}" in log, log
+        assert not H.marked_processes({dead.id})
+        assert [(results / f"{i}.txt").read_text() for i in range(2)] == ["0\n", "1\n"]
+        assert not lock.path.exists()
+        again = toy(a, sleep=0.5, env=env)  # the first checkout, after its own killed head
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert not lock.path.exists()
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
 
 
 # --- the tiny workflow: kill -9 of `snakemake --cores 2` mid-run, then the same command ---

@@ -17,6 +17,12 @@ the Snakefile when it is parsed) lets the same command continue instead:
   time, against pid reuse), on another host its Slurm job, no longer running (a requeued head job's
   new run is not its previous run); a head on another host without a Slurm job cannot be told
   gone: it counts as alive;
+- one head per results folder: a real run also holds ``<results_dir>/.otbflow-head.json`` (its
+  record, with its working folder) from before its first job until Snakemake returns. Another
+  head on the same results folder, from this working folder or any other, is refused before it
+  touches anything, naming the holder; a gone holder's lock is taken over (gone as below), and
+  when it ran from another working folder its jobs are stopped and the outputs it had not seen
+  finish (its ``.snakemake/incomplete/`` there) are removed so that they are redone;
 - while a recorded head is alive nothing is touched: Snakemake's lock decides;
 - otherwise the gone heads' jobs are stopped before anything is redone: Slurm jobs by the ids in
   the incomplete markers and by name (stage jobs are named ``otbflow-<hash of the results
@@ -49,6 +55,7 @@ from typing import Callable
 MARK = "OTBFLOW_HEAD"  # environment variable: the id of the head that started a process
 HEAD_JOB = "OTBFLOW_HEAD_JOB_ID"  # the head job's Slurm id (otbflow submit drops SLURM_* for Snakemake)
 RECORDS = "otbflow-heads"  # under .snakemake/
+LOCK = ".otbflow-head.json"  # in the results folder: the head that holds it
 # Slurm states of a job whose processes may still run; any other state, or none, is gone.
 RUNNING = {"RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT", "RESIZING"}
 # ... and of a job that may still start (a stage job from a gone head is cancelled in both).
@@ -72,6 +79,7 @@ class Head:
     jobname_prefix: str | None  # its stage jobs' Slurm names start with this and "_"
     started: str  # wall clock, for people
     argv: list[str]
+    workdir: str = ""  # its working folder (where its .snakemake is); "" in records written before it
 
     def describe(self) -> str:
         job = f", Slurm job {self.slurm_job}" if self.slurm_job else ""
@@ -95,7 +103,7 @@ def process_stat(pid: int) -> tuple[str, int, int] | None:
     return fields[0], int(fields[1]), int(fields[19])
 
 
-def this_process(jobname_prefix: str | None = None, argv: list[str] | None = None) -> Head:
+def this_process(jobname_prefix: str | None = None, argv: list[str] | None = None, workdir: str = "") -> Head:
     pid = os.getpid()
     stat = process_stat(pid)
     host = socket.gethostname()
@@ -110,6 +118,7 @@ def this_process(jobname_prefix: str | None = None, argv: list[str] | None = Non
         jobname_prefix=jobname_prefix,
         started=time.strftime("%Y-%m-%d %H:%M:%S"),
         argv=list(argv or []),
+        workdir=workdir,
     )
 
 
@@ -163,25 +172,30 @@ def is_gone(head: Head, me: Head, wait_s: float = 120) -> bool | None:
         time.sleep(2)
 
 
-def incomplete_jobs(snakemake_dir: Path) -> dict[str, str]:
-    """{output path: Slurm job id} of the outputs Snakemake marked incomplete with a job id."""
-    out = {}
-    root = snakemake_dir / "incomplete"
+def incomplete_outputs(snakemake_dir: Path) -> dict[str, str | None]:
+    """{output path: Slurm job id or None} of every output Snakemake marked incomplete (paths as
+    the workflow names them: relative to its working folder unless absolute)."""
+    out: dict[str, str | None] = {}
+    root = Path(snakemake_dir) / "incomplete"
     for path in root.rglob("*") if root.is_dir() else ():
         if not path.is_file() or path.name == "migration_underway":
             continue
         try:
-            job = json.loads(path.read_text()).get("external_jobid")
+            job = json.loads(path.read_text() or "{}").get("external_jobid")
         except (OSError, ValueError, AttributeError):
-            continue
-        if job:
-            parts = path.relative_to(root).parts  # a long name is split in folders "@chunk"
-            name = "".join(p.removeprefix("@") for p in parts)
-            try:
-                out[base64.urlsafe_b64decode(name).decode()] = str(job)
-            except ValueError:
-                out[name] = str(job)
+            job = None
+        parts = path.relative_to(root).parts  # a long name is split in folders "@chunk"
+        name = "".join(p.removeprefix("@") for p in parts)
+        try:
+            out[base64.urlsafe_b64decode(name).decode()] = str(job) if job else None
+        except ValueError:
+            out[name] = str(job) if job else None
     return out
+
+
+def incomplete_jobs(snakemake_dir: Path) -> dict[str, str]:
+    """{output path: Slurm job id} of the outputs Snakemake marked incomplete with a job id."""
+    return {path: job for path, job in incomplete_outputs(snakemake_dir).items() if job}
 
 
 def queued_jobs(job_ids: set[str], prefixes: set[str]) -> set[str]:
@@ -258,6 +272,25 @@ def stop_processes(pids: list[int], log: Log, grace_s: float = 10) -> None:
         raise HeadError(f"the processes {left} did not end after SIGKILL")
 
 
+def stop_jobs(gone: list[Head], snakemake_dir: Path, me: Head, log: Log) -> None:
+    """Stop what the gone heads started: the Slurm jobs in the incomplete markers of their working
+    folder's ``snakemake_dir`` and those named for the results folder, then the local processes
+    that carry their mark. Called once no other head is alive: a job named for the folder is a gone
+    head's, even one whose record is lost (a head killed while it took over, after forgetting the
+    records)."""
+    jobs = set(incomplete_jobs(snakemake_dir).values())
+    prefixes = {h.jobname_prefix for h in [*gone, me] if h.jobname_prefix}
+    if jobs or prefixes:
+        try:
+            queued = queued_jobs(jobs, prefixes)
+        except HeadError as e:
+            raise HeadError(f"cannot tell whether the Slurm jobs of a gone head still run: {e}") from e
+        if queued:  # first: their processes carry the mark too (sbatch --export=ALL)
+            stop_slurm_jobs(queued, log)
+    if pids := marked_processes({h.id for h in gone}):
+        stop_processes(pids, log)
+
+
 class Folder:
     """The head records of one working folder (its ``.snakemake``)."""
 
@@ -307,25 +340,123 @@ class Folder:
         gone = [h for h in self.heads() if h.id != me.id]
         for head in gone:
             log(f"otbflow: the head {head.describe()} is gone: its jobs are stopped, their outputs redone")
-        jobs = set(incomplete_jobs(self.root).values())
-        # no head alive: a job named for this folder is a gone head's, even one whose record is lost
-        # (a head killed while it took over, after forgetting the records)
-        prefixes = {h.jobname_prefix for h in [*gone, me] if h.jobname_prefix}
-        if jobs or prefixes:
-            try:
-                queued = queued_jobs(jobs, prefixes)
-            except HeadError as e:
-                raise HeadError(f"cannot tell whether the Slurm jobs of a gone head still run: {e}") from e
-            if queued:  # first: their processes carry the mark too (sbatch --export=ALL)
-                stop_slurm_jobs(queued, log)
-        if pids := marked_processes({h.id for h in gone}):
-            stop_processes(pids, log)
+        stop_jobs(gone, self.root, me, log)
         if gone:
             shutil.rmtree(self.root / "locks", ignore_errors=True)
         for head in gone:
             self.forget(head)
         self.record(me)
         return not alive
+
+
+class FolderHeld(HeadError):
+    """Another head holds the results folder (it runs, or cannot be told gone)."""
+
+
+class ResultsLock:
+    """One head per results folder: ``<results>/.otbflow-head.json`` holds the record of the head
+    that runs on it (whatever its working folder). Created whole in one step (a hard link of a
+    written file: never half-written, and only one of two heads creates it); taken over only from a
+    holder that ``is_gone``, as the records of ``Folder`` are."""
+
+    def __init__(self, results_dir: str | Path):
+        self.folder = Path(results_dir).resolve()
+        self.path = self.folder / LOCK
+
+    def holder(self) -> Head | None:
+        """The head that holds the folder, None when none does."""
+        try:
+            return Head(**json.loads(self.path.read_text()))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, TypeError) as e:
+            raise HeadError(f"the lock {self.path} cannot be read ({e}): remove it once no head runs there") from e
+
+    def refusal(self, holder: Head, gone: bool | None, outcome: str = "nothing was run") -> str:
+        """Who holds the folder, and how to free it."""
+        how = "runs" if gone is False else "may still run (it cannot be asked from here)"
+        where = f" from the working folder {holder.workdir}" if holder.workdir else ""
+        return (
+            f"otbflow: the results folder {self.folder} is held by the head {holder.describe()}{where}, "
+            f"which {how}: one head per results folder, {outcome}. Wait for it to end, or stop it; "
+            f"if it is gone, `snakemake --unlock` in its working folder (or removing {self.path}) frees the folder"
+        )
+
+    def acquire(self, me: Head, log: Log) -> Head | None:
+        """Hold the folder for ``me``; returns the gone holder it was taken over from (None when it
+        was free). FolderHeld, having written nothing, when another head holds it and is not gone."""
+        taken: Head | None = None
+        for _ in range(100):  # another turn when the lock was released or taken over meanwhile
+            holder = self.holder()
+            if holder is None:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                tmp = self.folder / f"{LOCK}.{me.id}.tmp"
+                tmp.write_text(json.dumps(asdict(me), indent=1))
+                try:
+                    os.link(tmp, self.path)
+                    return taken
+                except FileExistsError:
+                    continue
+                finally:
+                    tmp.unlink(missing_ok=True)
+            if holder.id == me.id:
+                return taken
+            gone = is_gone(holder, me)
+            if not gone:
+                raise FolderHeld(self.refusal(holder, gone))
+            log(f"otbflow: the head {holder.describe()} that held {self.folder} is gone: the folder is taken over")
+            stale = self.folder / f"{LOCK}.{me.id}.gone"
+            try:
+                os.rename(self.path, stale)
+            except FileNotFoundError:
+                continue
+            moved = self.holder_at(stale)
+            if moved is not None and moved.id != holder.id:  # another head's, taken over meanwhile: put back
+                try:
+                    os.link(stale, self.path)
+                except FileExistsError:
+                    pass
+            else:
+                taken = holder
+            stale.unlink(missing_ok=True)
+        raise HeadError(f"the lock {self.path} changed hands 100 times while this head tried to take it")
+
+    @staticmethod
+    def holder_at(path: Path) -> Head | None:
+        try:
+            return Head(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def release(self, me: Head) -> None:
+        """Free the folder, if ``me`` holds it."""
+        holder = self.holder_at(self.path)
+        if holder is not None and holder.id == me.id:
+            self.path.unlink(missing_ok=True)
+
+
+def take_over_elsewhere(gone: Head, lock: ResultsLock, me: Head, log: Log) -> None:
+    """The results folder was held by a head, now gone, of another working folder: stop its jobs
+    (``stop_jobs``, with its folder's incomplete markers) and remove the outputs under the results
+    folder that it had not seen finish, so that this head redoes them instead of taking a
+    half-written file for a finished one. HeadError when its working folder cannot be read."""
+    snakemake_dir = Path(gone.workdir) / ".snakemake"
+    if not snakemake_dir.is_dir():
+        raise HeadError(
+            f"the head {gone.describe()} that held {lock.folder} is gone, but its working folder "
+            f"{gone.workdir} has no .snakemake to say which outputs it left unfinished: run the same command "
+            f"there, or remove what it was writing and {lock.path}"
+        )
+    log(f"otbflow: it ran from {gone.workdir}: its jobs are stopped, the outputs it left unfinished redone")
+    stop_jobs([gone], snakemake_dir, me, log)
+    for name in incomplete_outputs(snakemake_dir):
+        path = Path(gone.workdir, name).resolve()
+        if path.is_relative_to(lock.folder) and path != lock.path and (path.exists() or path.is_symlink()):
+            log(f"otbflow: removing {path} (left unfinished)")
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
 
 
 def run_kind(workflow, executor_plugin) -> str | None:
@@ -365,15 +496,20 @@ def keep_incomplete_markers(workflow) -> None:
 
 
 def guard(workflow, results_dir: str) -> None:
-    """Make ``workflow`` (the Snakefile's ``workflow``) take over from a killed head when it executes.
+    """Make ``workflow`` (the Snakefile's ``workflow``) hold its results folder while it executes,
+    and take over from a killed head.
 
     Wraps ``workflow.execute``: Snakemake reads the folder's locks and incomplete markers there,
     after the Snakefile has been parsed, and only there is it known whether jobs will run (a dry
-    run, --touch and a job's own Snakemake parse the same Snakefile). A dry run changes nothing:
-    it only plans the incomplete outputs as redone where no recorded head is alive, as the run
-    would. Also names the Slurm executor's stage jobs ``otbflow-<hash>_<run uuid>`` (unless a
-    prefix is set), leaves the incomplete markers to the head in a cluster job's own Snakemake
-    (``keep_incomplete_markers``), and makes ``snakemake --unlock`` forget the recorded heads too."""
+    run, --touch and a job's own Snakemake parse the same Snakefile). A real run takes the results
+    folder's lock (``ResultsLock``) before anything else, and is refused there while another head
+    holds it; it frees it when Snakemake returns. A dry run changes nothing and writes nothing: it
+    says who holds the results folder, and plans the incomplete outputs as redone where no
+    recorded head is alive, as the run would. Also names the Slurm executor's stage jobs
+    ``otbflow-<hash>_<run uuid>`` (unless a prefix is set), leaves the incomplete markers to the
+    head in a cluster job's own Snakemake (``keep_incomplete_markers``), and makes ``snakemake
+    --unlock`` forget the recorded heads and free the results folder held from this working folder."""
+    from snakemake.exceptions import WorkflowError
     from snakemake.logging import logger
 
     execute, unlock = workflow.execute, workflow.unlock
@@ -389,26 +525,58 @@ def guard(workflow, results_dir: str) -> None:
             keep_incomplete_markers(workflow)
             return execute(*args, **kwargs)
         folder = Folder(Path(".snakemake").resolve())
+        workdir = str(folder.root.parent)
+        lock = ResultsLock(results_dir)
         if kind == "dry":
-            if not folder.alive(this_process(), logger.info):
+            me = this_process(workdir=workdir)
+            if (holder := lock.holder_at(lock.path)) is not None and holder.id != me.id:
+                gone = is_gone(holder, me)
+                if not gone:
+                    logger.info(lock.refusal(holder, gone, outcome="a real run here is refused while it holds it"))
+                elif holder.workdir and holder.workdir != workdir:
+                    logger.info(
+                        f"otbflow: the head {holder.describe()} that held {lock.folder} from {holder.workdir} is "
+                        "gone: a real run takes the folder over and redoes the outputs it left unfinished"
+                    )
+            if not folder.alive(me, logger.info):
                 workflow.dag_settings.force_incomplete = True
             return execute(*args, **kwargs)
         named = None
         if settings is not None and hasattr(settings, "jobname_prefix"):  # the Slurm executor
             settings.jobname_prefix = settings.jobname_prefix or prefix
             named = settings.jobname_prefix
-        me = this_process(named, argv=sys.argv)
-        if folder.take_over(me, logger.info):
-            workflow.dag_settings.force_incomplete = True
-        os.environ[MARK] = me.id
+        me = this_process(named, argv=sys.argv, workdir=workdir)
         try:
-            return execute(*args, **kwargs)
+            gone = lock.acquire(me, logger.info)
+        except FolderHeld as e:
+            raise WorkflowError(str(e)) from None
+        try:
+            if gone is not None and gone.workdir and gone.workdir != workdir:
+                take_over_elsewhere(gone, lock, me, logger.info)
+            if folder.take_over(me, logger.info):
+                workflow.dag_settings.force_incomplete = True
+            os.environ[MARK] = me.id
+            try:
+                return execute(*args, **kwargs)
+            finally:
+                folder.forget(me)
         finally:
-            folder.forget(me)
+            lock.release(me)
 
     def guarded_unlock(*args, **kwargs):
         out = unlock(*args, **kwargs)
-        Folder(Path(".snakemake").resolve()).forget_all()
+        folder = Folder(Path(".snakemake").resolve())
+        folder.forget_all()
+        lock = ResultsLock(results_dir)
+        if (holder := lock.holder_at(lock.path)) is not None:
+            if holder.workdir in ("", str(folder.root.parent)):
+                lock.path.unlink(missing_ok=True)
+                logger.info(f"otbflow: freed the results folder {lock.folder} (held by the head {holder.describe()})")
+            else:
+                logger.info(
+                    f"otbflow: the results folder {lock.folder} is held from another working folder, "
+                    f"{holder.workdir} (the head {holder.describe()}): unlock it there"
+                )
         return out
 
     workflow.execute = guarded_execute

@@ -32,8 +32,9 @@ CFG = load_config(DEFAULT_CONFIG, extra=from_snakemake(config))
 validate_workflow(CFG)
 validate(to_container(CFG), workflow.source_path("../schemas/config.schema.yaml"), set_default=False)
 R = CFG.results_dir
-# A killed run (kill -9, node failure, its head job requeued) is continued by the same command:
-# once its head is gone, its jobs are stopped, its locks removed and its incomplete outputs redone
+# One head per results folder, which it holds while it runs (R/.otbflow-head.json). A killed run
+# (kill -9, node failure, its head job requeued) is continued by the same command: once its head
+# is gone, its jobs are stopped, its locks removed and its incomplete outputs redone
 # (otbflow.head). Dry runs change nothing.
 guard_head(workflow, R)
 # Slurm group jobs (otbflow submit --group-iterations, the profile's groups:): sized for their members
