@@ -176,3 +176,24 @@ def test_an_experiment_name_is_a_folder_of_results(tmp_path):
         assert all(re.search(r"results/exp \$\(touch MARKER1\)(/|$)", w) for w in words if "MARKER" in w), command
     assert not (tmp_path / "w" / "results").exists()
     no_payload_ran(tmp_path)
+
+
+def test_the_slurm_executor_refuses_paths_its_sbatch_call_would_run(tmp_path):
+    """The Slurm executor wraps each job's command line in double quotes (sbatch --wrap="..."),
+    where $(...) and backticks run even inside the single quotes around a path: with the slurm
+    profile, such a results folder (or model.path) is refused before any job, naming it and
+    writing nothing. (No Slurm needed: refused before the first sbatch.)"""
+    work = tmp_path / "work"
+    layer = tmp_path / "layer.yaml"
+    for cfg, named in [
+        ({"results_dir": "r $(touch MARKER1)"}, str(work / "r $(touch MARKER1)")),
+        ({"model": {"path": str(tmp_path / "p `touch MARKER2`")}}, str(tmp_path / "p `touch MARKER2`")),
+    ]:
+        layer.write_text(yaml.safe_dump(cfg))
+        args = ["--workflow-profile", str(REPO / "slurm"), "--slurm-no-account", "--configfile", str(TINY), str(layer)]
+        res = snakemake(Path(sys.executable), work, *args)
+        out = res.stdout + res.stderr
+        assert res.returncode != 0 and f"otbflow: {named!r} holds a character among" in out, out[-3000:]
+        assert "Nothing was run" in out and "rule " not in res.stdout
+        assert sorted(p.name for p in work.iterdir()) == [".snakemake"]
+    no_payload_ran(tmp_path)

@@ -459,6 +459,26 @@ def take_over_elsewhere(gone: Head, lock: ResultsLock, me: Head, log: Log) -> No
                 path.unlink()
 
 
+# The Slurm executor (snakemake-executor-plugin-slurm 2.x) submits each job's command line inside
+# double quotes (sbatch --wrap="..."), run by a shell: there these characters are shell syntax
+# even inside the single quotes the command line puts around each path.
+WRAP_SYNTAX = "$`\\"
+
+
+def wrap_refusal(paths: list[str]) -> str | None:
+    """Why the Slurm executor cannot be given jobs whose command lines hold these paths (the
+    results folder, the config's input paths), or None. Locally every path is quoted."""
+    bad = [p for p in paths if any(c in p for c in WRAP_SYNTAX)]
+    if not bad:
+        return None
+    return (
+        f"otbflow: {bad[0]!r} holds a character among {' '.join(WRAP_SYNTAX)}: the Slurm executor passes each "
+        'job\'s command line (with its input paths) to sbatch inside double quotes (--wrap="..."), where '
+        "the shell would read it as syntax. Nothing was run: rename it (it is quoted everywhere else: such a "
+        "path runs locally)"
+    )
+
+
 def run_kind(workflow, executor_plugin) -> str | None:
     """ "head" for a run that executes jobs from this process, "dry" for a dry run, "job" for the
     Snakemake that runs one job inside a cluster job, None for the rest (--touch, --nolock, a
@@ -495,7 +515,7 @@ def keep_incomplete_markers(workflow) -> None:
     workflow._prepare_dag = prepare_keeping_markers
 
 
-def guard(workflow, results_dir: str) -> None:
+def guard(workflow, results_dir: str, job_paths: list[str] | tuple[str, ...] = ()) -> None:
     """Make ``workflow`` (the Snakefile's ``workflow``) hold its results folder while it executes,
     and take over from a killed head.
 
@@ -508,7 +528,9 @@ def guard(workflow, results_dir: str) -> None:
     recorded head is alive, as the run would. Also names the Slurm executor's stage jobs
     ``otbflow-<hash>_<run uuid>`` (unless a prefix is set), leaves the incomplete markers to the
     head in a cluster job's own Snakemake (``keep_incomplete_markers``), and makes ``snakemake
-    --unlock`` forget the recorded heads and free the results folder held from this working folder."""
+    --unlock`` forget the recorded heads and free the results folder held from this working folder.
+    Under the Slurm executor, a run whose results folder or ``job_paths`` (the config's input
+    paths) its sbatch call would read as shell syntax is refused (``wrap_refusal``)."""
     from snakemake.exceptions import WorkflowError
     from snakemake.logging import logger
 
@@ -527,6 +549,9 @@ def guard(workflow, results_dir: str) -> None:
         folder = Folder(Path(".snakemake").resolve())
         workdir = str(folder.root.parent)
         lock = ResultsLock(results_dir)
+        if getattr(settings, "pass_command_as_script", True) is False:  # the Slurm executor's sbatch --wrap
+            if refusal := wrap_refusal([str(lock.folder), *map(str, job_paths)]):
+                raise WorkflowError(refusal)
         if kind == "dry":
             me = this_process(workdir=workdir)
             if (holder := lock.holder_at(lock.path)) is not None and holder.id != me.id:

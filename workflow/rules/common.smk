@@ -35,8 +35,13 @@ R = CFG.results_dir
 # One head per results folder, which it holds while it runs (R/.otbflow-head.json). A killed run
 # (kill -9, node failure, its head job requeued) is continued by the same command: once its head
 # is gone, its jobs are stopped, its locks removed and its incomplete outputs redone
-# (otbflow.head). Dry runs change nothing.
-guard_head(workflow, R)
+# (otbflow.head). Dry runs change nothing. The config's input paths are given for the Slurm
+# executor's check (its sbatch --wrap reads $ and backticks in a job's command line as syntax).
+guard_head(
+    workflow,
+    R,
+    job_paths=[p for p in (CFG.model.path, CFG.task.path, CFG.task.eval_path, CFG.task.reward_model.path) if p],
+)
 # Slurm group jobs (otbflow submit --group-iterations, the profile's groups:): sized for their members
 # run one after another, and refused where they would lose the stale rollouts' overlap (otbflow.jobgroups).
 size_group_jobs(workflow, CFG.rollout.staleness)
