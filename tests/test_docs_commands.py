@@ -97,6 +97,10 @@ HOW: dict[str, str] = {
     "results/otb_vs_grpo/otb_n4/seed_0/member.yaml --cores 2 --forcerun advantages": EXPERIMENT,
     # Caching
     "snakemake --cores 2 results/iter_0/advantages/advantages.parquet": f"snakemake --cores 2 results/iter_0/advantages/advantages.parquet {TINY}",
+    # the one-time migration after the quoted shell commands: on the finished tiny run, both plan nothing
+    "snakemake -n --rerun-triggers mtime params input software-env --configfile my.yaml": "snakemake -n "
+    f"--rerun-triggers mtime params input software-env {TINY}",
+    "snakemake --touch --cores 1 --configfile my.yaml": f"snakemake --touch --cores 1 {TINY}",
     # Slurm
     "otbflow submit --configfile my.yaml --partition long --account my_project": SLURM,
     "tail -f logs/submit/4242/4242_0_log.out": SLURM,
