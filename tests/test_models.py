@@ -210,12 +210,16 @@ def without(folder, tmp_path, name, keep=()):
     return out
 
 
-def test_model_path_without_its_tokenizer_is_refused_when_the_config_loads(tiny_policy, tmp_path):
+def test_model_path_without_its_tokenizer_is_refused_before_any_job(tiny_policy, tmp_path):
     """Was: accepted by the dry run; AutoTokenizer then built an empty tokenizer of length 1 and the
-    rollout died with an IndexError."""
-    from otbflow.config import ConfigError
+    rollout died with an IndexError. The workflow's check (validate_workflow, which the Snakefile
+    runs before planning: a dry run too) reads the folder's file names, no torch."""
+    from otbflow.config import ConfigError, validate_workflow
 
-    assert tiny_config(f"model.path={tiny_policy}").model.path == str(tiny_policy)
+    def check(path):
+        validate_workflow(tiny_config(f"model.path={path}"))
+
+    check(tiny_policy)
     for bare in (
         without(tiny_policy, tmp_path, "bare"),
         without(tiny_policy, tmp_path, "cfg", ("tokenizer_config.json",)),
@@ -223,12 +227,12 @@ def test_model_path_without_its_tokenizer_is_refused_when_the_config_loads(tiny_
         with pytest.raises(
             ConfigError, match=r"config key 'model.path': .*: no tokenizer files \(one of tokenizer.json"
         ):
-            tiny_config(f"model.path={bare}")
+            check(bare)
     with pytest.raises(ConfigError, match="config key 'model.path': .*nowhere: no such folder"):
-        tiny_config(f"model.path={tmp_path / 'nowhere'}")
+        check(tmp_path / "nowhere")
     (tmp_path / "weights").mkdir()
     with pytest.raises(ConfigError, match="config key 'model.path': .*weights: no config.json"):
-        tiny_config(f"model.path={tmp_path / 'weights'}")
+        check(tmp_path / "weights")
 
 
 def test_a_tokenizer_far_smaller_than_the_embedding_is_refused(tiny_policy, tmp_path):

@@ -841,8 +841,10 @@ def evaluated_iterations(cfg: DictConfig) -> list[int]:
 
 def validate_workflow(cfg: DictConfig) -> None:
     """What the whole workflow needs beyond what each stage checks: the bootstrap builds policies
-    for the built-in task only, so a dataset run needs its policy in model.path. (A stage alone,
-    such as `otbflow shard` on a dataset, does not.)"""
+    for the built-in task only, so a dataset run needs its policy in model.path (a stage alone,
+    such as `otbflow shard` on a dataset, does not), and that folder must hold a config.json and a
+    tokenizer (an experiment checks its members before their shared policy exists; a stage alone
+    refuses a tokenizer far smaller than the model where it loads it)."""
     require(
         cfg.task.name != "dataset" or cfg.model.path is not None,
         "model.path",
@@ -850,6 +852,11 @@ def validate_workflow(cfg: DictConfig) -> None:
         "built-in task only)",
         cfg.model.path,
     )
+    if cfg.model.path is not None:  # config.json and the tokenizer's files, before any job (no torch)
+        try:
+            check_policy_folder(cfg.model.path)
+        except ValueError as e:
+            raise ConfigError(f"config key 'model.path': {e}") from None
 
 
 def validate(cfg: DictConfig, explicit: frozenset[str] | None = None) -> None:
@@ -917,11 +924,6 @@ def check_rules(cfg: DictConfig, explicit: frozenset[str] | None = None) -> None
             t.chat,
         )
     require(t.min_terms <= t.max_terms, "task.min_terms", "in [1, task.max_terms]", t.min_terms)
-    if m.path is not None:  # config.json and the tokenizer's files, before any job (no torch)
-        try:
-            check_policy_folder(m.path)
-        except ValueError as e:
-            raise ConfigError(f"config key 'model.path': {e}") from None
     max_len = cfg.rollout.max_new_tokens
     if t.reward_model.path is not None:
         from otbflow.reward_model import check_reward_model  # reads config.json only, no torch
