@@ -14,7 +14,7 @@ import polars as pl
 import pytest
 import torch
 
-from otbflow import logits, schemas
+from otbflow import logits, schemas, train_state
 from otbflow.config import ConfigError, load_config
 from otbflow.distributed import init_distributed_env
 from otbflow.io import SchemaError, read_table, write_parquet
@@ -1004,6 +1004,79 @@ def test_the_checkpoint_fingerprint_covers_the_optimizer_input(policy_dir, featu
         )
     )
     assert len(set(prints)) == 3
+
+
+# ------------------------------------------------------------------------------------------
+# A results folder holds data, never code: a planted pickle is refused, not run
+# ------------------------------------------------------------------------------------------
+
+
+class Planted:
+    """What someone who can write a shared results folder could put in a DeepSpeed file: a pickle
+    that runs a shell command when it is loaded (here, one that creates ``marker``)."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch '{self.marker}'",))
+
+
+def plant(path: Path, marker: Path) -> None:
+    """Replace a file that DeepSpeed wrote with a torch.save'd checkpoint that holds a Planted."""
+    assert path.is_file(), sorted(p.name for p in path.parent.iterdir())
+    torch.save({"module": Planted(marker), "optimizer_state_dict": {}}, path)
+
+
+SHARDS = ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+
+
+@pytest.mark.parametrize("name", SHARDS)
+def test_a_planted_pickle_in_an_optimizer_state_is_refused(policy_dir, features_path, tmp_path, name):
+    """A file of the stored optimizer state replaced (meta.json untouched: the layout and the
+    policy digest still match): the next job refuses it, naming the file, and the pickle never
+    runs; no output appears."""
+    overrides = ("train.mini_batch_size=8", "train.zero_stage=1")
+    _, first = run_stage(policy_dir, features_path, tmp_path, *overrides, name="first", optimizer=str(tmp_path / "opt"))
+    target, marker = tmp_path / "opt" / "state" / name, tmp_path / "marker"
+    plant(target, marker)
+    with pytest.raises(Exception) as refused:
+        run_stage(
+            first.out,
+            features_path,
+            tmp_path,
+            *overrides,
+            name="second",
+            prev_optimizer=str(tmp_path / "opt"),
+            optimizer=str(tmp_path / "opt2"),
+        )
+    assert not marker.exists(), "the planted pickle ran"
+    assert isinstance(refused.value, train_state.CheckpointFileError), refused.value
+    assert str(target) in str(refused.value) and "posix.system" in str(refused.value)
+    assert not any((tmp_path / n).exists() for n in ("second", "second.parquet", "opt2", ".opt2.partial"))
+
+
+@pytest.mark.parametrize("name", SHARDS)
+def test_a_planted_pickle_in_a_resumable_checkpoint_is_refused(policy_dir, features_path, tmp_path, monkeypatch, name):
+    """A file of the resumable checkpoint that a failed job left (its fingerprint matches the
+    rerun's) replaced: the rerun refuses it, naming the file, the pickle never runs and no
+    output appears."""
+    overrides = ("train.mini_batch_size=4", "train.micro_batch_size=2", "train.zero_stage=1")
+    overrides += ("train.checkpoint_every=1",)
+    with monkeypatch.context() as m:
+        m.setattr(train_state.Checkpoints, "finish", lambda self: None)  # kept, as a failed job keeps them
+        _, args = run_stage(policy_dir, features_path, tmp_path, *overrides, name="job")
+    for out in (args.out, args.metrics):  # Snakemake deletes a failed job's outputs
+        __import__("shutil").rmtree(out) if Path(out).is_dir() else Path(out).unlink()
+    ckpt = Path(args.checkpoint_dir)
+    target, marker = ckpt / (ckpt / "latest").read_text().strip() / name, tmp_path / "marker"
+    plant(target, marker)
+    with pytest.raises(Exception) as refused:
+        run_stage(policy_dir, features_path, tmp_path, *overrides, name="job")
+    assert not marker.exists(), "the planted pickle ran"
+    assert isinstance(refused.value, train_state.CheckpointFileError), refused.value
+    assert str(target) in str(refused.value) and "posix.system" in str(refused.value)
+    assert not Path(args.out).exists() and not Path(args.metrics).exists()
 
 
 # ------------------------------------------------------------------------------------------

@@ -1,7 +1,10 @@
 """What a train job keeps on disk: the next policy (``save_policy``), the AdamW state across
 iterations (``check_optimizer_state`` refuses another layout or policy) and the resumable
-checkpoints within one job (``Checkpoints``). The stage is ``otbflow.stages.train``; layouts and
-rules: docs/training.md, "The optimizer across iterations", "Robustness" and "The next policy"."""
+checkpoints within one job (``Checkpoints``). DeepSpeed's files of both are read as data only
+(``load_checkpoint_file``: a pickle that names anything but tensors, plain containers and
+DeepSpeed's few checkpoint types is refused, never run). The stage is ``otbflow.stages.train``;
+layouts and rules: docs/training.md, "The optimizer across iterations", "Robustness" and "The next
+policy"."""
 
 from __future__ import annotations
 
@@ -9,6 +12,8 @@ import contextlib
 import hashlib
 import json
 import os
+import pickle
+import re
 import shutil
 from pathlib import Path
 
@@ -17,6 +22,72 @@ from omegaconf import DictConfig
 
 from otbflow.io import atomic_dir, write_json
 from otbflow.retention import check_not_pruned
+
+# ------------------------------------------------------------------------------------------
+# DeepSpeed's checkpoint files: read as data, never as code
+# ------------------------------------------------------------------------------------------
+
+
+class CheckpointFileError(ValueError):
+    """A DeepSpeed checkpoint file that is not loaded: its pickle names a type that a checkpoint
+    does not hold (loading it could run code), or it is no torch file."""
+
+
+def checkpoint_types() -> list[type]:
+    """The non-tensor types DeepSpeed 0.19 pickles into the checkpoints of every layout the
+    project configures (ZeRO 0-3, fp32 and bf16; found by saving each): the ZeRO stage (an int
+    enum), the static loss scaler and, at ZeRO-1/2, the addresses of the fp32 partitions (a
+    dataclass of two ints). The unpickler may call their constructors, which only store values."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [ZeroStageEnum, LossScaler, fragment_address]
+
+
+def load_checkpoint_file(path: str, map_location=None):
+    """``torch.load(weights_only=True)`` of one DeepSpeed file: tensors, plain containers and
+    ``checkpoint_types`` only. Anything else is refused before it is built: a CheckpointFileError
+    that names the file and what its pickle asks for."""
+    allowed = checkpoint_types()
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
+        try:  # read, not run: the globals its pickle names (zip files, which DeepSpeed writes)
+            names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        except Exception:
+            names = re.findall(r"GLOBAL ([\w.]+)", str(e))  # what torch's unpickler stopped at
+        names = [n for n in names if n not in {f"{t.__module__}.{t.__qualname__}" for t in allowed}]
+        if names:
+            raise CheckpointFileError(
+                f"{path}: not loaded: its pickle names {', '.join(names)}, which no DeepSpeed checkpoint "
+                f"holds; loading it could run code. The file was replaced or damaged after the train job wrote it"
+            ) from None
+        detail = "" if isinstance(e, pickle.UnpicklingError) else f" ({str(e).splitlines()[0]})"
+        raise CheckpointFileError(
+            f"{path}: not loaded: not a torch checkpoint of tensors, plain containers and DeepSpeed's "
+            f"checkpoint types{detail}; it is damaged, or was replaced after the train job wrote it"
+        ) from None
+
+
+def guard_checkpoint_io(engine) -> None:
+    """Route the DeepSpeed engine's checkpoint file reads through ``load_checkpoint_file``.
+    DeepSpeed's ``load_checkpoint`` reads
+    every file through its checkpoint engine (``mp_rank_*_model_states.pt``, the ZeRO shards
+    ``*_optim_states.pt``), which calls ``torch.load(weights_only=False)``; its other loaders
+    (universal checkpoints, NVMe offload, ZeRO-3 weights without optimizer states) are on paths
+    the project never takes. Idempotent."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    io = engine.checkpoint_engine
+    if getattr(io, "_otbflow_guarded", False):
+        return
+    if type(io) is not TorchCheckpointEngine:
+        raise RuntimeError(f"DeepSpeed's checkpoint engine is {type(io).__name__}, not TorchCheckpointEngine")
+    io.load = load_checkpoint_file
+    io._otbflow_guarded = True
+
 
 # ------------------------------------------------------------------------------------------
 # The next policy
@@ -158,10 +229,22 @@ def check_optimizer_state(folder: str, tc: DictConfig, world_size: int, policy_d
 
 def load_optimizer_state(engine, folder: str) -> None:
     """Load the DeepSpeed checkpoint in ``folder`` into ``engine``: AdamW moments and step counts
-    (and with bf16 ZeRO's fp32 master weights); the module weights it holds are those of --policy."""
-    path, _ = engine.load_checkpoint(
-        folder, tag=OPTIMIZER_TAG, load_module_strict=True, load_optimizer_states=True, load_lr_scheduler_states=False
-    )
+    (and with bf16 ZeRO's fp32 master weights); the module weights it holds are those of --policy.
+    Its files are read as data (``guard_checkpoint_io``)."""
+    guard_checkpoint_io(engine)
+    try:
+        path, _ = engine.load_checkpoint(
+            folder,
+            tag=OPTIMIZER_TAG,
+            load_module_strict=True,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=False,
+        )
+    except CheckpointFileError as e:
+        raise CheckpointFileError(
+            f"{e}. Rerun the previous iteration's train job to write it again, or set "
+            f"train.reset_optimizer=true to start this iteration with a fresh AdamW"
+        ) from None
     if path is None:
         raise OptimizerStateError(f"{folder}: DeepSpeed could not load the optimizer state")
 
@@ -203,7 +286,9 @@ class Checkpoints:
         self.folder, self.fp, self.every, self.rank, self.world_size = Path(folder), fp, every, rank, world_size
 
     def load(self, engine) -> dict | None:
-        """The client state of the latest checkpoint after loading it into ``engine``, or None."""
+        """The client state of the latest checkpoint after loading it into ``engine``, or None.
+        Its files are read as data (``guard_checkpoint_io``)."""
+        guard_checkpoint_io(engine)
         stamp = self.folder / "fingerprint"
         resumable = stamp.is_file() and stamp.read_text() == self.fp and (self.folder / "latest").is_file()
         _barrier(self.world_size)
@@ -214,7 +299,10 @@ class Checkpoints:
                 stamp.write_text(self.fp)
             _barrier(self.world_size)
             return None
-        path, client = engine.load_checkpoint(str(self.folder), load_module_strict=True)
+        try:
+            path, client = engine.load_checkpoint(str(self.folder), load_module_strict=True)
+        except CheckpointFileError as e:
+            raise CheckpointFileError(f"{e}. Delete {self.folder}: the job then trains from its first step") from None
         if path is None:
             raise RuntimeError(f"{self.folder}: could not load the checkpoint that 'latest' names")
         return client
