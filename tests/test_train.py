@@ -1280,3 +1280,78 @@ def test_kill_9_then_rerun_resumes_to_the_same_weights(policy_dir, features_path
     assert not (tmp_path / "killed.ckpt").exists()  # removed once the outputs are written
     assert (tmp_path / "killed.opt" / "meta.json").is_file() and not list(tmp_path.glob(".*.partial"))
     assert not (tmp_path / "torch_extensions").exists()
+
+
+# ------------------------------------------------------------------------------------------
+# A full disk (a small tmpfs in a user and mount namespace: the real ENOSPC)
+# ------------------------------------------------------------------------------------------
+
+
+def small_tmpfs_works() -> bool:
+    import shutil
+    import subprocess
+
+    if shutil.which("unshare") is None:
+        return False
+    probe = "mkdir -p /tmp && mount -t tmpfs -o size=4k tmpfs /mnt"
+    return subprocess.run(["unshare", "-rm", "sh", "-c", probe], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not small_tmpfs_works(), reason="needs unshare -rm to mount a small tmpfs (user namespaces)")
+@pytest.mark.parametrize("target", ["checkpoint", "policy", "optimizer"])
+def test_a_full_disk_fails_the_train_job_with_enospc_and_leaves_nothing(policy_dir, features_path, tmp_path, target):
+    """One of the train job's writes on a 32 KiB tmpfs (the resumable checkpoint, the next policy,
+    the optimizer state; everything else on the ordinary disk): the job fails naming errno 28 and
+    a path on the full filesystem, not torch's "unexpected pos", and the tmpfs holds no temporary
+    file and nothing that looks finished afterwards."""
+    import subprocess
+    import sys
+
+    from omegaconf import OmegaConf
+
+    write_advantages(features_path, tmp_path / "adv.parquet", random_advantages(features_path))
+    cfg = make_cfg("train.mini_batch_size=4", "train.micro_batch_size=2", "train.checkpoint_every=1")
+    (tmp_path / "cfg.yaml").write_text(OmegaConf.to_yaml(cfg))
+    full = tmp_path / "full"
+    full.mkdir()
+    paths = {
+        "checkpoint": tmp_path / "ckpt",
+        "policy": tmp_path / "next",
+        "optimizer": tmp_path / "opt",
+    }
+    paths[target] = full / target
+    cmd = [
+        sys.executable,
+        "-m",
+        "otbflow",
+        "train",
+        "--config",
+        str(tmp_path / "cfg.yaml"),
+        "--advantages",
+        str(tmp_path / "adv.parquet"),
+        "--policy",
+        str(policy_dir),
+        "--out",
+        str(paths["policy"]),
+        "--metrics",
+        str(tmp_path / "metrics.parquet"),
+        "--checkpoint-dir",
+        str(paths["checkpoint"]),
+        "--optimizer",
+        str(paths["optimizer"]),
+    ]
+    # mount, run the job, then list what the tmpfs holds (it is gone with the namespace)
+    script = 'mount -t tmpfs -o size=32k tmpfs "$0" && { "$@"; rc=$?; find "$0" -mindepth 1 > "$0.left"; exit $rc; }'
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    res = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script, str(full), *cmd], capture_output=True, text=True, env=env, timeout=300
+    )
+    log = res.stdout + res.stderr
+    assert res.returncode != 0, log[-3000:]
+    error = re.search(r"OSError: \[Errno 28\] No space left on device: '([^']+)'", log)
+    assert error, log[-3000:]
+    assert Path(error.group(1)).is_relative_to(full) and "unexpected pos" not in log
+    left = [Path(p).relative_to(full) for p in (tmp_path / "full.left").read_text().split()]
+    # the checkpoint folder keeps its fingerprint stamp (written before the first step), nothing else
+    assert [str(p) for p in left] == (["checkpoint", "checkpoint/fingerprint"] if target == "checkpoint" else []), left
+    assert not (tmp_path / "metrics.parquet").exists()

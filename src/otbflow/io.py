@@ -11,14 +11,19 @@
   ``write_text`` (summaries, schedule state, configs) use it too.
 - ``atomic_dir``: a context manager for folder outputs (HF model folders): write into a
   temporary sibling, renamed into place on success only.
+- ``write_errors_named``: a write that failed for a reason of the storage (a full disk, a quota)
+  raises ``OSError(errno, strerror, path)``, also where the writer (torch's zip writer,
+  safetensors) reported it in other words; ``atomic_file`` and ``atomic_dir`` use it.
 - ``pyplot`` / ``save_figure``: matplotlib without a display, and PNGs written the same way.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -38,16 +43,54 @@ class SchemaError(ValueError):
     """A Parquet input does not match the schema a stage needs."""
 
 
+STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS}
+"""Why a write fails for its storage: no space left, over quota, file too large, I/O error,
+read-only file system."""
+
+
+def os_error_behind(e: BaseException) -> OSError | None:
+    """The storage error (``STORAGE_ERRNOS``) that made a write fail: ``e`` itself, one in its
+    chain (torch's zip writer fails with "unexpected pos", the failed write of its file object as
+    the context), or the errno that a writer without Python errors names in its message
+    (safetensors: "... (os error 28)"). None for any other failure."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in STORAGE_ERRNOS:
+            return e
+        m = re.search(r"\(os error (\d+)\)", str(e))
+        if m and int(m[1]) in STORAGE_ERRNOS:
+            return OSError(int(m[1]), os.strerror(int(m[1])))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+@contextlib.contextmanager
+def write_errors_named(path: str | Path) -> Iterator[None]:
+    """Writes to ``path`` (a file or a folder): one that fails for its storage (a full disk)
+    raises ``OSError(errno, strerror, path)`` (an OSError that names its file already is kept)."""
+    try:
+        yield
+    except Exception as e:
+        err = os_error_behind(e)
+        if err is None or (isinstance(e, OSError) and e.filename):
+            raise
+        # caused by the failed write itself where there is one (not torch's "unexpected pos")
+        raise OSError(err.errno, err.strerror, str(path)) from (err if err.__traceback__ else e)
+
+
 @contextlib.contextmanager
 def atomic_file(path: str | Path) -> Iterator[Path]:
     """Yield a temporary sibling of ``path`` (same suffix) to write; on success it replaces
-    ``path`` in one rename, on failure it is removed: a killed job leaves no file that looks done."""
+    ``path`` in one rename, on failure it is removed: a killed job leaves no file that looks done.
+    A write that fails for its storage (a full disk) names ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".tmp{path.suffix}", dir=path.parent)
     os.close(fd)
     try:
-        yield Path(tmp)
+        with write_errors_named(path):
+            yield Path(tmp)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -179,12 +222,14 @@ def read_table(path: str | Path, schema: TableSchema) -> pl.DataFrame:
 
 @contextlib.contextmanager
 def atomic_dir(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary folder; on success it replaces ``path`` in one rename."""
+    """Yield a temporary folder; on success it replaces ``path`` in one rename, on failure it is
+    removed. A write that fails for its storage (a full disk) names ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
-        yield tmp
+        with write_errors_named(path):
+            yield tmp
         if path.exists():
             old = path.with_name(f".{path.name}.old")
             shutil.rmtree(old, ignore_errors=True)

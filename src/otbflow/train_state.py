@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from otbflow.io import atomic_dir, write_json
+from otbflow.io import atomic_dir, write_errors_named, write_json
 from otbflow.retention import check_not_pruned
 
 # ------------------------------------------------------------------------------------------
@@ -71,9 +71,16 @@ def load_checkpoint_file(path: str, map_location=None):
         ) from None
 
 
+def save_checkpoint_file(state, path: str, zipfile_serialization: bool) -> None:
+    """``torch.save`` of one DeepSpeed file through a Python file object: a failed write (a full
+    disk) raises its OSError naming ``path``, where torch's own file writer says "unexpected pos"."""
+    with write_errors_named(path), open(path, "wb") as f:
+        torch.save(state, f, _use_new_zipfile_serialization=zipfile_serialization)
+
+
 def guard_checkpoint_io(engine) -> None:
-    """Route the DeepSpeed engine's checkpoint file reads through ``load_checkpoint_file``.
-    DeepSpeed's ``load_checkpoint`` reads
+    """Route the DeepSpeed engine's checkpoint file reads and writes through
+    ``load_checkpoint_file`` and ``save_checkpoint_file``. DeepSpeed's ``load_checkpoint`` reads
     every file through its checkpoint engine (``mp_rank_*_model_states.pt``, the ZeRO shards
     ``*_optim_states.pt``), which calls ``torch.load(weights_only=False)``; its other loaders
     (universal checkpoints, NVMe offload, ZeRO-3 weights without optimizer states) are on paths
@@ -85,7 +92,11 @@ def guard_checkpoint_io(engine) -> None:
         return
     if type(io) is not TorchCheckpointEngine:
         raise RuntimeError(f"DeepSpeed's checkpoint engine is {type(io).__name__}, not TorchCheckpointEngine")
-    io.load = load_checkpoint_file
+
+    def save(state_dict, path: str) -> None:  # DeepSpeed passes both by name
+        save_checkpoint_file(state_dict, path, io.zipfile_serialization)
+
+    io.load, io.save = load_checkpoint_file, save
     io._otbflow_guarded = True
 
 
@@ -116,7 +127,7 @@ def save_policy(engine, state: dict[str, torch.Tensor], policy_dir: str, out: st
     from transformers import AutoTokenizer
 
     policy = engine.module.policy
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out) as tmp:  # a failed write (a full disk) raises its OSError naming ``out``
         policy.save_pretrained(tmp, state_dict=state)
         if policy.dtype != torch.float32:  # bf16 module: config.json names the saved fp32 weights
             policy.config.dtype = "float32"
@@ -262,11 +273,17 @@ def save_optimizer_state(engine, out: str, meta: dict, rank: int, world_size: in
     out_path = Path(out)
     tmp = out_path.with_name(f".{out_path.name}.partial")  # the same name on every rank
 
+    guard_checkpoint_io(engine)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier(world_size)
-    engine.save_checkpoint(str(tmp), tag=OPTIMIZER_TAG, client_state={}, save_latest=False)
+    try:
+        with write_errors_named(tmp):
+            engine.save_checkpoint(str(tmp), tag=OPTIMIZER_TAG, client_state={}, save_latest=False)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed write (a full disk) leaves no partial state
+        raise
     _barrier(world_size)
     if rank == 0:
         write_json(meta, tmp / OPTIMIZER_META)
@@ -290,7 +307,7 @@ class Checkpoints:
         Its files are read as data (``guard_checkpoint_io``)."""
         guard_checkpoint_io(engine)
         stamp = self.folder / "fingerprint"
-        resumable = stamp.is_file() and stamp.read_text() == self.fp and (self.folder / "latest").is_file()
+        resumable = stamp.is_file() and stamp.read_text() == self.fp and self._latest() is not None
         _barrier(self.world_size)
         if not resumable:
             if self.rank == 0 and self.every:
@@ -310,9 +327,23 @@ class Checkpoints:
     def due(self, steps_done: int, total: int) -> bool:
         return bool(self.every) and steps_done % self.every == 0 and steps_done < total
 
+    def _latest(self) -> str | None:
+        """The tag that ``latest`` names, where that checkpoint's folder exists."""
+        latest = self.folder / "latest"
+        tag = latest.read_text().strip() if latest.is_file() else ""
+        return tag if tag and (self.folder / tag).is_dir() else None
+
     def save(self, engine, steps_done: int, client: dict) -> None:
+        """Write the checkpoint of ``steps_done`` steps; ``latest`` names it once it is whole. A
+        failed write (a full disk: its OSError names the file) removes what it began."""
+        guard_checkpoint_io(engine)
         tag = f"step_{steps_done:06d}"
-        engine.save_checkpoint(str(self.folder), tag=tag, client_state=client, save_latest=True)
+        try:
+            with write_errors_named(self.folder):
+                engine.save_checkpoint(str(self.folder), tag=tag, client_state=client, save_latest=True)
+        except BaseException:
+            shutil.rmtree(self.folder / tag, ignore_errors=True)
+            raise
         _barrier(self.world_size)
         if self.rank == 0:
             for old in self.folder.glob("step_*"):
