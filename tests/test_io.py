@@ -1,4 +1,9 @@
 import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import polars as pl
 import pyarrow.parquet as pq
@@ -96,3 +101,80 @@ def test_progress_logs_about_every_tenth_and_the_end(caplog):
     with caplog.at_level(logging.INFO, logger="otbflow.test"):
         Progress(log, "tiny", 1).update()
     assert not caplog.records  # a job of one item writes no progress lines
+
+
+# ------------------------------------------------------------------------------------------
+# A stage whose job was killed writes nothing (real process trees: bash, torchrun, the stage)
+# ------------------------------------------------------------------------------------------
+
+
+def _processes_under(pid: int) -> list[tuple[int, list[str]]]:
+    """(pid, argv) of every descendant of ``pid``."""
+    from otbflow.head import process_stat
+
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (stat := process_stat(int(entry.name))):
+            parents[int(entry.name)] = stat[1]
+    found, frontier = [], {pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier}
+        for p in frontier:
+            try:
+                found.append((p, (Path(f"/proc/{p}/cmdline").read_bytes().decode().split("\0"))))
+            except OSError:
+                pass
+    return found
+
+
+def _gone(pid: int) -> bool:
+    from otbflow.head import process_stat
+
+    stat = process_stat(pid)
+    return stat is None or stat[0] in "ZX"
+
+
+def _wait(what: str, until, timeout: float = 120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if value := until():
+            return value
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="Linux only (prctl, /proc)")
+@pytest.mark.parametrize("launcher", ["alone", "torchrun"])
+def test_a_stage_whose_job_shell_was_killed_writes_nothing(tmp_path, launcher):
+    """A real stage (shard, made to take 2-3 s) started as Snakemake starts a rule's
+    command (``bash -c 'set -euo pipefail; ...'``; under torchrun as the workflow's launcher does
+    for several tasks): once it has started, it is held (SIGSTOP), its job's shell is killed
+    (kill -9: Snakemake counts the job failed and deletes its outputs), and it is let go
+    (SIGCONT). It writes no output and no temporary file, ever: alone, the kernel kills it with its
+    shell; under torchrun, which outlives the shell, the rank refuses to publish."""
+    out, log = tmp_path / "prompts", tmp_path / "job.log"
+    launch = f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node=1 --no-python "
+    stage = f"{sys.executable} -m otbflow shard --out-dir {out} task.n_train=100000 task.max_operand=1000"
+    cmd = f"set -euo pipefail; {launch if launcher == 'torchrun' else ''}{stage} > {log} 2>&1"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    shell = subprocess.Popen(["bash", "-c", cmd], env=env)
+    try:
+        _wait("the stage to start", lambda: log.is_file() and "shard started" in log.read_text())
+        tree = _processes_under(shell.pid)
+        pid = next(p for p, argv in tree if argv[1:4] == ["-m", "otbflow", "shard"])
+        os.kill(pid, signal.SIGSTOP)
+        os.kill(shell.pid, signal.SIGKILL)
+        shell.wait()
+        os.kill(pid, signal.SIGCONT)
+        for p, _ in tree:  # the stage, and torchrun
+            _wait(f"process {p} to end", lambda p=p: _gone(p))
+    finally:
+        for p, _ in _processes_under(shell.pid) if shell.poll() is None else []:
+            os.kill(p, signal.SIGKILL)
+        shell.kill()
+    # no file but the log (atomic_file may have made the outputs' folder: no output, nothing that looks done)
+    assert [p for p in tmp_path.rglob("*") if not p.is_dir()] == [log], log.read_text()[-2000:]
+    if launcher == "torchrun":
+        assert (
+            f"{out}/train/shard_0.parquet: not written: the job that started this process has ended" in log.read_text()
+        )

@@ -19,7 +19,7 @@ import typing
 
 import otbflow
 from otbflow.config import DEFAULT_CONFIG, Config, ConfigError, describe_section, field_docs, load_config
-from otbflow.io import SchemaError
+from otbflow.io import JobGoneError, SchemaError, bind_to_job
 from otbflow.pipeline import STAGES, Stage, by_command
 
 TOOLS = {
@@ -189,6 +189,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str], program: bool) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if program and argv and argv[0] in {stage.command for stage in STAGES.values()}:
+        try:  # a stage job: it dies with its job, and publishes nothing once its job has ended
+            bind_to_job(otbflow.PARENT_AT_START)
+        except JobGoneError as e:
+            print(f"otbflow {argv[0]}: error: {e}", file=sys.stderr)
+            return 2
     parser = build_parser(argv[0] if argv else None)
     ns = parser.parse_args(argv)
     if ns.command in TOOLS:
@@ -237,7 +243,7 @@ def _main(argv: list[str], program: bool) -> int:
         mod.run(cfg, args)
         logging.getLogger("otbflow").info("%s finished in %.1f s", ns.command, time.perf_counter() - start)
         return 0
-    except (ConfigError, SchemaError) as e:
+    except (ConfigError, SchemaError, JobGoneError) as e:
         print(f"otbflow {ns.command}: error: {e}", file=sys.stderr)
         return 2
 

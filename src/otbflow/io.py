@@ -15,6 +15,9 @@
   raises ``OSError(errno, strerror, path)``, also where the writer (torch's zip writer,
   safetensors) reported it in other words; ``atomic_file`` and ``atomic_dir`` use it.
 - ``pyplot`` / ``save_figure``: matplotlib without a display, and PNGs written the same way.
+- ``bind_to_job`` / ``check_job``: a stage process dies with the job that started it, and
+  ``atomic_file`` and ``atomic_dir`` publish nothing once that job has ended (it failed: an output
+  written later would look done to the next run).
 """
 
 from __future__ import annotations
@@ -91,6 +94,7 @@ def atomic_file(path: str | Path) -> Iterator[Path]:
     try:
         with write_errors_named(path):
             yield Path(tmp)
+        check_job(path)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -230,6 +234,7 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     try:
         with write_errors_named(path):
             yield tmp
+        check_job(path)
         if path.exists():
             old = path.with_name(f".{path.name}.old")
             shutil.rmtree(old, ignore_errors=True)
@@ -259,3 +264,73 @@ def save_figure(fig, path: str | Path, dpi: int = 110) -> None:
     with atomic_file(path) as tmp:
         fig.savefig(tmp, dpi=dpi)
     pyplot().close(fig)
+
+
+# ------------------------------------------------------------------------------------------
+# The job a stage process belongs to
+# ------------------------------------------------------------------------------------------
+
+
+class JobGoneError(RuntimeError):
+    """The job that started this process has ended: it failed, and this process publishes nothing."""
+
+
+_JOB: list[tuple[int, int]] = []
+"""(pid, start in clock ticks after boot) of the processes whose end is the end of this process's
+job: its parent and, for a rank under torchrun, torchrun's parent (the job's shell). Empty: not
+bound (the Snakefile, a test calling a stage in its own process), or not Linux."""
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def bind_to_job(parent: int) -> None:
+    """Tie this stage process to the job that started it (``parent``: its parent when it started,
+    ``otbflow.PARENT_AT_START``), on Linux; the CLI calls it first thing.
+
+    - The kernel kills this process (SIGKILL) when its parent ends (``prctl(PR_SET_PDEATHSIG)``):
+      ``kill -9`` of a job's shell takes its stage with it instead of leaving an orphan to write
+      its outputs after Snakemake has counted the job failed. Not under srun: slurmstepd ends a
+      step's tasks itself. The signal is bound to the parent's thread that started this process;
+      bash and torchrun start it from their main thread.
+    - ``check_job`` (before every rename into place of ``atomic_file`` and ``atomic_dir``)
+      refuses to publish once the parent, or under torchrun torchrun's parent (the job's shell,
+      which torchrun outlives), has ended; each is known by its pid and start time (no pid reuse).
+
+    Raises JobGoneError when the parent ended before the signal was set."""
+    import ctypes
+    import signal
+
+    from otbflow.head import process_stat
+
+    if process_stat(os.getpid()) is None:  # no /proc: not Linux
+        return
+    if _comm(parent) != "slurmstepd":
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    pids = [parent]
+    if "TORCHELASTIC_RUN_ID" in os.environ and (stat := process_stat(parent)):  # a rank under torchrun
+        pids.append(stat[1])
+    _JOB[:] = [(pid, stat[2] if (stat := process_stat(pid)) else -1) for pid in pids]
+    check_job("this job")
+
+
+def check_job(path: str | Path) -> None:
+    """Raise JobGoneError (naming ``path``) when the job that started this process has ended
+    (``bind_to_job``); nothing when it runs, or when the process is not bound."""
+    from otbflow.head import process_stat
+
+    for pid, start in _JOB:
+        stat = process_stat(pid)
+        if stat is None or stat[0] in "ZX" or stat[2] != start or os.getppid() != _JOB[0][0]:
+            raise JobGoneError(
+                f"{path}: not written: the job that started this process has ended (process {pid} is gone), "
+                f"so Snakemake counts it failed; an output written now would look done to the next run"
+            )
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""

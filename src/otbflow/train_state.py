@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from otbflow.io import atomic_dir, write_errors_named, write_json
+from otbflow.io import atomic_dir, check_job, write_errors_named, write_json
 from otbflow.retention import check_not_pruned
 
 # ------------------------------------------------------------------------------------------
@@ -286,7 +286,12 @@ def save_optimizer_state(engine, out: str, meta: dict, rank: int, world_size: in
         raise
     _barrier(world_size)
     if rank == 0:
-        write_json(meta, tmp / OPTIMIZER_META)
+        try:
+            write_json(meta, tmp / OPTIMIZER_META)
+            check_job(out_path)  # not published once the job that started this process has ended
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         if out_path.exists():
             shutil.rmtree(out_path)
         os.replace(tmp, out_path)
