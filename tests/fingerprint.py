@@ -13,7 +13,7 @@ and the columns added after the fixtures were recorded (``ADDED``, each with the
 its values); not the Parquet key-value metadata (versions, paths, timestamps).
 
 The fingerprints hold on one CPU model with one thread count per job: another instruction set
-adds floating-point sums in another order (README, "What a seed fixes"). ``cpu_key()`` names the
+adds floating-point sums in another order (README, "What a seed fixes"). ``cpu_keys()`` names the
 machine they were taken on.
 """
 
@@ -27,17 +27,32 @@ import sys
 from pathlib import Path
 
 
-def cpu_key() -> str:
-    """The CPU model (from /proc/cpuinfo) and the machine: fingerprints are valid on one of them."""
-    model = platform.processor() or platform.machine()
+def cpu_keys() -> list[str]:
+    """The names under which this machine's fingerprints may be recorded, the most specific first:
+    the CPU's model name, family and model number (a model name such as "AMD EPYC" covers CPUs of
+    other instruction sets, whose kernels add sums in another order), then the model name alone."""
+    info: dict[str, str] = {}
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
+        block = Path("/proc/cpuinfo").read_text().split("\n\n")[0]  # the first processor's
+        info = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in block.splitlines())}
     except OSError:
         pass
-    return "".join(c if c.isalnum() else "-" for c in f"{platform.machine()}-{model}").strip("-").lower()
+    info.setdefault("model name", platform.processor() or platform.machine())
+    generic = (
+        "".join(c if c.isalnum() else "-" for c in f"{platform.machine()}-{info['model name']}").strip("-").lower()
+    )
+    if "cpu family" in info and "model" in info:
+        return [f"{generic}-family{info['cpu family']}-model{info['model']}", generic]
+    return [generic]
+
+
+def recorded(run: str, root: Path) -> Path | None:
+    """The recorded fingerprints of run ``run`` (tiny, default) for this machine under ``root``
+    (tests/data/fingerprints), the most specific key first; None when there are none."""
+    for key in cpu_keys():
+        if (root / key / f"{run}.json").is_file():
+            return root / key / f"{run}.json"
+    return None
 
 
 def weights_digest(policy_dir: Path) -> str:
@@ -126,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     found = fingerprints(ns.results)
     if ns.check is None:
-        print(json.dumps({"cpu": cpu_key(), "fingerprints": found}, indent=1, sort_keys=True))
+        print(json.dumps({"cpu": cpu_keys()[0], "fingerprints": found}, indent=1, sort_keys=True))
         return 0
     want = json.loads(ns.check.read_text())["fingerprints"]
     # a policy whose weights the retention policy deleted (PRUNED.json) has nothing to compare
