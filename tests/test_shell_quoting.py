@@ -185,6 +185,10 @@ def test_the_slurm_executor_refuses_paths_its_sbatch_call_would_run(tmp_path):
     writing nothing. (No Slurm needed: refused before the first sbatch.)"""
     work = tmp_path / "work"
     layer = tmp_path / "layer.yaml"
+    policy = tmp_path / "p `touch MARKER2`"  # a folder that passes the policy check: its name is refused
+    policy.mkdir()
+    (policy / "config.json").write_text("{}")
+    (policy / "tokenizer.json").write_text("{}")
     for cfg, named in [
         ({"results_dir": "r $(touch MARKER1)"}, str(work / "r $(touch MARKER1)")),
         ({"model": {"path": str(tmp_path / "p `touch MARKER2`")}}, str(tmp_path / "p `touch MARKER2`")),
