@@ -28,6 +28,7 @@ TOOLS = {
     "submit": "run the workflow on Slurm from a head job (snakemake --workflow-profile slurm)",
     "disk": "the disk a run will take (policies, optimizer states, data) under its retention policy",
     "experiment-member": "write one experiment member's resolved config (used by workflow/experiment.smk)",
+    "worker": "a warm worker: runs one kind of stage job after another in one process (docs/workers.md)",
 }
 
 
@@ -145,6 +146,18 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             disk.add_arguments(p)
             continue
         p = sub.add_parser(name, help=help_text)
+        if name == "worker":
+            from otbflow.dispatch import KINDS
+
+            p.description = (
+                "Serve the stage jobs of one kind that the workflow of one results folder hands out; "
+                + "; ".join(f"{k}: {', '.join(v)}" for k, v in KINDS.items())
+                + ". Stops on SIGTERM or SIGINT, after --idle-exit seconds without a job, or after --max-jobs jobs."
+            )
+            p.add_argument("kind", choices=list(KINDS), help="which stages it runs")
+            p.add_argument("--results", required=True, help="the run's results folder (results_dir)")
+            p.add_argument("--idle-exit", type=float, default=0.0, help="end after this many seconds idle (0: never)")
+            p.add_argument("--max-jobs", type=int, default=0, help="end after this many jobs (0: never)")
         if name == "experiment-member":
             for flag in ("--experiment", "--run", "--policy", "--scaling", "--out"):
                 p.add_argument(flag, required=True)
@@ -210,6 +223,10 @@ def _main(argv: list[str], program: bool) -> int:
             from otbflow.disk import main as disk_main
 
             return disk_main(ns)
+        if ns.command == "worker":
+            from otbflow.worker import main as worker_main
+
+            return worker_main(ns.kind, ns.results, ns.idle_exit, ns.max_jobs)
         if ns.command == "experiment-member":
             from otbflow.experiment_config import write_member_config
 

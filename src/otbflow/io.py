@@ -315,11 +315,20 @@ def bind_to_job(parent: int) -> None:
     check_job("this job")
 
 
+WANTED: list = []
+"""In a warm worker (``otbflow.worker``), the check of the job it runs for a client: a function
+that returns why the job is no longer wanted (its client is gone, it withdrew the job), or None."""
+
+
 def check_job(path: str | Path) -> None:
     """Raise JobGoneError (naming ``path``) when the job that started this process has ended
-    (``bind_to_job``); nothing when it runs, or when the process is not bound."""
+    (``bind_to_job``), or the client a worker runs it for is gone (``WANTED``); nothing when it
+    runs, or when the process is not bound."""
     from otbflow.head import process_stat
 
+    for wanted in WANTED:
+        if reason := wanted():
+            raise JobGoneError(f"{path}: not written: {reason}; an output written now would look done to the next run")
     for pid, start in _JOB:
         stat = process_stat(pid)
         if stat is None or stat[0] in "ZX" or stat[2] != start or os.getppid() != _JOB[0][0]:

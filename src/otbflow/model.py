@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from otbflow import resident
 from otbflow.config import ARCHITECTURES
 from otbflow.engines import VOCABULARY_FILES, check_tokenizer
 from otbflow.retention import check_not_pruned
@@ -169,12 +170,18 @@ def load_policy(path: str | Path, dtype: str = "float32", cast_to: torch.dtype |
     ``dtype``. ``cast_to``: its floating-point parameters then cast to that precision
     (``cast_parameters``) on the host, before the move, so that the device holds only the cast copy
     (a 32B policy: 66 GB in bf16 instead of 131 GB in fp32)."""
-    from transformers import AutoModelForCausalLM
-
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path}: not an HF model folder (no config.json)")
     check_not_pruned(path)
+    if resident.ENABLED:  # a warm worker: the resident module where it fits (otbflow.resident)
+        return resident.policy(path, dtype, cast_to, _load_policy)
+    return _load_policy(path, dtype, cast_to)
+
+
+def _load_policy(path: Path, dtype: str, cast_to: torch.dtype | None):
+    from transformers import AutoModelForCausalLM
+
     tok = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=getattr(torch, dtype))
     if cast_to is not None:

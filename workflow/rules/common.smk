@@ -8,6 +8,7 @@ from snakemake.utils import validate
 
 import otbflow
 from otbflow.codeversion import code_version
+from otbflow.dispatch import KIND_OF
 from otbflow.pipeline import STAGES, trigger
 from otbflow.config import (
     DEFAULT_CONFIG,
@@ -86,8 +87,20 @@ def stage_cmd(stage):
     res = CFG.resources.get(stage, {})
     launcher = launch_processes(res.tasks, res.cpus_per_task) if "tasks" in res else ""
     cli = f"{PYTHONPATH} {launcher}{quote(python or _PY)} -m otbflow"
+    if dispatched(stage, launcher):
+        cli += f".dispatch --results {quote(R)} --code {code_version(stage)}"
     command = f"{cli} {STAGES[stage].command} --config {quote(RESOLVED_CONFIG)}"
     return lambda wildcards, input: command
+
+
+def dispatched(stage, launcher):
+    """Whether the stage's jobs go through the worker client (otbflow.dispatch): a job of a kind
+    workers run, in one process (a launcher starts several), with the transformers engine (a
+    worker does not keep a vLLM engine yet). The client runs the job itself where no worker of its
+    kind is live for this results folder: the same outputs either way (docs/workers.md)."""
+    if stage not in KIND_OF or launcher:
+        return False
+    return not (STAGES[stage].engine and CFG.rollout.backend != "hf")
 
 
 def stage_trigger(stage):

@@ -21,7 +21,7 @@ import polars as pl
 import torch
 from omegaconf import DictConfig
 
-from otbflow import schemas
+from otbflow import resident, schemas
 from otbflow.distributed import (
     _destroy_process_group,
     build_engine,
@@ -100,17 +100,22 @@ def run(cfg: DictConfig, args: Args) -> None:
         prev_meta = check_optimizer_state(args.prev_optimizer, tc, world_size, args.policy)  # before any work
     seed = derive_seed(cfg.seed, "train", args.iteration)
     torch.manual_seed(seed)
-    engine = build_engine(args.policy, tc, world_size)
-    if args.prev_optimizer:
-        load_optimizer_state(engine, args.prev_optimizer)
-        if rank == 0:
-            log.info(
-                "AdamW resumes from %s (%s optimizer steps before this iteration)",
-                args.prev_optimizer,
-                prev_meta.get("optimizer_steps"),
-            )
+    layout = {"deepspeed": deepspeed_config(tc, world_size), "policy": (Path(args.policy) / "config.json").read_text()}
+    engine = resident_engine(layout, prev_meta) if args.prev_optimizer else None
+    warm = engine is not None
+    if not warm:
+        resident.drop("train")  # another layout or other inputs: its memory goes before a new engine's comes
+        engine = build_engine(args.policy, tc, world_size)
+        if args.prev_optimizer:
+            load_optimizer_state(engine, args.prev_optimizer)
+    if args.prev_optimizer and rank == 0:
+        log.info(
+            "AdamW resumes from %s (%s optimizer steps before this iteration)",
+            "the resident engine, which wrote it" if warm else args.prev_optimizer,
+            prev_meta.get("optimizer_steps"),
+        )
     atexit.register(_destroy_process_group)
-    ref_model = load_reference(args.reference, engine.device, tc, world_size) if tc.kl_coef > 0 else None
+    ref_model = reference(args.reference, engine.device, tc, world_size) if tc.kl_coef > 0 else None
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(args.policy, local_files_only=True)
@@ -207,6 +212,8 @@ def run(cfg: DictConfig, args: Args) -> None:
             "job_fingerprint": fp,
         }
         save_optimizer_state(engine, args.optimizer, meta, rank, world_size)  # collective
+        # a warm worker keeps the engine: the next job, whose inputs are these outputs, goes on with it
+        resident.hold("train", Resident(engine, layout, fp, digest))
     if rank == 0:
         df = pl.DataFrame(metrics, schema=schemas.TRAIN_METRICS.columns)
         import deepspeed
@@ -231,6 +238,42 @@ def run(cfg: DictConfig, args: Args) -> None:
         log.info("%d steps on %d sequences; next policy in %s", len(plan), n, args.out)
     ckpt.finish()
     curves.close()
+
+
+@dataclass
+class Resident:
+    """A warm worker's DeepSpeed engine after a job (``otbflow.resident``): its layout, the
+    fingerprint of the job that left it and the digest of the policy that job wrote."""
+
+    engine: object
+    layout: dict
+    job_fingerprint: str
+    policy_sha256: str
+
+
+def resident_engine(layout: dict, prev_meta: dict):
+    """The resident engine (a warm worker's; None elsewhere) where it holds exactly this job's
+    inputs: the optimizer state's meta names the job that left it and the policy it wrote, whose
+    digest ``check_optimizer_state`` has found in --policy, and the layout is the same. None
+    otherwise: the job builds its engine from its input folders."""
+    held: Resident | None = resident.take("train")
+    if held is None or held.layout != layout:
+        return None
+    if prev_meta.get("job_fingerprint") != held.job_fingerprint or prev_meta.get("policy_sha256") != held.policy_sha256:
+        return None
+    return held.engine
+
+
+def reference(path: str, device, tc: DictConfig, world_size: int):
+    """The KL term's reference policy (``load_reference``), kept by a warm worker for the jobs
+    after, as long as its folder holds the same files."""
+    digest = resident.files_digest(path, (*resident.WEIGHTS, "config.json"))
+    held = resident.take("reference")
+    if held is not None and held[0] == (digest, str(device), tc.zero_stage, tc.bf16):
+        return held[1]
+    model = load_reference(path, device, tc, world_size)
+    resident.hold("reference", ((digest, str(device), tc.zero_stage, tc.bf16), model))
+    return model
 
 
 def _curve_values(row: dict) -> dict:

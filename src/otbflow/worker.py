@@ -1,0 +1,270 @@
+"""A warm worker: ``otbflow worker KIND --results DIR`` runs the stage jobs of one kind (``generate``:
+rollout, evaluate and the variance pool; ``features``; ``train``) that the rules of the run in
+``DIR`` hand it (``otbflow.dispatch``), one after another, in this one process, keeping what the
+next job needs (``otbflow.resident``): the imports, the policy, the DeepSpeed engine and its AdamW
+state. A job runs exactly as ``otbflow STAGE ...`` would run it in its own process (the same
+code, the same arguments, the same thread count): the outputs are the same.
+
+What a worker checks before it runs a request: its signature (the run's secret), that its stage is
+one of the worker's kind, that the rule expects the code version the worker has loaded (else it
+refuses and the client runs the job itself), and the stage's own arguments and inputs, as every
+job does. While a job runs, a thread keeps the worker's heartbeat and watches the client: a client
+that is gone (its rule's job was killed) or withdrew the job makes the worker abandon it, and
+nothing is published after that (``otbflow.io.check_job``); the resident state of a job that
+failed or was abandoned is dropped. Docs: docs/workers.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+from otbflow import dispatch, resident
+
+log = logging.getLogger("otbflow.worker")
+
+
+class JobAbandoned(BaseException):
+    """Raised in the worker's main thread when the job's client is gone or withdrew the job."""
+
+
+class Worker:
+    """One worker of ``kind`` for the run whose results folder is ``results``."""
+
+    def __init__(self, kind: str, results: str | Path, idle_exit_s: float = 0.0, max_jobs: int = 0):
+        if kind not in dispatch.KINDS:
+            raise ValueError(f"unknown worker kind {kind!r}: one of {', '.join(dispatch.KINDS)}")
+        from otbflow.codeversion import code_version
+
+        self.kind, self.results = kind, Path(results).resolve()
+        self.idle_exit_s, self.max_jobs = idle_exit_s, max_jobs
+        self.key = dispatch.secret(self.results, create=True)
+        self.base = dispatch.root(self.results) / kind
+        self.me = dispatch.me()
+        self.id = f"{self.me['host']}-{self.me['pid']}-{self.me['start']}"
+        self.folder = self.base / self.id
+        self.codes = {stage: code_version(stage) for stage in dispatch.KINDS[kind]}
+        self.job: dict | None = None
+        self.abandoned: str | None = None
+        self.main_thread = threading.get_ident()
+        self.stop = threading.Event()
+        self.lock = threading.Lock()  # the job's start and end against the heartbeat's abandoning it
+        self.jobs_done = 0
+
+    # --- registration and heartbeat ---------------------------------------------------------
+
+    def register(self) -> None:
+        (self.folder / "running").mkdir(parents=True, exist_ok=True)
+        (self.base / "queue").mkdir(parents=True, exist_ok=True)
+        (self.folder / "alive").touch()
+        record = {
+            **self.me,
+            "kind": self.kind,
+            "stages": list(dispatch.KINDS[self.kind]),
+            "codes": self.codes,
+            "slurm_job": os.environ.get("SLURM_JOB_ID"),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
+        dispatch.write_json_atomic(self.folder / "worker.json", record)
+        log.info("worker %s (%s: %s) serves %s", self.id, self.kind, ", ".join(dispatch.KINDS[self.kind]), self.results)
+
+    def unregister(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def heartbeat(self) -> None:
+        """Touch ``alive`` every HEARTBEAT_S; abandon the job whose client is gone or withdrew it."""
+        while not self.stop.wait(dispatch.HEARTBEAT_S):
+            with contextlib.suppress(FileNotFoundError):
+                os.utime(self.folder / "alive")
+            with self.lock:
+                job = self.job
+                if job is not None and self.abandoned is None and (reason := self.unwanted(job)):
+                    self.abandoned = reason
+                    log.warning("job %s abandoned: %s", job["id"], reason)
+                    raise_in(self.main_thread, JobAbandoned)
+
+    def unwanted(self, job: dict) -> str | None:
+        """Why ``job`` is no longer wanted (its client is gone, it withdrew it), or None."""
+        if not (self.folder / "running" / f"{job['id']}.json").exists():
+            return "its client withdrew it"
+        if not dispatch.alive(job["client"], self.base / "jobs" / job["id"] / "client"):
+            return "its client is gone (the rule's job was killed)"
+        return None
+
+    # --- the loop -------------------------------------------------------------------------------
+
+    def claim(self) -> Path | None:
+        """The oldest queued request, renamed into this worker's ``running/`` (one claimer wins)."""
+        queue = self.base / "queue"
+        waiting = sorted(queue.glob("*.json"), key=lambda p: p.stat().st_mtime if p.exists() else 0)
+        for path in waiting:
+            mine = self.folder / "running" / path.name
+            try:
+                os.rename(path, mine)
+            except FileNotFoundError:
+                continue  # another worker took it
+            return mine
+        return None
+
+    def serve(self) -> None:
+        self.register()
+        beat = threading.Thread(target=self.heartbeat, name="heartbeat", daemon=True)
+        beat.start()
+        idle_since = time.time()
+        try:
+            while not (self.max_jobs and self.jobs_done >= self.max_jobs):
+                mine = self.claim()
+                if mine is None:
+                    if self.idle_exit_s and time.time() - idle_since > self.idle_exit_s:
+                        log.info("idle for %.0f s: the worker ends", self.idle_exit_s)
+                        break
+                    time.sleep(dispatch.POLL_S)
+                    continue
+                self.handle(mine)
+                self.jobs_done += 1
+                idle_since = time.time()
+        finally:
+            self.stop.set()
+            self.unregister()
+
+    def handle(self, mine: Path) -> None:
+        try:
+            body = dispatch.verify(self.key, json.loads(mine.read_text()))
+            if not re.fullmatch(r"[0-9a-f]{32}", str(body.get("id"))):
+                raise dispatch.DispatchError(f"malformed job id {body.get('id')!r}")
+        except (OSError, ValueError, dispatch.DispatchError) as e:
+            log.error("%s: refused, not run: %s", mine.name, e)  # not signed with the run's secret
+            mine.unlink(missing_ok=True)
+            return
+        job_dir = self.base / "jobs" / body["id"]
+        answer = self.refusal(body) or self.execute(body, job_dir)
+        if job_dir.is_dir():
+            dispatch.write_json_atomic(job_dir / "result.json", answer)
+        mine.unlink(missing_ok=True)
+
+    def refusal(self, body: dict) -> dict | None:
+        stage = body["stage"]
+        if stage not in dispatch.KINDS[self.kind]:
+            return {"status": "refused", "error": f"a {self.kind} worker does not run {stage}"}
+        if body["code"] != self.codes[stage]:
+            return {
+                "status": "refused",
+                "error": f"the rule expects {stage}'s code version {body['code']}, this worker runs "
+                f"{self.codes[stage]} (the code changed since it started: restart it)",
+            }
+        return None
+
+    def execute(self, body: dict, job_dir: Path) -> dict:
+        """Run the job in this process as ``otbflow STAGE ARGV`` would run it; its log goes to
+        ``job_dir/log``."""
+        import torch
+
+        import otbflow
+        from otbflow import cli, io
+
+        with self.lock:
+            self.job, self.abandoned = body, None
+        io.WANTED[:] = [lambda: self.abandoned or self.unwanted(body)]
+        threads = body.get("threads") or ""
+        env = {"OTBFLOW_THREADS": threads} if threads else {}
+        handler = logging.FileHandler(job_dir / "log")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        root = logging.getLogger()
+        code, status, error = 1, "failed", ""
+        cwd = os.getcwd()
+        try:
+            with (
+                open(job_dir / "log", "a") as stream,
+                contextlib.redirect_stdout(stream),
+                contextlib.redirect_stderr(stream),
+            ):
+                root.addHandler(handler)
+                try:
+                    os.chdir(body["cwd"])
+                    with environment(env):
+                        if not threads:
+                            torch.set_num_threads(DEFAULT_THREADS)
+                        otbflow.STARTED_AT = time.time()
+                        log.info("worker %s runs %s (job %s)", self.id, body["stage"], body["id"])
+                        try:
+                            code = cli._main([body["stage"].replace("_", "-"), *body["argv"]], program=False)
+                        except SystemExit as e:  # argparse
+                            code = e.code if isinstance(e.code, int) else 2
+                    status = "ok" if code == 0 else "failed"
+                except JobAbandoned:
+                    status, error = "abandoned", self.abandoned or "abandoned"
+                except Exception as e:  # the job failed: its traceback into its log, the worker goes on
+                    traceback.print_exc()
+                    error = f"{type(e).__name__}: {e}"
+                finally:
+                    root.removeHandler(handler)
+                    handler.close()
+        except JobAbandoned:  # delivered between the job's end and here
+            status, error = "abandoned", self.abandoned or "abandoned"
+        finally:
+            with self.lock:
+                self.job = None
+                if self.abandoned:  # an interruption raised but not yet delivered goes unused
+                    raise_in(self.main_thread, None)
+                    status, error = "abandoned", self.abandoned
+            io.WANTED[:] = []
+            os.chdir(cwd)
+        if status != "ok":
+            resident.drop()  # a failed or abandoned job's state is not trusted
+            log.warning("job %s (%s) %s%s", body["id"], body["stage"], status, f": {error}" if error else "")
+        else:
+            log.info("job %s (%s) done", body["id"], body["stage"])
+        return {"status": status, "exit": code if status != "abandoned" else 1, "error": error}
+
+
+def raise_in(thread_id: int, exc: type[BaseException] | None) -> None:
+    """Raise ``exc`` in the thread ``thread_id`` at its next Python instruction (None: clear one
+    pending there)."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc is not None else None
+    )
+
+
+DEFAULT_THREADS = 0
+"""torch's thread count when the worker started: a job without OTBFLOW_THREADS runs with it, as a
+fresh process would."""
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]):
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def main(kind: str, results: str, idle_exit_s: float = 0.0, max_jobs: int = 0) -> int:
+    """``otbflow worker``: serve until stopped (SIGTERM, SIGINT), idle for ``idle_exit_s`` or
+    ``max_jobs`` jobs done; its registration goes with it."""
+    global DEFAULT_THREADS
+    import torch
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    DEFAULT_THREADS = torch.get_num_threads()
+    resident.enable()
+    worker = Worker(kind, results, idle_exit_s, max_jobs)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    worker.serve()
+    return 0
