@@ -58,7 +58,9 @@ SETTINGS = {
     "otb_s0": [],
     "otb_s1": ["rollout.staleness=1", "train.rollout_is=token"],
 }
-PIPELINED = {"grpo_s1", "otb_s1"}  # the rollout is off the path from one policy to the next
+SETTINGS |= {f"{name}_workers": overrides for name, overrides in SETTINGS.items()}
+WORKERS = {name for name in SETTINGS if name.endswith("_workers")}  # warm workers serve the stages
+PIPELINED = {"grpo_s1", "otb_s1", "grpo_s1_workers", "otb_s1_workers"}  # the rollout is off the policy chain
 STAGES = ("rollout", "features", "advantages", "train")
 FINISHED = re.compile(r"^(\S+ \S+) otbflow INFO (\S+) finished in ([\d.]+) s$", re.M)
 
@@ -129,12 +131,47 @@ def jobs(results: Path) -> list[dict]:
     return out
 
 
+def start_workers(results: Path, n_shards: int) -> tuple[list[subprocess.Popen], float]:
+    """One generation and one features worker per shard and one train worker for the run in
+    ``results`` (``otbflow worker``), and the seconds until all had registered (their imports)."""
+    sys.path.insert(0, str(REPO / "src"))
+    from otbflow.dispatch import live_workers
+
+    kinds = ["generate"] * n_shards + ["features"] * n_shards + ["train"]
+    start = time.perf_counter()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "otbflow", "worker", kind, "--results", str(results)],
+            stdout=open(results / f"worker_{kind}_{i}.log", "w"),
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+        for i, kind in enumerate(kinds)
+    ]
+    while sum(len(live_workers(results, k)) for k in set(kinds)) < len(kinds):
+        if any(p.poll() is not None for p in procs):
+            raise RuntimeError(f"a worker ended before it registered: see {results}/worker_*.log")
+        time.sleep(0.1)
+    return procs, time.perf_counter() - start
+
+
+def stop_workers(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        p.wait(timeout=60)
+
+
 def run_setting(work: Path, name: str, policy: Path, iterations: int, cores: int, n_shards: int) -> dict:
     folder = work / name
     shutil.rmtree(folder, ignore_errors=True)
     overrides = [f"model.path={policy}", f"iterations={iterations}", *SETTINGS[name]]
     smk(folder, overrides, shard_files(n_shards), cores)
-    wall = smk(folder, overrides, [f"results/iter_{iterations - 1}/train/policy"], cores)
+    procs, workers_s = start_workers(folder / "results", n_shards) if name in WORKERS else ([], 0.0)
+    try:
+        wall = workers_s + smk(folder, overrides, [f"results/iter_{iterations - 1}/train/policy"], cores)
+    finally:
+        stop_workers(procs)
     js = jobs(folder / "results")
     stages = {}
     for stage in STAGES:
@@ -151,6 +188,8 @@ def run_setting(work: Path, name: str, policy: Path, iterations: int, cores: int
     job_seconds = sum(stages[s]["job_s"] * stages[s]["jobs"] for s in STAGES) / iterations
     return {
         "overrides": SETTINGS[name],
+        "workers": len(procs),
+        "workers_startup_s": workers_s,
         "wall_s": wall,
         "per_iteration_s": wall / iterations,
         "period_s": period,
@@ -184,6 +223,19 @@ def ratios(result: dict) -> dict:
                 "core_floor": s1["core_floor_s"] / s0["period_s"],
                 "chain_floor": sum(s0["stages"][st]["job_s"] for st in s1["chain_stages"]) / s0["period_s"],
             }
+        for st in ("s0", "s1"):
+            if f"{est}_{st}" in s and f"{est}_{st}_workers" in s:
+                w, o = s[f"{est}_{st}_workers"], s[f"{est}_{st}"]
+                out[f"{est}_{st}_workers_over_{st}"] = {
+                    "wall_per_iteration": w["per_iteration_s"] / o["per_iteration_s"],
+                    "steady": w["period_s"] / o["period_s"],
+                }
+            if "trl" in result and f"{est}_{st}_workers" in s:
+                out[f"{est}_{st}_workers_over_trl"] = {
+                    "wall_per_iteration": s[f"{est}_{st}_workers"]["per_iteration_s"]
+                    / result["trl"]["wall_per_iteration_s"],
+                    "steady": s[f"{est}_{st}_workers"]["period_s"] / result["trl"]["period_s"],
+                }
         for st in ("s0", "s1"):
             if "trl" in result and f"{est}_{st}" in s:
                 out[f"{est}_{st}_over_trl"] = {

@@ -191,6 +191,13 @@ HOW: dict[str, str] = {
         "python tests/fingerprint.py results --check results/scratch/fp.json"
     ),
     ".venv/bin/python benchmarks/variance_seeds.py --seeds 0 1 2 3 4": VARIANCE_SEEDS,
+    # docs/workers.md: the workers serve the tiny run's train jobs redone, and end once idle
+    "for kind in generate features train; do otbflow worker $kind --results results --idle-exit 600 & done": (
+        "for kind in generate features train; do otbflow worker $kind --results results --idle-exit 20 & done; "
+        "until ls results/.workers/train/*/alive > /dev/null 2>&1; do sleep 0.5; done; "
+        "snakemake --cores 2 --configfile config/tiny.yaml --forcerun train && wait && "
+        "grep -q 'runs train' results/logs/train/iter_1.log"
+    ),
 }
 
 

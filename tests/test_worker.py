@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -137,3 +139,129 @@ def test_a_request_without_the_secret_is_not_run(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_a_worker_killed_between_the_policy_and_the_optimizer_state(tiny_run, tmp_path):
+    """The train worker dies by SIGKILL right after it published iteration 0's policy, before the
+    optimizer state (OTBFLOW_FAULT=train:after-policy): its client sees it gone and runs the job
+    itself, the same command finishes the run, and every table and policy is bitwise the run
+    without workers."""
+    work = copy_run(tiny_run, tmp_path / "run")
+    results = work / "results"
+    want = chain_outputs(tiny_run / "results")
+    procs = {kind: start_worker(results, kind, tmp_path / f"worker_{kind}.log") for kind in ("generate", "features")}
+    procs["train"] = start_worker(
+        results, "train", tmp_path / "worker_train.log", {"OTBFLOW_FAULT": "train:after-policy"}
+    )
+    for kind in KINDS:
+        wait_for(lambda kind=kind: dispatch.live_workers(results, kind), 60, f"the {kind} worker to register")
+    try:
+        snakemake(work, "--forcerun", "rollout")
+    finally:
+        stop(procs)
+    assert procs["train"].returncode == -signal.SIGKILL
+    assert "is gone: running the job here" in (results / "logs/train/iter_0.log").read_text()
+    assert chain_outputs(results) == want
+
+
+def train_args(results: Path, out: Path, iteration: int = 0, prev: Path | None = None) -> list[str]:
+    """The train stage's arguments for the tiny run's iteration-0 advantages, writing under ``out``
+    (``prev``: the outputs of the job before, whose policy and AdamW state it continues)."""
+    args = [
+        "--config",
+        str(results / "config.yaml"),
+        "--advantages",
+        str(results / "iter_0/advantages/advantages.parquet"),
+    ]
+    args += ["--policy", str(prev / "policy" if prev else results / "bootstrap/policy"), "--out", str(out / "policy")]
+    args += ["--metrics", str(out / "metrics.parquet"), "--state", str(out / "schedule.json")]
+    args += [
+        "--optimizer",
+        str(out / "optimizer"),
+        "--checkpoint-dir",
+        str(out / "ckpt"),
+        "--iteration",
+        str(iteration),
+    ]
+    return args + (
+        ["--prev-state", str(prev / "schedule.json"), "--prev-optimizer", str(prev / "optimizer")] if prev else []
+    )
+
+
+def test_a_client_killed_mid_job_gets_nothing_written(tiny_run, tmp_path):
+    """A train job whose client (the rule's job) is killed while the worker trains: the worker
+    abandons it and writes none of its outputs; it stays registered and runs the next request."""
+    from otbflow.codeversion import code_version
+
+    results = tiny_run / "results"
+    worker = start_worker(results, "train", tmp_path / "w.log", {"OTBFLOW_FAULT": "train:before-outputs:sleep"})
+    try:
+        wait_for(lambda: dispatch.live_workers(results, "train"), 60, "the worker")
+        out = tmp_path / "job"
+        client = [sys.executable, "-m", "otbflow.dispatch", "--results", str(results), "--code", code_version("train")]
+        cmd = " ".join(f"'{a}'" for a in [*client, "train", *train_args(results, out)])
+        shell = subprocess.Popen(["bash", "-c", f"{cmd} > '{tmp_path}/client.log' 2>&1"], cwd=tiny_run)
+        wait_for(lambda: re.search(r"step (\d+)/\1:", (tmp_path / "w.log").read_text()), 120, "the last step")
+        shell.send_signal(signal.SIGKILL)
+        wait_for(lambda: "abandoned" in (tmp_path / "w.log").read_text(), 30, "the worker to abandon the job")
+        time.sleep(2)
+        assert not any(out.glob("*")) or sorted(p.name for p in out.iterdir()) == ["ckpt"]
+        assert worker.poll() is None and dispatch.live_workers(results, "train")
+        res = subprocess.run(
+            [*client, "train", *train_args(results, out)], cwd=tiny_run, capture_output=True, text=True
+        )
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        assert (out / "policy").is_dir() and (out / "optimizer").is_dir() and "runs train" in res.stdout
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(timeout=30)
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+@pytest.mark.slow
+def test_a_workers_memory_stays_flat_over_50_iterations(tiny_run, tmp_path):
+    """50 chained train jobs (each continues the policy and AdamW state of the one before) and 50
+    features passes, each with the policy of its train job: the workers' RSS after the 50th job is
+    within 10% of its value after the 5th."""
+    from otbflow.codeversion import code_version
+
+    results = tiny_run / "results"
+    procs = {kind: start_worker(results, kind, tmp_path / f"{kind}.log") for kind in ("features", "train")}
+    rss: dict[str, dict[int, int]] = {"features": {}, "train": {}}
+    try:
+        for kind in procs:
+            wait_for(lambda kind=kind: dispatch.live_workers(results, kind), 60, f"the {kind} worker")
+        prev = None
+        for i in range(1, 51):
+            out = tmp_path / f"train_{i}"
+            client = dispatch.Client(results, "train", code_version("train"), train_args(results, out, i, prev))
+            with open(tmp_path / "client.log", "a") as log:
+                assert client.run(log) == 0, (tmp_path / "client.log").read_text()[-3000:]
+            features = [
+                "--config",
+                str(results / "config.yaml"),
+                "--rollouts",
+                str(results / "iter_0/rollout/shard_0.parquet"),
+            ]
+            features += ["--policy", str(out / "policy"), "--out", str(tmp_path / f"features_{i}.parquet")]
+            client = dispatch.Client(results, "features", code_version("features"), features)
+            with open(tmp_path / "client.log", "a") as log:
+                assert client.run(log) == 0, (tmp_path / "client.log").read_text()[-3000:]
+            if i in (5, 50):
+                rss["train"][i], rss["features"][i] = rss_kib(procs["train"].pid), rss_kib(procs["features"].pid)
+            if prev is not None:
+                shutil.rmtree(prev)
+            prev = out
+    finally:
+        stop(procs)
+    print(f"worker RSS after job 5 and 50 (KiB): {rss}")
+    for kind, values in rss.items():
+        assert values[50] <= 1.1 * values[5], (kind, values)
+    assert (tmp_path / "train.log").read_text().count("AdamW resumes from the resident engine") == 49

@@ -338,6 +338,28 @@ def check_job(path: str | Path) -> None:
             )
 
 
+_FAULTS_HIT: set[str] = set()
+
+
+def fault_point(name: str) -> None:
+    """A place where tests stop a process (the environment's ``OTBFLOW_FAULT``, once per process):
+    ``name`` kills it (SIGKILL, as ``kill -9`` or a lost node would), ``name:sleep`` holds it up to
+    60 s in short sleeps (a worker can abandon the job meanwhile). Nothing otherwise."""
+    fault = os.environ.get("OTBFLOW_FAULT", "")
+    if fault.split(":sleep")[0] != name or name in _FAULTS_HIT:
+        return
+    _FAULTS_HIT.add(name)
+    if fault.endswith(":sleep"):
+        import time
+
+        for _ in range(600):
+            time.sleep(0.1)
+        return
+    import signal
+
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _comm(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/comm").read_text().strip()

@@ -241,6 +241,23 @@ DEFAULT_THREADS = 0
 fresh process would."""
 
 
+WARM_UP = {"generate": ("transformers.generation",), "features": (), "train": ("deepspeed",)}
+"""Modules a kind's jobs import lazily (inside the functions that need them), imported before the
+worker registers, so that its first job starts warm too."""
+
+
+def warm_up(kind: str) -> None:
+    """Import the stage modules of ``kind`` and what their jobs import lazily (``WARM_UP``)."""
+    import importlib
+
+    from otbflow.pipeline import STAGES
+
+    start = time.perf_counter()
+    for name in (*(STAGES[s].module for s in dispatch.KINDS[kind]), "transformers", *WARM_UP[kind]):
+        importlib.import_module(name)
+    log.info("imports of the %s stages done in %.1f s", kind, time.perf_counter() - start)
+
+
 @contextlib.contextmanager
 def environment(values: dict[str, str]):
     saved = {k: os.environ.get(k) for k in values}
@@ -264,6 +281,7 @@ def main(kind: str, results: str, idle_exit_s: float = 0.0, max_jobs: int = 0) -
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     DEFAULT_THREADS = torch.get_num_threads()
     resident.enable()
+    warm_up(kind)
     worker = Worker(kind, results, idle_exit_s, max_jobs)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     worker.serve()

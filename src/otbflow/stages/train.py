@@ -29,7 +29,7 @@ from otbflow.distributed import (
     init_distributed_env,
     load_reference,
 )
-from otbflow.io import SchemaError, write_json, write_parquet
+from otbflow.io import SchemaError, fault_point, write_json, write_parquet
 from otbflow.lr_schedule import LRSchedule
 from otbflow.model import set_threads
 from otbflow.seeds import derive_seed
@@ -195,10 +195,12 @@ def run(cfg: DictConfig, args: Args) -> None:
                 },
             )
 
+    fault_point("train:before-outputs")
     state = full_fp32_state_dict(engine, keep=rank == 0)  # collective: all ranks
     if rank == 0:
         save_policy(engine, state, args.policy, args.out)
     del state
+    fault_point("train:after-policy")  # the policy published, the optimizer state not yet
     if args.optimizer:
         import deepspeed
 
