@@ -26,7 +26,10 @@ cores add. ``job_seconds_per_iteration``: the jobs' seconds summed over an itera
 (at s = 1 the binding bound on a small machine; it counts a job as one core, true of the default
 ``resources``, one thread per job); ``periods_s``: each time between consecutive train jobs'
 ends; ``core_floor`` and ``chain_floor`` in the s1-over-s0 ratios bound what overlap can reach
-(``ratios``). Threads per job: the config's ``resources`` (printed).
+(``ratios``). Threads per job: the config's ``resources`` (printed); GPUs per job too, but
+Snakemake runs here without ``--resources``, so jobs that ask for a GPU share the machine's GPU.
+``--list-settings`` prints the settings this script knows, one a line (benchmarks/gpu/check.sh
+runs those it finds). The JSON names the command, the date, the CPU and the GPU.
 
 Prints JSON (and writes it to ``--out``). The default, 4 iterations of each setting and TRL, takes
 about 15 minutes on a 2-core CPU; run it with nothing else on the machine::
@@ -41,7 +44,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import shutil
 import subprocess
@@ -49,6 +51,8 @@ import sys
 import time
 from datetime import datetime
 from pathlib import Path
+
+from machine import run_record  # benchmarks/machine.py (this folder is on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
@@ -63,13 +67,6 @@ WORKERS = {name for name in SETTINGS if name.endswith("_workers")}  # warm worke
 PIPELINED = {"grpo_s1", "otb_s1", "grpo_s1_workers", "otb_s1_workers"}  # the rollout is off the policy chain
 STAGES = ("rollout", "features", "advantages", "train")
 FINISHED = re.compile(r"^(\S+ \S+) otbflow INFO (\S+) finished in ([\d.]+) s$", re.M)
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def snakemake_config(overrides: list[str]) -> list[str]:
@@ -253,25 +250,45 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--no-trl", action="store_true", help="skip the TRL GRPOTrainer peer")
     p.add_argument("--work", type=Path, default=REPO / "benchmarks" / "out" / "iteration")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
-    p.add_argument("--configfile", type=Path, help="a YAML layered over config/config.yaml (e.g. config/tiny.yaml)")
+    p.add_argument(
+        "--configfile",
+        type=Path,
+        nargs="+",
+        help="YAML files layered in order over config/config.yaml (e.g. config/tiny.yaml), as Snakemake's --configfile",
+    )
     p.add_argument("--policy", type=Path, help="initial HF policy folder (default: build the config's bootstrap)")
+    p.add_argument("--list-settings", action="store_true", help="print the known settings, one a line, and exit")
+    p.add_argument(
+        "--drop-weights",
+        action="store_true",
+        help="delete each setting's policies and optimizer states once it is measured (8 GB per iteration at 0.5B)",
+    )
     ns = p.parse_args(argv)
+    if ns.list_settings:
+        print("\n".join(SETTINGS))
+        return {"settings": list(SETTINGS)}
+    unknown = [s for s in ns.settings.split(",") if s not in SETTINGS]
+    if unknown:
+        p.error(f"unknown settings {', '.join(unknown)}; known: {', '.join(SETTINGS)}")
     sys.path.insert(0, str(REPO / "src"))
-    import yaml
+    from omegaconf import OmegaConf
 
     from otbflow.config import DEFAULT_CONFIG, load_config
 
-    extra = yaml.safe_load(ns.configfile.read_text()) if ns.configfile else None
+    files = ns.configfile or []
+    extra = OmegaConf.to_container(OmegaConf.merge(*[OmegaConf.load(f) for f in files])) if files else None
     cfg = load_config(DEFAULT_CONFIG, extra=extra)
-    if ns.configfile:
-        CONFIGFILE[:] = ["--configfile", str(ns.configfile.resolve())]
+    if files:
+        CONFIGFILE[:] = ["--configfile", *(str(f.resolve()) for f in files)]
     r = cfg.resources
     ns.work.mkdir(parents=True, exist_ok=True)
     policy, shards = prepare(ns.work, ns.cores, cfg.shard.n_shards, ns.policy)
+    record = run_record()
     result: dict = {
-        "machine": {"cpu": cpu_model(), "cores": ns.cores, "python": platform.python_version()},
+        **record,
+        "machine": {**record["machine"], "cores": ns.cores},
         "iterations": ns.iterations,
-        "configfile": str(ns.configfile) if ns.configfile else None,
+        "configfile": [str(f) for f in files] or None,
         "policy": str(policy),
         "threads_per_job": {
             "rollout": r.rollout.threads,
@@ -279,11 +296,20 @@ def main(argv: list[str] | None = None) -> dict:
             "advantages": 1,
             "train": r.train.cpus_per_task * r.train.tasks,
         },
+        # Snakemake runs here without --resources: jobs that ask for a GPU share the one GPU
+        "gpus_per_job": {"rollout": r.rollout.gpu, "features": r.features.gpu, "advantages": 0, "train": r.train.gpu},
         "settings": {},
     }
     for name in ns.settings.split(","):
         result["settings"][name] = run_setting(ns.work, name, policy, ns.iterations, ns.cores, cfg.shard.n_shards)
         print(json.dumps({name: result["settings"][name]["per_iteration_s"]}), file=sys.stderr)
+        if ns.drop_weights:  # the train jobs' folders (policy/, optimizer/) and their checkpoints
+            results = ns.work / name / "results"
+            for folder in [*results.glob("iter_*/train/*"), results / "checkpoints"]:
+                if folder.is_dir():
+                    shutil.rmtree(folder)
+        if ns.out:  # rewritten after each setting: a run stopped part-way keeps those it finished
+            ns.out.write_text(json.dumps(result, indent=1))
     if not ns.no_trl:
         sys.path.insert(0, str(REPO / "benchmarks"))
         from trl_peer import run_trl

@@ -27,7 +27,7 @@ from pathlib import Path
 import polars as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_iteration import cpu_model  # noqa: E402
+from machine import cpu_model  # noqa: E402
 
 from otbflow import schemas  # noqa: E402
 from otbflow.config import DEFAULT_CONFIG, load_config  # noqa: E402

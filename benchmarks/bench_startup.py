@@ -201,7 +201,7 @@ def main() -> None:
         return
 
     import torch
-    from bench_iteration import cpu_model  # benchmarks/ is on sys.path (a script); not in the timed workers
+    from machine import cpu_model  # benchmarks/ is on sys.path (a script); not in the timed workers
 
     vllm = VLLM_PYTHON.is_file() and not ns.no_vllm
     result = {
