@@ -58,25 +58,9 @@ def base_config(overrides: list[str]):
     return load_config(DEFAULT_CONFIG, overrides)
 
 
-def word_tokenizer(vocab_size: int):
-    """The character tokenizer of otbflow.model padded with word tokens '<w{i}>' to vocab_size."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from otbflow.model import CHARS, SPECIAL
-
-    tokens = SPECIAL + list(dict.fromkeys(CHARS))
-    tokens += [f"<w{i}>" for i in range(vocab_size - len(tokens))]
-    tok = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(tokens)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(""), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", padding_side="left"
-    )
-
-
 def build_policy(name: str, out: Path) -> dict:
     """Save model ``name`` (random weights, seed 0) with its tokenizer as an HF folder."""
+    from make_policy import word_tokenizer  # benchmarks/make_policy.py (this folder is on sys.path)
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from otbflow.model import build_tiny_model

@@ -1,13 +1,18 @@
-"""The GPU check's parts on the CPU (benchmarks/gpu/check.sh, to come): the bench_iteration settings it asks for."""
+"""The GPU check's parts on the CPU (benchmarks/gpu/check.sh, to come): the policy builder and the
+bench_iteration settings it asks for. No timings are asserted."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
+import pytest
+import torch
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
+TINY = ["--shape", "qwen2.5-0.5b", "--layers", "2", "--vocab", "4096", "--hidden", "64"]
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -16,6 +21,46 @@ def run(*args: str) -> subprocess.CompletedProcess:
     )
     assert res.returncode == 0, res.stderr[-3000:]
     return res
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    """benchmarks/make_policy.py's tiny variant, as the docs show it."""
+    out = tmp_path_factory.mktemp("make_policy") / "p"
+    res = run("benchmarks/make_policy.py", *TINY, "--out", str(out))
+    printed = json.loads(res.stdout.splitlines()[-1])  # the last line: DeepSpeed may log before it
+    assert (printed["vocab"], printed["layers"], printed["hidden"], printed["dtype"]) == (4096, 2, 64, "bfloat16")
+    (out / "printed.json").write_text(json.dumps(printed))
+    return out
+
+
+def test_made_policy_loads_and_every_id_decodes(policy):
+    from otbflow.model import load_policy
+
+    model, tok = load_policy(policy, "float32")
+    vocab = model.config.vocab_size
+    assert model.config.model_type == "qwen2" and model.config.tie_word_embeddings
+    assert len(tok) == vocab == 4096 and model.dtype == torch.float32
+    assert sum(p.numel() for p in model.parameters()) == json.loads((policy / "printed.json").read_text())["parameters"]
+    texts = tok.batch_decode([[i] for i in range(vocab)])
+    assert all(texts) and len(set(texts)) == vocab
+    assert tok.decode(tok("12+3=", add_special_tokens=False)["input_ids"]) == "12+3="  # the task's characters
+    assert (tok.pad_token_id, tok.eos_token_id) == (model.config.pad_token_id, model.config.eos_token_id) == (0, 1)
+
+
+def test_full_shape_has_qwen_sizes_and_a_decodable_tokenizer():
+    """At the shape's own size (counted on the meta device): 494 M parameters, vocabulary 151,936,
+    every id of the word-level tokenizer decoding to its own text."""
+    from make_policy import SHAPES, shape_config, word_tokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**shape_config(json.loads((SHAPES / "qwen2.5-0.5b.json").read_text())))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) == 494_032_768 and config.vocab_size == 151_936
+    tok = word_tokenizer(config.vocab_size)
+    texts = tok.batch_decode([[i] for i in range(config.vocab_size)])
+    assert len(tok) == 151_936 and all(texts) and len(set(texts)) == 151_936
 
 
 def test_list_settings_names_what_check_sh_runs():
