@@ -229,6 +229,14 @@ def pytest_collection_modifyitems(config, items):
         return next((i for i, prefix in enumerate(LONG_FIRST) if item.nodeid.startswith(prefix)), len(LONG_FIRST))
 
     items.sort(key=rank)  # stable: the original order within each rank
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            reason = f"needs a CUDA GPU: torch {torch.__version__} sees none (torch.cuda.is_available() is False)"
+            for item in gpu:
+                item.add_marker(pytest.mark.skip(reason=reason))
 
 
 # OTBFLOW_TEST_TIMELINE=FILE: every test's start and end (epoch seconds, pytest-xdist worker, node
