@@ -1,14 +1,19 @@
 """What only a GPU can check (the ``gpu`` marker: skipped, with the reason, where torch sees no CUDA):
-otbflow's sampling gives on CUDA what it gives on the CPU."""
+otbflow's sampling gives on CUDA what it gives on the CPU, and the decode profile of
+benchmarks/bench_decode.py attributes CUDA kernels."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
+from conftest import REPO
 
 from otbflow.engines.hf import RowSampler, _fmix32, gumbel_noise, hf_generate, row_keys
 
 pytestmark = pytest.mark.gpu
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 
 def test_row_hash_is_bitwise_the_same_on_cpu_and_cuda():
@@ -53,3 +58,20 @@ def test_hf_generate_samples_the_same_on_cpu_and_cuda(tiny_policy):
     for a, b in zip(runs["cpu"], runs["cuda"]):
         assert a.response_ids == b.response_ids
         torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=1e-4)
+
+
+def test_decode_profile_attributes_cuda_kernels(tmp_path):
+    """benchmarks/bench_decode.py's profile on CUDA: kernel time inside the sampler and in the
+    model's matrix products, one sampler call per decode step plus the first."""
+    import bench_decode
+    import make_policy
+
+    make_policy.build("qwen2.5-0.5b", tmp_path / "p", layers=2, vocab=4096, hidden=64, dtype="float32")
+    args = ["--policy", str(tmp_path / "p"), "--device", "cuda", "--dtype", "float32", "--prompts", "4"]
+    args += ["--group-size", "2", "--max-new-tokens", "6", "--repeats", "1", "--profile-steps", "3"]
+    res = bench_decode.main(args)
+    prof = res["profile"]
+    assert prof["time"] == "CUDA kernels" and prof["sampler_calls"] == 4
+    assert prof["us_per_step"]["sampler"] > 0 and prof["us_per_step"]["matmul"] > 0
+    assert abs(sum(prof["share"].values()) - 1) < 1e-3
+    assert all(p["steps"] == 6 for p in res["paths"].values())

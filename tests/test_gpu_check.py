@@ -1,5 +1,5 @@
-"""The GPU check's parts on the CPU (benchmarks/gpu/check.sh, to come): the policy builder and the
-bench_iteration settings it asks for. No timings are asserted."""
+"""The GPU check's parts on the CPU (benchmarks/gpu/check.sh, to come): the policy builder, the
+decode benchmark and the bench_iteration settings it asks for. No timings are asserted."""
 
 from __future__ import annotations
 
@@ -61,6 +61,32 @@ def test_full_shape_has_qwen_sizes_and_a_decodable_tokenizer():
     tok = word_tokenizer(config.vocab_size)
     texts = tok.batch_decode([[i] for i in range(config.vocab_size)])
     assert len(tok) == 151_936 and all(texts) and len(set(texts)) == 151_936
+
+
+def test_bench_decode_on_cpu(policy, tmp_path):
+    out = tmp_path / "decode.json"
+    args = ["--policy", str(policy), "--device", "cpu", "--dtype", "float32", "--prompts", "4", "--group-size", "2"]
+    run(
+        "benchmarks/bench_decode.py",
+        *args,
+        "--max-new-tokens",
+        "8",
+        "--repeats",
+        "1",
+        "--profile-steps",
+        "2",
+        "--out",
+        str(out),
+    )
+    res = json.loads(out.read_text())
+    assert res["machine"]["gpu"] is None and res["command"].startswith("python benchmarks/bench_decode.py --policy")
+    assert res["rows"] == 8 and set(res["paths"]) == {"otbflow", "sample", "static"}
+    for path in res["paths"].values():
+        assert path["steps"] == 8 and path["ms_per_step"] > 0 and path["tokens_per_s"] > 0
+    prof = res["profile"]
+    assert prof["sampler_calls"] == 3 and prof["decode_steps"] == 2 and prof["us_per_step"]["sampler"] > 0
+    assert abs(sum(prof["share"].values()) - 1) < 1e-3
+    assert res["sampler_alone"]["row_sampler_ms"] > 0
 
 
 def test_list_settings_names_what_check_sh_runs():
