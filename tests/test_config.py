@@ -185,6 +185,11 @@ def test_example_configs_are_valid(example):
     cfg = load_config(DEFAULT_CONFIG, extra=yaml.safe_load(example.read_text()))
     if example.name.startswith("zero"):  # the GPU training examples
         assert cfg.train.bf16 and cfg.train.zero_stage in (2, 3) and cfg.resources.train.gpu >= 1
+    elif example.name == "gpu_qwen2.5-0.5b.yaml":  # the GPU check's setting: one step of 64 prompts x 8 per iteration
+        assert cfg.train.bf16 and cfg.train.zero_stage == 1 and cfg.model.dtype == "bfloat16"
+        assert cfg.rollout.prompts_per_iteration * cfg.rollout.group_size == cfg.train.mini_batch_size == 512
+        assert cfg.rollout.batch_size == 64 and cfg.rollout.max_new_tokens == 192 and cfg.shard.n_shards == 1
+        assert all(cfg.resources[s].gpu == 1 for s in ("rollout", "features", "train", "evaluate"))
     elif example.name == "qwen2_bpe_chat.yaml":
         assert (cfg.model.arch, cfg.model.tokenizer, cfg.task.chat) == ("qwen2", "bpe", "auto")
     else:

@@ -1,6 +1,6 @@
 """What only a GPU can check (the ``gpu`` marker: skipped, with the reason, where torch sees no CUDA):
 otbflow's sampling gives on CUDA what it gives on the CPU, and the decode profile of
-benchmarks/bench_decode.py attributes CUDA kernels."""
+benchmarks/bench_decode.py attributes CUDA kernels, and the GPU is in the MFU script's table of peaks."""
 
 from __future__ import annotations
 
@@ -75,3 +75,11 @@ def test_decode_profile_attributes_cuda_kernels(tmp_path):
     assert prof["us_per_step"]["sampler"] > 0 and prof["us_per_step"]["matmul"] > 0
     assert abs(sum(prof["share"].values()) - 1) < 1e-3
     assert all(p["steps"] == 6 for p in res["paths"].values())
+
+
+def test_this_gpu_has_a_known_peak():
+    """The MFU needs the card's dense bf16 peak: the name torch gives this GPU is in the table."""
+    from bench_train_mfu import peak_for
+
+    name = torch.cuda.get_device_name(0)
+    assert peak_for(name)[0] is not None, f"add {name!r} to PEAK in benchmarks/bench_train_mfu.py"
