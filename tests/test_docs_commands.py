@@ -56,6 +56,15 @@ WANDB_SYNC = (
     "--tracking-name evaluate/initial evaluate.n_samples=1 tracking.wandb.project=my_project && "
     "wandb sync --dry-run results/wandb/offline-run-* 2>&1 | grep 'Would sync 1 run'"
 )
+# The GPU check (README): its tiny form runs every step on CPU; the bundle is listed, not fetched;
+# --bundle installs a one-wheel bundle of a package the venv holds at that version (pip leaves it as it is)
+GPU_CHECK_TINY = "bash benchmarks/gpu/check.sh --device cpu --tiny --out results/gpu_check"
+GPU_POLICY_TINY = "python benchmarks/make_policy.py --shape qwen2.5-0.5b --layers 2 --vocab 4096 --hidden 64 --out results/scratch/policy"
+ONE_WHEEL_BUNDLE = (
+    "mkdir -p results/scratch/bundle/part1 && python -m pip download -q --no-deps -d results/scratch/bundle/part1 "
+    "hjson==$(python -c 'import importlib.metadata as m; print(m.version(\"hjson\"))') && "
+    "bash benchmarks/gpu/check.sh --bundle results/scratch/bundle --install-only"
+)
 HOW: dict[str, str] = {
     # README: the two commands
     "make run": f'make run ARGS="{TINY}"',  # the tiny form is the session's tiny run itself
@@ -181,6 +190,19 @@ HOW: dict[str, str] = {
     "--responses 20 --repeats 1",
     "python benchmarks/bench_reward_adversarial.py": "python benchmarks/bench_reward_adversarial.py --sizes 8000 "
     "--old-sizes 1000",
+    # README, "The GPU check": on CPU at a tiny shape
+    "benchmarks/gpu/check.sh": GPU_CHECK_TINY,
+    GPU_CHECK_TINY: AS_SHOWN,
+    "bash benchmarks/gpu/check.sh --bundle .gpu-bundle --out results/gpu_check": GPU_CHECK_TINY,
+    "bash benchmarks/gpu/check.sh --bundle .gpu-bundle --install-only": ONE_WHEEL_BUNDLE,
+    "bash benchmarks/gpu/bundle.sh .gpu-bundle": "bash benchmarks/gpu/bundle.sh --list | grep -x 'snakemake==.*'",
+    "benchmarks/make_policy.py": GPU_POLICY_TINY,
+    "benchmarks/bench_decode.py": f"{GPU_POLICY_TINY} && python benchmarks/bench_decode.py --policy results/scratch/policy "
+    "--device cpu --dtype float32 --prompts 4 --group-size 2 --max-new-tokens 8 --repeats 1",
+    # the sandbox's tiny run (its train jobs' metrics; its bootstrap policy)
+    "benchmarks/bench_train_mfu.py": "python benchmarks/bench_train_mfu.py --runs .",
+    "benchmarks/bench_iteration.py": "python benchmarks/bench_iteration.py --settings grpo_s1 --iterations 2 "
+    "--no-trl --configfile config/tiny.yaml --policy results/bootstrap/policy --work results/scratch/bench_iteration",
     # the lint CI runs (.ci/run); Snakemake's own lint runs here
     "make lint": CI,
     "snakemake --lint": AS_SHOWN,

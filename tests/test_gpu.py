@@ -1,6 +1,7 @@
-"""What only a GPU can check (the ``gpu`` marker: skipped, with the reason, where torch sees no CUDA):
-otbflow's sampling gives on CUDA what it gives on the CPU, and the decode profile of
-benchmarks/bench_decode.py attributes CUDA kernels, and the GPU is in the MFU script's table of peaks."""
+"""What only a GPU can check (the ``gpu`` marker: skipped, with the reason, where torch sees no CUDA;
+benchmarks/gpu/check.sh runs these on the GPU it measures): otbflow's sampling gives on CUDA what it
+gives on the CPU, the decode profile of benchmarks/bench_decode.py attributes CUDA kernels, and the
+GPU is in the MFU script's table of peaks."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The GPU check's parts on the CPU (benchmarks/gpu/check.sh, to come): the policy builder, the
-decode benchmark, the MFU arithmetic and the bench_iteration settings it asks for. No timings are
-asserted."""
+"""The GPU check's parts on the CPU (benchmarks/gpu/check.sh; its whole tiny form runs in
+tests/test_docs_commands.py): the policy builder, the decode benchmark, the MFU arithmetic and the
+bench_iteration settings that check.sh asks for. No timings are asserted."""
 
 from __future__ import annotations
 
