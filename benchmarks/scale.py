@@ -191,6 +191,25 @@ def job_startup(fits: dict, stage: str, n_params: int, optimizer_bytes: float) -
     )
 
 
+def worker_startup(fits: dict, stage: str, n_params: int, optimizer_bytes: float) -> float:
+    """Extrapolated start-up of one job of ``stage`` served by a warm worker (docs/workers.md): no
+    interpreter, import, engine build or DeepSpeed initialisation; the generation and features
+    workers copy a new policy's weights into their resident module (the read of the weights, the
+    per-GB part of a model load), the train worker goes on with its engine and AdamW state and
+    still writes both (the next job does not read them back). The advantages job has no worker."""
+    weights = 4 * n_params
+
+    def t(st: str, step: str, nbytes: float = 0.0, fixed: bool = True) -> float:
+        f = fits[(st, step)]
+        return (f["fixed_s"] if fixed else 0.0) + f["s_per_gb"] * nbytes / 1e9
+
+    if stage in ("rollout", "features"):
+        return t("features", "model_load_s", weights, fixed=False)
+    if stage == "advantages":
+        return t("advantages", "import_s")
+    return t("train", "optimizer_save_s", optimizer_bytes) + t("train", "policy_save_s", weights)
+
+
 def stage_gpus(shape: str) -> dict[str, int]:
     """GPUs of all the jobs of a stage in one iteration (the shards' together)."""
     lay = LAYOUT[shape]
@@ -400,6 +419,40 @@ def render(measured: dict, jobs: dict[str, int]) -> str:
             )
         periods[shape] = path
     add("")
+    add("## With warm workers\n")
+    add(
+        "Warm workers (`otbflow worker`, docs/workers.md) keep the imports, the policy and the train job's "
+        "DeepSpeed engine with its AdamW state between jobs; a job then pays only what moves: the generation "
+        "and features workers read each new policy's weights into their resident module, the train worker "
+        "writes the next policy and the AdamW state (it no longer reads them back). Start-up per job, "
+        "extrapolated as above (rollout: the transformers engine; a worker does not keep a vLLM engine yet, "
+        "so with vLLM the rollout's engine build stays), and what the workers cost: each holds its GPUs for "
+        "the whole run, so at `rollout.staleness: 0`, where the stages run one after another, the GPUs of the "
+        "kinds not running sit idle for the rest of the iteration (per iteration, at the slow end of the work "
+        "ranges above):\n"
+    )
+    add("| shape | stage | start-up per job (s) | with a worker (s) | GPUs held | held idle at s = 0 (GPU-s per iteration) |")
+    add("| --- | --- | ---: | ---: | ---: | ---: |")
+    for shape, lay in LAYOUT.items():
+        n = n_params[shape]
+        cfg = load_config(DEFAULT_CONFIG, overrides(shape))
+        opt_bytes = optimizer_bytes_per_parameter(cfg.train) * n
+        rank_bytes = rank_optimizer_bytes(n, opt_bytes, lay["train_gpus"], lay["zero_stage"], cfg.train.bf16)
+        work = work_seconds(shape, n)
+        gpus = stage_gpus(shape)
+        warm = {st: worker_startup(model, st, n, rank_bytes) for st in ("rollout", "features", "advantages", "train")}
+        iteration = sum(warm[st] + (work[st][1] if st in work else 0.0) for st in warm)
+        for stage in ("rollout", "features", "train"):
+            busy = warm[stage] + work[stage][1]
+            add(
+                f"| {shape} | {stage} | {job_startup(model, stage, n, rank_bytes):.1f} | {warm[stage]:.1f} | "
+                f"{gpus[stage]} | {gpus[stage] * (iteration - busy):,.0f} |"
+            )
+    add(
+        "\nThe idle GPU-seconds are the price of the warm state at s = 0; at s ≥ 1 the rollout workers generate "
+        "while the chain trains, and the idle time is that of the shorter side. A stage's workers can share "
+        "GPUs with another's where memory allows.\n"
+    )
     add("## Iteration time: what staleness and grouping change\n")
     add(
         "Per iteration, each job taking start-up (the lower end) + work (the ranges above), Q the queue "
