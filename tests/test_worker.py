@@ -100,8 +100,9 @@ def test_the_client_imports_no_torch():
 
 
 def test_without_a_live_worker_the_client_runs_the_stage_itself(tmp_path):
-    """A stale registration (a dead pid on this host) is ignored: the client execs the stage's CLI
-    (here its --help, which a worker never sees)."""
+    """Stale registrations are ignored: a dead pid on this host, and one from before a reboot (another
+    boot id) whose heartbeat is older than STALE_S; the client then execs the stage's CLI (here its
+    --help, which a worker never sees)."""
     results = tmp_path / "results"
     dispatch.secret(results, create=True)
     folder = dispatch.root(results) / "features" / "gone"
@@ -110,6 +111,13 @@ def test_without_a_live_worker_the_client_runs_the_stage_itself(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     record = {**dispatch.me(), "pid": int(dead.stdout), "start": 1}
     (folder / "worker.json").write_text(json.dumps(record))
+    rebooted = dispatch.root(results) / "features" / "rebooted"  # this host before a reboot: its heartbeat decides
+    rebooted.mkdir()
+    (rebooted / "worker.json").write_text(json.dumps({**dispatch.me(), "boot": "another boot"}))
+    (rebooted / "alive").touch()
+    assert dispatch.live_workers(results, "features") == [rebooted]  # its heartbeat is fresh
+    old = time.time() - dispatch.STALE_S - 1
+    os.utime(rebooted / "alive", (old, old))
     assert dispatch.live_workers(results, "features") == []
     res = subprocess.run(
         [sys.executable, "-m", "otbflow.dispatch", "--results", str(results), "--code", "x", "features", "--help"],
