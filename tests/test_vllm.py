@@ -372,3 +372,66 @@ def test_vllm_min_p_logprobs_match_the_pruning_trainer(vllm_calls, qwen2_bpe_pol
     )
     assert len(delta) >= 32 and mean <= 1e-3 and forced == 0
     assert 0.05 < fraction < 0.95 and plain_mean > 100 * max(mean, 1e-5)
+
+
+RELOAD = """
+import json, sys
+from otbflow import resident
+from otbflow.config import load_config
+from otbflow.engines import Sampling
+from otbflow.engines.vllm import VLLMBackend
+resident.enable()  # as in a warm worker: the engine stays, new weights are reloaded into it
+cfg = load_config(None, ["rollout.backend=vllm", "rollout.enforce_eager=true", "rollout.kv_cache_gib=1"])
+p0, p1, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+def run(policy, prompts):
+    backend = VLLMBackend(cfg, policy)
+    samples = backend.generate(prompts, Sampling(4, 1.0, 1.0, 16, False, 11))
+    return [[s.prompt_index, s.response_ids, s.logprobs] for s in samples], id(backend.llm)
+fresh, engine = run(p1, prompts[:2])  # a new engine of the perturbed weights, 2 prompts
+reloaded, e0 = run(p0, prompts)       # p0 reloaded into it: the 2 prompts served before, 2 new ones
+back, e1 = run(p1, prompts[:2])       # and p1 again
+print("RELOAD=" + json.dumps({"fresh": fresh, "reloaded": reloaded, "back": back, "one_engine": engine == e0 == e1}))
+"""
+
+
+@pytest.mark.vllm
+@pytest.mark.xdist_group("vllm")
+def test_a_reloaded_engine_samples_what_a_new_engine_of_the_weights_samples(vllm_calls, qwen2_bpe_policy, tmp_path):
+    """A warm worker's vLLM engine (otbflow.resident) takes a job's new weights through vLLM's
+    reload_weights and a prefix-cache reset, on the real vLLM (CPU): built on perturbed weights P1,
+    reloaded with the tiny policy P0, it samples exactly what a new engine of P0 sampled (the
+    vllm_calls fixture, same prompts, seed and settings), for the prompts it served before the
+    reload and for new ones; reloaded with P1 again, what it sampled first. One engine throughout."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from otbflow.engines import TOKENIZER_FILES
+
+    calls, ids = vllm_calls
+    p1 = tmp_path / "perturbed"
+    model = AutoModelForCausalLM.from_pretrained(qwen2_bpe_policy)
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.add_(0.5 * torch.randn(p.shape, generator=torch.Generator().manual_seed(i)))
+    model.save_pretrained(p1)
+    for name in TOKENIZER_FILES:  # as a train job passes the tokenizer on
+        if (qwen2_bpe_policy / name).is_file():
+            shutil.copyfile(qwen2_bpe_policy / name, p1 / name)
+    res = subprocess.run(
+        [str(vllm_python()), "-c", RELOAD, str(qwen2_bpe_policy), str(p1), json.dumps(ids)],
+        env=vllm_env(),
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+    out = json.loads(next(x for x in res.stdout.splitlines() if x.startswith("RELOAD="))[len("RELOAD=") :])
+    assert out["one_engine"]
+    new_engine = calls["T=1.0,top_p=1.0"]  # a new engine of P0: rollout(prompts, 4, T 1, top_p 1, 16 tokens, seed 11)
+    assert [r for _, r, _ in out["reloaded"]] == [r for _, r, _ in new_engine]
+    flat = lambda rows: [x for _, _, lp in rows for x in lp]  # noqa: E731
+    assert flat(out["reloaded"]) == pytest.approx(flat(new_engine), abs=1e-6)
+    assert out["back"] == out["fresh"] and out["fresh"][:8] != out["reloaded"][:8]

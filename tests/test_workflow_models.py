@@ -103,3 +103,54 @@ def test_vllm_workflow_end_to_end(vllm_run):
     )
     by_id = dict(zip(samples["prompt_id"].to_list(), samples["response_text"].to_list()))
     assert [by_id[i] for i in ev["prompt_id"].to_list()] == [s.text for s in hf]
+
+
+def test_a_vllm_worker_builds_its_engine_once_and_samples_the_same(vllm_run, tmp_path):
+    """The same run's rollout and the trained policy's evaluation redone (--forcerun rollout) with a
+    warm generation worker in .venv-vllm: one engine for both jobs, and the same samples as the jobs
+    that each built their own engine. (Here every reward is 0, so the trained policy holds the
+    initial weights and nothing is reloaded; a reload into a running engine is tested in
+    tests/test_vllm.py::test_a_reloaded_engine_samples_what_a_new_engine_of_the_weights_samples.)"""
+    import shutil
+    import signal
+    import time
+
+    from otbflow import dispatch
+
+    work, _ = vllm_run
+    copy = tmp_path / "run"
+    for name in ("results", ".snakemake"):
+        shutil.copytree(work / name, copy / name, symlinks=True, ignore=shutil.ignore_patterns("locks", "incomplete"))
+    for name in ("small.yaml", "extra.yaml"):
+        shutil.copy(work / name, copy / name)
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH=str(REPO / "src"))
+    log = tmp_path / "worker.log"
+    worker = subprocess.Popen(
+        [str(vllm_python()), "-m", "otbflow", "worker", "generate", "--results", str(copy / "results")],
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=env,
+    )
+    try:
+        for _ in range(1200):
+            if dispatch.live_workers(copy / "results", "generate"):
+                break
+            assert worker.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.1)
+        example = yaml.safe_load((copy / "extra.yaml").read_text())
+        layers = [str(TINY), str(QWEN2_BPE_CHAT), str(copy / "small.yaml"), str(copy / "extra.yaml")]
+        cmd = [SNAKEMAKE, "-s", str(REPO / "Snakefile"), "--directory", str(copy), "--cores", "2"]
+        cmd += ["--configfile", *layers, "--forcerun", "rollout"]
+        run_env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        res = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, env=run_env)
+        assert res.returncode == 0, res.stderr[-5000:]
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(timeout=60)
+    text = log.read_text()
+    assert example["rollout"]["backend"] == "vllm" and "runs rollout" in text and "runs evaluate" in text
+    assert text.count("Initializing a V1 LLM engine") == 1, "one engine for every job"
+    for path in ("iter_0/rollout/shard_0.parquet", "iter_0/eval/samples.parquet"):
+        before, after = pl.read_parquet(work / "results" / path), pl.read_parquet(copy / "results" / path)
+        assert after.equals(before), path

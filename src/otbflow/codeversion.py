@@ -67,7 +67,7 @@ def direct_imports(name: str, named: bool = True) -> frozenset[str]:
         elif (
             named and isinstance(node, ast.Constant) and isinstance(node.value, str) and (m := _NAMED.match(node.value))
         ):
-            found.add(m.group(1))
+            found |= {m.group(1), m.group(1).rsplit(".", 1)[0]}  # "otbflow.x.Class" names a class of otbflow.x
     return frozenset(m for m in found if m.split(".")[0] == "otbflow" and module_file(m) is not None)
 
 

@@ -16,10 +16,13 @@ of the job's input folder would (tests/test_worker.py compares the outputs bitwi
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
+
+from otbflow.engines import TOKENIZER_FILES
 
 log = logging.getLogger("otbflow.resident")
 
@@ -64,7 +67,7 @@ def files_digest(folder: str | Path, suffixes: tuple[str, ...]) -> str:
 
 
 WEIGHTS = (".safetensors", ".bin")
-TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json")
+TOKENIZER = TOKENIZER_FILES
 
 
 @dataclass
@@ -72,15 +75,21 @@ class Policy:
     model: Any
     tok: Any
     architecture: str
-    """The folder's config.json and generation_config.json: what a module must match to take its weights."""
+    """``architecture`` of the folder it was loaded from."""
     tokenizer: str
     weights: str
 
 
-def _architecture(path: Path) -> str:
-    return "\n".join(
-        (path / f).read_text() if (path / f).is_file() else "" for f in ("config.json", "generation_config.json")
-    )
+VOLATILE = ("dtype", "torch_dtype", "transformers_version", "_name_or_path")
+"""config.json keys that say how a folder was saved, not what it holds: another value does not
+make another architecture (each load states its own dtype; the stop tokens are read per job)."""
+
+
+def architecture(path: Path) -> str:
+    """The folder's config.json without ``VOLATILE`` keys, canonical: what a resident module or
+    engine must match to take the folder's weights."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    return json.dumps({k: v for k, v in config.items() if k not in VOLATILE}, sort_keys=True)
 
 
 def policy(path: str | Path, dtype: str, cast_to, load: Callable) -> tuple[Any, Any]:
@@ -89,8 +98,8 @@ def policy(path: str | Path, dtype: str, cast_to, load: Callable) -> tuple[Any, 
     path = Path(path)
     key = f"policy:{dtype}:{cast_to}"
     held: Policy | None = _held.get(key)
-    architecture, tokenizer = _architecture(path), files_digest(path, TOKENIZER)
-    if held is not None and held.architecture == architecture and held.tokenizer == tokenizer:
+    architecture_, tokenizer = architecture(path), files_digest(path, TOKENIZER)
+    if held is not None and held.architecture == architecture_ and held.tokenizer == tokenizer:
         weights = files_digest(path, WEIGHTS)
         if weights != held.weights:
             load_weights_in_place(held.model, path)
@@ -104,7 +113,7 @@ def policy(path: str | Path, dtype: str, cast_to, load: Callable) -> tuple[Any, 
         return held.model, held.tok
     model, tok = load(path, dtype, cast_to)
     if ENABLED:
-        _held[key] = Policy(model, tok, architecture, tokenizer, files_digest(path, WEIGHTS))
+        _held[key] = Policy(model, tok, architecture_, tokenizer, files_digest(path, WEIGHTS))
     return model, tok
 
 

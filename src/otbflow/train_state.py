@@ -124,7 +124,10 @@ def full_fp32_state_dict(engine, keep: bool) -> dict[str, torch.Tensor]:
 
 
 def save_policy(engine, state: dict[str, torch.Tensor], policy_dir: str, out: str) -> None:
-    from transformers import AutoTokenizer
+    """The next policy's HF folder: the trained weights (fp32) and config, and the tokenizer of
+    ``policy_dir`` copied byte for byte (not saved anew: one tokenizer file for the whole run, which
+    a warm worker's resident engine can recognise by its digest)."""
+    from otbflow.engines import TOKENIZER_FILES
 
     policy = engine.module.policy
     with atomic_dir(out) as tmp:  # a failed write (a full disk) raises its OSError naming ``out``
@@ -132,7 +135,9 @@ def save_policy(engine, state: dict[str, torch.Tensor], policy_dir: str, out: st
         if policy.dtype != torch.float32:  # bf16 module: config.json names the saved fp32 weights
             policy.config.dtype = "float32"
             policy.config.save_pretrained(tmp)
-        AutoTokenizer.from_pretrained(policy_dir, local_files_only=True).save_pretrained(tmp)
+        for name in TOKENIZER_FILES:
+            if (Path(policy_dir) / name).is_file():
+                shutil.copyfile(Path(policy_dir) / name, Path(tmp) / name)
 
 
 # ------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import io
 import json
 import logging
 import os
@@ -171,25 +172,18 @@ class Worker:
         import torch
 
         import otbflow
-        from otbflow import cli, io
+        from otbflow import cli
+        from otbflow import io as otbflow_io
 
         with self.lock:
             self.job, self.abandoned = body, None
-        io.WANTED[:] = [lambda: self.abandoned or self.unwanted(body)]
+        otbflow_io.WANTED[:] = [lambda: self.abandoned or self.unwanted(body)]
         threads = body.get("threads") or ""
         env = {"OTBFLOW_THREADS": threads} if threads else {}
-        handler = logging.FileHandler(job_dir / "log")
-        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-        root = logging.getLogger()
         code, status, error = 1, "failed", ""
         cwd = os.getcwd()
         try:
-            with (
-                open(job_dir / "log", "a") as stream,
-                contextlib.redirect_stdout(stream),
-                contextlib.redirect_stderr(stream),
-            ):
-                root.addHandler(handler)
+            with open(job_dir / "log", "a") as stream, OUTPUT.to(stream):
                 try:
                     os.chdir(body["cwd"])
                     with environment(env):
@@ -207,9 +201,6 @@ class Worker:
                 except Exception as e:  # the job failed: its traceback into its log, the worker goes on
                     traceback.print_exc()
                     error = f"{type(e).__name__}: {e}"
-                finally:
-                    root.removeHandler(handler)
-                    handler.close()
         except JobAbandoned:  # delivered between the job's end and here
             status, error = "abandoned", self.abandoned or "abandoned"
         finally:
@@ -218,7 +209,7 @@ class Worker:
                 if self.abandoned:  # an interruption raised but not yet delivered goes unused
                     raise_in(self.main_thread, None)
                     status, error = "abandoned", self.abandoned
-            io.WANTED[:] = []
+            otbflow_io.WANTED[:] = []
             os.chdir(cwd)
         if status != "ok":
             resident.drop()  # a failed or abandoned job's state is not trusted
@@ -226,6 +217,48 @@ class Worker:
         else:
             log.info("job %s (%s) done", body["id"], body["stage"])
         return {"status": status, "exit": code if status != "abandoned" else 1, "error": error}
+
+
+class Output(io.TextIOBase):
+    """The worker's standard output and error for its whole life: what is written goes to the
+    worker's own stream and, while a job runs, to the job's log too. Installed once, before anything
+    is imported, so that a library that keeps a reference to ``sys.stdout`` (vLLM's log handler,
+    the root logger's) writes to the job that runs, never to a closed file of an earlier one."""
+
+    def __init__(self, own):
+        self.own, self.job = own, None
+
+    @contextlib.contextmanager
+    def to(self, stream):
+        self.job = stream
+        try:
+            yield
+        finally:
+            self.flush()
+            self.job = None
+
+    def write(self, text: str) -> int:
+        self.own.write(text)
+        if self.job is not None:
+            self.job.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self.own.flush()
+        if self.job is not None:
+            self.job.flush()
+
+    def fileno(self) -> int:
+        return self.own.fileno()
+
+    def isatty(self) -> bool:
+        return False
+
+    def writable(self) -> bool:
+        return True
+
+
+OUTPUT = Output(sys.stdout)
 
 
 def raise_in(thread_id: int, exc: type[BaseException] | None) -> None:
@@ -276,8 +309,13 @@ def main(kind: str, results: str, idle_exit_s: float = 0.0, max_jobs: int = 0) -
     """``otbflow worker``: serve until stopped (SIGTERM, SIGINT), idle for ``idle_exit_s`` or
     ``max_jobs`` jobs done; its registration goes with it."""
     global DEFAULT_THREADS
+    OUTPUT.own = sys.stderr  # the worker's own log; its standard output goes there too
+    sys.stdout = sys.stderr = OUTPUT
     import torch
 
+    root = logging.getLogger()
+    for handler in root.handlers[:]:  # the CLI's, on the stream before Output
+        root.removeHandler(handler)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     DEFAULT_THREADS = torch.get_num_threads()
     resident.enable()

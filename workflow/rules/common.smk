@@ -95,12 +95,10 @@ def stage_cmd(stage):
 
 def dispatched(stage, launcher):
     """Whether the stage's jobs go through the worker client (otbflow.dispatch): a job of a kind
-    workers run, in one process (a launcher starts several), with the transformers engine (a
-    worker does not keep a vLLM engine yet). The client runs the job itself where no worker of its
-    kind is live for this results folder: the same outputs either way (docs/workers.md)."""
-    if stage not in KIND_OF or launcher:
-        return False
-    return not (STAGES[stage].engine and CFG.rollout.backend != "hf")
+    workers run, in one process (a launcher starts several). The client runs the job itself where
+    no worker of its kind is live for this results folder: the same outputs either way
+    (docs/workers.md)."""
+    return stage in KIND_OF and not launcher
 
 
 def stage_trigger(stage):

