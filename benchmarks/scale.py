@@ -431,7 +431,10 @@ def render(measured: dict, jobs: dict[str, int]) -> str:
         "kinds not running sit idle for the rest of the iteration (per iteration, at the slow end of the work "
         "ranges above):\n"
     )
-    add("| shape | stage | start-up per job (s) | with a worker (s) | GPUs held | held idle at s = 0 (GPU-s per iteration) |")
+    add(
+        "| shape | stage | start-up per job (s) | with a worker (s) | GPUs held "
+        "| held idle at s = 0 (GPU-s per iteration) |"
+    )
     add("| --- | --- | ---: | ---: | ---: | ---: |")
     for shape, lay in LAYOUT.items():
         n = n_params[shape]
