@@ -55,16 +55,28 @@ def recorded(run: str, root: Path) -> Path | None:
     return None
 
 
-def weights_digest(policy_dir: Path) -> str:
-    from safetensors.numpy import load_file
+SAFETENSORS_DTYPES = (
+    {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+    | {f"{k}{b}": f"{n}{b}" for k, n in (("I", "int"), ("U", "uint")) for b in (8, 16, 32, 64)}
+    | {"BOOL": "bool"}
+)
 
+
+def weights_digest(policy_dir: Path) -> str:
+    """The weights' bytes by tensor name, read from the safetensors layout itself (an 8-byte
+    header length, a JSON header, the data), so that every dtype, bfloat16 included, is read."""
     h = hashlib.sha256()
     for path in sorted(policy_dir.glob("*.safetensors")):
-        tensors = load_file(str(path))
-        for name in sorted(tensors):
-            t = tensors[name]
-            h.update(f"{name}:{t.dtype}:{t.shape}".encode())
-            h.update(t.tobytes())
+        data = path.read_bytes()
+        n = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8 : 8 + n])
+        header.pop("__metadata__", None)
+        for name in sorted(header):
+            entry = header[name]
+            start, end = entry["data_offsets"]
+            dtype = SAFETENSORS_DTYPES.get(entry["dtype"], entry["dtype"].lower())
+            h.update(f"{name}:{dtype}:{tuple(entry['shape'])}".encode())
+            h.update(data[8 + n + start : 8 + n + end])
     return h.hexdigest()
 
 

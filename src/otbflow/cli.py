@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import importlib
 import logging
@@ -226,7 +227,8 @@ def _main(argv: list[str], program: bool) -> int:
         if ns.command == "worker":
             from otbflow.worker import main as worker_main
 
-            return worker_main(ns.kind, ns.results, ns.idle_exit, ns.max_jobs)
+            run_stage = functools.partial(_main, program=False)
+            return worker_main(ns.kind, ns.results, run_stage, ns.idle_exit, ns.max_jobs)
         if ns.command == "experiment-member":
             from otbflow.experiment_config import write_member_config
 

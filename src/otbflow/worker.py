@@ -43,12 +43,13 @@ class JobAbandoned(BaseException):
 class Worker:
     """One worker of ``kind`` for the run whose results folder is ``results``."""
 
-    def __init__(self, kind: str, results: str | Path, idle_exit_s: float = 0.0, max_jobs: int = 0):
+    def __init__(self, kind: str, results: str | Path, run_stage, idle_exit_s: float = 0.0, max_jobs: int = 0):
+        """``run_stage(argv) -> exit code`` runs one stage command in this process (the CLI's)."""
         if kind not in dispatch.KINDS:
             raise ValueError(f"unknown worker kind {kind!r}: one of {', '.join(dispatch.KINDS)}")
         from otbflow.codeversion import code_version
 
-        self.kind, self.results = kind, Path(results).resolve()
+        self.kind, self.results, self.run_stage = kind, Path(results).resolve(), run_stage
         self.idle_exit_s, self.max_jobs = idle_exit_s, max_jobs
         self.key = dispatch.secret(self.results, create=True)
         self.base = dispatch.root(self.results) / kind
@@ -172,7 +173,6 @@ class Worker:
         import torch
 
         import otbflow
-        from otbflow import cli
         from otbflow import io as otbflow_io
 
         with self.lock:
@@ -192,7 +192,7 @@ class Worker:
                         otbflow.STARTED_AT = time.time()
                         log.info("worker %s runs %s (job %s)", self.id, body["stage"], body["id"])
                         try:
-                            code = cli._main([body["stage"].replace("_", "-"), *body["argv"]], program=False)
+                            code = self.run_stage([body["stage"].replace("_", "-"), *body["argv"]])
                         except SystemExit as e:  # argparse
                             code = e.code if isinstance(e.code, int) else 2
                     status = "ok" if code == 0 else "failed"
@@ -305,9 +305,10 @@ def environment(values: dict[str, str]):
                 os.environ[k] = v
 
 
-def main(kind: str, results: str, idle_exit_s: float = 0.0, max_jobs: int = 0) -> int:
+def main(kind: str, results: str, run_stage, idle_exit_s: float = 0.0, max_jobs: int = 0) -> int:
     """``otbflow worker``: serve until stopped (SIGTERM, SIGINT), idle for ``idle_exit_s`` or
-    ``max_jobs`` jobs done; its registration goes with it."""
+    ``max_jobs`` jobs done; its registration goes with it. ``run_stage`` is the CLI's (the CLI
+    imports this module, not the other way round)."""
     global DEFAULT_THREADS
     OUTPUT.own = sys.stderr  # the worker's own log; its standard output goes there too
     sys.stdout = sys.stderr = OUTPUT
@@ -320,7 +321,7 @@ def main(kind: str, results: str, idle_exit_s: float = 0.0, max_jobs: int = 0) -
     DEFAULT_THREADS = torch.get_num_threads()
     resident.enable()
     warm_up(kind)
-    worker = Worker(kind, results, idle_exit_s, max_jobs)
+    worker = Worker(kind, results, run_stage, idle_exit_s, max_jobs)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     worker.serve()
     return 0
