@@ -21,6 +21,16 @@ wildcard_constraints:
 onstart:
     refuse_pruned_inputs()
     write_resolved_config()
+    start_slurm_workers()
+
+
+# workers.slurm: the worker jobs end with the run.
+onsuccess:
+    stop_slurm_workers()
+
+
+onerror:
+    stop_slurm_workers()
 
 
 rule all:

@@ -118,6 +118,7 @@ HOW: dict[str, str] = {
     "otbflow submit --configfile my.yaml -- --config 'advantages={estimator: grpo}'": SLURM,
     "otbflow submit --configfile my.yaml --rerun advantages": SLURM,
     "otbflow submit --configfile my.yaml": SLURM,
+    "otbflow submit --configfile my.yaml --workers": SLURM,
     "snakemake --workflow-profile slurm --configfile my.yaml < /dev/null": SLURM,
     "otbflow submit --configfile my.yaml --group-iterations": SLURM,
     # a head that cannot be asked (README, "When the head dies"): its lock and record cleared

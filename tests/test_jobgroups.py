@@ -44,6 +44,18 @@ def test_the_profile_and_submit_give_the_same_groups():
     assert "--groups" not in snakemake_command(p.parse_args([]))
 
 
+def test_submit_workers_sets_workers_slurm_in_the_one_config_snakemake_keeps():
+    """Snakemake keeps the last --config it is given: --workers joins the user's, or adds its own
+    after the user's arguments (never before a target, which --config would take as a value)."""
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    own = snakemake_command(p.parse_args(["--workers", "--", "results/iter_1/train/policy", "--forcerun", "rollout"]))
+    assert own[1:6] == ["results/iter_1/train/policy", "--forcerun", "rollout", "--config", "workers={slurm: true}"]
+    joined = snakemake_command(p.parse_args(["--workers", "--", "--config", "advantages={estimator: grpo}", "-n"]))
+    assert joined[1:5] == ["--config", "workers={slurm: true}", "advantages={estimator: grpo}", "-n"]
+    assert joined.count("--config") == 1
+
+
 def test_refusal_only_for_rollout_in_the_chain_group_when_stale():
     chain = dict(jobgroups.ITERATION_GROUPS)
     assert jobgroups.refusal(chain, 2) is None

@@ -135,6 +135,12 @@ GROUPED_CONFIG = (
     "{mem_mb: 3000, runtime: 20}, advantages: {mem_mb: 1000, runtime: 10}, train: {mem_mb: 2000, runtime: 30}, "
     "rollout: {mem_mb: 2000}}'"
 )
+# Worker jobs of 1 CPU and 2 GB beside the head job and a stage job on the test node; a short
+# time limit and idle exit, so that a worker job a failed test leaves ends by itself.
+WORKERS_CONFIG = (
+    "--config 'resources={rollout: {mem_mb: 2000}, features: {mem_mb: 2000}, train: {mem_mb: 2000}}' "
+    "'workers={time_min: 30, idle_exit_min: 5}'"
+)
 README_FORMS = {
     "otbflow submit --configfile my.yaml --partition long --account my_project": f"otbflow submit --configfile my.yaml --partition debug --account my_project -- --forcerun rollout {FAST}",
     "squeue --me": "squeue --me",
@@ -147,6 +153,9 @@ README_FORMS = {
     # iteration 0's update again, grouped, beside iteration 1's stale rollouts (test_grouped_iterations)
     "otbflow submit --configfile my.yaml --group-iterations": "otbflow submit --configfile my.yaml --group-iterations "
     f"--rerun features -- {GROUPED_TARGETS} --force {GROUPED_CONFIG} {FAST}",
+    # iteration 1 again on worker jobs (test_slurm_workers_...)
+    "otbflow submit --configfile my.yaml --workers": "otbflow submit --configfile my.yaml --workers -- "
+    f"results/iter_1/train/policy {WORKERS_CONFIG} {FAST}",
 }
 
 
@@ -425,3 +434,60 @@ def test_a_head_job_requeues_itself_before_its_time_limit(iteration_1_again):
     assert f"cancelling the Slurm jobs {train}" in log and "rule train" in log  # redone, never adopted
     assert policy_digest(work / "results/iter_1/train/policy") == want
     print(f"finished after {log.count('Requeued job')} requeue(s), {time.perf_counter() - start:.0f} s")
+
+
+# --- warm workers as Slurm jobs: otbflow submit --workers ---
+
+
+def worker_jobs(work: Path) -> dict[str, list[str]]:
+    """{kind: ids} of the folder's worker jobs queued or running."""
+    prefix = H.jobname_prefix(work / "results") + "_worker-"
+    out: dict[str, list[str]] = {}
+    for job_id, state, name in H.squeue("%i|%T|%j"):
+        if name.startswith(prefix) and state in H.QUEUED:
+            out.setdefault(name.removeprefix(prefix), []).append(job_id)
+    return out
+
+
+def test_slurm_workers_run_the_iteration_and_replace_a_killed_worker_job(iteration_1_again):
+    """otbflow submit --workers redoes the tiny run's iteration 1 with a generation, a features and a
+    train worker, each a Slurm job of its own; the rollouts, features and update run on them (their
+    rules are local jobs of the head job). The train worker's job is killed (scancel --signal=KILL,
+    frozen first by scontrol suspend so that it is killed with the train job in hand, however fast
+    the machine) while it trains: the waiting client hands the job to the next worker, the head
+    submits a new worker job in its place, the run ends with the uninterrupted run's policy, bitwise,
+    and the worker jobs are cancelled with the run."""
+    import submitit
+
+    work, want = iteration_1_again
+    start = time.perf_counter()
+    command = README_FORMS["otbflow submit --configfile my.yaml --workers"]
+    job = re.search(r"submitted the head job (\d+)", sh(work, command)).group(1)
+    train_queue = work / "results/.workers/train"
+    claimed = wait_for(lambda: list(train_queue.glob("*/running/*.json")), 600, "a train worker to take the job", 0.1)
+    record = json.loads((claimed[0].parents[1] / "worker.json").read_text())
+    victim = record["slurm_job"]
+    assert victim in worker_jobs(work).get("train", []), (victim, worker_jobs(work))
+    subprocess.run(["scontrol", "suspend", victim], check=True)
+    subprocess.run(["scancel", "--full", "--signal=KILL", victim], check=True)
+    killed_at = time.perf_counter() - start
+
+    sub = submitit.SlurmJob(folder=work / "logs" / "submit" / "%j", job_id=job)
+    try:
+        sub.result()
+    finally:
+        log = Path(sub.paths.stdout).read_text() + Path(sub.paths.stderr).read_text()
+    assert policy_digest(work / "results/iter_1/train/policy") == want
+    for kind in ("generate", "features", "train"):
+        assert f"submitted the {kind} worker job" in log, log[-3000:]
+    assert f"the train worker job {victim} left the queue: replaced" in log, log[-3000:]
+    assert "localrule train" in log and "localrule rollout" in log, log[-3000:]  # clients on the head
+    train_log = (work / "results/logs/train/iter_1.log").read_text()
+    assert "is gone: the job goes to the next worker" in train_log and "runs train" in train_log, train_log[-3000:]
+    for stage, path in (("rollout", "rollout/iter_1_shard_0.log"), ("features", "features/iter_1_shard_0.log")):
+        assert f"runs {stage}" in (work / "results/logs" / path).read_text()  # on a worker
+    assert "cancelled the worker jobs" in log
+    wait_for(lambda: not worker_jobs(work), 120, "the worker jobs to leave the queue")
+    print(
+        f"worker job killed after {killed_at:.0f} s; the run ended {time.perf_counter() - start:.0f} s after its start"
+    )

@@ -273,3 +273,25 @@ def test_a_workers_memory_stays_flat_over_50_iterations(tiny_run, tmp_path):
     for kind, values in rss.items():
         assert values[50] <= 1.1 * values[5], (kind, values)
     assert (tmp_path / "train.log").read_text().count("AdamW resumes from the resident engine") == 49
+
+
+def test_a_client_that_must_wait_for_a_worker_fails_clearly_when_none_comes(tmp_path):
+    """workers.slurm: the client (a local job of the head) never runs the stage itself: with no worker
+    within --wait-min it fails, saying so, and the stage's CLI never ran (its --help would print)."""
+    results = tmp_path / "results"
+    cmd = [sys.executable, "-m", "otbflow.dispatch", "--results", str(results), "--code", "x"]
+    cmd += ["--wait-min", "0.02", "--threads", "1", "features", "--help"]
+    start = time.time()
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 1 and "teacher-forced" not in res.stdout, res.stdout + res.stderr
+    assert "waiting for a features worker" in res.stdout and "no features worker started in" in res.stdout
+    assert 1.2 <= time.time() - start < 30
+
+
+def test_slurm_workers_are_refused_off_slurm(tmp_path):
+    """workers.slurm with the local executor: the run stops before its first job, saying why."""
+    work = tmp_path / "work"
+    work.mkdir()
+    res = snakemake(work, "--config", "workers={slurm: true}", check=False)
+    assert res.returncode != 0 and "workers.slurm: the workers are Slurm jobs" in res.stdout + res.stderr
+    assert not (work / "results/data").exists()

@@ -159,6 +159,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             p.add_argument("--results", required=True, help="the run's results folder (results_dir)")
             p.add_argument("--idle-exit", type=float, default=0.0, help="end after this many seconds idle (0: never)")
             p.add_argument("--max-jobs", type=int, default=0, help="end after this many jobs (0: never)")
+            p.add_argument(
+                "--retire-after",
+                type=float,
+                default=0.0,
+                metavar="SECONDS",
+                help="take no new job this long after the start, and end (0: never; a Slurm worker's time limit)",
+            )
         if name == "experiment-member":
             for flag in ("--experiment", "--run", "--policy", "--scaling", "--out"):
                 p.add_argument(flag, required=True)
@@ -228,7 +235,7 @@ def _main(argv: list[str], program: bool) -> int:
             from otbflow.worker import main as worker_main
 
             run_stage = functools.partial(_main, program=False)
-            return worker_main(ns.kind, ns.results, run_stage, ns.idle_exit, ns.max_jobs)
+            return worker_main(ns.kind, ns.results, run_stage, ns.idle_exit, ns.max_jobs, ns.retire_after)
         if ns.command == "experiment-member":
             from otbflow.experiment_config import write_member_config
 

@@ -673,6 +673,36 @@ class ResourcesConfig:
 
 
 @dataclass
+class WorkersConfig:
+    """Warm stage workers (docs/workers.md). Started by hand (``otbflow worker KIND --results DIR``)
+    they serve any run on their results folder; with ``slurm: true`` the run starts them itself."""
+
+    slurm: bool = False
+    """Start the workers as Slurm jobs of the run (``otbflow submit --workers`` sets it; the Slurm
+    executor only): one job per worker, sized from ``resources`` of its stage (rollout's for the
+    generation workers), holding its GPUs for the run. The jobs of the stages they run become cheap
+    local jobs of the head that wait for a worker, never running a stage on the head's node. The
+    worker jobs end with the run; one that ends early (time limit, preemption, a node lost) is
+    replaced and its job handed to another worker."""
+    generate: int = opt(1, ge=0, le=10_000)
+    """Generation workers (rollout, evaluate, the variance pool) with ``slurm``: one per shard
+    generates every shard at once. 0: those stages stay Slurm stage jobs."""
+    features: int = opt(1, ge=0, le=10_000)
+    """Features workers with ``slurm`` (0: the features stage stays Slurm stage jobs)."""
+    train: int = opt(1, ge=0, le=1)
+    """Train workers with ``slurm``: 0 or 1 (one update at a time; a train stage of several
+    processes, resources.train.tasks > 1, always runs as its own Slurm job)."""
+    time_min: int = opt(24 * 60, ge=5, le=100_000_000)
+    """Slurm time limit of a worker job in minutes. A worker takes no new job once less than its
+    stage's runtime is left (half the limit at least), ends when idle and is replaced."""
+    idle_exit_min: float = opt(30.0, ge=0, le=100_000_000, finite=True)
+    """A worker job ends after this many minutes without a job (0: never): a head killed with no
+    successor leaves no job holding its GPUs for longer."""
+    wait_min: float = opt(24 * 60.0, gt=0, le=100_000_000, finite=True)
+    """How long a job waits for a worker (its Slurm job pending) before it fails."""
+
+
+@dataclass
 class Config:
     seed: int = 0
     """Global seed: fixes data, sampling, initialisation and training on CPU."""
@@ -695,6 +725,7 @@ class Config:
     retention: RetentionConfig = field(default_factory=RetentionConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    workers: WorkersConfig = field(default_factory=WorkersConfig)
 
 
 # ------------------------------------------------------------------------------------------

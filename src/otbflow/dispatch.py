@@ -59,6 +59,10 @@ POLL_S = 0.05
 """How often a waiting client and an idle worker look at the folder."""
 CLAIM_S = 30.0
 """A request no live worker has claimed after this long is withdrawn and run by its client."""
+WAIT_POLL_S = 2.0
+"""How often a client that must wait for a worker (Slurm workers) looks for one."""
+TRIES = 3
+"""Workers a job is handed to, one after another, when each dies under it (Slurm workers)."""
 
 
 class DispatchError(RuntimeError):
@@ -176,8 +180,10 @@ def live_workers(results: str | Path, kind: str) -> list[Path]:
 class Client:
     """Hand one stage job to a worker of its kind and wait for it (``run``)."""
 
-    def __init__(self, results: str | Path, stage: str, code: str, argv: list[str]):
+    def __init__(self, results: str | Path, stage: str, code: str, argv: list[str], threads: str | None = None):
+        """``threads``: the job's torch threads (default: OTBFLOW_THREADS of this process)."""
         self.results, self.stage, self.code, self.argv = Path(results), stage, code, list(argv)
+        self.threads = threads
         self.kind = KIND_OF[stage]
         self.id = uuid.uuid4().hex
         self.base = root(results) / self.kind
@@ -190,7 +196,7 @@ class Client:
             "code": self.code,
             "argv": self.argv,
             "cwd": os.getcwd(),
-            "threads": os.environ.get("OTBFLOW_THREADS", ""),
+            "threads": self.threads if self.threads is not None else os.environ.get("OTBFLOW_THREADS", ""),
             "client": me(),
             "created": time.time(),
         }
@@ -204,6 +210,50 @@ class Client:
         key = secret(self.results)
         if key is None:
             return None
+        outcome, value = self.attempt(key, out, claim_s=CLAIM_S)
+        if outcome == "done":
+            return value
+        print(f"otbflow dispatch: {value}: running the job here", file=out)
+        return None
+
+    def run_on_worker(self, wait_s: float, out=sys.stdout) -> int:
+        """The job's exit code, run by a worker and never here (the workers are Slurm jobs of the
+        run, this client a local job of the head): waits up to ``wait_s`` for a live worker (its
+        job pending in the queue); a job whose worker is gone is handed to the next one, up to
+        ``TRIES`` times. 1 with the reason where no worker ran it."""
+        deadline, said, tries = time.time() + wait_s, False, 0
+        while True:
+            key = secret(self.results)
+            if key is None or not live_workers(self.results, self.kind):
+                if time.time() > deadline:
+                    print(
+                        f"otbflow dispatch: no {self.kind} worker started in {wait_s / 60:.0f} min "
+                        "(workers.wait_min): the job is not run",
+                        file=out,
+                    )
+                    return 1
+                if not said:
+                    print(f"otbflow dispatch: waiting for a {self.kind} worker (its Slurm job is queued)", file=out)
+                    out.flush()
+                    said = True
+                time.sleep(WAIT_POLL_S)
+                continue
+            outcome, value = self.attempt(key, out, claim_s=None, deadline=deadline)
+            if outcome == "done":
+                return value
+            tries += 1
+            if outcome != "gone" or tries >= TRIES:
+                print(f"otbflow dispatch: {value}: the job is not run (after {tries} worker(s))", file=out)
+                return 1
+            print(f"otbflow dispatch: {value}: the job goes to the next worker", file=out)
+            self.id = uuid.uuid4().hex
+            self.job = self.base / "jobs" / self.id
+
+    def attempt(self, key: bytes, out, claim_s: float | None, deadline: float | None = None) -> tuple[str, object]:
+        """Post the request and follow it: ("done", exit code) once its worker answered, else
+        (why, a sentence): "refused" (another code version), "unclaimed" (no worker took it in
+        ``claim_s``, or before ``deadline``) or "gone" (its worker died); the request is withdrawn
+        then (a worker checks it before it publishes) and the job's folder removed."""
         self.job.mkdir(parents=True)
         heartbeat = self.job / "client"
         heartbeat.touch()
@@ -224,26 +274,20 @@ class Client:
                     answer = json.loads(result.read_text())
                     copy_new(log, offset, out)
                     if answer.get("status") == "refused":  # another code version, or not its stage
-                        print(
-                            f"otbflow dispatch: the worker refused the job ({answer.get('error')}): running it here",
-                            file=out,
-                        )
-                        return None
-                    return int(answer.get("exit", 1))
+                        return "refused", f"the worker refused the job ({answer.get('error')})"
+                    return "done", int(answer.get("exit", 1))
                 if worker is None:
                     worker = next(iter(self.base.glob(f"*/running/{self.id}.json")), None)
-                    if worker is None and now - started > CLAIM_S and self.withdraw(queued):
-                        print(f"otbflow dispatch: no worker took the job in {CLAIM_S:.0f} s: running it here", file=out)
-                        return None
+                    late = (claim_s is not None and now - started > claim_s) or (
+                        deadline is not None and now > deadline
+                    )
+                    if worker is None and late and self.withdraw(queued):
+                        return "unclaimed", "no worker took the job in time"
                 elif not alive(
                     json.loads((worker.parents[1] / "worker.json").read_text()), worker.parents[1] / "alive"
                 ):
                     if self.withdraw(worker):
-                        print(
-                            f"otbflow dispatch: the worker {worker.parents[1].name} is gone: running the job here",
-                            file=out,
-                        )
-                        return None
+                        return "gone", f"the worker {worker.parents[1].name} is gone"
                 time.sleep(POLL_S)
         finally:
             out.flush()
@@ -287,17 +331,22 @@ def die_with_parent() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m otbflow.dispatch --results DIR --code VERSION STAGE [stage arguments]``: the job
-    on a worker, or in this process (exec of ``python -m otbflow STAGE ...``) where none runs it."""
+    """``python -m otbflow.dispatch --results DIR --code VERSION [--wait-min M --threads N] STAGE
+    [stage arguments]``: the job on a worker, or in this process (exec of ``python -m otbflow
+    STAGE ...``) where none runs it. With ``--wait-min`` (workers.slurm: this is a local job of the
+    head) the job only ever runs on a worker, waiting up to M minutes for one, with N threads."""
     args = list(sys.argv[1:] if argv is None else argv)
     opts = {}
-    while args and args[0] in ("--results", "--code"):
+    while args and args[0] in ("--results", "--code", "--wait-min", "--threads"):
         opts[args[0][2:]] = args[1]
         args = args[2:]
     stage, rest = args[0].replace("-", "_"), args[1:]
     die_with_parent()
     if stage in KIND_OF and "results" in opts:
-        code = Client(opts["results"], stage, opts.get("code", ""), rest).run()
+        client = Client(opts["results"], stage, opts.get("code", ""), rest, threads=opts.get("threads"))
+        if "wait-min" in opts:
+            return client.run_on_worker(float(opts["wait-min"]) * 60)
+        code = client.run()
         if code is not None:
             return code
     sys.stdout.flush()

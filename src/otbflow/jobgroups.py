@@ -58,9 +58,10 @@ def refusal(groups: dict[str, str], staleness: int) -> str | None:
     return None
 
 
-def size_group_jobs(workflow, staleness: int) -> None:
+def size_group_jobs(workflow, staleness: int, worker_rules: tuple[str, ...] | list[str] = ()) -> None:
     """Make ``workflow`` (the Snakefile's) refuse a grouping that loses the stale rollouts' overlap
-    (``refusal``) and size each group job for its members run one after another (module docstring).
+    (``refusal``) or groups the rules that Slurm workers run (``worker_rules``: local jobs of the
+    head, nothing to group) and size each group job for its members run one after another (module docstring).
     Wraps ``workflow.execute``: Snakemake sets the groups after the Snakefile is parsed; only runs
     where groups apply (a cluster executor, or a dry run) are changed."""
     from snakemake.exceptions import WorkflowError
@@ -74,6 +75,12 @@ def size_group_jobs(workflow, staleness: int) -> None:
         if groups and common is not None and (not common.local_exec or common.dryrun_exec):
             if why := refusal(groups, staleness):
                 raise WorkflowError(why)
+            if both := sorted(set(groups) & set(worker_rules)):
+                raise WorkflowError(
+                    f"workers.slurm: {', '.join(both)} run on the run's worker jobs (the head's local jobs), "
+                    "and the rule groups (--groups, the profile's groups:, otbflow submit --group-iterations) "
+                    "put them in Slurm group jobs: use one or the other"
+                )
             for name in groups:
                 workflow.get_rule(name).resources[SLOT] = 1
             workflow.register_resource(SLOT, 1)

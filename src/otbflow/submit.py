@@ -14,6 +14,7 @@ waited for, their outputs redone). The same command continues a head job that wa
   otbflow submit --rerun advantages -- --config 'advantages={estimator: grpo}'
   otbflow submit --until rollout --partition long --account my_project
   otbflow submit --group-iterations               # one Slurm job per iteration for features, advantages, train
+  otbflow submit --workers                        # warm workers as Slurm jobs of the run (docs/workers.md)
 """
 
 from __future__ import annotations
@@ -49,6 +50,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"fewer queued jobs: one Slurm job per iteration for its {', '.join(ITERATION_GROUPS)} jobs, run one "
         "after another (snakemake --groups; the rollouts stay their own jobs; README: Fewer queued jobs)",
     )
+    p.add_argument(
+        "--workers",
+        action="store_true",
+        help="start warm stage workers as Slurm jobs of the run (workers.slurm: true; sized from resources, "
+        "counts in the workers section; docs/workers.md); the stages they run become cheap local jobs of the head",
+    )
     p.add_argument("--configfile", nargs="+", default=[], help="config YAML(s) layered over config/config.yaml")
     p.add_argument("--profile", default="slurm", help="workflow profile folder (default: %(default)s)")
     p.add_argument("--partition", help="Slurm partition of the head job")
@@ -82,9 +89,20 @@ def profile_path(profile: str) -> str:
     return profile if Path(profile).is_dir() or not (REPO / profile).is_dir() else str(REPO / profile)
 
 
+WORKERS_CONFIG = "workers={slurm: true}"
+
+
 def snakemake_command(ns: argparse.Namespace) -> list[str]:
     # the passthrough first: its targets must not follow an option that takes several values
-    cmd = [SNAKEMAKE, *ns.snakemake_args, "-s", str(REPO / "Snakefile"), "--workflow-profile", profile_path(ns.profile)]
+    passthrough = list(ns.snakemake_args)
+    if getattr(ns, "workers", False):
+        # one --config (Snakemake keeps the last one given): into the user's, else its own after them
+        given = [i for i, a in enumerate(passthrough) if a in ("--config", "-C")]
+        if given:
+            passthrough.insert(given[-1] + 1, WORKERS_CONFIG)
+        else:
+            passthrough += ["--config", WORKERS_CONFIG]
+    cmd = [SNAKEMAKE, *passthrough, "-s", str(REPO / "Snakefile"), "--workflow-profile", profile_path(ns.profile)]
     if ns.group_iterations:
         cmd += groups_args()
     if ns.configfile:
@@ -164,6 +182,13 @@ def submit(ns: argparse.Namespace):
 
 
 def main(ns: argparse.Namespace) -> int:
+    if ns.workers and ns.group_iterations:
+        print(
+            "otbflow submit: --workers and --group-iterations: the stages the workers run are the head's "
+            "local jobs, nothing to group; use one or the other",
+            file=sys.stderr,
+        )
+        return 2
     job = submit(ns)
     # the commands it prints are quoted, to be pasted into a shell as they are
     print(f"submitted the head job {job.job_id}: {shlex.join(snakemake_command(ns))}")

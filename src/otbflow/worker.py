@@ -43,14 +43,23 @@ class JobAbandoned(BaseException):
 class Worker:
     """One worker of ``kind`` for the run whose results folder is ``results``."""
 
-    def __init__(self, kind: str, results: str | Path, run_stage, idle_exit_s: float = 0.0, max_jobs: int = 0):
-        """``run_stage(argv) -> exit code`` runs one stage command in this process (the CLI's)."""
+    def __init__(
+        self,
+        kind: str,
+        results: str | Path,
+        run_stage,
+        idle_exit_s: float = 0.0,
+        max_jobs: int = 0,
+        retire_after_s: float = 0.0,
+    ):
+        """``run_stage(argv) -> exit code`` runs one stage command in this process (the CLI's);
+        ``retire_after_s``: no new job after this long (a Slurm worker before its time limit)."""
         if kind not in dispatch.KINDS:
             raise ValueError(f"unknown worker kind {kind!r}: one of {', '.join(dispatch.KINDS)}")
         from otbflow.codeversion import code_version
 
         self.kind, self.results, self.run_stage = kind, Path(results).resolve(), run_stage
-        self.idle_exit_s, self.max_jobs = idle_exit_s, max_jobs
+        self.idle_exit_s, self.max_jobs, self.retire_after_s = idle_exit_s, max_jobs, retire_after_s
         self.key = dispatch.secret(self.results, create=True)
         self.base = dispatch.root(self.results) / kind
         self.me = dispatch.me()
@@ -123,9 +132,12 @@ class Worker:
         self.register()
         beat = threading.Thread(target=self.heartbeat, name="heartbeat", daemon=True)
         beat.start()
-        idle_since = time.time()
+        idle_since = started = time.time()
         try:
             while not (self.max_jobs and self.jobs_done >= self.max_jobs):
+                if self.retire_after_s and time.time() - started > self.retire_after_s:
+                    log.info("%.0f s since its start: the worker takes no new job and ends", self.retire_after_s)
+                    break
                 mine = self.claim()
                 if mine is None:
                     if self.idle_exit_s and time.time() - idle_since > self.idle_exit_s:
@@ -305,10 +317,12 @@ def environment(values: dict[str, str]):
                 os.environ[k] = v
 
 
-def main(kind: str, results: str, run_stage, idle_exit_s: float = 0.0, max_jobs: int = 0) -> int:
-    """``otbflow worker``: serve until stopped (SIGTERM, SIGINT), idle for ``idle_exit_s`` or
-    ``max_jobs`` jobs done; its registration goes with it. ``run_stage`` is the CLI's (the CLI
-    imports this module, not the other way round)."""
+def main(
+    kind: str, results: str, run_stage, idle_exit_s: float = 0.0, max_jobs: int = 0, retire_after_s: float = 0.0
+) -> int:
+    """``otbflow worker``: serve until stopped (SIGTERM, SIGINT), idle for ``idle_exit_s``,
+    ``max_jobs`` jobs done or ``retire_after_s`` after its start; its registration goes with it.
+    ``run_stage`` is the CLI's (the CLI imports this module, not the other way round)."""
     global DEFAULT_THREADS
     OUTPUT.own = sys.stderr  # the worker's own log; its standard output goes there too
     sys.stdout = sys.stderr = OUTPUT
@@ -321,7 +335,7 @@ def main(kind: str, results: str, run_stage, idle_exit_s: float = 0.0, max_jobs:
     DEFAULT_THREADS = torch.get_num_threads()
     resident.enable()
     warm_up(kind)
-    worker = Worker(kind, results, run_stage, idle_exit_s, max_jobs)
+    worker = Worker(kind, results, run_stage, idle_exit_s, max_jobs, retire_after_s)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     worker.serve()
     return 0

@@ -1,4 +1,5 @@
 # Helpers shared by the stage modules (validated config, paths, code versions).
+import atexit
 import os
 import sys
 from pathlib import Path
@@ -9,6 +10,8 @@ from snakemake.utils import validate
 import otbflow
 from otbflow.codeversion import code_version
 from otbflow.dispatch import KIND_OF
+from otbflow.workerjobs import STAGE_OF_KIND, Supervisor, WorkerJob, sbatch_options, site_settings
+from otbflow.workerjobs import script as worker_script
 from otbflow.pipeline import STAGES, trigger
 from otbflow.config import (
     DEFAULT_CONFIG,
@@ -43,9 +46,6 @@ guard_head(
     R,
     job_paths=[p for p in (CFG.model.path, CFG.task.path, CFG.task.eval_path, CFG.task.reward_model.path) if p],
 )
-# Slurm group jobs (otbflow submit --group-iterations, the profile's groups:): sized for their members
-# run one after another, and refused where they would lose the stale rollouts' overlap (otbflow.jobgroups).
-size_group_jobs(workflow, CFG.rollout.staleness)
 ITERATIONS = list(range(CFG.iterations))
 EVALUATED = evaluated_iterations(CFG)  # evaluate.every; the last iteration always
 SHARDS = list(range(CFG.shard.n_shards))
@@ -84,13 +84,83 @@ def stage_cmd(stage):
     evaluates every job's resources: half of a long run's dry run); the rules' shell commands pass
     them (OTBFLOW_THREADS={threads})."""
     python = CFG.rollout.python if STAGES[stage].engine else None
-    res = CFG.resources.get(stage, {})
-    launcher = launch_processes(res.tasks, res.cpus_per_task) if "tasks" in res else ""
+    launcher = launcher_of(stage)
     cli = f"{PYTHONPATH} {launcher}{quote(python or _PY)} -m otbflow"
     if dispatched(stage, launcher):
         cli += f".dispatch --results {quote(R)} --code {code_version(stage)}"
+        if on_slurm_workers(stage):  # a local job of the head: waits for a worker, never runs the stage here
+            cli += f" --wait-min {CFG.workers.wait_min:g} --threads {stage_threads(stage)}"
     command = f"{cli} {STAGES[stage].command} --config {quote(RESOLVED_CONFIG)}"
     return lambda wildcards, input: command
+
+
+def launcher_of(stage):
+    res = CFG.resources.get(stage, {})
+    return launch_processes(res.tasks, res.cpus_per_task) if "tasks" in res else ""
+
+
+def stage_threads(stage):
+    """The rule's threads: torch's threads of its job (the variance pool generates as the rollout does)."""
+    if stage == "variance_pool":
+        return CFG.resources.rollout.threads
+    res = CFG.resources[stage]
+    return res.cpus_per_task if "tasks" in res else res.threads
+
+
+def on_slurm_workers(stage):
+    """Whether the stage's jobs go to the run's Slurm worker jobs (workers.slurm, and workers of
+    its kind asked for): its rule is then a local job of the head that waits for a worker."""
+    w = CFG.workers
+    return w.slurm and dispatched(stage, launcher_of(stage)) and getattr(w, KIND_OF[stage]) > 0
+
+
+def worker_supervisor():
+    """The run's worker jobs (workers.slurm): one WorkerJob per kind its rules hand jobs to, sized
+    from its stage's resources and the profile's settings of that rule (otbflow.workerjobs)."""
+    kinds = sorted({KIND_OF[stage] for stage in SLURM_WORKER_RULES})
+    w, jobs = CFG.workers, []
+    for kind in kinds:
+        stage = STAGE_OF_KIND[kind]
+        res = CFG.resources[stage]
+        retire_min = max(w.time_min / 2, w.time_min - res.runtime)
+        jobs.append(
+            WorkerJob(
+                kind=kind,
+                count=getattr(w, kind),
+                sbatch=sbatch_options(
+                    R, kind, res, site_settings(workflow, stage), w.time_min, Path(R, "logs/workers")
+                ),
+                script=worker_script(_PY, _SRC, kind, R, w.idle_exit_min * 60, retire_min * 60),
+                log_dir=Path(R, "logs/workers"),
+            )
+        )
+    return Supervisor(R, jobs, log=lambda message: print(message, flush=True))
+
+
+WORKERS = []
+
+
+def start_slurm_workers():
+    """onstart: submit the run's worker jobs and keep them (workers.slurm); refused off Slurm."""
+    if not SLURM_WORKER_RULES:
+        return
+    plugin = getattr(workflow.executor_plugin, "name", "")
+    if plugin != "slurm":
+        raise WorkflowError(
+            f"workers.slurm: the workers are Slurm jobs, and this run's executor is {plugin or 'local'}: "
+            "run it with otbflow submit --workers or --workflow-profile slurm, or set workers.slurm: false "
+            "(workers started by hand serve any executor: docs/workers.md)"
+        )
+    supervisor = worker_supervisor()
+    supervisor.start()
+    WORKERS.append(supervisor)
+    atexit.register(stop_slurm_workers)
+
+
+def stop_slurm_workers():
+    """onsuccess, onerror (and at exit): the worker jobs are cancelled."""
+    while WORKERS:
+        WORKERS.pop().stop()
 
 
 def dispatched(stage, launcher):
@@ -137,6 +207,16 @@ def task_resources(res):
     if res.tasks == 1:
         return {}
     return {"mpi": "srun"} | ({"tasks_per_gpu": 1} if res.gpu else {})
+
+
+# Under workers.slurm the dispatching rules are the head's local jobs (a client that waits).
+SLURM_WORKER_RULES = [stage for stage in KIND_OF if on_slurm_workers(stage)]
+if SLURM_WORKER_RULES:
+    workflow.localrules(*SLURM_WORKER_RULES)
+# Slurm group jobs (otbflow submit --group-iterations, the profile's groups:): sized for their members
+# run one after another, and refused where they would lose the stale rollouts' overlap or group the
+# rules Slurm workers run (otbflow.jobgroups).
+size_group_jobs(workflow, CFG.rollout.staleness, SLURM_WORKER_RULES)
 
 
 def dataset_files():

@@ -12,7 +12,7 @@ rule evaluate:
         f"{R}/benchmarks/evaluate/{{policy}}.tsv"
     conda:
         stage_env("evaluate")
-    threads: CFG.resources.evaluate.threads
+    threads: stage_threads("evaluate")
     resources:
         gpu=CFG.resources.evaluate.gpu,
         cpus_per_gpu=CFG.resources.evaluate.cpus_per_gpu,

@@ -12,7 +12,7 @@ rule features:
     priority: CHAIN_PRIORITY
     conda:
         stage_env("features")
-    threads: CFG.resources.features.threads
+    threads: stage_threads("features")
     resources:
         gpu=CFG.resources.features.gpu,
         cpus_per_gpu=CFG.resources.features.cpus_per_gpu,

@@ -13,7 +13,7 @@ rule rollout:
     priority: CHAIN_PRIORITY - 1
     conda:
         stage_env("rollout")
-    threads: CFG.resources.rollout.threads
+    threads: stage_threads("rollout")
     resources:
         gpu=CFG.resources.rollout.gpu,
         cpus_per_gpu=CFG.resources.rollout.cpus_per_gpu,

@@ -19,7 +19,7 @@ rule train:
     priority: CHAIN_PRIORITY
     conda:
         stage_env("train")
-    threads: CFG.resources.train.cpus_per_task
+    threads: stage_threads("train")
     resources:
         **task_resources(CFG.resources.train),
         gpu=CFG.resources.train.gpu,

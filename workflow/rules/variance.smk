@@ -10,7 +10,7 @@ rule variance_pool:
         f"{R}/benchmarks/variance_pool/variance_pool.tsv"
     conda:
         stage_env("variance_pool")
-    threads: CFG.resources.rollout.threads
+    threads: stage_threads("variance_pool")
     resources:
         gpu=CFG.resources.rollout.gpu,
         cpus_per_gpu=CFG.resources.rollout.cpus_per_gpu,
