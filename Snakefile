@@ -40,6 +40,7 @@ rule all:
         lambda wildcards: rules.scaling.output,
         lambda wildcards: rules.variance.output,
         lambda wildcards: expand(rules.prune.output, k=PRUNED_ITERATIONS),
+        published_optimizer_states,
 
 
 include: "workflow/rules/bootstrap.smk"

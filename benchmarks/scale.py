@@ -196,7 +196,8 @@ def worker_startup(fits: dict, stage: str, n_params: int, optimizer_bytes: float
     interpreter, import, engine build or DeepSpeed initialisation; the generation and features
     workers copy a new policy's weights into their resident module (the read of the weights, the
     per-GB part of a model load), the train worker goes on with its engine and AdamW state and
-    still writes both (the next job does not read them back). The advantages job has no worker."""
+    writes the next policy; the AdamW state it writes after the job returned (``background_write``).
+    The advantages job has no worker."""
     weights = 4 * n_params
 
     def t(st: str, step: str, nbytes: float = 0.0, fixed: bool = True) -> float:
@@ -207,7 +208,14 @@ def worker_startup(fits: dict, stage: str, n_params: int, optimizer_bytes: float
         return t("features", "model_load_s", weights, fixed=False)
     if stage == "advantages":
         return t("advantages", "import_s")
-    return t("train", "optimizer_save_s", optimizer_bytes) + t("train", "policy_save_s", weights)
+    return t("train", "policy_save_s", weights)
+
+
+def background_write(fits: dict, optimizer_bytes: float) -> float:
+    """The train worker's write of the AdamW state after its job returned (extrapolated as the
+    job's own write): it overlaps the next iteration's rollout and features."""
+    f = fits[("train", "optimizer_save_s")]
+    return f["fixed_s"] + f["s_per_gb"] * optimizer_bytes / 1e9
 
 
 def stage_gpus(shape: str) -> dict[str, int]:
@@ -424,7 +432,9 @@ def render(measured: dict, jobs: dict[str, int]) -> str:
         "Warm workers (`otbflow worker`, docs/workers.md) keep the imports, the policy and the train job's "
         "DeepSpeed engine with its AdamW state between jobs; a job then pays only what moves: the generation "
         "and features workers read each new policy's weights into their resident module, the train worker "
-        "writes the next policy and the AdamW state (it no longer reads them back). Start-up per job, "
+        "writes the next policy (it no longer reads it back, nor the AdamW state) and writes the AdamW state "
+        "after the job returned, while the next iteration's rollout and features run (the last column: it "
+        "delays the next train job only where it takes longer than they do). Start-up per job, "
         "extrapolated as above (rollout: its engine, vLLM's too, is built once per worker and takes each new "
         "policy's weights in place), and what the workers cost: each holds its GPUs for "
         "the whole run, so at `rollout.staleness: 0`, where the stages run one after another, the GPUs of the "
@@ -433,9 +443,9 @@ def render(measured: dict, jobs: dict[str, int]) -> str:
     )
     add(
         "| shape | stage | start-up per job (s) | with a worker (s) | GPUs held "
-        "| held idle at s = 0 (GPU-s per iteration) |"
+        "| held idle at s = 0 (GPU-s per iteration) | AdamW write in the background (s) |"
     )
-    add("| --- | --- | ---: | ---: | ---: | ---: |")
+    add("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for shape, lay in LAYOUT.items():
         n = n_params[shape]
         cfg = load_config(DEFAULT_CONFIG, overrides(shape))
@@ -449,12 +459,15 @@ def render(measured: dict, jobs: dict[str, int]) -> str:
             busy = warm[stage] + work[stage][1]
             add(
                 f"| {shape} | {stage} | {job_startup(model, stage, n, rank_bytes):.1f} | {warm[stage]:.1f} | "
-                f"{gpus[stage]} | {gpus[stage] * (iteration - busy):,.0f} |"
+                f"{gpus[stage]} | {gpus[stage] * (iteration - busy):,.0f} | "
+                + (f"{background_write(model, rank_bytes):.1f} |" if stage == "train" else "— |")
             )
     add(
         "\nThe idle GPU-seconds are the price of the warm state at s = 0; at s ≥ 1 the rollout workers generate "
         "while the chain trains, and the idle time is that of the shorter side. A stage's workers can share "
-        "GPUs with another's where memory allows.\n"
+        "GPUs with another's where memory allows. A train job of several processes (`resources.train.tasks` "
+        "> 1) has no worker yet and runs as its own job: the train rows of the shapes that train on several "
+        "GPUs are what such a worker would save.\n"
     )
     add("## Iteration time: what staleness and grouping change\n")
     add(

@@ -108,7 +108,9 @@ def test_every_rule_quotes_its_paths(tmp_path, odd_python, tiny_policy):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     commands = [c for c in re.findall(r"^Shell command: (.*)$", res.stdout, flags=re.M) if c != "None"]
     rules = set(re.findall(r"^(?:local)?rule (\w+):", res.stdout, flags=re.M)) - {"all"}
-    assert rules == {"shard", "rollout", "features", "advantages", "train", "prune", "evaluate", "report"} | {
+    assert rules == {"shard", "rollout", "features", "advantages", "train", "publish_optimizer", "prune"} | {
+        "evaluate",
+        "report",
         "scaling",
         "variance_pool",
         "variance",

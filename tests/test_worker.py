@@ -202,12 +202,13 @@ def test_a_client_killed_mid_job_gets_nothing_written(tiny_run, tmp_path):
     abandons it and writes none of its outputs; it stays registered and runs the next request."""
     from otbflow.codeversion import code_version
 
-    results = tiny_run / "results"
-    worker = start_worker(results, "train", tmp_path / "w.log", {"OTBFLOW_FAULT": "train:before-outputs:sleep"})
+    results = tiny_run / "results"  # the inputs; the worker registers elsewhere (the shared run stays as it is)
+    registry = tmp_path / "registry"
+    worker = start_worker(registry, "train", tmp_path / "w.log", {"OTBFLOW_FAULT": "train:before-outputs:sleep"})
     try:
-        wait_for(lambda: dispatch.live_workers(results, "train"), 60, "the worker")
+        wait_for(lambda: dispatch.live_workers(registry, "train"), 60, "the worker")
         out = tmp_path / "job"
-        client = [sys.executable, "-m", "otbflow.dispatch", "--results", str(results), "--code", code_version("train")]
+        client = [sys.executable, "-m", "otbflow.dispatch", "--results", str(registry), "--code", code_version("train")]
         cmd = " ".join(f"'{a}'" for a in [*client, "train", *train_args(results, out)])
         shell = subprocess.Popen(["bash", "-c", f"{cmd} > '{tmp_path}/client.log' 2>&1"], cwd=tiny_run)
         wait_for(lambda: re.search(r"step (\d+)/\1:", (tmp_path / "w.log").read_text()), 120, "the last step")
@@ -215,7 +216,7 @@ def test_a_client_killed_mid_job_gets_nothing_written(tiny_run, tmp_path):
         wait_for(lambda: "abandoned" in (tmp_path / "w.log").read_text(), 30, "the worker to abandon the job")
         time.sleep(2)
         assert not any(out.glob("*")) or sorted(p.name for p in out.iterdir()) == ["ckpt"]
-        assert worker.poll() is None and dispatch.live_workers(results, "train")
+        assert worker.poll() is None and dispatch.live_workers(registry, "train")
         res = subprocess.run(
             [*client, "train", *train_args(results, out)], cwd=tiny_run, capture_output=True, text=True
         )
@@ -240,16 +241,17 @@ def test_a_workers_memory_stays_flat_over_50_iterations(tiny_run, tmp_path):
     within 10% of its value after the 5th."""
     from otbflow.codeversion import code_version
 
-    results = tiny_run / "results"
-    procs = {kind: start_worker(results, kind, tmp_path / f"{kind}.log") for kind in ("features", "train")}
+    results = tiny_run / "results"  # the inputs; the workers register elsewhere (the shared run stays as it is)
+    registry = tmp_path / "registry"
+    procs = {kind: start_worker(registry, kind, tmp_path / f"{kind}.log") for kind in ("features", "train")}
     rss: dict[str, dict[int, int]] = {"features": {}, "train": {}}
     try:
         for kind in procs:
-            wait_for(lambda kind=kind: dispatch.live_workers(results, kind), 60, f"the {kind} worker")
+            wait_for(lambda kind=kind: dispatch.live_workers(registry, kind), 60, f"the {kind} worker")
         prev = None
         for i in range(1, 51):
             out = tmp_path / f"train_{i}"
-            client = dispatch.Client(results, "train", code_version("train"), train_args(results, out, i, prev))
+            client = dispatch.Client(registry, "train", code_version("train"), train_args(results, out, i, prev))
             with open(tmp_path / "client.log", "a") as log:
                 assert client.run(log) == 0, (tmp_path / "client.log").read_text()[-3000:]
             features = [
@@ -259,7 +261,7 @@ def test_a_workers_memory_stays_flat_over_50_iterations(tiny_run, tmp_path):
                 str(results / "iter_0/rollout/shard_0.parquet"),
             ]
             features += ["--policy", str(out / "policy"), "--out", str(tmp_path / f"features_{i}.parquet")]
-            client = dispatch.Client(results, "features", code_version("features"), features)
+            client = dispatch.Client(registry, "features", code_version("features"), features)
             with open(tmp_path / "client.log", "a") as log:
                 assert client.run(log) == 0, (tmp_path / "client.log").read_text()[-3000:]
             if i in (5, 50):
@@ -295,3 +297,31 @@ def test_slurm_workers_are_refused_off_slurm(tmp_path):
     res = snakemake(work, "--config", "workers={slurm: true}", check=False)
     assert res.returncode != 0 and "workers.slurm: the workers are Slurm jobs" in res.stdout + res.stderr
     assert not (work / "results/data").exists()
+
+
+def test_a_worker_killed_while_it_writes_the_optimizer_state_after_its_job(tiny_run, tmp_path):
+    """The train worker returns iteration 0's train job (its policy published) and dies by SIGKILL
+    before its background write of the AdamW state (OTBFLOW_FAULT=train:writing-optimizer:later): the
+    publish job finds the state lost, removes iteration 0's train outputs and fails, naming why;
+    the next run (no workers) redoes that update from the initial policy, and every table and
+    policy is bitwise the run without workers."""
+    work = copy_run(tiny_run, tmp_path / "run")
+    results = work / "results"
+    want = chain_outputs(tiny_run / "results")
+    procs = {kind: start_worker(results, kind, tmp_path / f"worker_{kind}.log") for kind in ("generate", "features")}
+    procs["train"] = start_worker(
+        results, "train", tmp_path / "worker_train.log", {"OTBFLOW_FAULT": "train:writing-optimizer:later"}
+    )
+    for kind in KINDS:
+        wait_for(lambda kind=kind: dispatch.live_workers(results, kind), 60, f"the {kind} worker to register")
+    try:
+        res = snakemake(work, "--forcerun", "rollout", check=False)
+    finally:
+        stop(procs)
+    assert res.returncode != 0 and procs["train"].returncode == -signal.SIGKILL
+    train_log = (results / "logs/train/iter_0.log").read_text()
+    assert "runs train" in train_log and "is gone" not in train_log  # the job itself ended on the worker
+    assert "holds no finished optimizer state" in (results / "logs/publish_optimizer/iter_0.log").read_text()
+    assert not (results / "iter_0/train/policy").exists() and not (results / "iter_0/train/optimizer").exists()
+    snakemake(work)
+    assert chain_outputs(results) == want

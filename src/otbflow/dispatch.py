@@ -44,10 +44,11 @@ from pathlib import Path
 KINDS = {
     "generate": ("rollout", "evaluate", "variance_pool"),
     "features": ("features",),
-    "train": ("train",),
+    "train": ("train", "publish_optimizer"),
 }
 """Worker kinds and the stages each runs (one generation engine serves rollouts, evaluations and the
-variance pool; the features pass; the train update)."""
+variance pool; the features pass; the train update, and the publication of the AdamW state it
+writes after the job returned)."""
 
 KIND_OF = {stage: kind for kind, stages in KINDS.items() for stage in stages}
 FOLDER = ".workers"

@@ -343,13 +343,18 @@ _FAULTS_HIT: set[str] = set()
 
 def fault_point(name: str) -> None:
     """A place where tests stop a process (the environment's ``OTBFLOW_FAULT``, once per process):
-    ``name`` kills it (SIGKILL, as ``kill -9`` or a lost node would), ``name:sleep`` holds it up to
-    60 s in short sleeps (a worker can abandon the job meanwhile). Nothing otherwise."""
+    ``name`` kills it (SIGKILL, as ``kill -9`` or a lost node would), ``name:later`` kills it 5 s
+    later (a background thread's fault, after the job that started it returned), ``name:sleep``
+    holds it up to 60 s in short sleeps (a worker can abandon the job meanwhile). Nothing otherwise."""
     fault = os.environ.get("OTBFLOW_FAULT", "")
-    if fault.split(":sleep")[0] != name or name in _FAULTS_HIT:
+    if fault.removesuffix(":sleep").removesuffix(":later") != name or name in _FAULTS_HIT:
         return
     _FAULTS_HIT.add(name)
-    if fault.endswith(":sleep"):
+    if fault.endswith(":later"):
+        import time
+
+        time.sleep(5)
+    elif fault.endswith(":sleep"):
         import time
 
         for _ in range(600):

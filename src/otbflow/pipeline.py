@@ -180,6 +180,11 @@ def _prune(cfg: DictConfig) -> list[str]:
     return []
 
 
+def _publish_optimizer(cfg: DictConfig) -> list[str]:
+    # renames what the train job wrote, after checking it is of the policy that job published
+    return []
+
+
 def _scaling(cfg: DictConfig) -> list[str]:
     return ["seed", "scaling.max_sequences", "scaling.ci_resamples", "rollout.temperature", "features.chunk_size"]
 
@@ -238,6 +243,12 @@ _STAGES = [
         _train,
         execution=("train.checkpoint_every", *TRACKING),
         dag=("iterations", "train.reset_optimizer", "train.kl_coef"),
+    ),
+    Stage(
+        "publish_optimizer",
+        "wait for the AdamW state a train job wrote (a warm worker: in the background) and publish it",
+        _publish_optimizer,
+        dag=("train.reset_optimizer",),
     ),
     Stage(
         "prune",

@@ -28,6 +28,8 @@ log = logging.getLogger("otbflow.resident")
 
 ENABLED = False
 """True in a worker (``enable``): the stages keep what the next job needs."""
+HEARTBEAT = ""
+"""The worker's heartbeat file (``otbflow.worker``): a record of what it writes names it."""
 
 _held: dict[str, Any] = {}
 

@@ -103,6 +103,10 @@ def policy_weights(folder: str | Path) -> list[Path]:
     return sorted(p for p in Path(folder).iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
 
 
+OPTIMIZER_META = "meta.json"
+"""An optimizer folder's record (layout, policy digest, the job that wrote it), written last."""
+
+
 def optimizer_state(folder: str | Path) -> list[Path]:
     """The DeepSpeed checkpoint of an optimizer folder (its meta.json is kept)."""
     return [p for p in [Path(folder) / "state"] if p.exists()]

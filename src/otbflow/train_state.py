@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import pickle
 import re
@@ -21,7 +22,10 @@ import torch
 from omegaconf import DictConfig
 
 from otbflow.io import atomic_dir, check_job, write_errors_named, write_json
-from otbflow.retention import check_not_pruned
+from otbflow.resident import WEIGHTS, files_digest
+from otbflow.retention import OPTIMIZER_META, check_not_pruned
+
+log = logging.getLogger("otbflow.train")
 
 # ------------------------------------------------------------------------------------------
 # DeepSpeed's checkpoint files: read as data, never as code
@@ -182,7 +186,6 @@ def fingerprint(cfg: DictConfig, args, world_size: int) -> str:
 # ------------------------------------------------------------------------------------------
 
 
-OPTIMIZER_META = "meta.json"
 OPTIMIZER_TAG = "state"
 
 
@@ -193,14 +196,7 @@ class OptimizerStateError(ValueError):
 def policy_digest(policy_dir: str | Path) -> str:
     """sha256 of an HF folder's weight files (names and bytes): which policy an optimizer state
     belongs to."""
-    h = hashlib.sha256()
-    files = sorted(p for p in Path(policy_dir).iterdir() if p.suffix in (".safetensors", ".bin"))
-    for path in files:
-        h.update(path.name.encode())
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 24), b""):
-                h.update(chunk)
-    return h.hexdigest()
+    return files_digest(policy_dir, WEIGHTS)
 
 
 def optimizer_layout(tc: DictConfig, world_size: int) -> dict:
@@ -271,10 +267,16 @@ def _barrier(world_size: int) -> None:
         torch.distributed.barrier()
 
 
-def save_optimizer_state(engine, out: str, meta: dict, rank: int, world_size: int) -> None:
+WRITER_THREAD = "optimizer-writer"
+"""The name of a warm train worker's thread that writes an optimizer state after its job returned."""
+
+
+def save_optimizer_state(engine, out: str, meta: dict, rank: int, world_size: int, writer: dict | None = None) -> None:
     """Write the engine's state as a DeepSpeed checkpoint (every rank its ZeRO shard) to a
     temporary sibling folder, then rank 0 adds ``meta.json`` and renames it to ``out``: a killed
-    job never leaves a folder that looks finished. Collective: every rank must call it."""
+    job never leaves a folder that looks finished. Collective: every rank must call it.
+    ``writer``: a record of the writing process, kept in the temporary folder while it writes
+    (``stages.publish_optimizer.WRITER``: a publisher elsewhere waits while it lives)."""
     out_path = Path(out)
     tmp = out_path.with_name(f".{out_path.name}.partial")  # the same name on every rank
 
@@ -282,6 +284,8 @@ def save_optimizer_state(engine, out: str, meta: dict, rank: int, world_size: in
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+        if writer is not None:
+            write_json(writer, tmp / "writer.json")
     _barrier(world_size)
     try:
         with write_errors_named(tmp):
@@ -292,6 +296,7 @@ def save_optimizer_state(engine, out: str, meta: dict, rank: int, world_size: in
     _barrier(world_size)
     if rank == 0:
         try:
+            (tmp / "writer.json").unlink(missing_ok=True)
             write_json(meta, tmp / OPTIMIZER_META)
             check_job(out_path)  # not published once the job that started this process has ended
         except BaseException:
@@ -301,6 +306,31 @@ def save_optimizer_state(engine, out: str, meta: dict, rank: int, world_size: in
             shutil.rmtree(out_path)
         os.replace(tmp, out_path)
     _barrier(world_size)
+
+
+def save_in_background(write) -> None:
+    """Run ``write`` (a ``save_optimizer_state`` call) in a thread of this process (a warm train
+    worker's, after its job returned); ``join_writes`` waits for it. Not a daemon: the process
+    finishes the write before it exits (SIGTERM included). A failed write leaves no folder
+    (``save_optimizer_state``): the publish job then finds the state lost."""
+    import threading
+
+    def run():
+        try:
+            write()
+        except BaseException:
+            log.exception("writing the optimizer state failed")
+
+    threading.Thread(target=run, name=WRITER_THREAD).start()
+
+
+def join_writes() -> None:
+    """Wait for this process's optimizer states being written in the background."""
+    import threading
+
+    for thread in threading.enumerate():
+        if thread.name == WRITER_THREAD:
+            thread.join()
 
 
 class Checkpoints:

@@ -79,6 +79,7 @@ class Worker:
         (self.folder / "running").mkdir(parents=True, exist_ok=True)
         (self.base / "queue").mkdir(parents=True, exist_ok=True)
         (self.folder / "alive").touch()
+        resident.HEARTBEAT = str(self.folder / "alive")
         record = {
             **self.me,
             "kind": self.kind,

@@ -95,7 +95,7 @@ def stage_cmd(stage):
 
 
 def launcher_of(stage):
-    res = CFG.resources.get(stage, {})
+    res = CFG.resources.get("train" if stage == "publish_optimizer" else stage, {})
     return launch_processes(res.tasks, res.cpus_per_task) if "tasks" in res else ""
 
 
@@ -103,6 +103,8 @@ def stage_threads(stage):
     """The rule's threads: torch's threads of its job (the variance pool generates as the rollout does)."""
     if stage == "variance_pool":
         return CFG.resources.rollout.threads
+    if stage == "publish_optimizer":
+        return 1
     res = CFG.resources[stage]
     return res.cpus_per_task if "tasks" in res else res.threads
 
@@ -272,19 +274,26 @@ def previous_optimizer_state(wildcards):
     return [] if k == 0 or CFG.train.reset_optimizer else [f"{R}/iter_{k - 1}/train/optimizer"]
 
 
-def train_optional_outputs():
-    """The optimizer state is an output of train unless train.reset_optimizer (no one reads it)."""
-    if CFG.train.reset_optimizer:
-        return {}
-    return {"optimizer": directory(f"{R}/iter_{{k}}/train/optimizer")}
+def pending_optimizer_state(wildcards):
+    """Where iteration k's train job writes the AdamW state for publish_optimizer (not an output:
+    Snakemake would delete it before that job)."""
+    return f"{R}/iter_{wildcards.k}/train/optimizer.pending"
+
+
+def published_optimizer_states(wildcards):
+    """Every iteration's AdamW state (none with train.reset_optimizer): the run publishes each
+    (retention then prunes the ones it does not keep)."""
+    return [] if CFG.train.reset_optimizer else [f"{R}/iter_{k}/train/optimizer" for k in ITERATIONS]
 
 
 def train_output_readers(wildcards):
     """Every job that reads the policy or the AdamW state iteration k trained: the next
-    iteration's features and train, the rollout that samples with it (iteration k+1+staleness),
-    its evaluation."""
+    iteration's features, train and the publication of its AdamW state, the rollout that samples
+    with it (iteration k+1+staleness), its evaluation."""
     k, n = int(wildcards.k), CFG.iterations
     files = [f"{R}/iter_{k + 1}/train/metrics.parquet"] if k + 1 < n else []
+    # ... and until the next state is published: a lost one is redone from this one
+    files += [f"{R}/iter_{k + 1}/train/optimizer"] if k + 1 < n and not CFG.train.reset_optimizer else []
     files += [f"{R}/iter_{k + 1}/features/shard_{s}.parquet" for s in SHARDS if k + 1 < n]
     rollout = k + 1 + CFG.rollout.staleness
     files += [f"{R}/iter_{rollout}/rollout/shard_{s}.parquet" for s in SHARDS if rollout < n]

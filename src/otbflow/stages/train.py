@@ -11,8 +11,10 @@ Formulas, options, metrics, checkpoints and launchers: docs/training.md.
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +24,7 @@ import torch
 from omegaconf import DictConfig
 
 from otbflow import resident, schemas
+from otbflow.dispatch import me
 from otbflow.distributed import (
     _destroy_process_group,
     build_engine,
@@ -40,9 +43,11 @@ from otbflow.train_state import (
     check_optimizer_state,
     fingerprint,
     full_fp32_state_dict,
+    join_writes,
     load_optimizer_state,
     optimizer_layout,
     policy_digest,
+    save_in_background,
     save_optimizer_state,
     save_policy,
 )
@@ -74,6 +79,9 @@ class Args:
     optimizer: str = ""
     """Output folder of the optimizer state after this iteration (a DeepSpeed checkpoint, for the next
     one's --prev-optimizer). Empty: not written."""
+    optimizer_async: bool = False
+    """With --optimizer, in a warm worker (docs/workers.md): write the state in the background once
+    the policy is published, after the job returns; the publish-optimizer job waits for it."""
     prev_optimizer: str = ""
     """The previous iteration's --optimizer folder: AdamW resumes from it (same world size, ZeRO stage
     and bf16). Empty: a fresh optimizer."""
@@ -96,6 +104,7 @@ def run(cfg: DictConfig, args: Args) -> None:
             f"train.reset_optimizer is true but --prev-optimizer {args.prev_optimizer} was given: drop one of them"
         )
     rank, world_size = init_distributed_env()
+    join_writes()  # a warm worker's engine is not changed while its last state is being written
     if args.prev_optimizer:
         prev_meta = check_optimizer_state(args.prev_optimizer, tc, world_size, args.policy)  # before any work
     seed = derive_seed(cfg.seed, "train", args.iteration)
@@ -213,7 +222,14 @@ def run(cfg: DictConfig, args: Args) -> None:
             "policy_sha256": digest,
             "job_fingerprint": fp,
         }
-        save_optimizer_state(engine, args.optimizer, meta, rank, world_size)  # collective
+        if args.optimizer_async and resident.ENABLED and world_size == 1:
+            # off the critical path: the next iteration's rollouts and features need only the policy
+            writer = {**me(), "heartbeat": resident.HEARTBEAT}
+            # an absolute path: the worker is back in its own folder when the thread writes
+            out = os.path.abspath(args.optimizer)
+            save_in_background(functools.partial(_write_optimizer_state, engine, out, meta, writer))
+        else:
+            save_optimizer_state(engine, args.optimizer, meta, rank, world_size)  # collective
         # a warm worker keeps the engine: the next job, whose inputs are these outputs, goes on with it
         resident.hold("train", Resident(engine, layout, fp, digest))
     if rank == 0:
@@ -240,6 +256,11 @@ def run(cfg: DictConfig, args: Args) -> None:
         log.info("%d steps on %d sequences; next policy in %s", len(plan), n, args.out)
     ckpt.finish()
     curves.close()
+
+
+def _write_optimizer_state(engine, out: str, meta: dict, writer: dict) -> None:
+    fault_point("train:writing-optimizer")  # the job returned, the state not yet written
+    save_optimizer_state(engine, out, meta, 0, 1, writer=writer)
 
 
 @dataclass
