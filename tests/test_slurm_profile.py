@@ -167,3 +167,41 @@ def test_site_gpus_partition_model_and_gres(tmp_path, site_profile):
     ]
     assert sbatch_flags(*jobs["evaluate"]) == ["-t", "60", "--mem", "8000", "--cpus-per-gpu=8", "--gres=gpu:a100:1"]
     assert sbatch_flags(*jobs["features"]) == ["-t", "60", "--mem", "8000", "--ntasks=1", "--cpus-per-task=1"]
+
+
+def test_a_worker_job_is_sized_from_its_stage_and_the_profiles_rule_settings(tmp_path):
+    """otbflow submit --workers: a GPU train worker's sbatch options, written out by hand; its batch
+    script starts the worker with the results folder as one word, whatever it holds."""
+    import shlex
+    from types import SimpleNamespace
+
+    from otbflow import head, workerjobs
+
+    res = SimpleNamespace(gpu=2, cpus_per_gpu=8, threads=1, mem_mb=64000)
+    site = {"slurm_partition": "gpu", "gpu_model": "a100", "slurm_extra": "'--exclusive'"}
+    opts = workerjobs.sbatch_options("/r", "train", res, site, 60, Path("/r/logs/workers"))
+    assert opts == [
+        f"--job-name={head.jobname_prefix('/r')}_worker-train",
+        "--output=/r/logs/workers/train-%j.log",
+        "--time=60",
+        "--mem=64000M",
+        "--nodes=1",
+        "--ntasks=1",
+        "--gpus=a100:2",
+        "--cpus-per-gpu=8",
+        "--partition=gpu",
+        "--exclusive",
+    ]
+    cpu = workerjobs.sbatch_options(
+        "/r", "generate", SimpleNamespace(gpu=0, threads=4, mem_mb=8000), {}, 60, Path("/l")
+    )
+    assert cpu[-1] == "--cpus-per-task=4" and not any(o.startswith("--gpus") for o in cpu)
+    odd = tmp_path / "res $(touch X) 'q"
+    script = workerjobs.script("/usr/bin/python3", "/src dir", "train", odd, 1800, 3600)
+    last = shlex.split(script.strip().splitlines()[-1])
+    assert last == ["exec", "/usr/bin/python3", "-m", "otbflow", "worker", "train", "--results", str(odd)] + [
+        "--idle-exit",
+        "1800",
+        "--retire-after",
+        "3600",
+    ]

@@ -132,7 +132,15 @@ def worker_supervisor():
                 sbatch=sbatch_options(
                     R, kind, res, site_settings(workflow, stage), w.time_min, Path(R, "logs/workers")
                 ),
-                script=worker_script(_PY, _SRC, kind, R, w.idle_exit_min * 60, retire_min * 60),
+                # the generation engine's interpreter (rollout.python: vLLM's environment)
+                script=worker_script(
+                    (kind == "generate" and CFG.rollout.python) or _PY,
+                    _SRC,
+                    kind,
+                    R,
+                    w.idle_exit_min * 60,
+                    retire_min * 60,
+                ),
                 log_dir=Path(R, "logs/workers"),
             )
         )
