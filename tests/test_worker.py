@@ -325,3 +325,19 @@ def test_a_worker_killed_while_it_writes_the_optimizer_state_after_its_job(tiny_
     assert not (results / "iter_0/train/policy").exists() and not (results / "iter_0/train/optimizer").exists()
     snakemake(work)
     assert chain_outputs(results) == want
+
+
+@pytest.mark.parametrize("tasks", [1, 2])
+def test_the_publish_job_goes_where_the_train_job_goes(tmp_path, tasks):
+    """publish_optimizer is the train worker's: handed to it (waiting for one under workers.slurm)
+    where the train job is one process, and run once by itself, with no launcher, where the train
+    job is several (no train worker serves those)."""
+    res = snakemake(
+        tmp_path, "-n", "-p", "--config", f"resources={{train: {{tasks: {tasks}}}}}", "workers={slurm: true}"
+    )
+    commands = [c for c in re.findall(r"^Shell command: (.*)$", res.stdout, flags=re.M) if "publish-optimizer" in c]
+    assert len(commands) == 2  # one per iteration of the tiny run
+    for command in commands:
+        assert "srun" not in command and "torch.distributed.run" not in command
+        dispatched = "-m otbflow.dispatch" in command and "--wait-min" in command
+        assert dispatched == (tasks == 1), command

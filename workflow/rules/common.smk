@@ -95,7 +95,7 @@ def stage_cmd(stage):
 
 
 def launcher_of(stage):
-    res = CFG.resources.get("train" if stage == "publish_optimizer" else stage, {})
+    res = CFG.resources.get(stage, {})
     return launch_processes(res.tasks, res.cpus_per_task) if "tasks" in res else ""
 
 
@@ -178,6 +178,8 @@ def dispatched(stage, launcher):
     workers run, in one process (a launcher starts several). The client runs the job itself where
     no worker of its kind is live for this results folder: the same outputs either way
     (docs/workers.md)."""
+    if stage == "publish_optimizer":  # the train worker's, which serves one-process train jobs only
+        return dispatched("train", launcher_of("train"))
     return stage in KIND_OF and not launcher
 
 
