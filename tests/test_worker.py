@@ -47,6 +47,7 @@ def wait_for(predicate, timeout: float, what: str):
 
 
 def workers(results: Path, tmp: Path, env: dict | None = None) -> dict[str, subprocess.Popen]:
+    """One worker of each kind, registered (``env``: e.g. a train fault, which only the train worker meets)."""
     procs = {kind: start_worker(results, kind, tmp / f"worker_{kind}.log", env) for kind in KINDS}
     for kind in KINDS:
         wait_for(lambda kind=kind: dispatch.live_workers(results, kind), 60, f"the {kind} worker to register")
@@ -158,12 +159,7 @@ def test_a_worker_killed_between_the_policy_and_the_optimizer_state(tiny_run, tm
     work = copy_run(tiny_run, tmp_path / "run")
     results = work / "results"
     want = chain_outputs(tiny_run / "results")
-    procs = {kind: start_worker(results, kind, tmp_path / f"worker_{kind}.log") for kind in ("generate", "features")}
-    procs["train"] = start_worker(
-        results, "train", tmp_path / "worker_train.log", {"OTBFLOW_FAULT": "train:after-policy"}
-    )
-    for kind in KINDS:
-        wait_for(lambda kind=kind: dispatch.live_workers(results, kind), 60, f"the {kind} worker to register")
+    procs = workers(results, tmp_path, {"OTBFLOW_FAULT": "train:after-policy"})
     try:
         snakemake(work, "--forcerun", "rollout")
     finally:
@@ -308,12 +304,7 @@ def test_a_worker_killed_while_it_writes_the_optimizer_state_after_its_job(tiny_
     work = copy_run(tiny_run, tmp_path / "run")
     results = work / "results"
     want = chain_outputs(tiny_run / "results")
-    procs = {kind: start_worker(results, kind, tmp_path / f"worker_{kind}.log") for kind in ("generate", "features")}
-    procs["train"] = start_worker(
-        results, "train", tmp_path / "worker_train.log", {"OTBFLOW_FAULT": "train:writing-optimizer:later"}
-    )
-    for kind in KINDS:
-        wait_for(lambda kind=kind: dispatch.live_workers(results, kind), 60, f"the {kind} worker to register")
+    procs = workers(results, tmp_path, {"OTBFLOW_FAULT": "train:writing-optimizer:later"})
     try:
         res = snakemake(work, "--forcerun", "rollout", check=False)
     finally:
