@@ -26,6 +26,21 @@ from otbflow.stages import features
 DATA = Path(__file__).parent / "data" / "vllm_request_outputs.json"
 
 
+def run_in_vllm(python, script: str, marker: str, *args) -> object:
+    """Run ``script`` with the vLLM environment's interpreter; the JSON it prints after ``MARKER=``."""
+    res = subprocess.run(
+        [str(python), "-c", script, *map(str, args)],
+        env=vllm_env(),
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+    line = next(x for x in res.stdout.splitlines() if x.startswith(f"{marker}="))
+    return json.loads(line[len(marker) + 1 :])
+
+
 def recorded_outputs():
     """The recorded structure as objects with vLLM's attribute names (Logprob has .logprob)."""
     raw = json.loads(DATA.read_text())["requests"]
@@ -245,17 +260,7 @@ def vllm_calls(qwen2_bpe_policy, data_dir):
     prompts = read_table(data_dir / "train" / "shard_0.parquet", schemas.PROMPTS)
     ids = render_prompts(tok, prompts["prompt"][:4].to_list(), prompts["messages"][:4].to_list(), chat=True)
     script = f"PARITY = {PARITY!r}\nMIN_P, MIN_P_TEMPERATURE = {MIN_P!r}, {MIN_P_TEMPERATURE!r}\n" + CALLS
-    res = subprocess.run(
-        [str(python), "-c", script, str(qwen2_bpe_policy), json.dumps(ids)],
-        env=vllm_env(),
-        capture_output=True,
-        text=True,
-        stdin=subprocess.DEVNULL,
-        timeout=600,
-    )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
-    line = next(x for x in res.stdout.splitlines() if x.startswith("CALLS="))
-    return json.loads(line[len("CALLS=") :]), ids
+    return run_in_vllm(python, script, "CALLS", qwen2_bpe_policy, json.dumps(ids)), ids
 
 
 @pytest.mark.vllm
@@ -419,16 +424,7 @@ def test_a_reloaded_engine_samples_what_a_new_engine_of_the_weights_samples(vllm
     for name in TOKENIZER_FILES:  # as a train job passes the tokenizer on
         if (qwen2_bpe_policy / name).is_file():
             shutil.copyfile(qwen2_bpe_policy / name, p1 / name)
-    res = subprocess.run(
-        [str(vllm_python()), "-c", RELOAD, str(qwen2_bpe_policy), str(p1), json.dumps(ids)],
-        env=vllm_env(),
-        capture_output=True,
-        text=True,
-        stdin=subprocess.DEVNULL,
-        timeout=600,
-    )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
-    out = json.loads(next(x for x in res.stdout.splitlines() if x.startswith("RELOAD="))[len("RELOAD=") :])
+    out = run_in_vllm(vllm_python(), RELOAD, "RELOAD", qwen2_bpe_policy, p1, json.dumps(ids))
     assert out["one_engine"]
     new_engine = calls["T=1.0,top_p=1.0"]  # a new engine of P0: rollout(prompts, 4, T 1, top_p 1, 16 tokens, seed 11)
     assert [r for _, r, _ in out["reloaded"]] == [r for _, r, _ in new_engine]
