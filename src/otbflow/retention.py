@@ -105,6 +105,15 @@ def policy_weights(folder: str | Path) -> list[Path]:
 
 OPTIMIZER_META = "meta.json"
 """An optimizer folder's record (layout, policy digest, the job that wrote it), written last."""
+OPTIMIZER_WRITER = "writer.json"
+"""In an optimizer folder being written: the process that writes it (host, pid, start, boot,
+heartbeat file), so that a reader elsewhere waits while it lives; removed before ``meta.json``."""
+
+
+def optimizer_partial(folder: str | Path) -> Path:
+    """Where an optimizer folder is written before it is renamed into place."""
+    p = Path(folder)
+    return p.with_name(f".{p.name}.partial")
 
 
 def optimizer_state(folder: str | Path) -> list[Path]:

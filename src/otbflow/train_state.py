@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 
 from otbflow.io import atomic_dir, check_job, write_errors_named, write_json
 from otbflow.resident import WEIGHTS, files_digest
-from otbflow.retention import OPTIMIZER_META, check_not_pruned
+from otbflow.retention import OPTIMIZER_META, OPTIMIZER_WRITER, check_not_pruned, optimizer_partial
 
 log = logging.getLogger("otbflow.train")
 
@@ -276,16 +276,16 @@ def save_optimizer_state(engine, out: str, meta: dict, rank: int, world_size: in
     temporary sibling folder, then rank 0 adds ``meta.json`` and renames it to ``out``: a killed
     job never leaves a folder that looks finished. Collective: every rank must call it.
     ``writer``: a record of the writing process, kept in the temporary folder while it writes
-    (``stages.publish_optimizer.WRITER``: a publisher elsewhere waits while it lives)."""
+    (``retention.OPTIMIZER_WRITER``: a publisher elsewhere waits while it lives)."""
     out_path = Path(out)
-    tmp = out_path.with_name(f".{out_path.name}.partial")  # the same name on every rank
+    tmp = optimizer_partial(out_path)  # the same name on every rank
 
     guard_checkpoint_io(engine)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         if writer is not None:
-            write_json(writer, tmp / "writer.json")
+            write_json(writer, tmp / OPTIMIZER_WRITER)
     _barrier(world_size)
     try:
         with write_errors_named(tmp):
@@ -296,7 +296,7 @@ def save_optimizer_state(engine, out: str, meta: dict, rank: int, world_size: in
     _barrier(world_size)
     if rank == 0:
         try:
-            (tmp / "writer.json").unlink(missing_ok=True)
+            (tmp / OPTIMIZER_WRITER).unlink(missing_ok=True)
             write_json(meta, tmp / OPTIMIZER_META)
             check_job(out_path)  # not published once the job that started this process has ended
         except BaseException:

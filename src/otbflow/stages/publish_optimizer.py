@@ -31,14 +31,10 @@ from omegaconf import DictConfig
 from otbflow import resident
 from otbflow.io import check_job
 from otbflow.resident import WEIGHTS, files_digest
-from otbflow.retention import OPTIMIZER_META
+from otbflow.retention import OPTIMIZER_META, OPTIMIZER_WRITER, optimizer_partial
 
 log = logging.getLogger("otbflow.publish_optimizer")
 
-WRITER = "writer.json"
-"""In the folder being written (``.<pending>.partial``): the process that writes it (its host,
-pid, start, boot and heartbeat file), so that a publisher elsewhere waits while it lives
-(written by ``train_state.save_optimizer_state``)."""
 WAIT_S = 3600.0
 """The longest a publisher waits for a live writer in another process."""
 
@@ -59,17 +55,11 @@ class Args:
     """The train job's outputs, removed when the state is lost, so that the same command redoes it."""
 
 
-def partial(pending: str | Path) -> Path:
-    """Where ``train_state.save_optimizer_state`` writes ``pending`` before renaming it."""
-    p = Path(pending)
-    return p.with_name(f".{p.name}.partial")
-
-
 def writer_alive(pending: str | Path) -> bool:
-    """Whether a process is writing ``pending`` now (its WRITER record, by pid or heartbeat)."""
+    """Whether a process is writing ``pending`` now (its OPTIMIZER_WRITER record, by pid or heartbeat)."""
     from otbflow.dispatch import alive, me
 
-    record = partial(pending) / WRITER
+    record = optimizer_partial(pending) / OPTIMIZER_WRITER
     try:
         info = json.loads(record.read_text())
     except (OSError, ValueError):
