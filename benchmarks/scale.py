@@ -466,8 +466,7 @@ def render(measured: dict, jobs: dict[str, int]) -> str:
         "\nThe idle GPU-seconds are the price of the warm state at s = 0; at s ≥ 1 the rollout workers generate "
         "while the chain trains, and the idle time is that of the shorter side. A stage's workers can share "
         "GPUs with another's where memory allows. A train job of several processes (`resources.train.tasks` "
-        "> 1) has no worker yet and runs as its own job: the train rows of the shapes that train on several "
-        "GPUs are what such a worker would save.\n"
+        "> 1) runs on a train worker of as many ranks, each keeping its engine and AdamW shard (docs/workers.md).\n"
     )
     add("## Iteration time: what staleness and grouping change\n")
     add(

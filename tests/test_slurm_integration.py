@@ -491,3 +491,37 @@ def test_slurm_workers_run_the_iteration_and_replace_a_killed_worker_job(iterati
     print(
         f"worker job killed after {killed_at:.0f} s; the run ended {time.perf_counter() - start:.0f} s after its start"
     )
+
+
+def test_a_train_worker_job_of_two_ranks_runs_them_with_srun(local_slurm, tiny_run, tmp_path):
+    """otbflow submit --workers with resources.train.tasks 2: the train worker's Slurm job as the
+    head submits it (``workerjobs.sbatch_options`` and ``script``: --ntasks=2, the worker starting
+    its ranks with srun) runs a train job of two processes and its publish job, both ranks in the
+    job's log, with the policy and metrics of the same job run by its client under torchrun (no
+    worker), bitwise; scancel ends both ranks and their registration."""
+    from types import SimpleNamespace
+
+    from test_worker import launch_train, same_update
+
+    from otbflow import dispatch, workerjobs
+
+    registry, log, logs = tmp_path / "registry", tmp_path / "clients.log", tmp_path / "logs"
+    logs.mkdir()
+    launch_train(tmp_path / "none", tiny_run, tmp_path / "alone", 0, None, log)
+    res = SimpleNamespace(gpu=0, tasks=2, nodes=1, cpus_per_task=1, mem_mb=3000)
+    sbatch = workerjobs.sbatch_options(registry, "train", res, {}, 30, logs)
+    assert "--ntasks=2" in sbatch and "--cpus-per-task=1" in sbatch
+    script = workerjobs.script(sys.executable, str(REPO / "src"), "train", registry, 600, 0, tasks=2, cpus_per_task=1)
+    job_id = workerjobs.Supervisor.submit(workerjobs.WorkerJob("train", 1, sbatch, script, logs))
+    try:
+        folders = wait_for(lambda: dispatch.live_workers(registry, "train"), 600, "the worker job's ranks")
+        record = json.loads((folders[0] / "worker.json").read_text())
+        assert record["slurm_job"] == job_id and record["tasks"] == 2
+        out = launch_train(registry, tiny_run, tmp_path / "slurm", 0, None, log)
+        assert "runs train" in out and "is gone" not in out, out[-3000:]
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True)
+    same_update(tmp_path / "slurm", tmp_path / "alone")
+    wait_for(lambda: not list(registry.glob(".workers/train/*/worker.json")), 120, "the worker to unregister")
+    text = (logs / f"train-{job_id}.log").read_text()
+    assert "rank 1 runs train" in text and "runs publish_optimizer" in text, text[-3000:]

@@ -205,3 +205,10 @@ def test_a_worker_job_is_sized_from_its_stage_and_the_profiles_rule_settings(tmp
         "--retire-after",
         "3600",
     ]
+    # resources.train {tasks: 4, nodes: 2, gpu: 4}: one job of four tasks, one per GPU, the worker
+    # starting its four ranks itself (with srun, as a train job does)
+    ranks = SimpleNamespace(gpu=4, cpus_per_gpu=8, tasks=4, nodes=2, cpus_per_task=1, mem_mb=64000)
+    opts = workerjobs.sbatch_options("/r", "train", ranks, {}, 60, Path("/l"))
+    assert opts[3:] == ["--mem=64000M", "--nodes=2", "--ntasks=4", "--ntasks-per-gpu=1", "--gpus=4", "--cpus-per-gpu=8"]
+    script = workerjobs.script("/py", "/src", "train", "/r", 1800, 3600, tasks=4, cpus_per_task=1)
+    assert shlex.split(script.strip().splitlines()[-1])[-4:] == ["--tasks", "4", "--cpus-per-task", "1"]

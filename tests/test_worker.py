@@ -319,16 +319,129 @@ def test_a_worker_killed_while_it_writes_the_optimizer_state_after_its_job(tiny_
 
 
 @pytest.mark.parametrize("tasks", [1, 2])
-def test_the_publish_job_goes_where_the_train_job_goes(tmp_path, tasks):
-    """publish_optimizer is the train worker's: handed to it (waiting for one under workers.slurm)
-    where the train job is one process, and run once by itself, with no launcher, where the train
-    job is several (no train worker serves those)."""
+def test_train_and_publish_jobs_go_to_the_train_worker(tmp_path, tasks):
+    """Under workers.slurm the train job, of one process or of several, and its publish job are local
+    jobs of the head that wait for the train worker, never starting a launcher themselves; the train
+    job's request names its processes (a worker of as many ranks runs it), the publish job's does not
+    (rank 0 of the train worker runs it alone)."""
     res = snakemake(
         tmp_path, "-n", "-p", "--config", f"resources={{train: {{tasks: {tasks}}}}}", "workers={slurm: true}"
     )
-    commands = [c for c in re.findall(r"^Shell command: (.*)$", res.stdout, flags=re.M) if "publish-optimizer" in c]
-    assert len(commands) == 2  # one per iteration of the tiny run
-    for command in commands:
-        assert "srun" not in command and "torch.distributed.run" not in command
-        dispatched = "-m otbflow.dispatch" in command and "--wait-min" in command
-        assert dispatched == (tasks == 1), command
+    commands = re.findall(r"^Shell command: (.*)$", res.stdout, flags=re.M)
+    for stage in ("train", "publish-optimizer"):
+        found = [c for c in commands if f" {stage} --" in c]
+        assert len(found) == 2, commands  # one per iteration of the tiny run
+        for command in found:
+            assert "srun" not in command and "torch.distributed.run" not in command
+            assert "-m otbflow.dispatch" in command and "--wait-min" in command, command
+            assert ("--tasks 2" in command) == (stage == "train" and tasks == 2), command
+
+
+def launch_train(registry: Path, cwd: Path, out: Path, iteration: int, prev: Path | None, log: Path) -> str:
+    """A train job of two processes and its publish job, as the rules start them (the client,
+    ``python -m otbflow.dispatch``), on the tiny run's iteration-0 advantages; returns the train
+    client's output."""
+    from otbflow.codeversion import code_version
+
+    results = cwd / "results"
+    args = train_args(results, out, iteration, prev)
+    args[args.index("--optimizer") + 1] = str(out / "optimizer.pending")
+    args.append("--optimizer-async")
+    publish = ["--config", str(results / "config.yaml"), "--pending", str(out / "optimizer.pending")]
+    publish += ["--out", str(out / "optimizer"), "--policy", str(out / "policy"), "--train-outputs"]
+    publish += [str(out / name) for name in ("policy", "metrics.parquet", "schedule.json")]
+    outputs = []
+    for stage, argv, tasks in (("train", args, 2), ("publish_optimizer", publish, 1)):
+        cmd = [sys.executable, "-m", "otbflow.dispatch", "--results", str(registry), "--code", code_version(stage)]
+        cmd += ["--tasks", str(tasks), "--cpus-per-task", "1", stage.replace("_", "-"), *argv]
+        res = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env={**os.environ, "OTBFLOW_THREADS": "1"})
+        with open(log, "a") as f:
+            f.write(res.stdout + res.stderr)
+        assert res.returncode == 0, f"{stage}: {res.stdout[-3000:]}{res.stderr[-3000:]}"
+        outputs.append(res.stdout + res.stderr)
+    return outputs[0]
+
+
+def same_update(a: Path, b: Path) -> None:
+    """Two train jobs' policies bitwise, and their metrics but for the step times."""
+    import polars as pl
+
+    for name in ("model.safetensors", "config.json"):
+        assert (a / "policy" / name).read_bytes() == (b / "policy" / name).read_bytes(), name
+    metrics = [pl.read_parquet(x / "metrics.parquet").drop("step_time_s") for x in (a, b)]
+    assert metrics[0].equals(metrics[1])
+
+
+def rank_pid(launcher: int, rank: int) -> int | None:
+    """The process of ``rank`` that the launcher process ``launcher`` (torchrun) started."""
+    for proc in Path("/proc").iterdir():
+        try:
+            if not proc.name.isdigit() or int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) != launcher:
+                continue
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env:
+            return int(proc.name)
+    return None
+
+
+def start_ranks(registry: Path, log: Path, env: dict | None = None) -> subprocess.Popen:
+    """``otbflow worker train --tasks 2`` (torchrun starts its two ranks), registered."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "otbflow", "worker", "train", "--results", str(registry), "--tasks", "2"],
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, **(env or {})},
+    )
+    wait_for(lambda: dispatch.live_workers(registry, "train"), 120, "the worker of two ranks")
+    return proc
+
+
+@pytest.mark.slow
+def test_a_train_worker_of_two_ranks(tiny_run, tmp_path):
+    """resources.train.tasks 2: a train worker of two ranks runs two chained train jobs and their
+    publish jobs: the second goes on with both ranks' resident engines, and the policies and metrics
+    equal those of the same jobs run by their client itself under torchrun (no worker), bitwise. A
+    worker whose rank 1 is killed (SIGKILL) mid-job ends whole (the launcher ends rank 0): the client
+    sees it gone and runs the job itself, with the same outputs."""
+    cwd, log = tiny_run, tmp_path / "clients.log"  # the shared run's inputs; outputs and workers under tmp_path
+    alone = launch_train(tmp_path / "none", cwd, tmp_path / "alone0", 0, None, log)
+    launch_train(tmp_path / "none", cwd, tmp_path / "alone1", 1, tmp_path / "alone0", log)
+    assert alone.count("train finished in") == 2 and "runs train" not in alone  # two ranks, no worker
+
+    registry = tmp_path / "registry"
+    # held before its outputs in both ranks: time to kill rank 1 mid-job
+    faulty = start_ranks(registry, tmp_path / "faulty.log", {"OTBFLOW_FAULT": "train:before-outputs:sleep"})
+    try:
+        code = (
+            "import sys; from pathlib import Path; from test_worker import launch_train; "
+            f"print(launch_train(*map(Path, {[str(registry), str(cwd), str(tmp_path / 'fault0')]!r}), 0, None, "
+            f"Path({str(log)!r})))"
+        )
+        job = subprocess.Popen([sys.executable, "-c", code], cwd=REPO / "tests", stdout=subprocess.PIPE, text=True)
+        wait_for(lambda: "rank 1 runs train" in (tmp_path / "faulty.log").read_text(), 120, "the job on rank 1")
+        time.sleep(2)
+        os.kill(wait_for(lambda: rank_pid(faulty.pid, 1), 30, "rank 1"), signal.SIGKILL)
+        stdout, _ = job.communicate(timeout=300)
+        assert job.returncode == 0 and "is gone: running the job here" in stdout, stdout[-3000:]
+        assert faulty.wait(timeout=60) != 0
+    finally:
+        if faulty.poll() is None:
+            faulty.kill()
+    same_update(tmp_path / "fault0", tmp_path / "alone0")
+
+    worker = start_ranks(registry, tmp_path / "worker.log")
+    try:
+        launch_train(registry, cwd, tmp_path / "warm0", 0, None, log)
+        launch_train(registry, cwd, tmp_path / "warm1", 1, tmp_path / "warm0", log)
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(timeout=60)
+    text = (tmp_path / "worker.log").read_text()
+    assert text.count("rank 1 runs train") == 2 and text.count("runs publish_optimizer") == 2, text[-3000:]
+    assert text.count("AdamW resumes from the resident engine") == 1  # rank 0's line
+    for i in (0, 1):
+        same_update(tmp_path / f"warm{i}", tmp_path / f"alone{i}")
+    assert not any(registry.glob(".workers/*/*/worker.json"))

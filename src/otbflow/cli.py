@@ -14,6 +14,7 @@ import functools
 import gc
 import importlib
 import logging
+import os
 import sys
 import time
 import typing
@@ -166,6 +167,14 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                 metavar="SECONDS",
                 help="take no new job this long after the start, and end (0: never; a Slurm worker's time limit)",
             )
+            p.add_argument(
+                "--tasks",
+                type=int,
+                default=1,
+                help="train: the processes (DeepSpeed ranks) of the train jobs it serves, resources.train.tasks; "
+                "started with srun inside a Slurm job, torchrun elsewhere",
+            )
+            p.add_argument("--cpus-per-task", type=int, default=1, help="with --tasks under srun: CPUs per rank")
         if name == "experiment-member":
             for flag in ("--experiment", "--run", "--policy", "--scaling", "--out"):
                 p.add_argument(flag, required=True)
@@ -176,6 +185,26 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             p.add_argument("--json-schema", action="store_true", help="print the config's JSON schema (YAML)")
             p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     return parser
+
+
+WORKER_RANKS = "OTBFLOW_WORKER_RANKS"
+"""Set by ``otbflow worker --tasks N`` for the ranks its launcher starts (each runs the same command)."""
+
+
+def _launch_worker_ranks(ns) -> None:
+    """``otbflow worker train --tasks N``: this process becomes N ranks, each the same command,
+    started by the launcher of train jobs (``dispatch.launcher``: srun in a Slurm job, torchrun
+    elsewhere); returns in each of them."""
+    if ns.kind != "train":
+        raise SystemExit(f"otbflow worker: --tasks is for the train worker, not {ns.kind} (one process each)")
+    if os.environ.get(WORKER_RANKS) == str(ns.tasks):
+        return
+    from otbflow.dispatch import launcher
+
+    os.environ[WORKER_RANKS] = str(ns.tasks)
+    command = [*launcher(ns.tasks, ns.cpus_per_task), sys.executable, "-m", "otbflow", *sys.argv[1:]]
+    sys.stdout.flush()
+    os.execvp(command[0], command)
 
 
 def end_startup(program: bool) -> None:
@@ -234,8 +263,10 @@ def _main(argv: list[str], program: bool) -> int:
         if ns.command == "worker":
             from otbflow.worker import main as worker_main
 
+            if ns.tasks > 1:
+                _launch_worker_ranks(ns)  # returns in each rank the launcher started
             run_stage = functools.partial(_main, program=False)
-            return worker_main(ns.kind, ns.results, run_stage, ns.idle_exit, ns.max_jobs, ns.retire_after)
+            return worker_main(ns.kind, ns.results, run_stage, ns.idle_exit, ns.max_jobs, ns.retire_after, ns.tasks)
         if ns.command == "experiment-member":
             from otbflow.experiment_config import write_member_config
 

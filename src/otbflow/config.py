@@ -690,8 +690,9 @@ class WorkersConfig:
     features: int = opt(1, ge=0, le=10_000)
     """Features workers with ``slurm`` (0: the features stage stays Slurm stage jobs)."""
     train: int = opt(1, ge=0, le=1)
-    """Train workers with ``slurm``: 0 or 1 (one update at a time; a train stage of several
-    processes, resources.train.tasks > 1, always runs as its own Slurm job)."""
+    """Train workers with ``slurm``: 0 or 1 (one update at a time). A train stage of several
+    processes (resources.train.tasks > 1) gets a worker of as many ranks: one Slurm job of that
+    many tasks, started with srun."""
     time_min: int = opt(24 * 60, ge=5, le=100_000_000)
     """Slurm time limit of a worker job in minutes. A worker takes no new job once less than its
     stage's runtime is left (half the limit at least), ends when idle and is replaced."""

@@ -4,9 +4,10 @@ A worker (``otbflow worker KIND --results DIR``, ``otbflow.worker``) is a long-r
 runs one kind of stage job after another in its own process, keeping what the next job needs
 (imports, the policy, the generation engine, the DeepSpeed engine and its AdamW state). A rule's
 job starts the client (``python -m otbflow.dispatch``): it hands the job to a live worker of its
-kind and waits for it, or, with none, runs the stage in its own process as before (``os.execv`` of
-``python -m otbflow STAGE ...``: the same command, the same outputs). The client imports no torch
-and no otbflow module but this one.
+kind (and, for a train job of several processes, of as many ranks) and waits for it, or, with none,
+runs the stage in its own process as before (``os.execvp`` of ``python -m otbflow STAGE ...``, under
+the ``launcher`` of several processes where it has them: the same command, the same outputs). The
+client imports no torch and no otbflow module but this one.
 
 The transport is the results folder itself (a shared filesystem reaches every node of a cluster,
 and no port is opened): everything lives under ``<results>/.workers/``:
@@ -34,6 +35,7 @@ import hmac
 import json
 import os
 import secrets
+import shlex
 import shutil
 import socket
 import sys
@@ -160,17 +162,20 @@ def alive(record: dict, heartbeat: Path) -> bool:
         return False
 
 
+def worker_alive(folder: Path) -> bool:
+    """Whether the worker registered in ``folder`` runs (a folder it removed when it ended: no)."""
+    try:
+        info = json.loads((folder / "worker.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return alive(info, folder / "alive")
+
+
 def live_workers(results: str | Path, kind: str) -> list[Path]:
     """The folders of the live workers of ``kind`` (stale registrations ignored)."""
-    out = []
-    for record in sorted((root(results) / kind).glob("*/worker.json")):
-        try:
-            info = json.loads(record.read_text())
-        except (OSError, ValueError):
-            continue
-        if alive(info, record.with_name("alive")):
-            out.append(record.parent)
-    return out
+    return [
+        record.parent for record in sorted((root(results) / kind).glob("*/worker.json")) if worker_alive(record.parent)
+    ]
 
 
 # ------------------------------------------------------------------------------------------
@@ -181,10 +186,13 @@ def live_workers(results: str | Path, kind: str) -> list[Path]:
 class Client:
     """Hand one stage job to a worker of its kind and wait for it (``run``)."""
 
-    def __init__(self, results: str | Path, stage: str, code: str, argv: list[str], threads: str | None = None):
-        """``threads``: the job's torch threads (default: OTBFLOW_THREADS of this process)."""
+    def __init__(
+        self, results: str | Path, stage: str, code: str, argv: list[str], threads: str | None = None, tasks: int = 1
+    ):
+        """``threads``: the job's torch threads (default: OTBFLOW_THREADS of this process);
+        ``tasks``: its processes (a train job's DeepSpeed ranks): a worker of as many ranks runs it."""
         self.results, self.stage, self.code, self.argv = Path(results), stage, code, list(argv)
-        self.threads = threads
+        self.threads, self.tasks = threads, tasks
         self.kind = KIND_OF[stage]
         self.id = uuid.uuid4().hex
         self.base = root(results) / self.kind
@@ -196,6 +204,7 @@ class Client:
             "stage": self.stage,
             "code": self.code,
             "argv": self.argv,
+            "tasks": self.tasks,
             "cwd": os.getcwd(),
             "threads": self.threads if self.threads is not None else os.environ.get("OTBFLOW_THREADS", ""),
             "client": me(),
@@ -284,10 +293,9 @@ class Client:
                     )
                     if worker is None and late and self.withdraw(queued):
                         return "unclaimed", "no worker took the job in time"
-                elif not alive(
-                    json.loads((worker.parents[1] / "worker.json").read_text()), worker.parents[1] / "alive"
-                ):
-                    if self.withdraw(worker):
+                elif not worker_alive(worker.parents[1]):
+                    # the worker answers before it removes the request: without an answer it is gone
+                    if self.withdraw(worker) or not result.exists():
                         return "gone", f"the worker {worker.parents[1].name} is gone"
                 time.sleep(POLL_S)
         finally:
@@ -318,6 +326,21 @@ def copy_new(path: Path, offset: int, out) -> int:
     return offset + len(data)
 
 
+def launcher(tasks: int, cpus_per_task: int, python: str = sys.executable) -> list[str]:
+    """The words that start ``tasks`` copies of the command that follows them (none for one): srun
+    inside a Slurm job (``otbflow.distributed`` maps SLURM_PROCID/LOCALID/NTASKS to ranks), torchrun
+    on this machine otherwise. Decided when the job runs, so the command is the same under every
+    executor. A ``bash -c`` script that receives the command as its arguments ("$@"): the command's
+    quoted words reach srun or torchrun as they are. Used by the rules (``shlex.join``), by this
+    client where it runs a job itself, and by ``otbflow worker --tasks``."""
+    if tasks == 1:
+        return []
+    srun = f"srun --ntasks={tasks} --cpus-per-task={cpus_per_task} --kill-on-bad-exit=1"
+    torchrun = f"{shlex.quote(python)} -m torch.distributed.run --standalone --nproc_per_node={tasks} --no-python"
+    script = f'if [ -n "${{SLURM_JOB_ID:-}}" ]; then exec {srun} "$@"; else exec {torchrun} "$@"; fi'
+    return ["bash", "-c", script, "launch"]
+
+
 def die_with_parent() -> None:
     """On Linux, have the kernel end this client with the job's shell (``prctl(PR_SET_PDEATHSIG)``),
     so that a worker sees a killed job's client gone; kept across the ``execv`` of the fallback,
@@ -331,27 +354,34 @@ def die_with_parent() -> None:
         pass
 
 
+OPTIONS = ("--results", "--code", "--wait-min", "--threads", "--tasks", "--cpus-per-task")
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m otbflow.dispatch --results DIR --code VERSION [--wait-min M --threads N] STAGE
-    [stage arguments]``: the job on a worker, or in this process (exec of ``python -m otbflow
-    STAGE ...``) where none runs it. With ``--wait-min`` (workers.slurm: this is a local job of the
-    head) the job only ever runs on a worker, waiting up to M minutes for one, with N threads."""
+    """``python -m otbflow.dispatch --results DIR --code VERSION [--tasks T --cpus-per-task C]
+    [--wait-min M --threads N] STAGE [stage arguments]``: the job on a worker (of T ranks), or in
+    this process where none runs it: exec of ``python -m otbflow STAGE ...``, under the ``launcher``
+    of T processes of C threads where T > 1. With ``--wait-min`` (workers.slurm: this is a local
+    job of the head) the job only ever runs on a worker, waiting up to M minutes for one, with N
+    threads."""
     args = list(sys.argv[1:] if argv is None else argv)
     opts = {}
-    while args and args[0] in ("--results", "--code", "--wait-min", "--threads"):
+    while args and args[0] in OPTIONS:
         opts[args[0][2:]] = args[1]
         args = args[2:]
     stage, rest = args[0].replace("-", "_"), args[1:]
+    tasks = int(opts.get("tasks", 1))
     die_with_parent()
     if stage in KIND_OF and "results" in opts:
-        client = Client(opts["results"], stage, opts.get("code", ""), rest, threads=opts.get("threads"))
+        client = Client(opts["results"], stage, opts.get("code", ""), rest, threads=opts.get("threads"), tasks=tasks)
         if "wait-min" in opts:
             return client.run_on_worker(float(opts["wait-min"]) * 60)
         code = client.run()
         if code is not None:
             return code
     sys.stdout.flush()
-    os.execv(sys.executable, [sys.executable, "-m", "otbflow", args[0], *rest])
+    command = [*launcher(tasks, int(opts.get("cpus-per-task", 1))), sys.executable, "-m", "otbflow", args[0], *rest]
+    os.execvp(command[0], command)
     return 1  # not reached
 
 

@@ -61,6 +61,43 @@ def init_distributed_env() -> tuple[int, int]:
     return int(env["RANK"]), int(env["WORLD_SIZE"])
 
 
+def init_worker_group():
+    """A train worker of several ranks (``otbflow worker train --tasks N``): ranks as for a train job
+    (``init_distributed_env``), then the process group its jobs' DeepSpeed engines use, made now
+    and kept for every job (DeepSpeed takes a group that exists), on the launcher's rendezvous store
+    (torchrun's agent's, or rank 0's under srun). Returns (rank, world size, a store under its own
+    prefix for the worker's ranks: rank 0 hands them each job through it, ``otbflow.worker``)."""
+    from datetime import timedelta
+
+    rank, world_size = init_distributed_env()
+    from deepspeed.accelerator import get_accelerator
+
+    timeout = timedelta(minutes=int(os.getenv("DEEPSPEED_TIMEOUT", "10")))  # DeepSpeed's own default
+    store, rank, world_size = next(torch.distributed.rendezvous("env://"))
+    store.set_timeout(timeout)
+    torch.distributed.init_process_group(
+        get_accelerator().communication_backend_name(),
+        store=torch.distributed.PrefixStore("default_pg", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+    )
+    return rank, world_size, torch.distributed.PrefixStore("otbflow-worker", store)
+
+
+def broadcast_text(text: str, device) -> str:
+    """Rank 0's ``text`` (ASCII, at most 255 characters) on every rank: collective."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return text
+    data = torch.zeros(256, dtype=torch.uint8, device=device)
+    raw = text.encode("ascii")[:255]
+    data[0] = len(raw)
+    data[1 : 1 + len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    torch.distributed.broadcast(data, src=0)
+    values = data.cpu().tolist()
+    return bytes(values[1 : 1 + values[0]]).decode("ascii")
+
+
 def skip_cpu_shm_op() -> None:
     """On CPU, DeepSpeed's communication backend JIT-compiles a shared-memory all-reduce op when
     it starts (about a minute of C++ on 2 cores, in the first train job) and takes a ``lock``

@@ -3,11 +3,14 @@ rollout, evaluate and the variance pool; ``features``; ``train``) that the rules
 ``DIR`` hand it (``otbflow.dispatch``), one after another, in this one process, keeping what the
 next job needs (``otbflow.resident``): the imports, the policy, the DeepSpeed engine and its AdamW
 state. A job runs exactly as ``otbflow STAGE ...`` would run it in its own process (the same
-code, the same arguments, the same thread count): the outputs are the same.
+code, the same arguments, the same thread count): the outputs are the same. A train worker of
+several processes (``--tasks N``, for train jobs of N DeepSpeed ranks) is N such processes started
+by the train jobs' launcher: rank 0 serves, and hands each train job to the others (``Ranks``).
 
 What a worker checks before it runs a request: its signature (the run's secret), that its stage is
 one of the worker's kind, that the rule expects the code version the worker has loaded (else it
-refuses and the client runs the job itself), and the stage's own arguments and inputs, as every
+refuses and the client runs the job itself), that a train job has as many processes as the worker
+has ranks, and the stage's own arguments and inputs, as every
 job does. While a job runs, a thread keeps the worker's heartbeat and watches the client: a client
 that is gone (its rule's job was killed) or withdrew the job makes the worker abandon it, and
 nothing is published after that (``otbflow.io.check_job``); the resident state of a job that
@@ -40,6 +43,15 @@ class JobAbandoned(BaseException):
     """Raised in the worker's main thread when the job's client is gone or withdrew the job."""
 
 
+class Stopped(BaseException):
+    """SIGTERM (scancel, the run's end): the worker ends; a job it runs is not answered, so that its
+    client, seeing the worker gone, hands it on or runs it itself (never taken for a finished job)."""
+
+
+def stopped(*_) -> None:
+    raise Stopped
+
+
 class Worker:
     """One worker of ``kind`` for the run whose results folder is ``results``."""
 
@@ -51,9 +63,11 @@ class Worker:
         idle_exit_s: float = 0.0,
         max_jobs: int = 0,
         retire_after_s: float = 0.0,
+        ranks: Ranks | None = None,
     ):
         """``run_stage(argv) -> exit code`` runs one stage command in this process (the CLI's);
-        ``retire_after_s``: no new job after this long (a Slurm worker before its time limit)."""
+        ``retire_after_s``: no new job after this long (a Slurm worker before its time limit);
+        ``ranks``: the other ranks of a worker of several processes (this one is rank 0)."""
         if kind not in dispatch.KINDS:
             raise ValueError(f"unknown worker kind {kind!r}: one of {', '.join(dispatch.KINDS)}")
         from otbflow.codeversion import code_version
@@ -72,6 +86,9 @@ class Worker:
         self.stop = threading.Event()
         self.lock = threading.Lock()  # the job's start and end against the heartbeat's abandoning it
         self.jobs_done = 0
+        self.ranks = ranks
+        self.tasks = ranks.world_size if ranks is not None else 1
+        self.failed: str | None = None  # why a worker of several ranks ends (a rank's job failed)
 
     # --- registration and heartbeat ---------------------------------------------------------
 
@@ -85,6 +102,7 @@ class Worker:
             "kind": self.kind,
             "stages": list(dispatch.KINDS[self.kind]),
             "codes": self.codes,
+            "tasks": self.tasks,
             "slurm_job": os.environ.get("SLURM_JOB_ID"),
             "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         }
@@ -135,7 +153,7 @@ class Worker:
         beat.start()
         idle_since = started = time.time()
         try:
-            while not (self.max_jobs and self.jobs_done >= self.max_jobs):
+            while not (self.max_jobs and self.jobs_done >= self.max_jobs) and not self.failed:
                 if self.retire_after_s and time.time() - started > self.retire_after_s:
                     log.info("%.0f s since its start: the worker takes no new job and ends", self.retire_after_s)
                     break
@@ -152,6 +170,8 @@ class Worker:
         finally:
             self.stop.set()
             self.unregister()
+            if self.ranks is not None and not self.failed:
+                self.ranks.stop()  # the other ranks end too (after a failure, the launcher ends them)
 
     def handle(self, mine: Path) -> None:
         try:
@@ -172,6 +192,11 @@ class Worker:
         stage = body["stage"]
         if stage not in dispatch.KINDS[self.kind]:
             return {"status": "refused", "error": f"a {self.kind} worker does not run {stage}"}
+        if stage in ALL_RANKS and int(body.get("tasks", 1)) != self.tasks:
+            return {
+                "status": "refused",
+                "error": f"the job runs {stage} in {body.get('tasks', 1)} process(es), this worker has {self.tasks}",
+            }
         if body["code"] != self.codes[stage]:
             return {
                 "status": "refused",
@@ -181,39 +206,24 @@ class Worker:
         return None
 
     def execute(self, body: dict, job_dir: Path) -> dict:
-        """Run the job in this process as ``otbflow STAGE ARGV`` would run it; its log goes to
-        ``job_dir/log``."""
-        import torch
-
-        import otbflow
+        """Run the job in this process as ``otbflow STAGE ARGV`` would run it (a train job on every
+        rank of a worker of several); its log goes to ``job_dir/log``."""
         from otbflow import io as otbflow_io
 
         with self.lock:
             self.job, self.abandoned = body, None
         otbflow_io.WANTED[:] = [lambda: self.abandoned or self.unwanted(body)]
-        threads = body.get("threads") or ""
-        env = {"OTBFLOW_THREADS": threads} if threads else {}
-        code, status, error = 1, "failed", ""
-        cwd = os.getcwd()
+        everyone = self.ranks is not None and body["stage"] in ALL_RANKS
+        status, code, error = "failed", 1, ""
         try:
-            with open(job_dir / "log", "a") as stream, OUTPUT.to(stream):
-                try:
-                    os.chdir(body["cwd"])
-                    with environment(env):
-                        if not threads:
-                            torch.set_num_threads(DEFAULT_THREADS)
-                        otbflow.STARTED_AT = time.time()
-                        log.info("worker %s runs %s (job %s)", self.id, body["stage"], body["id"])
-                        try:
-                            code = self.run_stage([body["stage"].replace("_", "-"), *body["argv"]])
-                        except SystemExit as e:  # argparse
-                            code = e.code if isinstance(e.code, int) else 2
-                    status = "ok" if code == 0 else "failed"
-                except JobAbandoned:
-                    status, error = "abandoned", self.abandoned or "abandoned"
-                except Exception as e:  # the job failed: its traceback into its log, the worker goes on
-                    traceback.print_exc()
-                    error = f"{type(e).__name__}: {e}"
+            try:
+                if everyone:
+                    self.ranks.post({**body, "log": str(job_dir / "log")})
+                status, code, error = run_job(self.run_stage, body, job_dir / "log", f"worker {self.id}")
+                if everyone and status == "ok":
+                    status, code, error = self.ranks.outcome()
+            except JobAbandoned:
+                status, error = "abandoned", self.abandoned or "abandoned"
         except JobAbandoned:  # delivered between the job's end and here
             status, error = "abandoned", self.abandoned or "abandoned"
         finally:
@@ -223,13 +233,109 @@ class Worker:
                     raise_in(self.main_thread, None)
                     status, error = "abandoned", self.abandoned
             otbflow_io.WANTED[:] = []
-            os.chdir(cwd)
         if status != "ok":
             resident.drop()  # a failed or abandoned job's state is not trusted
             log.warning("job %s (%s) %s%s", body["id"], body["stage"], status, f": {error}" if error else "")
+            if everyone:  # its ranks may wait in a collective for each other: the worker ends
+                self.failed = f"job {body['id']} ({body['stage']}) {status}"
         else:
             log.info("job %s (%s) done", body["id"], body["stage"])
         return {"status": status, "exit": code if status != "abandoned" else 1, "error": error}
+
+
+ALL_RANKS = ("train",)
+"""The stages whose jobs every rank of a worker of several processes runs (DeepSpeed's collectives);
+rank 0 runs the others (publish_optimizer) alone."""
+
+RANK_WAIT_S = 600.0
+"""How long rank 0 waits for the other ranks' outcome of a job it finished."""
+
+
+class Ranks:
+    """The other ranks of a worker of several processes (``otbflow worker train --tasks N``), seen
+    from rank 0, through the store of their launcher's rendezvous (``distributed.init_worker_group``):
+    each job it runs on every rank goes to them as ``job/<n>`` (its JSON text; a stop ends them),
+    and each rank answers ``done/<n>/<rank>``. JSON text only, between the worker's own processes."""
+
+    def __init__(self, store, world_size: int):
+        self.store, self.world_size, self.n = store, world_size, 0
+
+    def post(self, body: dict) -> None:
+        self.n += 1
+        self.store.set(f"job/{self.n}", json.dumps(body))
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):  # the store may be gone with the other ranks
+            self.post({"stop": True})
+
+    def outcome(self) -> tuple[str, int, str]:
+        """("ok", 0, "") once every other rank finished job ``n`` well; the first failure else."""
+        keys = [f"done/{self.n}/{rank}" for rank in range(1, self.world_size)]
+        end = time.time() + RANK_WAIT_S
+        while not self.store.check(keys):
+            if time.time() > end:
+                return "failed", 1, f"the other ranks did not finish the job in {RANK_WAIT_S:.0f} s"
+            time.sleep(dispatch.POLL_S)
+        for rank, key in enumerate(keys, start=1):
+            answer = json.loads(self.store.get(key))
+            if answer["status"] != "ok":
+                return "failed", int(answer.get("exit") or 1), f"rank {rank}: {answer.get('error') or 'failed'}"
+        return "ok", 0, ""
+
+
+def follow(store, rank: int, run_stage) -> int:
+    """Rank ``rank`` > 0 of a worker of several processes: run each job rank 0 hands out (``Ranks``)
+    until it stops them. A job that fails here ends the process at once (exit 1): rank 0 may wait in
+    a collective for it, and the launcher (torchrun, srun --kill-on-bad-exit) ends the others."""
+    n = 0
+    while True:
+        n += 1
+        key = f"job/{n}"
+        while not store.check([key]):  # raises once rank 0's store is gone
+            time.sleep(dispatch.POLL_S)
+        body = json.loads(store.get(key))
+        if body.get("stop"):
+            log.info("rank %d: rank 0 ended the worker", rank)
+            return 0
+        status, code, error = run_job(run_stage, body, Path(body["log"]), f"rank {rank}")
+        store.set(f"done/{n}/{rank}", json.dumps({"status": status, "exit": code, "error": error}))
+        if status != "ok":
+            log.error("rank %d: job %s failed (%s): the worker ends", rank, body["id"], error or f"exit {code}")
+            sys.stdout.flush()
+            os._exit(1)
+
+
+def run_job(run_stage, body: dict, log_path: Path, who: str) -> tuple[str, int, str]:
+    """Run ``body``'s stage in this process as ``otbflow STAGE ARGV`` would (its working folder, its
+    threads), its output appended to ``log_path``: ("ok" or "failed", exit code, error). A job's
+    exception is its failure, its traceback in its log; JobAbandoned goes through."""
+    import torch
+
+    import otbflow
+
+    threads = body.get("threads") or ""
+    env = {"OTBFLOW_THREADS": threads} if threads else {}
+    code, error = 1, ""
+    cwd = os.getcwd()
+    try:
+        with open(log_path, "a") as stream, OUTPUT.to(stream):
+            try:
+                os.chdir(body["cwd"])
+                with environment(env):
+                    if not threads:
+                        torch.set_num_threads(DEFAULT_THREADS)
+                    otbflow.STARTED_AT = time.time()
+                    log.info("%s runs %s (job %s)", who, body["stage"], body["id"])
+                    try:
+                        code = run_stage([body["stage"].replace("_", "-"), *body["argv"]])
+                    except SystemExit as e:  # argparse
+                        code = e.code if isinstance(e.code, int) else 2
+            except Exception as e:  # the job failed: its traceback into its log, the worker goes on
+                traceback.print_exc()
+                error = f"{type(e).__name__}: {e}"
+    finally:
+        os.chdir(cwd)
+    return ("ok" if code == 0 and not error else "failed"), code, error
 
 
 class Output(io.TextIOBase):
@@ -319,11 +425,19 @@ def environment(values: dict[str, str]):
 
 
 def main(
-    kind: str, results: str, run_stage, idle_exit_s: float = 0.0, max_jobs: int = 0, retire_after_s: float = 0.0
+    kind: str,
+    results: str,
+    run_stage,
+    idle_exit_s: float = 0.0,
+    max_jobs: int = 0,
+    retire_after_s: float = 0.0,
+    tasks: int = 1,
 ) -> int:
     """``otbflow worker``: serve until stopped (SIGTERM, SIGINT), idle for ``idle_exit_s``,
     ``max_jobs`` jobs done or ``retire_after_s`` after its start; its registration goes with it.
-    ``run_stage`` is the CLI's (the CLI imports this module, not the other way round)."""
+    ``run_stage`` is the CLI's (the CLI imports this module, not the other way round). ``tasks`` >
+    1: this process is one rank of a train worker of that many, started by the launcher (the CLI
+    starts it): rank 0 serves, the others follow it; 1 where a rank's job failed."""
     global DEFAULT_THREADS
     OUTPUT.own = sys.stderr  # the worker's own log; its standard output goes there too
     sys.stdout = sys.stderr = OUTPUT
@@ -336,7 +450,24 @@ def main(
     DEFAULT_THREADS = torch.get_num_threads()
     resident.enable()
     warm_up(kind)
-    worker = Worker(kind, results, run_stage, idle_exit_s, max_jobs, retire_after_s)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    worker.serve()
+    signal.signal(signal.SIGTERM, stopped)
+    ranks = None
+    try:
+        if tasks > 1:
+            from otbflow.distributed import init_worker_group
+
+            rank, world_size, store = init_worker_group()
+            if world_size != tasks:
+                raise RuntimeError(f"the launcher started {world_size} ranks, the worker was asked for {tasks}")
+            if rank > 0:
+                return follow(store, rank, run_stage)
+            ranks = Ranks(store, world_size)
+        worker = Worker(kind, results, run_stage, idle_exit_s, max_jobs, retire_after_s, ranks)
+        worker.serve()
+    except Stopped:
+        log.info("SIGTERM: the worker ends")
+        return 0
+    if worker.failed:
+        log.error("%s: the worker of %d ranks ends", worker.failed, tasks)
+        return 1
     return 0

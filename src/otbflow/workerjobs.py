@@ -49,17 +49,21 @@ class WorkerJob:
 
 def sbatch_options(results: str | Path, kind: str, res, site: dict, time_min: int, log_dir: Path) -> list[str]:
     """sbatch's options for a worker job of ``kind``: ``res`` the stage's resources (``gpu``,
-    ``cpus_per_gpu``, ``threads`` or ``cpus_per_task``, ``mem_mb``), ``site`` the profile's settings
-    of the stage's rule (SITE_KEYS)."""
+    ``cpus_per_gpu``, ``threads`` or ``cpus_per_task``, ``mem_mb``; a train stage's ``tasks`` and
+    ``nodes``: one rank per task, one per GPU), ``site`` the profile's settings of the stage's rule
+    (SITE_KEYS)."""
+    tasks = int(getattr(res, "tasks", 1))
     out = [
         f"--job-name={job_name(results, kind)}",
         f"--output={log_dir}/{kind}-%j.log",
         f"--time={time_min}",
         f"--mem={res.mem_mb}M",
-        "--nodes=1",
-        "--ntasks=1",
+        f"--nodes={getattr(res, 'nodes', 1)}",
+        f"--ntasks={tasks}",
     ]
     gpu = int(getattr(res, "gpu", 0) or 0)
+    if gpu and tasks > 1:
+        out.append("--ntasks-per-gpu=1")
     if gpu and site.get("gres"):
         out.append(f"--gres={site['gres']}")
     elif gpu:
@@ -78,8 +82,19 @@ def sbatch_options(results: str | Path, kind: str, res, site: dict, time_min: in
     return out
 
 
-def script(python: str, src: str, kind: str, results: str | Path, idle_exit_s: float, retire_after_s: float) -> str:
-    """The worker job's batch script: this checkout's code with the head's interpreter."""
+def script(
+    python: str,
+    src: str,
+    kind: str,
+    results: str | Path,
+    idle_exit_s: float,
+    retire_after_s: float,
+    tasks: int = 1,
+    cpus_per_task: int = 1,
+) -> str:
+    """The worker job's batch script: this checkout's code with the head's interpreter; a worker of
+    several ranks (``tasks``) starts them itself (``otbflow worker --tasks``, with srun)."""
+    ranks = ["--tasks", str(tasks), "--cpus-per-task", str(cpus_per_task)] if tasks > 1 else []
     command = [
         python,
         "-m",
@@ -92,6 +107,7 @@ def script(python: str, src: str, kind: str, results: str | Path, idle_exit_s: f
         f"{idle_exit_s:g}",
         "--retire-after",
         f"{retire_after_s:g}",
+        *ranks,
     ]
     return (
         "#!/bin/bash\n"

@@ -77,26 +77,28 @@ PYTHONPATH = f"PYTHONPATH={quote(_SRC)}${{PYTHONPATH:+:$PYTHONPATH}}"
 
 def stage_cmd(stage):
     """Start of the shell command of one stage: the CLI with the resolved config; the engine's
-    interpreter (rollout.python) for a stage that generates, and a launcher of several processes
-    where the stage's resources ask for tasks (train). A function of the job's input, which
-    Snakemake counts as derived, not as a rerun trigger: the interpreter, the launcher and the
+    interpreter (rollout.python) for a stage that generates; for the stages workers run, the worker
+    client (otbflow.dispatch), which runs the job itself where no worker does, under a launcher of
+    several processes where the stage's resources ask for tasks (train). A function of the job's
+    input, which Snakemake counts as derived, not as a rerun trigger: the interpreter, the launcher and the
     checkout's path change how a job runs, never what it writes. Not of its ``threads`` (that
     evaluates every job's resources: half of a long run's dry run); the rules' shell commands pass
     them (OTBFLOW_THREADS={threads})."""
     python = CFG.rollout.python if STAGES[stage].engine else None
-    launcher = launcher_of(stage)
-    cli = f"{PYTHONPATH} {launcher}{quote(python or _PY)} -m otbflow"
-    if dispatched(stage, launcher):
-        cli += f".dispatch --results {quote(R)} --code {code_version(stage)}"
+    res = CFG.resources.get(stage, {})
+    tasks = res.tasks if "tasks" in res else 1
+    if dispatched(stage):  # the client starts the launcher itself where it runs the job
+        cli = (
+            f"{PYTHONPATH} {quote(python or _PY)} -m otbflow.dispatch --results {quote(R)} --code {code_version(stage)}"
+        )
+        if tasks > 1:
+            cli += f" --tasks {tasks} --cpus-per-task {res.cpus_per_task}"
         if on_slurm_workers(stage):  # a local job of the head: waits for a worker, never runs the stage here
             cli += f" --wait-min {CFG.workers.wait_min:g} --threads {stage_threads(stage)}"
+    else:
+        cli = f"{PYTHONPATH} {quote(python or _PY)} -m otbflow"
     command = f"{cli} {STAGES[stage].command} --config {quote(RESOLVED_CONFIG)}"
     return lambda wildcards, input: command
-
-
-def launcher_of(stage):
-    res = CFG.resources.get(stage, {})
-    return launch_processes(res.tasks, res.cpus_per_task) if "tasks" in res else ""
 
 
 def stage_threads(stage):
@@ -113,7 +115,7 @@ def on_slurm_workers(stage):
     """Whether the stage's jobs go to the run's Slurm worker jobs (workers.slurm, and workers of
     its kind asked for): its rule is then a local job of the head that waits for a worker."""
     w = CFG.workers
-    return w.slurm and dispatched(stage, launcher_of(stage)) and getattr(w, KIND_OF[stage]) > 0
+    return w.slurm and dispatched(stage) and getattr(w, KIND_OF[stage]) > 0
 
 
 def worker_supervisor():
@@ -140,6 +142,8 @@ def worker_supervisor():
                     R,
                     w.idle_exit_min * 60,
                     retire_min * 60,
+                    res.get("tasks", 1),
+                    res.get("cpus_per_task", 1),
                 ),
                 log_dir=Path(R, "logs/workers"),
             )
@@ -173,14 +177,11 @@ def stop_slurm_workers():
         WORKERS.pop().stop()
 
 
-def dispatched(stage, launcher):
+def dispatched(stage):
     """Whether the stage's jobs go through the worker client (otbflow.dispatch): a job of a kind
-    workers run, in one process (a launcher starts several). The client runs the job itself where
-    no worker of its kind is live for this results folder: the same outputs either way
-    (docs/workers.md)."""
-    if stage == "publish_optimizer":  # the train worker's, which serves one-process train jobs only
-        return dispatched("train", launcher_of("train"))
-    return stage in KIND_OF and not launcher
+    workers run. The client runs the job itself where no worker of its kind (and of its number of
+    processes) is live for this results folder: the same outputs either way (docs/workers.md)."""
+    return stage in KIND_OF
 
 
 def stage_trigger(stage):
@@ -192,20 +193,6 @@ def stage_env(stage):
     """The conda environment of a stage: vLLM pins its own torch, so the stages that run the
     generation engine use its environment when it is the backend."""
     return "../../envs/vllm.yaml" if STAGES[stage].engine and CFG.rollout.backend == "vllm" else ENV
-
-
-def launch_processes(tasks, cpus_per_task):
-    """Command prefix that starts ``tasks`` copies of the command that follows it (nothing for
-    one): srun inside a Slurm job (train.py maps SLURM_PROCID/LOCALID/NTASKS), torchrun on this
-    machine otherwise. Decided when the job runs, so the command is the same under every executor.
-    A ``bash -c`` script that receives the command as its arguments ("$@"): the command's quoted
-    words reach srun or torchrun as they are (a command substitution would split them again)."""
-    if tasks == 1:
-        return ""
-    srun = f"srun --ntasks={tasks} --cpus-per-task={cpus_per_task} --kill-on-bad-exit=1"
-    torchrun = f"{quote(sys.executable)} -m torch.distributed.run --standalone --nproc_per_node={tasks} --no-python"
-    script = f'if [ -n "${{SLURM_JOB_ID:-}}" ]; then exec {srun} "$@"; else exec {torchrun} "$@"; fi'
-    return f"bash -c {quote(script)} launch "
 
 
 def runtime(minutes):

@@ -27,6 +27,7 @@ from otbflow import resident, schemas
 from otbflow.dispatch import me
 from otbflow.distributed import (
     _destroy_process_group,
+    broadcast_text,
     build_engine,
     deepspeed_config,
     init_distributed_env,
@@ -210,10 +211,12 @@ def run(cfg: DictConfig, args: Args) -> None:
         save_policy(engine, state, args.policy, args.out)
     del state
     fault_point("train:after-policy")  # the policy published, the optimizer state not yet
+    background = None
     if args.optimizer:
         import deepspeed
 
-        digest = policy_digest(args.out) if rank == 0 else ""
+        # every rank holds the digest: a warm worker's ranks decide alike whether their engine goes on
+        digest = broadcast_text(policy_digest(args.out) if rank == 0 else "", engine.device)
         meta = {
             **optimizer_layout(tc, world_size),
             "deepspeed": deepspeed.__version__,
@@ -222,12 +225,13 @@ def run(cfg: DictConfig, args: Args) -> None:
             "policy_sha256": digest,
             "job_fingerprint": fp,
         }
-        if args.optimizer_async and resident.ENABLED and world_size == 1:
-            # off the critical path: the next iteration's rollouts and features need only the policy
+        if args.optimizer_async and resident.ENABLED:
+            # off the critical path: the next iteration's rollouts and features need only the policy;
+            # a worker of several ranks writes it from a thread of each (collective)
             writer = {**me(), "heartbeat": resident.HEARTBEAT}
             # an absolute path: the worker is back in its own folder when the thread writes
             out = os.path.abspath(args.optimizer)
-            save_in_background(functools.partial(_write_optimizer_state, engine, out, meta, writer))
+            background = functools.partial(_write_optimizer_state, engine, out, meta, writer, rank, world_size)
         else:
             save_optimizer_state(engine, args.optimizer, meta, rank, world_size)  # collective
         # a warm worker keeps the engine: the next job, whose inputs are these outputs, goes on with it
@@ -256,11 +260,13 @@ def run(cfg: DictConfig, args: Args) -> None:
         log.info("%d steps on %d sequences; next policy in %s", len(plan), n, args.out)
     ckpt.finish()
     curves.close()
+    if background is not None:  # last: the job's own collectives (ckpt.finish's barrier) are over
+        save_in_background(background)
 
 
-def _write_optimizer_state(engine, out: str, meta: dict, writer: dict) -> None:
+def _write_optimizer_state(engine, out: str, meta: dict, writer: dict, rank: int, world_size: int) -> None:
     fault_point("train:writing-optimizer")  # the job returned, the state not yet written
-    save_optimizer_state(engine, out, meta, 0, 1, writer=writer)
+    save_optimizer_state(engine, out, meta, rank, world_size, writer=writer)
 
 
 @dataclass
