@@ -214,6 +214,11 @@ HOW: dict[str, str] = {
         "python tests/fingerprint.py results --check results/scratch/fp.json"
     ),
     ".venv/bin/python benchmarks/variance_seeds.py --seeds 0 1 2 3 4": VARIANCE_SEEDS,
+    # docs/workers.md: a train worker of two ranks (torchrun) registers, and ends once idle
+    # (tests/test_worker.py::test_a_train_worker_of_two_ranks runs train jobs on one)
+    "otbflow worker train --results results --tasks N": (
+        "otbflow worker train --results results --tasks 2 --idle-exit 1 2>&1 | grep -q 'rank 1: rank 0 ended the worker'"
+    ),
     # docs/workers.md: the workers serve the tiny run's train jobs redone, and end once idle
     "for kind in generate features train; do otbflow worker $kind --results results --idle-exit 600 & done": (
         "for kind in generate features train; do otbflow worker $kind --results results --idle-exit 20 & done; "

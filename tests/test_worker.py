@@ -405,7 +405,8 @@ def test_a_train_worker_of_two_ranks(tiny_run, tmp_path):
     publish jobs: the second goes on with both ranks' resident engines, and the policies and metrics
     equal those of the same jobs run by their client itself under torchrun (no worker), bitwise. A
     worker whose rank 1 is killed (SIGKILL) mid-job ends whole (the launcher ends rank 0): the client
-    sees it gone and runs the job itself, with the same outputs."""
+    sees it gone and runs the job itself, with the same outputs. A job that fails on every rank is
+    answered as failed, and the worker then ends."""
     cwd, log = tiny_run, tmp_path / "clients.log"  # the shared run's inputs; outputs and workers under tmp_path
     alone = launch_train(tmp_path / "none", cwd, tmp_path / "alone0", 0, None, log)
     launch_train(tmp_path / "none", cwd, tmp_path / "alone1", 1, tmp_path / "alone0", log)
@@ -421,8 +422,9 @@ def test_a_train_worker_of_two_ranks(tiny_run, tmp_path):
             f"Path({str(log)!r})))"
         )
         job = subprocess.Popen([sys.executable, "-c", code], cwd=REPO / "tests", stdout=subprocess.PIPE, text=True)
-        wait_for(lambda: "rank 1 runs train" in (tmp_path / "faulty.log").read_text(), 120, "the job on rank 1")
-        time.sleep(2)
+        # both ranks held at the fault point (rank 0 then ends on the launcher's SIGTERM, unregistering)
+        held = lambda: (tmp_path / "faulty.log").read_text().count("held here") == 2  # noqa: E731
+        wait_for(held, 120, "both ranks at the fault point")
         os.kill(wait_for(lambda: rank_pid(faulty.pid, 1), 30, "rank 1"), signal.SIGKILL)
         stdout, _ = job.communicate(timeout=300)
         assert job.returncode == 0 and "is gone: running the job here" in stdout, stdout[-3000:]
@@ -436,11 +438,22 @@ def test_a_train_worker_of_two_ranks(tiny_run, tmp_path):
     try:
         launch_train(registry, cwd, tmp_path / "warm0", 0, None, log)
         launch_train(registry, cwd, tmp_path / "warm1", 1, tmp_path / "warm0", log)
+        # a job that fails on every rank: its client is told so (not "gone", not rerun), and the
+        # worker ends once it has answered
+        from otbflow.codeversion import code_version
+
+        bad = train_args(cwd / "results", tmp_path / "bad")
+        bad[bad.index("--advantages") + 1] = str(tmp_path / "missing.parquet")
+        cmd = [sys.executable, "-m", "otbflow.dispatch", "--results", str(registry), "--code", code_version("train")]
+        res = subprocess.run([*cmd, "--tasks", "2", "train", *bad], cwd=cwd, capture_output=True, text=True)
+        assert res.returncode != 0 and "runs train" in res.stdout and "is gone" not in res.stdout, res.stdout[-3000:]
+        assert worker.wait(timeout=120) != 0
     finally:
-        worker.send_signal(signal.SIGTERM)
-        worker.wait(timeout=60)
+        if worker.poll() is None:
+            worker.send_signal(signal.SIGTERM)
+            worker.wait(timeout=60)
     text = (tmp_path / "worker.log").read_text()
-    assert text.count("rank 1 runs train") == 2 and text.count("runs publish_optimizer") == 2, text[-3000:]
+    assert text.count("rank 1 runs train") == 3 and text.count("runs publish_optimizer") == 2, text[-3000:]
     assert text.count("AdamW resumes from the resident engine") == 1  # rank 0's line
     for i in (0, 1):
         same_update(tmp_path / f"warm{i}", tmp_path / f"alone{i}")

@@ -355,8 +355,10 @@ def fault_point(name: str) -> None:
 
         time.sleep(5)
     elif fault.endswith(":sleep"):
+        import logging
         import time
 
+        logging.getLogger("otbflow.io").warning("OTBFLOW_FAULT=%s: held here", fault)
         for _ in range(600):
             time.sleep(0.1)
         return

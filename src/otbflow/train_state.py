@@ -308,11 +308,13 @@ def save_optimizer_state(engine, out: str, meta: dict, rank: int, world_size: in
     _barrier(world_size)
 
 
-def save_in_background(write) -> None:
+def save_in_background(write, fatal: bool = False) -> None:
     """Run ``write`` (a ``save_optimizer_state`` call) in a thread of this process (a warm train
     worker's, after its job returned); ``join_writes`` waits for it. Not a daemon: the process
     finishes the write before it exits (SIGTERM included). A failed write leaves no folder
-    (``save_optimizer_state``): the publish job then finds the state lost."""
+    (``save_optimizer_state``): the publish job then finds the state lost. ``fatal``: a failure
+    ends the process (a rank of a worker of several, whose collectives are then out of step with
+    the other ranks'; the launcher ends them)."""
     import threading
 
     def run():
@@ -320,6 +322,9 @@ def save_in_background(write) -> None:
             write()
         except BaseException:
             log.exception("writing the optimizer state failed")
+            if fatal:
+                log.error("this rank's collectives are out of step with the others': the worker ends")
+                os._exit(1)
 
     threading.Thread(target=run, name=WRITER_THREAD).start()
 

@@ -170,8 +170,8 @@ class Worker:
         finally:
             self.stop.set()
             self.unregister()
-            if self.ranks is not None and not self.failed:
-                self.ranks.stop()  # the other ranks end too (after a failure, the launcher ends them)
+            if self.ranks is not None:
+                self.ranks.stop()  # the other ranks end too (once this one answered its last client)
 
     def handle(self, mine: Path) -> None:
         try:
@@ -234,7 +234,8 @@ class Worker:
                     status, error = "abandoned", self.abandoned
             otbflow_io.WANTED[:] = []
         if status != "ok":
-            resident.drop()  # a failed or abandoned job's state is not trusted
+            if everyone or self.ranks is None:  # the other ranks keep theirs: all ranks hold the same
+                resident.drop()  # a failed or abandoned job's state is not trusted
             log.warning("job %s (%s) %s%s", body["id"], body["stage"], status, f": {error}" if error else "")
             if everyone:  # its ranks may wait in a collective for each other: the worker ends
                 self.failed = f"job {body['id']} ({body['stage']}) {status}"
@@ -249,6 +250,9 @@ rank 0 runs the others (publish_optimizer) alone."""
 
 RANK_WAIT_S = 600.0
 """How long rank 0 waits for the other ranks' outcome of a job it finished."""
+ACK_WAIT_S = 30.0
+"""How long a rank whose job failed waits for rank 0 to answer the client and stop the ranks (and
+rank 0, stopping them, for each to say it ends)."""
 
 
 class Ranks:
@@ -265,8 +269,14 @@ class Ranks:
         self.store.set(f"job/{self.n}", json.dumps(body))
 
     def stop(self) -> None:
+        """End the other ranks: a stop, then a short wait for each to say so (under srun this
+        process holds the store; were it gone first, a rank would end with an error)."""
         with contextlib.suppress(Exception):  # the store may be gone with the other ranks
             self.post({"stop": True})
+            keys = [f"bye/{rank}" for rank in range(1, self.world_size)]
+            end = time.time() + ACK_WAIT_S
+            while not self.store.check(keys) and time.time() < end:
+                time.sleep(dispatch.POLL_S)
 
     def outcome(self) -> tuple[str, int, str]:
         """("ok", 0, "") once every other rank finished job ``n`` well; the first failure else."""
@@ -285,8 +295,9 @@ class Ranks:
 
 def follow(store, rank: int, run_stage) -> int:
     """Rank ``rank`` > 0 of a worker of several processes: run each job rank 0 hands out (``Ranks``)
-    until it stops them. A job that fails here ends the process at once (exit 1): rank 0 may wait in
-    a collective for it, and the launcher (torchrun, srun --kill-on-bad-exit) ends the others."""
+    until it stops them. After a job that failed here the process ends (exit 1) once rank 0 has
+    answered the client and stopped the ranks, or after ``ACK_WAIT_S`` (rank 0 may wait in a
+    collective for this rank: the launcher, torchrun or srun --kill-on-bad-exit, then ends it)."""
     n = 0
     while True:
         n += 1
@@ -296,11 +307,17 @@ def follow(store, rank: int, run_stage) -> int:
         body = json.loads(store.get(key))
         if body.get("stop"):
             log.info("rank %d: rank 0 ended the worker", rank)
+            store.set(f"bye/{rank}", "")
             return 0
         status, code, error = run_job(run_stage, body, Path(body["log"]), f"rank {rank}")
         store.set(f"done/{n}/{rank}", json.dumps({"status": status, "exit": code, "error": error}))
         if status != "ok":
             log.error("rank %d: job %s failed (%s): the worker ends", rank, body["id"], error or f"exit {code}")
+            end = time.time() + ACK_WAIT_S
+            with contextlib.suppress(Exception):
+                while not store.check([f"job/{n + 1}"]) and time.time() < end:
+                    time.sleep(dispatch.POLL_S)
+                store.set(f"bye/{rank}", "")
             sys.stdout.flush()
             os._exit(1)
 

@@ -261,10 +261,12 @@ def run(cfg: DictConfig, args: Args) -> None:
     ckpt.finish()
     curves.close()
     if background is not None:  # last: the job's own collectives (ckpt.finish's barrier) are over
-        save_in_background(background)
+        save_in_background(background, fatal=world_size > 1)
 
 
 def _write_optimizer_state(engine, out: str, meta: dict, writer: dict, rank: int, world_size: int) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.set_device(engine.device)  # a thread starts on device 0: this rank's device
     fault_point("train:writing-optimizer")  # the job returned, the state not yet written
     save_optimizer_state(engine, out, meta, rank, world_size, writer=writer)
 
