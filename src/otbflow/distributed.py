@@ -67,12 +67,10 @@ def init_worker_group():
     and kept for every job (DeepSpeed takes a group that exists), on the launcher's rendezvous store
     (torchrun's agent's, or rank 0's under srun). Returns (rank, world size, a store under its own
     prefix for the worker's ranks: rank 0 hands them each job through it, ``otbflow.worker``)."""
-    from datetime import timedelta
-
     rank, world_size = init_distributed_env()
     from deepspeed.accelerator import get_accelerator
+    from deepspeed.constants import default_pg_timeout as timeout  # what DeepSpeed's own init takes
 
-    timeout = timedelta(minutes=int(os.getenv("DEEPSPEED_TIMEOUT", "10")))  # DeepSpeed's own default
     store, rank, world_size = next(torch.distributed.rendezvous("env://"))
     store.set_timeout(timeout)
     torch.distributed.init_process_group(

@@ -273,24 +273,29 @@ class Ranks:
         process holds the store; were it gone first, a rank would end with an error)."""
         with contextlib.suppress(Exception):  # the store may be gone with the other ranks
             self.post({"stop": True})
-            keys = [f"bye/{rank}" for rank in range(1, self.world_size)]
-            end = time.time() + ACK_WAIT_S
-            while not self.store.check(keys) and time.time() < end:
-                time.sleep(dispatch.POLL_S)
+            wait_for_keys(self.store, [f"bye/{rank}" for rank in range(1, self.world_size)], ACK_WAIT_S)
 
     def outcome(self) -> tuple[str, int, str]:
         """("ok", 0, "") once every other rank finished job ``n`` well; the first failure else."""
         keys = [f"done/{self.n}/{rank}" for rank in range(1, self.world_size)]
-        end = time.time() + RANK_WAIT_S
-        while not self.store.check(keys):
-            if time.time() > end:
-                return "failed", 1, f"the other ranks did not finish the job in {RANK_WAIT_S:.0f} s"
-            time.sleep(dispatch.POLL_S)
+        if not wait_for_keys(self.store, keys, RANK_WAIT_S):
+            return "failed", 1, f"the other ranks did not finish the job in {RANK_WAIT_S:.0f} s"
         for rank, key in enumerate(keys, start=1):
             answer = json.loads(self.store.get(key))
             if answer["status"] != "ok":
                 return "failed", int(answer.get("exit") or 1), f"rank {rank}: {answer.get('error') or 'failed'}"
         return "ok", 0, ""
+
+
+def wait_for_keys(store, keys: list[str], timeout_s: float | None = None) -> bool:
+    """Whether every key of ``keys`` is in the ranks' store within ``timeout_s`` (None: no limit);
+    polled, so that a worker's heartbeat and signals run meanwhile."""
+    end = None if timeout_s is None else time.time() + timeout_s
+    while not store.check(keys):
+        if end is not None and time.time() > end:
+            return False
+        time.sleep(dispatch.POLL_S)
+    return True
 
 
 def follow(store, rank: int, run_stage) -> int:
@@ -302,8 +307,7 @@ def follow(store, rank: int, run_stage) -> int:
     while True:
         n += 1
         key = f"job/{n}"
-        while not store.check([key]):  # raises once rank 0's store is gone
-            time.sleep(dispatch.POLL_S)
+        wait_for_keys(store, [key])  # raises once rank 0's store is gone
         body = json.loads(store.get(key))
         if body.get("stop"):
             log.info("rank %d: rank 0 ended the worker", rank)
@@ -313,10 +317,8 @@ def follow(store, rank: int, run_stage) -> int:
         store.set(f"done/{n}/{rank}", json.dumps({"status": status, "exit": code, "error": error}))
         if status != "ok":
             log.error("rank %d: job %s failed (%s): the worker ends", rank, body["id"], error or f"exit {code}")
-            end = time.time() + ACK_WAIT_S
             with contextlib.suppress(Exception):
-                while not store.check([f"job/{n + 1}"]) and time.time() < end:
-                    time.sleep(dispatch.POLL_S)
+                wait_for_keys(store, [f"job/{n + 1}"], ACK_WAIT_S)
                 store.set(f"bye/{rank}", "")
             sys.stdout.flush()
             os._exit(1)
