@@ -331,8 +331,8 @@ def launcher(tasks: int, cpus_per_task: int, python: str = sys.executable) -> li
     inside a Slurm job (``otbflow.distributed`` maps SLURM_PROCID/LOCALID/NTASKS to ranks), torchrun
     on this machine otherwise. Decided when the job runs, so the command is the same under every
     executor. A ``bash -c`` script that receives the command as its arguments ("$@"): the command's
-    quoted words reach srun or torchrun as they are. Used by the rules (``shlex.join``), by this
-    client where it runs a job itself, and by ``otbflow worker --tasks``."""
+    quoted words reach srun or torchrun as they are. Used by this client where it runs a job itself
+    and by ``otbflow worker --tasks``."""
     if tasks == 1:
         return []
     srun = f"srun --ntasks={tasks} --cpus-per-task={cpus_per_task} --kill-on-bad-exit=1"
