@@ -5,7 +5,7 @@ Steps come from two places:
 
 - ``--runs DIR ...``: finished workflow folders (benchmarks/bench_iteration.py's setting folders,
   e.g. ``WORK/grpo_s0``): every train job's steps, from ``results/iter_k/train/metrics.parquet``
-  (``step_time_s``: the step's wall time; ``tokens``: its response tokens). In the GPU setting
+  (``step_time_s``: the step's wall time; ``nonpad_tokens``: its tokens). In the GPU setting
   (config/examples/gpu_qwen2.5-0.5b.yaml) a job makes one step, the first of a fresh process:
   ``cold`` (the CUDA context, cuBLAS handles and the allocator's first blocks are in it).
 - ``--warm-steps N``: one more train job, ``otbflow train`` with the first run's resolved config
@@ -13,17 +13,16 @@ Steps come from two places:
   ``train.ppo_epochs=N``: N steps in one process, of which the 2nd to the Nth are ``warm``.
 
 Tokens: all non-pad tokens of the step, the response tokens plus the prompt tokens of its rows
-(the advantages table's mean prompt length x the step's sequences: exact when a step takes every
-row, as in the GPU setting); ``mfu_response_tokens`` counts the responses alone. 6 x parameters
+(the train metrics' ``nonpad_tokens``); ``mfu_response_tokens`` counts the responses alone. 6 x parameters
 counts the forward and backward matrix products once per token: the parameters are counted once
 where tied (the output head is the embedding's matrix), attention's products over the sequence
 (~1% at ~200 tokens and this width) are left out, and the head is counted for prompt tokens whose
 logits the loss does not compute (the prompt share x the head's share of the parameters, ~2% here,
 too high).
 
-Peak: the dense bf16 tensor-core FLOP/s of the GPU, by the name torch gives it (``PEAK``, each
-with its source: NVIDIA's datasheets give the figure with 2:4 sparsity, twice the dense one). On a
-GPU not in the table, or on CPU, ``mfu`` is null.
+Peak: the dense bf16 tensor-core FLOP/s of the GPU, by the name torch gives it
+(``otbflow.hardware.PEAKS``, the table the train stage's own ``mfu`` column uses). On a GPU not in
+the table, or on CPU, ``mfu`` is null.
 
 Prints JSON (and writes it to ``--out``) naming the command, the date, the GPU and the versions::
 
@@ -44,25 +43,8 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-H100 = "https://www.nvidia.com/en-us/data-center/h100/ (BF16 Tensor Core, with sparsity)"
-H200 = "https://www.nvidia.com/en-us/data-center/h200/ (BF16 Tensor Core, with sparsity)"
-A100 = "https://www.nvidia.com/en-us/data-center/a100/ (BF16 Tensor Core, dense)"
-# (part of torch.cuda.get_device_name, dense bf16 TFLOP/s, source): the first match wins
-PEAK = (
-    ("H100 PCIe", 756.0, f"H100 PCIe: 1,513 / 2; {H100}"),
-    ("H100 NVL", 835.0, f"H100 NVL: 1,671 / 2; {H100}"),
-    ("H100", 989.0, f"H100 SXM ('NVIDIA H100 80GB HBM3'): 1,979 / 2; {H100}"),
-    ("H200 NVL", 835.0, f"H200 NVL: 1,671 / 2; {H200}"),
-    ("H200", 989.0, f"H200 SXM: 1,979 / 2; {H200}"),
-    ("A100", 312.0, f"A100 SXM and PCIe: 312; {A100}"),
-)
-
-
-def peak_for(gpu: str | None) -> tuple[float | None, str]:
-    for part, tflops, source in PEAK:
-        if gpu and part in gpu:
-            return tflops, source
-    return None, f"no dense bf16 peak known for {gpu or 'a CPU'} (benchmarks/bench_train_mfu.py, PEAK)"
+sys.path.insert(0, str(REPO / "src"))
+from otbflow.hardware import peak_for  # noqa: E402  (the one table of GPU peaks)
 
 
 def parameters(policy: Path) -> int:
@@ -81,22 +63,16 @@ def parameters(policy: Path) -> int:
     return n
 
 
-def mean_prompt_length(advantages: Path) -> float:
-    import pyarrow.compute as pc
+def steps_of(metrics: Path, params: int, peak: float | None, **labels) -> list[dict]:
+    """Each step of a train metrics table with its TFLOP/s and MFU against ``peak``, from the
+    step's own ``nonpad_tokens`` and ``step_time_s`` (``tokens_per_s`` as the train stage computed
+    it; its ``mfu`` column used the same table of peaks)."""
     import pyarrow.parquet as pq
 
-    column = pq.read_table(advantages, columns=["prompt_ids"]).column("prompt_ids")
-    return pc.mean(pc.list_value_length(column)).as_py()
-
-
-def steps_of(metrics: Path, advantages: Path, params: int, peak: float | None, **labels) -> list[dict]:
-    import pyarrow.parquet as pq
-
-    prompt = mean_prompt_length(advantages)
     out = []
-    for row in pq.read_table(metrics, columns=["step", "step_time_s", "tokens", "sequences"]).to_pylist():
-        nonpad = row["tokens"] + prompt * row["sequences"]
-        t = row["step_time_s"]
+    columns = ["step", "step_time_s", "tokens", "nonpad_tokens", "sequences"]
+    for row in pq.read_table(metrics, columns=columns).to_pylist():
+        nonpad, t = row["nonpad_tokens"], row["step_time_s"]
         tflops = 6 * params * nonpad / t / 1e12
         out.append(
             {
@@ -105,7 +81,7 @@ def steps_of(metrics: Path, advantages: Path, params: int, peak: float | None, *
                 "sequences": row["sequences"],
                 "step_time_s": round(t, 4),
                 "response_tokens": row["tokens"],
-                "nonpad_tokens": round(nonpad),
+                "nonpad_tokens": nonpad,
                 "tokens_per_s": round(nonpad / t, 1),
                 "tflops": round(tflops, 2),
                 "mfu": round(tflops / peak, 4) if peak else None,
@@ -164,7 +140,7 @@ def warm_job(run: Path, steps: int, work: Path, params: int, peak: float | None)
     job_s = time.perf_counter() - t0
     if res.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-3000:]}")
-    all_steps = steps_of(metrics, advantages, params, peak, run=run.name, iteration=0)
+    all_steps = steps_of(metrics, params, peak, run=run.name, iteration=0)
     return {"command": " ".join(cmd), "job_s": round(job_s, 2), "steps": all_steps, "warm": mean(all_steps[1:])}
 
 
@@ -175,7 +151,6 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--work", type=Path, help="the extra train job's folder (default: FIRST_RUN/mfu_warm)")
     p.add_argument("--out", type=Path, help="also write the JSON here")
     a = p.parse_args(argv)
-    sys.path.insert(0, str(REPO / "src"))
     from machine import run_record  # benchmarks/machine.py (this folder is on sys.path)
 
     record = run_record()
@@ -200,8 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
     for run in runs:
         for metrics in sorted((run / "results").glob("iter_*/train/metrics.parquet")):
             k = int(metrics.parent.parent.name.split("_")[1])
-            advantages = run / "results" / f"iter_{k}" / "advantages" / "advantages.parquet"
-            result["cold"] += steps_of(metrics, advantages, params, peak, run=run.name, iteration=k)
+            result["cold"] += steps_of(metrics, params, peak, run=run.name, iteration=k)
     result["cold_mean"] = mean([s for s in result["cold"] if s["step"] == 0])
     if a.warm_steps:
         result["warm_job"] = warm_job(runs[0], a.warm_steps, a.work or runs[0] / "mfu_warm", params, peak)

@@ -80,7 +80,7 @@ def test_decode_profile_attributes_cuda_kernels(tmp_path):
 
 def test_this_gpu_has_a_known_peak():
     """The MFU needs the card's dense bf16 peak: the name torch gives this GPU is in the table."""
-    from bench_train_mfu import peak_for
+    from otbflow.hardware import peak_for
 
     name = torch.cuda.get_device_name(0)
-    assert peak_for(name)[0] is not None, f"add {name!r} to PEAK in benchmarks/bench_train_mfu.py"
+    assert peak_for(name)[0] is not None, f"add {name!r} to PEAKS in src/otbflow/hardware.py"

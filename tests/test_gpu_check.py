@@ -100,7 +100,7 @@ def test_list_settings_names_what_check_sh_runs():
 
 
 def test_peaks_by_device_name():
-    from bench_train_mfu import peak_for
+    from otbflow.hardware import peak_for
 
     assert peak_for("NVIDIA H100 80GB HBM3")[0] == 989.0 and peak_for("NVIDIA H200")[0] == 989.0
     assert peak_for("NVIDIA H100 PCIe")[0] == 756.0 and peak_for("NVIDIA H200 NVL")[0] == 835.0
@@ -108,14 +108,14 @@ def test_peaks_by_device_name():
 
 
 def test_mfu_of_a_step(tmp_path):
-    """6 x parameters x (response + prompt tokens) / step time / peak, on a metrics row and an
-    advantages table written as the stages write them (the columns it reads)."""
+    """6 x parameters x (response + prompt tokens) / step time / peak, on a metrics row with the
+    columns the train stage writes."""
     from bench_train_mfu import steps_of
 
-    metrics, advantages = tmp_path / "metrics.parquet", tmp_path / "advantages.parquet"
-    pq.write_table(pa.table({"step": [0], "step_time_s": [2.0], "tokens": [100], "sequences": [2]}), metrics)
-    pq.write_table(pa.table({"prompt_ids": [[1, 2, 3], [4, 5, 6, 7, 8]]}), advantages)
-    (step,) = steps_of(metrics, advantages, params=10**9, peak=1000.0, run="r", iteration=0)
+    metrics = tmp_path / "metrics.parquet"
+    row = {"step": [0], "step_time_s": [2.0], "tokens": [100], "nonpad_tokens": [108], "sequences": [2]}
+    pq.write_table(pa.table(row), metrics)
+    (step,) = steps_of(metrics, params=10**9, peak=1000.0, run="r", iteration=0)
     assert step["nonpad_tokens"] == 108 and step["tokens_per_s"] == 54.0
     assert step["tflops"] == pytest.approx(6 * 10**9 * 108 / 2 / 1e12, abs=0.01)
     assert step["mfu"] == pytest.approx(6 * 10**9 * 108 / 2 / 1e12 / 1000, abs=1e-4)

@@ -38,6 +38,7 @@ from otbflow.train_state import OptimizerStateError
 MODEL = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.n_positions=64"]
 TEMPERATURE = 0.8  # not 1, so that a missing temperature shows
 N_SEQ = 8
+WALL = ("step_time_s", "tokens_per_s")  # the metrics' wall-time columns
 
 
 def clip(low: float, high: float, c: float | None = None) -> SimpleNamespace:
@@ -378,6 +379,101 @@ def test_run_gradient_equals_full_batch_gradient(policy_dir, features_path, tmp_
     assert row["grad_norm"] == pytest.approx(norm, rel=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2"])
+def test_packed_log_probs_and_gradients_equal_each_sequence_alone(arch):
+    """Three sequences of unequal lengths packed in one row (train.packing): each token's log-prob
+    equals that of its sequence run alone through the model's own forward (no padding, no
+    packing: plain_token_stats), and the gradient of a token-mean loss over two micro-batches of
+    unequal token counts equals the padded path's, both within 1e-6 in fp32."""
+    tok = build_char_tokenizer()
+    model = build_tiny_model(make_cfg(f"model.arch={arch}", "model.n_layer=2").model, tok, seed=3)
+    logits.check_packing(model)  # the start-up check passes for the architectures otbflow builds
+    rng = np.random.default_rng(5)
+    seqs = [
+        (rng.integers(3, len(tok), size=p).tolist(), rng.integers(3, len(tok), size=r).tolist())
+        for p, r in [(3, 7), (6, 1), (2, 11), (5, 4), (4, 9)]
+    ]
+    for prompt, response in seqs:
+        alone, _ = plain_token_stats(model, prompt, response)
+        batch = logits.pack([prompt, seqs[0][0]], [response, seqs[0][1]], tok.pad_token_id, packed=True)
+        got, _, _ = response_token_stats(
+            model,
+            batch["input_ids"],
+            None,
+            batch["rows"],
+            batch["pos"],
+            batch["targets"],
+            TEMPERATURE,
+            position_ids=batch["position_ids"],
+        )
+        assert torch.allclose(got[: len(response)], alone, atol=1e-6, rtol=0)
+
+    adv = [rng.standard_normal(len(r)).tolist() for _, r in seqs]
+    micro = [[0, 1], [2, 3, 4]]  # 8 and 24 response tokens
+    total = sum(len(r) for _, r in seqs)
+    results = []
+    for packed in (False, True):
+        model.zero_grad()
+        loss_sum = 0.0
+        for rows in micro:
+            batch = logits.pack([seqs[i][0] for i in rows], [seqs[i][1] for i in rows], tok.pad_token_id, packed=packed)
+            logp, _, _ = response_token_stats(
+                model,
+                batch["input_ids"],
+                batch.get("attention_mask"),
+                batch["rows"],
+                batch["pos"],
+                batch["targets"],
+                TEMPERATURE,
+                position_ids=batch.get("position_ids"),
+            )
+            a = torch.tensor([x for i in rows for x in adv[i]])
+            loss = -(a * logp).sum() / total  # token-mean over the step's tokens
+            loss.backward()
+            loss_sum += float(loss.detach())
+        results.append((loss_sum, {k: p.grad.clone() for k, p in model.named_parameters()}))
+    (padded_loss, padded_grad), (packed_loss, packed_grad) = results
+    assert abs(packed_loss - padded_loss) <= 1e-6
+    for k in padded_grad:
+        assert torch.allclose(packed_grad[k], padded_grad[k], atol=1e-6, rtol=0), k
+
+
+def test_packed_steps_equal_padded_steps(policy_dir, features_path, tmp_path):
+    """The train stage with train.packing: micro-batches of 3 rows (3 + 3 + 2, unequal token
+    counts), token-mean: the step's loss and gradient norm within 1e-6 of the padded stage's;
+    nonpad_tokens is the step's prompt and response tokens, counted from the table."""
+    df = write_advantages(features_path, tmp_path / "adv.parquet", random_advantages(features_path))
+    rows = {}
+    for packing in ("false", "true"):
+        cfg = make_cfg("train.mini_batch_size=9", "train.micro_batch_size=3", f"train.packing={packing}")
+        args = Args(
+            advantages=str(tmp_path / "adv.parquet"),
+            policy=str(policy_dir),
+            out=str(tmp_path / f"next_{packing}"),
+            metrics=str(tmp_path / f"metrics_{packing}.parquet"),
+        )
+        run(cfg, args)
+        rows[packing] = read_table(args.metrics, schemas.TRAIN_METRICS).row(0, named=True)
+    padded_row, packed_row = rows["false"], rows["true"]
+    assert packed_row["loss"] == pytest.approx(padded_row["loss"], abs=1e-6, rel=0)
+    assert packed_row["grad_norm"] == pytest.approx(padded_row["grad_norm"], abs=1e-6, rel=0)
+    tokens = sum(len(p) + len(r) for p, r in zip(df["prompt_ids"].to_list(), df["response_ids"].to_list()))
+    assert packed_row["nonpad_tokens"] == padded_row["nonpad_tokens"] == tokens
+    assert packed_row["tokens_per_s"] == pytest.approx(tokens / packed_row["step_time_s"])
+    assert np.isnan(packed_row["mfu"])  # no GPU peak on a CPU
+
+
+def test_packing_is_refused_for_a_model_that_mixes_packed_sequences(monkeypatch):
+    """check_packing: a forward that ignores the position ids (so packed sequences attend to each
+    other) is refused with the option to turn off."""
+    tok = build_char_tokenizer()
+    model = build_tiny_model(make_cfg("model.arch=llama").model, tok, seed=3)
+    forward = model.model.forward
+    monkeypatch.setattr(model.model, "forward", lambda *a, position_ids=None, **k: forward(*a, **k))
+    with pytest.raises(ValueError, match="set train.packing false"):
+        logits.check_packing(model)
+
+
 def test_run_is_reproducible_with_partial_mini_batches(policy_dir, features_path, tmp_path):
     write_advantages(features_path, tmp_path / "adv.parquet", random_advantages(features_path))
     cfg = make_cfg("train.mini_batch_size=6", "train.micro_batch_size=2", "train.ppo_epochs=2", "seed=7")
@@ -398,7 +494,7 @@ def test_run_is_reproducible_with_partial_mini_batches(policy_dir, features_path
     m = tables[0]
     assert m["step"].to_list() == [0, 1, 2, 3] and m["sequences"].to_list() == [6, 2, 6, 2]
     assert m["approx_kl"][1:].max() > 0  # later steps see a policy that moved
-    assert m.drop("step_time_s").equals(tables[1].drop("step_time_s"))
+    assert m.drop(WALL).equals(tables[1].drop(WALL))
 
 
 # ------------------------------------------------------------------------------------------
@@ -1274,8 +1370,8 @@ def test_kill_9_then_rerun_resumes_to_the_same_weights(policy_dir, features_path
     whole, resumed = load_model(tmp_path / "whole").state_dict(), load_model(tmp_path / "killed").state_dict()
     for k in whole:
         assert torch.equal(whole[k], resumed[k]), k
-    a = read_table(tmp_path / "whole.parquet", schemas.TRAIN_METRICS).drop("step_time_s")
-    b = read_table(tmp_path / "killed.parquet", schemas.TRAIN_METRICS).drop("step_time_s")
+    a = read_table(tmp_path / "whole.parquet", schemas.TRAIN_METRICS).drop(WALL)
+    b = read_table(tmp_path / "killed.parquet", schemas.TRAIN_METRICS).drop(WALL)
     assert a.equals(b)
     assert not (tmp_path / "killed.ckpt").exists()  # removed once the outputs are written
     assert (tmp_path / "killed.opt" / "meta.json").is_file() and not list(tmp_path.glob(".*.partial"))

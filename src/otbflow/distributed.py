@@ -10,7 +10,7 @@ import subprocess
 import torch
 from omegaconf import DictConfig
 
-from otbflow.logits import ResponseLogprobs, check_head_logits
+from otbflow.logits import ResponseLogprobs, check_head_logits, check_packing
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +134,8 @@ def build_engine(policy_dir: str, tc: DictConfig, world_size: int):
     else:
         policy = load_fp32(policy_dir)
         check_head_logits(policy)  # on the fp32 model, before DeepSpeed casts or moves it
+        if tc.packing:
+            check_packing(policy)
     # Eval mode, as in the features stage: no dropout (nor any other train-only randomness), so that
     # log pi_theta at the first step is the stored log pi_old. verl keeps dropout out of RL too
     # (its supported models have zero dropout, `override_config` exists "mainly [for] dropout",
@@ -143,6 +145,8 @@ def build_engine(policy_dir: str, tc: DictConfig, world_size: int):
     engine, *_ = deepspeed.initialize(model=module, model_parameters=module.parameters(), config=config)
     if tc.zero_stage == 3:
         check_head_logits(engine.module.policy)  # partitioned: ZeRO-3's hooks gather each layer for the check
+        if tc.packing:
+            check_packing(engine.module.policy)
     return engine
 
 

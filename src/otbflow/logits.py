@@ -198,25 +198,59 @@ def padded(
 
 
 def pack(
-    prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int, device: torch.device | str = "cpu"
+    prompt_ids: list[list[int]],
+    response_ids: list[list[int]],
+    pad_id: int,
+    device: torch.device | str = "cpu",
+    packed: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Right-padded prompt + response ids and, for each response token t of row i, flattened:
-    ``rows`` = i, ``pos`` = len(prompt_i) - 1 + t (the position predicting it), ``cols`` = t and
-    ``targets`` = the token id. Shared by the features and train stages, so both compute the
-    same log-probs."""
+    """The prompt + response sequences as the model's input and, for each response token t of
+    sequence i, flattened: ``seqs`` = i, ``cols`` = t, ``targets`` = the token id, and (``rows``,
+    ``pos``) = where in the input the position predicting it is. Shared by the features and train
+    stages, so both compute the same log-probs.
+
+    Padded (default): ``input_ids`` [sequences, longest] right-padded with its ``attention_mask``;
+    ``rows`` = i, ``pos`` = len(prompt_i) - 1 + t. Packed: every sequence one after the other in
+    one row [1, total tokens], no padding and no attention mask, ``position_ids`` restarting at 0
+    with each sequence (transformers keeps packed sequences apart from them: a block-diagonal causal
+    mask, flash-attention's variable-length kernel); ``rows`` = 0, ``pos`` = the sequence's offset +
+    len(prompt_i) - 1 + t. The two give the same results up to float rounding
+    (``check_packing``)."""
     seqs = [p + r for p, r in zip(prompt_ids, response_ids)]
 
     def tensor(values):
         return torch.tensor(values, dtype=torch.long, device=device)
 
-    return {
-        "input_ids": padded(seqs, pad_id, device=device),
-        "attention_mask": padded([[1] * len(s) for s in seqs], 0, device=device),
-        "rows": tensor([i for i, r in enumerate(response_ids) for _ in r]),
-        "pos": tensor([len(p) - 1 + t for p, r in zip(prompt_ids, response_ids) for t in range(len(r))]),
+    flat = {
+        "seqs": tensor([i for i, r in enumerate(response_ids) for _ in r]),
         "cols": tensor([t for r in response_ids for t in range(len(r))]),
         "targets": tensor([t for r in response_ids for t in r]),
     }
+    if not packed:
+        return {
+            "input_ids": padded(seqs, pad_id, device=device),
+            "attention_mask": padded([[1] * len(s) for s in seqs], 0, device=device),
+            "rows": flat["seqs"],
+            "pos": tensor([len(p) - 1 + t for p, r in zip(prompt_ids, response_ids) for t in range(len(r))]),
+            **flat,
+        }
+    offsets = [0]
+    for s in seqs:
+        offsets.append(offsets[-1] + len(s))
+    return {
+        "input_ids": tensor([x for s in seqs for x in s]).reshape(1, -1),
+        "position_ids": tensor([t for s in seqs for t in range(len(s))]).reshape(1, -1),
+        "rows": torch.zeros(len(flat["targets"]), dtype=torch.long, device=device),
+        "pos": tensor(
+            [o + len(p) - 1 + t for o, p, r in zip(offsets, prompt_ids, response_ids) for t in range(len(r))]
+        ),
+        **flat,
+    }
+
+
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
+    """The keyword arguments of the model's forward for a ``pack`` batch, padded or packed."""
+    return {k: batch.get(k) for k in ("input_ids", "attention_mask", "position_ids")}
 
 
 class ResponseLogits:
@@ -228,10 +262,9 @@ class ResponseLogits:
 
     def __init__(self, model, batch: dict[str, torch.Tensor]):
         self.rows, self.pos = batch["rows"], batch["pos"]
-        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
         self.head = model.get_output_embeddings()
         self.transform = logit_transform(model)
-        self._hidden = model.base_model(**inputs).last_hidden_state
+        self._hidden = model.base_model(**model_inputs(batch), use_cache=False).last_hidden_state
 
     def hidden(self, sl: slice) -> torch.Tensor:
         return self._hidden[self.rows[sl], self.pos[sl]]
@@ -281,6 +314,37 @@ def check_head_logits(model) -> LogitTransform | None:
     if transform is not None:
         log.info("%s: logits = %s, as its forward computes them (max |diff| %.2g)", model_type, transform, err)
     return transform
+
+
+def check_packing(model) -> None:
+    """Refuse packing (``train.packing``) for a model whose forward lets packed sequences see each
+    other: the log-probs of three sequences of unequal lengths, packed (``pack(packed=True)``)
+    against padded, on the model as the train stage holds it. A ValueError naming the model type
+    where they differ by more than 1e-4 (fp32; 2e-2 at bf16 or fp16)."""
+    model_type = getattr(model.config, "model_type", type(model).__name__)
+    head = model.get_output_embeddings()
+    n_vocab = getattr(head.weight, "ds_shape", head.weight.shape)[0]
+    ids = [(7919 * i + 11) % n_vocab for i in range(3 * CHECK_TOKENS)]
+    prompts, responses = [ids[:2], ids[8:13], ids[16:17]], [ids[2:6], ids[13:14], ids[17:23]]
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            got = []
+            for packed in (False, True):
+                batch = pack(prompts, responses, 0, model.device, packed=packed)
+                project = ResponseLogits(model, batch)
+                logits = project(slice(None)).float()
+                got.append(torch.log_softmax(logits, -1).gather(-1, batch["targets"][:, None]).squeeze(-1))
+    finally:
+        model.train(training)
+    tol = 1e-4 if head.weight.dtype in (torch.float32, torch.float64) else 2e-2
+    err = float((got[0] - got[1]).abs().max())
+    if not err <= tol:
+        raise ValueError(
+            f"{model_type}: packed sequences are not kept apart by this model's forward (packed log-probs "
+            f"differ from padded ones by up to {err:.3g}, tolerance {tol:g}): set train.packing false"
+        )
 
 
 def streamed_token_stats(
@@ -497,6 +561,7 @@ def response_token_stats(
     chunk_size: int = 256,
     entropy_grad: bool = False,
     min_p: float = 0.0,
+    position_ids=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(log pi(y_t), entropy, pruning) of every response token, flattened, computed over chunks
     of ``chunk_size`` tokens (``logit_stats``; pruning: [tokens, 3], ``PRUNING_STATS``). The
@@ -509,8 +574,8 @@ def response_token_stats(
     its logits (``logit_transform``) runs per chunk after the head, before the temperature."""
     from torch.utils.checkpoint import checkpoint
 
-    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "rows": rows, "pos": pos}
-    project = ResponseLogits(model, batch)
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+    project = ResponseLogits(model, {**batch, "rows": rows, "pos": pos})
     outs: list[tuple[torch.Tensor, ...]] = []
     for start in range(0, len(targets), chunk_size):
         sl = slice(start, start + chunk_size)
@@ -545,6 +610,7 @@ class ResponseLogprobs(torch.nn.Module):
         temperature: float,
         entropy_grad: bool = False,
         min_p: float = 0.0,
+        position_ids=None,
     ):
         return response_token_stats(
             self.policy,
@@ -557,6 +623,7 @@ class ResponseLogprobs(torch.nn.Module):
             self.chunk_size,
             entropy_grad,
             min_p,
+            position_ids,
         )
 
 
@@ -564,7 +631,7 @@ def to_padded(flat: torch.Tensor, batch: dict[str, torch.Tensor], n_rows: int) -
     """Scatter flat per-token values into [n_rows, longest response], zeros elsewhere
     (differentiable)."""
     width = int(batch["cols"].max()) + 1 if len(batch["cols"]) else 0
-    return flat.new_zeros(n_rows, width).index_put((batch["rows"], batch["cols"]), flat)
+    return flat.new_zeros(n_rows, width).index_put((batch["seqs"], batch["cols"]), flat)
 
 
 def policy_logprobs(

@@ -94,6 +94,7 @@ class Trainer:
             "pruned_mass": sums["pruned_mass"] / tokens,
             "forced_tokens": int(round(sums["forced"])),
             "tokens": global_tokens,
+            "nonpad_tokens": sum(len(data["prompt_ids"][i]) + len(data["response_ids"][i]) for i in mini),
             "sequences": len(mini),
             "mean_response_length": float(np.mean([len(data["response_ids"][i]) for i in mini])),
             **variance_proxies(sums["power"] / len(mini), norm, len(mini)),
@@ -110,17 +111,19 @@ class Trainer:
         engine, data, cfg = self.engine, self.data, self.cfg
         tc = cfg.train
         dev = engine.device
-        batch = pack([data["prompt_ids"][i] for i in rows], [data["response_ids"][i] for i in rows], self.pad_id, dev)
+        prompts, responses = [data["prompt_ids"][i] for i in rows], [data["response_ids"][i] for i in rows]
+        batch = pack(prompts, responses, self.pad_id, dev, packed=tc.packing)
         min_p = cfg.rollout.min_p
         flat_logp, flat_entropy, flat_pruning = engine(
             batch["input_ids"],
-            batch["attention_mask"],
+            batch.get("attention_mask"),
             batch["rows"],
             batch["pos"],
             batch["targets"],
             cfg.rollout.temperature,
             tc.entropy_coef > 0,
             min_p,
+            batch.get("position_ids"),
         )
         logp = to_padded(flat_logp, batch, len(rows))
         width = logp.shape[1]
@@ -141,13 +144,14 @@ class Trainer:
                 ref_flat, _, _ = response_token_stats(
                     self.ref_model,
                     batch["input_ids"],
-                    batch["attention_mask"],
+                    batch.get("attention_mask"),
                     batch["rows"],
                     batch["pos"],
                     batch["targets"],
                     cfg.rollout.temperature,
                     tc.logprob_chunk_size,
                     min_p=min_p,
+                    position_ids=batch.get("position_ids"),
                 )
             kl_ref = low_var_kl(logp, to_padded(ref_flat, batch, len(rows)))
             token_loss = token_loss + tc.kl_coef * kl_ref

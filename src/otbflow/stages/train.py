@@ -33,6 +33,7 @@ from otbflow.distributed import (
     init_distributed_env,
     load_reference,
 )
+from otbflow.hardware import device_peak, mfu, parameter_count
 from otbflow.io import SchemaError, fault_point, write_json, write_parquet
 from otbflow.lr_schedule import LRSchedule
 from otbflow.model import set_threads
@@ -131,6 +132,7 @@ def run(cfg: DictConfig, args: Args) -> None:
     tok = AutoTokenizer.from_pretrained(args.policy, local_files_only=True)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     trainer = Trainer(engine, data, cfg, pad_id, rank, world_size, ref_model)
+    parameters, peak = parameter_count(engine.module), device_peak(engine.device)
 
     plan = mini_batches(n, tc, seed)
     schedule = LRSchedule.from_dict(tc, json.loads(Path(args.prev_state).read_text()) if args.prev_state else None)
@@ -161,13 +163,18 @@ def run(cfg: DictConfig, args: Args) -> None:
         events = ["skipped: non-finite loss or gradient"] if m["skipped"] else []
         events += [e for e in [schedule.observe(m["mean_response_length"], m["tokens"])] if e]
         skips = skips + 1 if m["skipped"] else 0
+        seconds = time.perf_counter() - t0
+        nonpad = m.pop("nonpad_tokens")
         metrics.append(
             {
                 "iteration": args.iteration,
                 "step": i,
                 **m,
                 "event": "; ".join(events),
-                "step_time_s": time.perf_counter() - t0,
+                "step_time_s": seconds,
+                "nonpad_tokens": nonpad,
+                "tokens_per_s": nonpad / seconds,
+                "mfu": mfu(parameters, nonpad, seconds, peak, world_size),
             }
         )
         curves.log("train", _curve_values(metrics[-1]), step0 + i, args.iteration, schedule.state.tokens)
