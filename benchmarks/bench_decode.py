@@ -8,7 +8,11 @@ token, so every row runs every step (``steps`` says how many ran). Paths, each o
 and then the best of ``--repeats``, CUDA synchronised:
 
 - ``otbflow``: ``otbflow.engines.hf.hf_generate``, the rollout's transformers backend (its
-  ``RowSampler``: Gumbel-max with noise hashed per row, step and token; the log-probs recorded);
+  ``RowSampler``: Gumbel-max with noise hashed per row, step and token; the log-probs recorded),
+  with ``rollout.hf_decode: eager`` (a dynamic KV cache);
+- ``otbflow_static``, ``otbflow_compiled``: the same with ``hf_decode`` 'static' (a static KV
+  cache) and 'compiled' (the static cache, the forward compiled, CUDA graphs on a GPU, the sampler
+  fused; the warm-up call's ``warmup_s`` holds the compilation);
 - ``sample``: transformers' multinomial sampling, ``generate(do_sample=True, top_k=0)``;
 - ``static``: the same with ``cache_implementation="static"``, not compiled (``disable_compile``:
   the baseline the fast-decoding work is measured against);
@@ -22,12 +26,14 @@ of the model over the rows' prompts, timed alone), ``tokens_per_s`` (rows x step
 ``decode_tokens_per_s`` (rows / decode step).
 
 ``profile``: ``torch.profiler`` over one ``hf_generate`` call of ``--profile-steps`` + 1 new
-tokens. Its decode steps (after the first sampler call, which follows the prefill) are split by
-the op that launched each kernel: ``sampler`` (inside ``RowSampler.__call__``, marked with a
-``record_function`` for this run), ``matmul`` (aten::mm, addmm, bmm, ...), ``attention``
-(scaled-dot-product attention ops), ``other``; the share of each in the kernels' time (on CPU:
-in the ops' own CPU time), with the host's wall time and the kernels launched per step. The
-goal of the fast-decoding work: the sampler at most 10% of a decode step's CUDA time.
+tokens, on ``otbflow_compiled`` where it runs (else ``otbflow``). Its decode steps (after the
+first sampler call, which follows the prefill) are split by the op that launched each kernel:
+``sampler`` (inside ``RowSampler.__call__``, marked with a ``record_function`` for this run;
+under CUDA graphs the forward's kernels launch as one graph, counted as ``other``), ``matmul``
+(aten::mm, addmm, bmm, ...), ``attention`` (scaled-dot-product attention ops), ``other``; the
+share of each in the kernels' time (on CPU: in the ops' own CPU time), with the host's wall time
+and the kernels launched per step. The goal of the fast-decoding work: the sampler at most 10% of
+a decode step's CUDA time.
 ``sampler_alone``: ``RowSampler`` on [rows, vocabulary] fp32 logits, and transformers' softmax +
 multinomial on the same, ms per call.
 
@@ -51,8 +57,8 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-PATHS = ("otbflow", "sample", "static", "static_compile")
-DEFAULT_PATHS = PATHS[:3]
+PATHS = ("otbflow", "otbflow_static", "otbflow_compiled", "sample", "static", "static_compile")
+DEFAULT_PATHS = ("otbflow", "otbflow_static", "otbflow_compiled", "sample", "static")  # on CPU less the compiled
 SAMPLER = "otbflow.RowSampler"
 MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear"}
 MATMUL_OPS |= {"aten::_scaled_mm"}
@@ -150,12 +156,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--paths", default=",".join(DEFAULT_PATHS), help="comma-separated, of " + ", ".join(PATHS))
+    ap.add_argument(
+        "--paths",
+        help="comma-separated, of "
+        + ", ".join(PATHS)
+        + "; default: all but static_compile (on CPU: and otbflow_compiled)",
+    )
     ap.add_argument("--profile-steps", type=int, default=4, help="decode steps profiled (0: no profile)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, help="also write the JSON here")
     a = ap.parse_args(argv)
-    paths = [p for p in a.paths.split(",") if p]
+    default = [p for p in DEFAULT_PATHS if a.device.startswith("cuda") or p != "otbflow_compiled"]
+    paths = [p for p in a.paths.split(",") if p] if a.paths else default
     if any(p not in PATHS for p in paths):
         ap.error(f"--paths: of {', '.join(PATHS)}")
     sys.path.insert(0, str(REPO / "src"))
@@ -179,8 +191,10 @@ def main(argv: list[str] | None = None) -> dict:
     mask = padded([[1] * len(p) for p in prompts], 0, left=True, device=dev).repeat_interleave(n, dim=0)
     width = ids.shape[1]
 
-    def otbflow(steps: int, seed: int):
-        out = hf_generate(model, tok, prompts, n, 1.0, 1.0, steps, batch_size=a.prompts, seed=seed, stop_ids=stops)
+    def otbflow(steps: int, seed: int, decode: str = "eager"):
+        out = hf_generate(
+            model, tok, prompts, n, 1.0, 1.0, steps, batch_size=a.prompts, seed=seed, stop_ids=stops, decode=decode
+        )
         return max(len(s.response_ids) for s in out)  # the longest row: the steps generate ran
 
     def transformers_sampling(static: bool, compiled: bool = False):
@@ -204,6 +218,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     runs = {
         "otbflow": otbflow,
+        "otbflow_static": lambda steps, seed: otbflow(steps, seed, "static"),
+        "otbflow_compiled": lambda steps, seed: otbflow(steps, seed, "compiled"),
         "sample": transformers_sampling(False),
         "static": transformers_sampling(True),
         "static_compile": transformers_sampling(True, compiled=True),
@@ -271,11 +287,12 @@ def main(argv: list[str] | None = None) -> dict:
 
         cuda = dev.startswith("cuda")
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        otbflow(a.profile_steps + 1, a.seed)  # warm
+        profiled = "otbflow_compiled" if "otbflow_compiled" in paths else "otbflow"  # the fastest otbflow path
+        runs[profiled](a.profile_steps + 1, a.seed)  # warm
         with marked_sampler(), profile(activities=activities) as prof:
-            otbflow(a.profile_steps + 1, a.seed)
+            runs[profiled](a.profile_steps + 1, a.seed)
             sync(dev)
-        result["profile"] = breakdown(prof.events(), cuda, a.profile_steps)
+        result["profile"] = {"path": profiled, **breakdown(prof.events(), cuda, a.profile_steps)}
 
     vocab = model.config.vocab_size
     scores = torch.randn(rows, vocab, device=dev, dtype=torch.float32)

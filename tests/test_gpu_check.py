@@ -83,12 +83,12 @@ def test_bench_decode_on_cpu(policy, tmp_path):
     )
     res = json.loads(out.read_text())
     assert res["machine"]["gpu"] is None and res["command"].startswith("python benchmarks/bench_decode.py --policy")
-    assert res["rows"] == 8 and set(res["paths"]) == {"otbflow", "sample", "static"}
+    assert res["rows"] == 8 and set(res["paths"]) == {"otbflow", "otbflow_static", "sample", "static"}
     for path in res["paths"].values():
         assert path["steps"] == 8 and path["ms_per_step"] > 0 and path["tokens_per_s"] > 0
     prof = res["profile"]
     assert prof["sampler_calls"] == 3 and prof["decode_steps"] == 2 and prof["us_per_step"]["sampler"] > 0
-    assert abs(sum(prof["share"].values()) - 1) < 1e-3
+    assert prof["path"] == "otbflow" and abs(sum(prof["share"].values()) - 1) < 1e-3
     assert res["sampler_alone"]["row_sampler_ms"] > 0
 
 

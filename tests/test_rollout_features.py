@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from otbflow import mismatch, schemas
+from otbflow.engines import hf
 from otbflow.engines.hf import hf_generate
 from otbflow.io import read_metadata, read_table
 from otbflow.logits import sequence_token_stats, token_stats
@@ -58,6 +59,65 @@ def test_samples_are_per_row_independent_of_the_batch(tiny_policy):
             assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
     copies = [tuple(s.response_ids) for s in runs[0] if s.prompt_index < 4]
     assert len(set(copies)) == len(copies)
+
+
+def test_row_noise_is_finite_at_the_hash_extremes():
+    """u = (h + 0.5) / 2^32 in fp64 stays strictly inside (0, 1) for h = 0 and h = 2^32 - 1, so
+    the Gumbel noise is finite at both ends; in fp32 the top hashes round to u = 1.0 (an infinite
+    noise), which is why the noise is fp64. The hashes of a whole vocabulary stay in [0, 2^32)."""
+    top, bottom = 2**32 - 1, 0
+    noise = hf.gumbel_of_hash(torch.tensor([bottom, top]))
+    assert torch.isfinite(noise).all()
+    u = torch.tensor([bottom, top], dtype=torch.float64).add(0.5).div(2.0**32)
+    assert noise.tolist() == [-math.log(-math.log(x)) for x in u.tolist()]  # the formula, by hand
+    assert 0.0 < u[0] and u[1] < 1.0
+    assert (torch.tensor([top], dtype=torch.float32) + 0.5) / 2.0**32 == 1.0  # fp32 would give -log(-log 1) = inf
+    keys = hf.row_keys(0, range(3), 2, "cpu")
+    h = hf.token_hashes(keys, 191, 151_936)
+    assert int(h.min()) >= 0 and int(h.max()) < 2**32
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2"])
+def test_the_static_cache_samples_what_the_dynamic_one_does(arch, cfg):
+    """rollout.hf_decode 'static' (a static KV cache, left-padded batches) against 'eager' (the
+    dynamic cache): the same tokens, log-probs within 1e-5 (the attention runs over the cache's
+    full length, so the sums round differently)."""
+    from otbflow.model import build_char_tokenizer, build_tiny_model
+
+    tok = build_char_tokenizer()
+    model = build_tiny_model(cfg.model.copy() | {"arch": arch}, tok, seed=0).eval()
+    ids = encode(tok, ["1+2=", "13+4+5=", "7*8="])
+    eager, static = (
+        hf_generate(model, tok, ids, n=4, max_new_tokens=12, seed=3, decode=m) for m in ("eager", "static")
+    )
+    assert [s.response_ids for s in static] == [s.response_ids for s in eager]
+    for a, b in zip(eager, static):
+        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-5)
+
+
+def test_the_compiled_decode_loop_on_cpu(qwen2_bpe_policy):
+    """rollout.hf_decode 'compiled', here on the CPU (inductor's C++ kernels; on a GPU, Triton's
+    and CUDA graphs): the fused sampler picks the Gumbel-max token of the eager noise at every
+    step and batch size (rows dynamic: one compilation), its log-probs those of log_softmax; and a
+    generate call with the forward compiled samples the eager path's tokens."""
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    keys = hf.row_keys(7, range(6), 4, "cpu")
+    for rows, step in [(24, 0), (24, 1), (10, 191)]:
+        z = torch.randn(rows, 4099, generator=torch.Generator().manual_seed(step))
+        token, logprob = hf.fused_step()(z, keys[:rows], torch.tensor(step))
+        assert torch.equal(token, (z.double() + hf.gumbel_noise(keys[:rows], step, 4099)).argmax(-1))
+        torch.testing.assert_close(
+            logprob, torch.log_softmax(z, -1).gather(-1, token[:, None])[:, 0], rtol=0, atol=1e-5
+        )
+    model, tok = load_policy(qwen2_bpe_policy)
+    ids = encode(tok, ["1+2=", "13+4+5=", "7*8="])
+    eager, compiled = (
+        hf_generate(model, tok, ids, n=2, max_new_tokens=8, seed=5, decode=m) for m in ("eager", "compiled")
+    )
+    assert [s.response_ids for s in compiled] == [s.response_ids for s in eager]
+    for a, b in zip(eager, compiled):
+        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-5)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs >= 2  # the sampler and the forward
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.8)])

@@ -2,8 +2,9 @@
 # Every GPU measurement of the issues "Fast decoding and training steps on a GPU" and "Warm stage
 # workers", on one GPU within --budget seconds (480: 8 minutes, the policy's build included), as
 # JSON under --out:
-#   decode.json     benchmarks/bench_decode.py: otbflow's sampler against transformers' sampling
-#                   (dynamic and static KV cache) on the same rows, and a profile of its decode steps
+#   decode.json     benchmarks/bench_decode.py: otbflow's decode loops (rollout.hf_decode eager,
+#                   static, compiled) against transformers' sampling (dynamic and static KV cache)
+#                   on the same rows, and a profile of the compiled loop's decode steps
 #   iteration.json  benchmarks/bench_iteration.py: the workflow chain at s = 0 and 1 (grpo_s0,
 #                   grpo_s1), and with workers (grpo_s0_workers, grpo_s1_workers) once the script
 #                   lists them (--list-settings); no TRL
@@ -93,7 +94,7 @@ step() {
 
 policy=$work/policy
 step policy 150 "$PY" benchmarks/make_policy.py --shape qwen2.5-0.5b --out "$policy" "${shape[@]}"
-step decode 150 "$PY" benchmarks/bench_decode.py --policy "$policy" --device "$device" "${decode[@]}" \
+step decode 240 "$PY" benchmarks/bench_decode.py --policy "$policy" --device "$device" "${decode[@]}" \
   --out "$out/decode.json"
 step gpu_tests 60 "$PY" -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_gpu.py
 settings=grpo_s0,grpo_s1

@@ -29,7 +29,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 # The registries that own the choice lists (none of them imports torch, nor this module).
-from otbflow.engines import BACKENDS, chat_setting, check_policy_folder
+from otbflow.engines import BACKENDS, HF_DECODE_MODES, chat_setting, check_policy_folder
 from otbflow.estimators import ESTIMATORS, estimator_parameters
 from otbflow.losses import LOSS_AGG_MODES, POLICY_LOSSES
 from otbflow.lr_schedule import SCHEDULES
@@ -381,6 +381,16 @@ class RolloutConfig:
     limit but the shard's prompts (each round draws prompts the earlier ones did not use)."""
     batch_size: int = opt(64, ge=1, le=100_000_000)
     """hf backend: prompts per generate call."""
+    hf_decode: str = opt("auto", choices=HF_DECODE_MODES)
+    """hf backend: the decode loop. 'eager': transformers' generate with a dynamic KV cache (the
+    bitwise-reproducible path) | 'static': a static KV cache, allocated once per generate call |
+    'compiled': the static cache with the forward compiled by torch.compile (CUDA graphs on a GPU),
+    the sampler compiled into fused kernels, and prompt batches padded to a multiple of 32 tokens
+    so that the graphs repeat (the first batch of each shape compiles: tens of seconds, paid once
+    per process) | 'auto': 'eager' on a CPU; on a GPU 'compiled' in a warm worker (workers.*:
+    compiled once, used by every later job) and 'static' in a one-job process. A row's sample is
+    the same function of its seed in every mode; they differ in the logits' rounding only
+    (docs/training.md, "The decode loop")."""
     tensor_parallel_size: int = opt(1, ge=1, le=100_000)
     """vllm backend: GPUs per engine (tensor parallelism); match the rule's GPU count."""
     gpu_memory_utilization: float = opt(0.85, gt=0, le=1)

@@ -33,7 +33,8 @@ class BackendEntry:
 # The backends by name (rollout.backend): the config's choices are these keys.
 BACKENDS = {
     # every row draws its own noise: the batch size changes memory and speed (samples only by rounding)
-    "hf": BackendEntry("otbflow.engines.hf:HFBackend", run_keys=("rollout.batch_size",)),
+    # and so does the decode loop (rollout.hf_decode)
+    "hf": BackendEntry("otbflow.engines.hf:HFBackend", run_keys=("rollout.batch_size", "rollout.hf_decode")),
     # tensor parallelism changes the reductions' order
     "vllm": BackendEntry(
         "otbflow.engines.vllm:VLLMBackend",
@@ -43,6 +44,9 @@ BACKENDS = {
 }
 """The generation engines by ``rollout.backend`` name (the config takes its choices from here, so
 this module imports neither the config nor the engines)."""
+
+HF_DECODE_MODES = ("auto", "eager", "static", "compiled")
+"""The hf backend's decode loops (``rollout.hf_decode``; ``otbflow.engines.hf.generation_config``)."""
 
 
 @dataclass

@@ -7,7 +7,14 @@ Gumbel-max with noise hashed from (the call's seed, i, j, step, token), so a row
 on neither its batch nor the other rows (duplicated prompts get different samples; another
 ``rollout.batch_size`` the same ones, up to the logits' rounding), and records the log-prob of
 the sampled token under the distribution it was sampled from (the log-prob contract:
-docs/training.md, "Log-probs")."""
+docs/training.md, "Log-probs").
+
+The decode loop (``rollout.hf_decode``, ``DECODE_MODES``): transformers' ``generate`` with its
+dynamic KV cache ('eager': the bitwise-reproducible CPU path), a static KV cache ('static'), or
+the static cache with the model's forward compiled by torch.compile, which generate runs through
+CUDA graphs, and the sampler compiled into fused kernels ('compiled'); 'auto' picks one by device
+and process (``decode_mode``). A row's sample is the same function of its key in every mode; the
+modes differ only in the logits' rounding."""
 
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from otbflow import resident
 from otbflow.engines import Sample, Sampling, stop_token_ids, truncate_at_stop
 from otbflow.logits import padded
 from otbflow.model import load_policy
@@ -28,7 +36,11 @@ log = logging.getLogger("otbflow.generate")
 
 _M32 = 0xFFFFFFFF
 _NOISE_ELEMENTS = 1 << 22
-"""Rows x vocabulary entries hashed at once (the int64 temporaries stay near 32 MiB each)."""
+"""Rows x vocabulary entries hashed at once on the eager path (the int64 temporaries stay near
+32 MiB each)."""
+WIDTH_BUCKET = 32
+"""'compiled': prompt batches are left-padded to a multiple of this width, so that the static
+cache's shapes, and the compiled graphs, repeat from batch to batch."""
 
 
 def processed_logits(logits: torch.Tensor, temperature: float, top_p: float, min_p: float = 0.0) -> torch.Tensor:
@@ -59,25 +71,79 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
+def token_hashes(row_keys: torch.Tensor, step, vocab: int) -> torch.Tensor:
+    """[rows, vocab] int64 hashes in [0, 2^32), a pure function of (row key, step, token id).
+    ``step``: an int, or an int64 tensor (the compiled sampler's, so that no step recompiles)."""
+    base = _fmix32(_fmix32(row_keys) ^ step)
+    tokens = (torch.arange(vocab, device=row_keys.device, dtype=torch.int64) * 0x9E3779B1) & _M32
+    return _fmix32((base[:, None] + tokens) & _M32)
+
+
+def gumbel_of_hash(h: torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel noise -log(-log u) of 32-bit hashes, u = (h + 0.5) / 2^32 in fp64: strictly
+    inside (0, 1) at both ends of the hash's range (in fp32 (h + 0.5) / 2^32 rounds to 1.0 for the
+    top 2^7 hashes, an infinite noise), so every token's noise is finite."""
+    return -torch.log(-torch.log((h.double() + 0.5) / 2.0**32))
+
+
 def gumbel_noise(row_keys: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
     """[rows, vocab] standard Gumbel noise, a pure function of (row key, step, token id): the same
     on any device, in any batch. ``row_keys``: int64 [rows] in [0, 2^31)."""
-    base = _fmix32(_fmix32(row_keys) ^ step)
-    tokens = (torch.arange(vocab, device=row_keys.device, dtype=torch.int64) * 0x9E3779B1) & _M32
-    u = (_fmix32((base[:, None] + tokens) & _M32).double() + 0.5) / 2.0**32
-    return -torch.log(-torch.log(u))
+    return gumbel_of_hash(token_hashes(row_keys, step, vocab))
+
+
+def gumbel_argmax(z: torch.Tensor, row_keys: torch.Tensor, step) -> torch.Tensor:
+    """The Gumbel-max token of each row of fp32 logits ``z`` [rows, vocab] with its own noise:
+    argmax(z + noise) in fp64. Written as one expression so that torch.compile fuses the hashing,
+    the noise and the argmax into one pass over the logits (``FusedSampler``); eagerly it holds
+    [rows, vocab] int64 temporaries, hence ``RowSampler``'s chunks."""
+    return (z.double() + gumbel_noise(row_keys, step, z.shape[-1])).argmax(dim=-1)
+
+
+def _fused_step(z: torch.Tensor, row_keys: torch.Tensor, step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    token = gumbel_argmax(z, row_keys, step)
+    logprob = z.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)
+    return token, logprob
+
+
+_COMPILED: dict[str, Any] = {}
+
+
+def fused_step():
+    """``_fused_step`` compiled by torch.compile (once per process; rows dynamic): the token and
+    its log-prob, log_softmax's value z_y - logsumexp(z), from fused kernels over the logits."""
+    if "step" not in _COMPILED:
+        _COMPILED["step"] = torch.compile(_fused_step, dynamic=True, fullgraph=True)
+    return _COMPILED["step"]
+
+
+def one_hot_choice(token: torch.Tensor, vocab: int) -> torch.Tensor:
+    """What a logits processor returns so that generate's argmax takes ``token``: one byte per
+    vocabulary entry, 1 at the token (generate's token selection is an argmax over what the
+    processors return; bytes, a quarter of the fp32 scores' traffic)."""
+    return (torch.arange(vocab, device=token.device) == token[:, None]).to(torch.uint8)
 
 
 class RowSampler:
     """A transformers logits processor that samples every row itself (generate runs with
-    ``do_sample=False``, so its argmax takes the one token this returns at 0, the rest at -inf):
+    ``do_sample=False``, so its argmax takes the one token this marks, ``one_hot_choice``):
     Gumbel-max over ``processed_logits`` with each row's own noise (greedy: the argmax of the
     logits, at temperature 1). ``logprobs`` collects, per step, the sampled tokens' log-probs under
-    log_softmax(processed logits)."""
+    log_softmax(processed logits). ``fused``: the noise, argmax and log-prob in the compiled
+    kernels of ``fused_step`` (no chunk loop); otherwise eagerly, ``_NOISE_ELEMENTS`` at a time
+    (the CPU path: its log-probs are those the fixtures pin)."""
 
-    def __init__(self, row_keys: torch.Tensor, temperature: float, top_p: float, greedy: bool, min_p: float = 0.0):
+    def __init__(
+        self,
+        row_keys: torch.Tensor,
+        temperature: float,
+        top_p: float,
+        greedy: bool,
+        min_p: float = 0.0,
+        fused: bool = False,
+    ):
         self.row_keys, self.temperature, self.top_p, self.greedy = row_keys, temperature, top_p, greedy
-        self.min_p = min_p
+        self.min_p, self.fused = min_p, fused
         self.logprobs: list[torch.Tensor] = []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -85,15 +151,53 @@ class RowSampler:
         if self.greedy:
             z = scores.float()
             token = z.argmax(dim=-1)
+            logprob = torch.log_softmax(z, dim=-1).gather(-1, token[:, None]).squeeze(-1)
         else:
             z = processed_logits(scores, self.temperature, self.top_p, self.min_p)
-            token = torch.empty(z.shape[0], dtype=torch.long, device=z.device)
-            rows = max(1, _NOISE_ELEMENTS // z.shape[-1])
-            for s in range(0, z.shape[0], rows):
-                noise = gumbel_noise(self.row_keys[s : s + rows], step, z.shape[-1])
-                token[s : s + rows] = (z[s : s + rows].double() + noise).argmax(dim=-1)
-        self.logprobs.append(torch.log_softmax(z, dim=-1).gather(-1, token[:, None]).squeeze(-1))
-        return torch.full_like(scores, float("-inf")).scatter_(-1, token[:, None], 0.0)
+            if self.fused:
+                step_t = torch.tensor(step, dtype=torch.int64, device=z.device)
+                token, logprob = fused_step()(z, self.row_keys, step_t)
+            else:
+                token = torch.empty(z.shape[0], dtype=torch.long, device=z.device)
+                rows = max(1, _NOISE_ELEMENTS // z.shape[-1])
+                for s in range(0, z.shape[0], rows):
+                    token[s : s + rows] = gumbel_argmax(z[s : s + rows], self.row_keys[s : s + rows], step)
+                logprob = torch.log_softmax(z, dim=-1).gather(-1, token[:, None]).squeeze(-1)
+        self.logprobs.append(logprob)
+        return one_hot_choice(token, scores.shape[-1])
+
+
+def decode_mode(mode: str, device) -> str:
+    """``rollout.hf_decode`` on ``device``. 'auto': 'eager' on a CPU (the bitwise fingerprints);
+    on a GPU 'compiled' in a warm worker (``otbflow.resident``: its compilation is paid once, its
+    graphs serve every later job) and 'static' in a process that runs one job (which would pay
+    the compilation every time)."""
+    if mode != "auto":
+        return mode
+    if torch.device(device).type != "cuda":
+        return "eager"
+    return "compiled" if resident.ENABLED else "static"
+
+
+def generation_config(mode: str, stops: list[int], pad: int):
+    """generate's settings for a decode mode (``decode_mode``'s result): the stop and pad tokens,
+    the KV cache ('static' and 'compiled': allocated once per call at the batch's full length)
+    and whether generate compiles the forward (on every device where asked: its own default is
+    CUDA only)."""
+    from transformers import CompileConfig, GenerationConfig
+
+    if mode == "eager":
+        return GenerationConfig(eos_token_id=stops, pad_token_id=pad)
+    compiled = mode == "compiled"
+    compile_config = CompileConfig()
+    compile_config._compile_all_devices = compiled  # generate compiles on CUDA alone unless told
+    return GenerationConfig(
+        eos_token_id=stops,
+        pad_token_id=pad,
+        cache_implementation="static",
+        compile_config=compile_config if compiled else None,
+        disable_compile=not compiled,
+    )
 
 
 def row_keys(seed: int, prompt_indices: range, n: int, device) -> torch.Tensor:
@@ -118,29 +222,34 @@ def hf_generate(
     stop_ids: list[int] | None = None,
     progress: Progress | None = None,
     min_p: float = 0.0,
+    decode: str = "eager",
 ) -> list[Sample]:
     """Sample ``n`` responses for each prompt (greedy: one), a function of the seed and the
     prompts: ``batch_size`` changes the memory and the speed, and the samples only through the
     logits' rounding (other padding; identical in the tests' fp32 on CPU, a near-tie in bf16 on a
     GPU can flip a token).
     ``stop_ids``: tokens that end a response (default: the tokenizer's eos token); ``progress``
-    counts the prompts done (otbflow.progress); ``min_p``: min-p sampling (``processed_logits``)."""
-    from transformers import GenerationConfig, LogitsProcessorList
+    counts the prompts done (otbflow.progress); ``min_p``: min-p sampling (``processed_logits``);
+    ``decode``: the decode loop, a ``rollout.hf_decode`` mode ('auto' resolved on the model's device)."""
+    from transformers import LogitsProcessorList
 
     stops = stop_ids or [tok.eos_token_id]
     pad = tok.pad_token_id if tok.pad_token_id is not None else stops[0]
     out: list[Sample] = []
     n = 1 if greedy else n
-    saved, model.generation_config = model.generation_config, GenerationConfig(eos_token_id=stops, pad_token_id=pad)
+    mode = decode_mode(decode, model.device)
+    saved, model.generation_config = model.generation_config, generation_config(mode, stops, pad)
     try:
         for start in range(0, len(prompt_ids), batch_size):
             batch = prompt_ids[start : start + batch_size]
+            longest = max(len(x) for x in batch)
+            # 'compiled': a width that repeats, so that the compiled graphs do too (the left pads are masked)
+            width = -(-longest // WIDTH_BUCKET) * WIDTH_BUCKET if mode == "compiled" else longest
             # n rows per prompt, prompt-major (generate's own expansion needs do_sample)
-            input_ids = padded(batch, pad, left=True, device=model.device).repeat_interleave(n, dim=0)
-            width = input_ids.shape[1]
-            attention = padded([[1] * len(x) for x in batch], 0, left=True, device=model.device)
+            input_ids = padded(batch, pad, width, left=True, device=model.device).repeat_interleave(n, dim=0)
+            attention = padded([[1] * len(x) for x in batch], 0, width, left=True, device=model.device)
             keys = row_keys(seed, range(start, start + len(batch)), n, model.device)
-            sampler = RowSampler(keys, temperature, top_p, greedy, min_p)
+            sampler = RowSampler(keys, temperature, top_p, greedy, min_p, fused=mode == "compiled")
             res = model.generate(
                 input_ids=input_ids,
                 attention_mask=attention.repeat_interleave(n, dim=0),
@@ -182,6 +291,7 @@ class HFBackend:
         self.model, self.tok = load_policy(policy, cfg.model.dtype)
         self.stops = stop_token_ids(self.tok, policy)
         self.batch_size = cfg.rollout.batch_size
+        self.decode = decode_mode(cfg.rollout.hf_decode, self.model.device)
 
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> list[Sample]:
         s = sampling
@@ -200,6 +310,7 @@ class HFBackend:
             self.stops,
             Progress(log, label, len(prompt_ids), "prompts"),
             s.min_p,
+            self.decode,
         )
 
     def metadata(self, sampling: Sampling) -> dict[str, Any]:
@@ -218,4 +329,5 @@ class HFBackend:
                 "greedy": s.greedy,
             },
             "seeds": "per row: derive_seed(seed, 'row', i, j), Gumbel-max (otbflow.engines.hf.RowSampler)",
+            "decode": self.decode,
         }
