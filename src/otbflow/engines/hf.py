@@ -129,9 +129,9 @@ class RowSampler:
     ``do_sample=False``, so its argmax takes the one token this marks, ``one_hot_choice``):
     Gumbel-max over ``processed_logits`` with each row's own noise (greedy: the argmax of the
     logits, at temperature 1). ``logprobs`` collects, per step, the sampled tokens' log-probs under
-    log_softmax(processed logits). ``fused``: the noise, argmax and log-prob in the compiled
-    kernels of ``fused_step`` (no chunk loop); otherwise eagerly, ``_NOISE_ELEMENTS`` at a time
-    (the CPU path: its log-probs are those the fixtures pin)."""
+    log_softmax(processed logits). ``fused`` (on a GPU, and in 'compiled'): the noise, argmax and
+    log-prob in the compiled kernels of ``fused_step``, every row at once; otherwise eagerly,
+    ``_NOISE_ELEMENTS`` at a time (the CPU path: its log-probs are those the fixtures pin)."""
 
     def __init__(
         self,
@@ -238,6 +238,7 @@ def hf_generate(
     out: list[Sample] = []
     n = 1 if greedy else n
     mode = decode_mode(decode, model.device)
+    fused = mode == "compiled" or model.device.type == "cuda"  # no chunk loop on a GPU, in any mode
     saved, model.generation_config = model.generation_config, generation_config(mode, stops, pad)
     try:
         for start in range(0, len(prompt_ids), batch_size):
@@ -249,7 +250,7 @@ def hf_generate(
             input_ids = padded(batch, pad, width, left=True, device=model.device).repeat_interleave(n, dim=0)
             attention = padded([[1] * len(x) for x in batch], 0, width, left=True, device=model.device)
             keys = row_keys(seed, range(start, start + len(batch)), n, model.device)
-            sampler = RowSampler(keys, temperature, top_p, greedy, min_p, fused=mode == "compiled")
+            sampler = RowSampler(keys, temperature, top_p, greedy, min_p, fused=fused)
             res = model.generate(
                 input_ids=input_ids,
                 attention_mask=attention.repeat_interleave(n, dim=0),
