@@ -8,9 +8,10 @@ Steps come from two places:
   (``step_time_s``: the step's wall time; ``nonpad_tokens``: its tokens). In the GPU setting
   (config/examples/gpu_qwen2.5-0.5b.yaml) a job makes one step, the first of a fresh process:
   ``cold`` (the CUDA context, cuBLAS handles and the allocator's first blocks are in it).
-- ``--warm-steps N``: one more train job, ``otbflow train`` with the first run's resolved config
+- ``--warm-steps N``: two more train jobs, ``otbflow train`` with the first run's resolved config
   (``results/config.yaml``), iteration 0's advantages and initial policy, and
-  ``train.ppo_epochs=N``: N steps in one process, of which the 2nd to the Nth are ``warm``.
+  ``train.ppo_epochs=N``: N steps in one process, of which the 2nd to the Nth are ``warm``; the
+  second job with ``train.packing=true`` (``warm_job_packed``: the same steps packed).
 
 Tokens: all non-pad tokens of the step, the response tokens plus the prompt tokens of its rows
 (the train metrics' ``nonpad_tokens``); ``mfu_response_tokens`` counts the responses alone. 6 x parameters
@@ -19,6 +20,9 @@ where tied (the output head is the embedding's matrix), attention's products ove
 (~1% at ~200 tokens and this width) are left out, and the head is counted for prompt tokens whose
 logits the loss does not compute (the prompt share x the head's share of the parameters, ~2% here,
 too high).
+
+The figures here are per GPU: a run whose train jobs use several GPUs reads its ``mfu`` from the
+train metrics' own column, which divides by the peak x the ranks.
 
 Peak: the dense bf16 tensor-core FLOP/s of the GPU, by the name torch gives it
 (``otbflow.hardware.PEAKS``, the table the train stage's own ``mfu`` column uses). On a GPU not in
@@ -107,8 +111,9 @@ def initial_policy(run: Path) -> Path:
     return Path(path) if path else run / "results" / "bootstrap" / "policy"
 
 
-def warm_job(run: Path, steps: int, work: Path, params: int, peak: float | None) -> dict:
-    """``otbflow train`` on ``run``'s iteration 0 with ``steps`` passes (one step each in the GPU setting)."""
+def warm_job(run: Path, steps: int, work: Path, params: int, peak: float | None, *overrides: str) -> dict:
+    """``otbflow train`` on ``run``'s iteration 0 with ``steps`` passes (one step each in the GPU
+    setting) and the config ``overrides``."""
     results = run / "results"
     config = results / "config.yaml"
     advantages = results / "iter_0" / "advantages" / "advantages.parquet"
@@ -133,6 +138,7 @@ def warm_job(run: Path, steps: int, work: Path, params: int, peak: float | None)
         str(work / "checkpoints"),
         f"train.ppo_epochs={steps}",
         "train.checkpoint_every=0",
+        *overrides,
     ]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")])))
     t0 = time.perf_counter()
@@ -178,7 +184,9 @@ def main(argv: list[str] | None = None) -> dict:
             result["cold"] += steps_of(metrics, params, peak, run=run.name, iteration=k)
     result["cold_mean"] = mean([s for s in result["cold"] if s["step"] == 0])
     if a.warm_steps:
-        result["warm_job"] = warm_job(runs[0], a.warm_steps, a.work or runs[0] / "mfu_warm", params, peak)
+        work = a.work or runs[0] / "mfu_warm"
+        result["warm_job"] = warm_job(runs[0], a.warm_steps, work, params, peak)
+        result["warm_job_packed"] = warm_job(runs[0], a.warm_steps, work / "packed", params, peak, "train.packing=true")
     text = json.dumps(result, indent=1)
     print(text)
     if a.out:

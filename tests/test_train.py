@@ -379,12 +379,39 @@ def test_run_gradient_equals_full_batch_gradient(policy_dir, features_path, tmp_
     assert row["grad_norm"] == pytest.approx(norm, rel=1e-5)
 
 
+def test_packing_fills_rows_in_order_up_to_the_cap():
+    """pack with row_tokens: sequences of 10, 7, 13, 9 and 13 tokens, in order, a row closing when
+    the next sequence does not fit: [10], [7], [13], [9], [13] at 16; [10, 7], [13], [9], [13] at
+    17; one row at 100. Every row is filled to the widest with pad tokens whose positions restart
+    every longest-sequence length (13), and each response token's (row, position) is the position
+    before it."""
+    lengths = [(3, 7), (6, 1), (2, 11), (5, 4), (4, 9)]
+    prompts = [[1] * p for p, _ in lengths]
+    responses = [[2] * r for _, r in lengths]
+    for cap, rows in [
+        (16, [[10], [7], [13], [9], [13]]),
+        (17, [[10, 7], [13], [9], [13]]),
+        (100, [[10, 7, 13, 9, 13]]),
+    ]:
+        batch = logits.pack(prompts, responses, 0, row_tokens=cap)
+        width = max(sum(r) for r in rows)
+        assert batch["input_ids"].shape == (len(rows), width) and "attention_mask" not in batch
+        for row, sizes in zip(batch["position_ids"].tolist(), rows):
+            expected = [t for n in sizes for t in range(n)]
+            expected += [t % 13 for t in range(width - len(expected))]
+            assert row == expected
+        # each response token's (row, position) predicts it: the token at the next position is the target
+        ids = batch["input_ids"]
+        assert torch.equal(ids[batch["rows"], batch["pos"] + 1], batch["targets"])
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2"])
 def test_packed_log_probs_and_gradients_equal_each_sequence_alone(arch):
-    """Three sequences of unequal lengths packed in one row (train.packing): each token's log-prob
-    equals that of its sequence run alone through the model's own forward (no padding, no
-    packing: plain_token_stats), and the gradient of a token-mean loss over two micro-batches of
-    unequal token counts equals the padded path's, both within 1e-6 in fp32."""
+    """Sequences of unequal lengths packed (train.packing): each token's log-prob equals that of
+    its sequence run alone through the model's own forward (no padding, no packing:
+    plain_token_stats), and the gradient of a token-mean loss over two micro-batches of unequal
+    token counts equals the padded path's, both within 1e-6 in fp32, with rows of at most 16
+    tokens (several rows, some with filler) and with every sequence in one row."""
     tok = build_char_tokenizer()
     model = build_tiny_model(make_cfg(f"model.arch={arch}", "model.n_layer=2").model, tok, seed=3)
     logits.check_packing(model)  # the start-up check passes for the architectures otbflow builds
@@ -393,49 +420,44 @@ def test_packed_log_probs_and_gradients_equal_each_sequence_alone(arch):
         (rng.integers(3, len(tok), size=p).tolist(), rng.integers(3, len(tok), size=r).tolist())
         for p, r in [(3, 7), (6, 1), (2, 11), (5, 4), (4, 9)]
     ]
-    for prompt, response in seqs:
-        alone, _ = plain_token_stats(model, prompt, response)
-        batch = logits.pack([prompt, seqs[0][0]], [response, seqs[0][1]], tok.pad_token_id, packed=True)
-        got, _, _ = response_token_stats(
+
+    def logp_of(rows: list[int], row_tokens: int) -> torch.Tensor:
+        batch = logits.pack([seqs[i][0] for i in rows], [seqs[i][1] for i in rows], tok.pad_token_id, "cpu", row_tokens)
+        logp, _, _ = response_token_stats(
             model,
             batch["input_ids"],
-            None,
+            batch.get("attention_mask"),
             batch["rows"],
             batch["pos"],
             batch["targets"],
             TEMPERATURE,
-            position_ids=batch["position_ids"],
+            position_ids=batch.get("position_ids"),
         )
-        assert torch.allclose(got[: len(response)], alone, atol=1e-6, rtol=0)
+        return logp
+
+    for row_tokens in (16, 4096):
+        got = logp_of(list(range(len(seqs))), row_tokens)
+        alone = torch.cat([plain_token_stats(model, p, r)[0] for p, r in seqs])
+        assert torch.allclose(got, alone, atol=1e-6, rtol=0), row_tokens
 
     adv = [rng.standard_normal(len(r)).tolist() for _, r in seqs]
     micro = [[0, 1], [2, 3, 4]]  # 8 and 24 response tokens
     total = sum(len(r) for _, r in seqs)
     results = []
-    for packed in (False, True):
+    for row_tokens in (0, 16, 4096):  # padded, then packed
         model.zero_grad()
         loss_sum = 0.0
         for rows in micro:
-            batch = logits.pack([seqs[i][0] for i in rows], [seqs[i][1] for i in rows], tok.pad_token_id, packed=packed)
-            logp, _, _ = response_token_stats(
-                model,
-                batch["input_ids"],
-                batch.get("attention_mask"),
-                batch["rows"],
-                batch["pos"],
-                batch["targets"],
-                TEMPERATURE,
-                position_ids=batch.get("position_ids"),
-            )
             a = torch.tensor([x for i in rows for x in adv[i]])
-            loss = -(a * logp).sum() / total  # token-mean over the step's tokens
+            loss = -(a * logp_of(rows, row_tokens)).sum() / total  # token-mean over the step's tokens
             loss.backward()
             loss_sum += float(loss.detach())
         results.append((loss_sum, {k: p.grad.clone() for k, p in model.named_parameters()}))
-    (padded_loss, padded_grad), (packed_loss, packed_grad) = results
-    assert abs(packed_loss - padded_loss) <= 1e-6
-    for k in padded_grad:
-        assert torch.allclose(packed_grad[k], padded_grad[k], atol=1e-6, rtol=0), k
+    (padded_loss, padded_grad), *packed = results
+    for packed_loss, packed_grad in packed:
+        assert abs(packed_loss - padded_loss) <= 1e-6
+        for k in padded_grad:
+            assert torch.allclose(packed_grad[k], padded_grad[k], atol=1e-6, rtol=0), k
 
 
 def test_packed_steps_equal_padded_steps(policy_dir, features_path, tmp_path):
@@ -445,7 +467,12 @@ def test_packed_steps_equal_padded_steps(policy_dir, features_path, tmp_path):
     df = write_advantages(features_path, tmp_path / "adv.parquet", random_advantages(features_path))
     rows = {}
     for packing in ("false", "true"):
-        cfg = make_cfg("train.mini_batch_size=9", "train.micro_batch_size=3", f"train.packing={packing}")
+        cfg = make_cfg(
+            "train.mini_batch_size=9",
+            "train.micro_batch_size=3",
+            f"train.packing={packing}",
+            "train.packing_row_tokens=24",
+        )
         args = Args(
             advantages=str(tmp_path / "adv.parquet"),
             policy=str(policy_dir),

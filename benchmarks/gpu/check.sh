@@ -9,7 +9,8 @@
 #                   grpo_s1), and with workers (grpo_s0_workers, grpo_s1_workers) once the script
 #                   lists them (--list-settings); no TRL
 #   mfu.json        benchmarks/bench_train_mfu.py: the train step's tokens/s and MFU, from the
-#                   chain's train jobs (cold) and one more job of --warm-steps steps (warm)
+#                   chain's train jobs (cold) and two more jobs of --warm-steps steps (warm),
+#                   padded and packed (train.packing)
 #   check.json      each step's command, exit status and seconds (the `gpu` tests among them:
 #                   pytest -m gpu), the GPU, the versions, the date
 #   check.log       everything the steps printed
@@ -107,8 +108,8 @@ step chain "$left" "$PY" benchmarks/bench_iteration.py --settings "$settings" --
   --out "$out/iteration.json"
 runs=()
 for s in ${settings//,/ }; do runs+=("$work/iteration/$s"); done
-((budget - (SECONDS - start) < 75)) && warm=0 # no time left for the extra train job
-step mfu 120 "$PY" benchmarks/bench_train_mfu.py --runs "${runs[@]}" --warm-steps "$warm" --work "$work/mfu_warm" \
+((budget - (SECONDS - start) < 120)) && warm=0 # no time left for the two extra train jobs
+step mfu 180 "$PY" benchmarks/bench_train_mfu.py --runs "${runs[@]}" --warm-steps "$warm" --work "$work/mfu_warm" \
   --out "$out/mfu.json"
 
 "$PY" - "$steps" "$out/check.json" "$command" "$budget" "$((SECONDS - start))" << 'PY'

@@ -525,12 +525,16 @@ class TrainConfig:
     bf16: bool = False
     """Train in bf16 (DeepSpeed mixed precision)."""
     packing: bool = False
-    """Each micro-batch's sequences one after the other in one row, without padding (position ids
-    restarting with each sequence; the attention kept within each: a block-diagonal mask under
-    SDPA, flash-attention's variable-length kernel where the model loads with it). Saves the pad
-    tokens' work; the results equal the padded path's up to float rounding (checked on the model
-    at start: a model whose forward lets packed sequences see each other is refused). Off: the
-    bitwise-reproducible default; on for GPU runs (config/examples/gpu_qwen2.5-0.5b.yaml)."""
+    """Each micro-batch's sequences one after the other in rows of at most packing_row_tokens
+    tokens, without padding (position ids restarting with each sequence; the attention kept within
+    each: a block-diagonal mask under SDPA). Saves the pad tokens' work where responses differ in
+    length; the results equal the padded path's up to float rounding (checked on the model at
+    start: a model whose forward lets packed sequences see each other is refused). Off: the
+    bitwise-reproducible default (docs/training.md, "Packed micro-batches")."""
+    packing_row_tokens: int = opt(1024, ge=1, le=100_000_000)
+    """train.packing: most tokens per packed row (a longer sequence gets a row of its own). SDPA
+    computes a row's attention over its whole length, masked: rows x row_tokens^2 products in
+    all, against the padded path's sequences x longest^2."""
 
 
 @dataclass

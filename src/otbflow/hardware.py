@@ -46,7 +46,13 @@ def mfu(parameters: int, tokens: int, seconds: float, peak_tflops: float | None,
     return 6.0 * parameters * tokens / seconds / (peak_tflops * 1e12 * devices)
 
 
-def parameter_count(module) -> int:
-    """Parameters of a torch module, each counted once (a tied output head is the embedding's
-    matrix); a ZeRO-3 partitioned parameter by its whole size (``ds_numel``)."""
-    return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
+def parameter_count(model) -> int:
+    """The parameters of a causal LM that take part in a token's matrix products: all of them,
+    each counted once (a tied output head is the embedding's matrix), less an untied input
+    embedding (a lookup); a ZeRO-3 partitioned parameter by its whole size (``ds_numel``)."""
+    size = lambda p: getattr(p, "ds_numel", p.numel())  # noqa: E731
+    total = sum(size(p) for p in model.parameters())
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if embedding is not None and head is not None and embedding.weight is not head.weight:
+        total -= size(embedding.weight)
+    return total

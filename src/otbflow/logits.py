@@ -202,20 +202,23 @@ def pack(
     response_ids: list[list[int]],
     pad_id: int,
     device: torch.device | str = "cpu",
-    packed: bool = False,
+    row_tokens: int = 0,
 ) -> dict[str, torch.Tensor]:
     """The prompt + response sequences as the model's input and, for each response token t of
     sequence i, flattened: ``seqs`` = i, ``cols`` = t, ``targets`` = the token id, and (``rows``,
     ``pos``) = where in the input the position predicting it is. Shared by the features and train
     stages, so both compute the same log-probs.
 
-    Padded (default): ``input_ids`` [sequences, longest] right-padded with its ``attention_mask``;
-    ``rows`` = i, ``pos`` = len(prompt_i) - 1 + t. Packed: every sequence one after the other in
-    one row [1, total tokens], no padding and no attention mask, ``position_ids`` restarting at 0
-    with each sequence (transformers keeps packed sequences apart from them: a block-diagonal causal
-    mask, flash-attention's variable-length kernel); ``rows`` = 0, ``pos`` = the sequence's offset +
-    len(prompt_i) - 1 + t. The two give the same results up to float rounding
-    (``check_packing``)."""
+    Padded (``row_tokens`` 0): ``input_ids`` [sequences, longest] right-padded with its
+    ``attention_mask``; ``rows`` = i, ``pos`` = len(prompt_i) - 1 + t.
+
+    Packed (``row_tokens`` > 0): the sequences one after the other, in order, in rows of at most
+    ``row_tokens`` tokens (a longer sequence alone in its row), no attention mask; ``position_ids``
+    restart at 0 with each sequence, and transformers keeps packed sequences apart from them (a
+    block-diagonal causal mask). A row shorter than the longest is filled with pad tokens whose
+    positions restart too, every longest-sequence length: segments of their own that no sequence
+    attends to. Capping the rows keeps the attention's dense mask at rows x row_tokens^2 instead of
+    (all tokens)^2. The two layouts give the same results up to float rounding (``check_packing``)."""
     seqs = [p + r for p, r in zip(prompt_ids, response_ids)]
 
     def tensor(values):
@@ -226,7 +229,7 @@ def pack(
         "cols": tensor([t for r in response_ids for t in range(len(r))]),
         "targets": tensor([t for r in response_ids for t in r]),
     }
-    if not packed:
+    if not row_tokens:
         return {
             "input_ids": padded(seqs, pad_id, device=device),
             "attention_mask": padded([[1] * len(s) for s in seqs], 0, device=device),
@@ -234,15 +237,33 @@ def pack(
             "pos": tensor([len(p) - 1 + t for p, r in zip(prompt_ids, response_ids) for t in range(len(r))]),
             **flat,
         }
-    offsets = [0]
-    for s in seqs:
-        offsets.append(offsets[-1] + len(s))
+    rows: list[list[int]] = []  # the sequences of each row
+    where: list[tuple[int, int]] = []  # each sequence's (row, offset)
+    used = 0
+    for i, seq in enumerate(seqs):
+        if not rows or (used + len(seq) > row_tokens and rows[-1]):
+            rows.append([])
+            used = 0
+        where.append((len(rows) - 1, used))
+        rows[-1].append(i)
+        used += len(seq)
+    width = max(sum(len(seqs[i]) for i in row) for row in rows)
+    period = max(1, max(len(s) for s in seqs))
+    ids, positions = [], []
+    for row in rows:
+        filler = width - sum(len(seqs[i]) for i in row)
+        ids.append([x for i in row for x in seqs[i]] + [pad_id] * filler)
+        positions.append([t for i in row for t in range(len(seqs[i]))] + [t % period for t in range(filler)])
     return {
-        "input_ids": tensor([x for s in seqs for x in s]).reshape(1, -1),
-        "position_ids": tensor([t for s in seqs for t in range(len(s))]).reshape(1, -1),
-        "rows": torch.zeros(len(flat["targets"]), dtype=torch.long, device=device),
+        "input_ids": tensor(ids),
+        "position_ids": tensor(positions),
+        "rows": tensor([where[i][0] for i, r in enumerate(response_ids) for _ in r]),
         "pos": tensor(
-            [o + len(p) - 1 + t for o, p, r in zip(offsets, prompt_ids, response_ids) for t in range(len(r))]
+            [
+                where[i][1] + len(p) - 1 + t
+                for i, (p, r) in enumerate(zip(prompt_ids, response_ids))
+                for t in range(len(r))
+            ]
         ),
         **flat,
     }
@@ -318,8 +339,9 @@ def check_head_logits(model) -> LogitTransform | None:
 
 def check_packing(model) -> None:
     """Refuse packing (``train.packing``) for a model whose forward lets packed sequences see each
-    other: the log-probs of three sequences of unequal lengths, packed (``pack(packed=True)``)
-    against padded, on the model as the train stage holds it. A ValueError naming the model type
+    other: the log-probs of three sequences of unequal lengths, packed (``pack`` with rows of 12
+    tokens: two sequences in one, the third with its filler in the other) against padded, on the
+    model as the train stage holds it. A ValueError naming the model type
     where they differ by more than 1e-4 (fp32; 2e-2 at bf16 or fp16)."""
     model_type = getattr(model.config, "model_type", type(model).__name__)
     head = model.get_output_embeddings()
@@ -331,8 +353,8 @@ def check_packing(model) -> None:
     try:
         with torch.no_grad():
             got = []
-            for packed in (False, True):
-                batch = pack(prompts, responses, 0, model.device, packed=packed)
+            for row_tokens in (0, 12):  # packed: two sequences in a row, then one and its filler
+                batch = pack(prompts, responses, 0, model.device, row_tokens)
                 project = ResponseLogits(model, batch)
                 logits = project(slice(None)).float()
                 got.append(torch.log_softmax(logits, -1).gather(-1, batch["targets"][:, None]).squeeze(-1))

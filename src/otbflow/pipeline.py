@@ -152,7 +152,7 @@ def _train(cfg: DictConfig) -> list[str]:
     keys = ["lr", "weight_decay", "mini_batch_size", "micro_batch_size", "logprob_chunk_size", "ppo_epochs"]
     keys += ["loss_type", "loss_agg_mode", "kl_coef", "entropy_coef", "rollout_is", "trm", "lr_schedule"]
     keys += ["lr_warmup_steps", "max_grad_norm", "max_consecutive_skips", "reset_optimizer", "zero_stage", "bf16"]
-    keys += ["packing"]
+    keys += ["packing", *(["packing_row_tokens"] if t.packing else [])]
     keys += [*POLICY_LOSSES[t.loss_type].options, *SCHEDULE_OPTIONS[t.lr_schedule]]
     if t.loss_agg_mode == "seq-mean-token-sum-norm":
         keys += ["loss_scale_factor"]

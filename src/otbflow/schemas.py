@@ -342,13 +342,13 @@ TRAIN_METRICS = _table(
         ("skipped", pl.Boolean, "true: non-finite loss or gradient, no update was made"),
         ("event", pl.String, "what happened at this step: a skip, an LR schedule trigger or halving ('' if nothing)"),
         ("step_time_s", pl.Float64, "wall time of the step"),
-        ("nonpad_tokens", pl.Int64, "tokens the step computed on: its sequences' prompt and response tokens"),
+        ("nonpad_tokens", pl.Int64, "the step's sequences' prompt and response tokens (padding not counted)"),
         ("tokens_per_s", pl.Float64, "nonpad_tokens / step_time_s"),
         (
             "mfu",
             pl.Float64,
-            "model FLOPs utilisation: 6 x parameters x nonpad_tokens / step_time_s / (the GPUs' dense bf16 "
-            "peak, otbflow.hardware.PEAKS); NaN on CPU or a GPU not in the table",
+            "model FLOPs utilisation: 6 x parameters (otbflow.hardware.parameter_count) x nonpad_tokens / "
+            "step_time_s / (the GPUs' dense bf16 peak, otbflow.hardware.PEAKS); NaN on CPU or a GPU not in the table",
         ),
     ],
 )

@@ -112,7 +112,7 @@ class Trainer:
         tc = cfg.train
         dev = engine.device
         prompts, responses = [data["prompt_ids"][i] for i in rows], [data["response_ids"][i] for i in rows]
-        batch = pack(prompts, responses, self.pad_id, dev, packed=tc.packing)
+        batch = pack(prompts, responses, self.pad_id, dev, tc.packing_row_tokens if tc.packing else 0)
         min_p = cfg.rollout.min_p
         flat_logp, flat_entropy, flat_pruning = engine(
             batch["input_ids"],

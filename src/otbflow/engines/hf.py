@@ -9,7 +9,7 @@ on neither its batch nor the other rows (duplicated prompts get different sample
 the sampled token under the distribution it was sampled from (the log-prob contract:
 docs/training.md, "Log-probs").
 
-The decode loop (``rollout.hf_decode``, ``DECODE_MODES``): transformers' ``generate`` with its
+The decode loop (``rollout.hf_decode``, ``HF_DECODE_MODES``): transformers' ``generate`` with its
 dynamic KV cache ('eager': the bitwise-reproducible CPU path), a static KV cache ('static'), or
 the static cache with the model's forward compiled by torch.compile, which generate runs through
 CUDA graphs, and the sampler compiled into fused kernels ('compiled'); 'auto' picks one by device
@@ -35,9 +35,10 @@ from otbflow.seeds import derive_seed
 log = logging.getLogger("otbflow.generate")
 
 _M32 = 0xFFFFFFFF
-_NOISE_ELEMENTS = 1 << 22
-"""Rows x vocabulary entries hashed at once on the eager path (the int64 temporaries stay near
-32 MiB each)."""
+_NOISE_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 27}
+"""Rows x vocabulary entries hashed at once on the eager path, by device type: its int64
+temporaries stay near 32 MiB each on a CPU; on a GPU near 1 GiB, so that 512 rows of a
+151,936-token vocabulary take one pass, not a Python loop of chunks."""
 WIDTH_BUCKET = 32
 """'compiled': prompt batches are left-padded to a multiple of this width, so that the static
 cache's shapes, and the compiled graphs, repeat from batch to batch."""
@@ -114,6 +115,8 @@ def fused_step():
     its log-prob, log_softmax's value z_y - logsumexp(z), from fused kernels over the logits."""
     if "step" not in _COMPILED:
         _COMPILED["step"] = torch.compile(_fused_step, dynamic=True, fullgraph=True)
+    if _COMPILED["step"] is None:
+        raise RuntimeError("it failed to compile earlier in this process")
     return _COMPILED["step"]
 
 
@@ -129,9 +132,9 @@ class RowSampler:
     ``do_sample=False``, so its argmax takes the one token this marks, ``one_hot_choice``):
     Gumbel-max over ``processed_logits`` with each row's own noise (greedy: the argmax of the
     logits, at temperature 1). ``logprobs`` collects, per step, the sampled tokens' log-probs under
-    log_softmax(processed logits). ``fused`` (on a GPU, and in 'compiled'): the noise, argmax and
-    log-prob in the compiled kernels of ``fused_step``, every row at once; otherwise eagerly,
-    ``_NOISE_ELEMENTS`` at a time (the CPU path: its log-probs are those the fixtures pin)."""
+    log_softmax(processed logits). ``fused`` ('compiled'): the noise, argmax and log-prob in the
+    compiled kernels of ``fused_step``, every row at once; otherwise eagerly, ``_NOISE_ELEMENTS``
+    at a time (the CPU path: its log-probs are those the fixtures pin)."""
 
     def __init__(
         self,
@@ -143,7 +146,8 @@ class RowSampler:
         fused: bool = False,
     ):
         self.row_keys, self.temperature, self.top_p, self.greedy = row_keys, temperature, top_p, greedy
-        self.min_p, self.fused = min_p, fused
+        self.min_p = min_p
+        self.fused = fused and _COMPILED.get("step", True) is not None  # not after a failed compilation
         self.logprobs: list[torch.Tensor] = []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -155,16 +159,26 @@ class RowSampler:
         else:
             z = processed_logits(scores, self.temperature, self.top_p, self.min_p)
             if self.fused:
-                step_t = torch.tensor(step, dtype=torch.int64, device=z.device)
-                token, logprob = fused_step()(z, self.row_keys, step_t)
-            else:
+                token, logprob = self._fused(z, step)
+            if not self.fused:
                 token = torch.empty(z.shape[0], dtype=torch.long, device=z.device)
-                rows = max(1, _NOISE_ELEMENTS // z.shape[-1])
+                rows = max(1, _NOISE_ELEMENTS.get(z.device.type, _NOISE_ELEMENTS["cpu"]) // z.shape[-1])
                 for s in range(0, z.shape[0], rows):
                     token[s : s + rows] = gumbel_argmax(z[s : s + rows], self.row_keys[s : s + rows], step)
                 logprob = torch.log_softmax(z, dim=-1).gather(-1, token[:, None]).squeeze(-1)
         self.logprobs.append(logprob)
         return one_hot_choice(token, scores.shape[-1])
+
+    def _fused(self, z: torch.Tensor, step: int):
+        """``fused_step`` on this step; where torch.compile fails (no C compiler, no Triton), a
+        warning and the eager path for the rest of the process (the same tokens)."""
+        try:
+            return fused_step()(z, self.row_keys, torch.tensor(step, dtype=torch.int64, device=z.device))
+        except Exception as e:  # torch.compile's errors have no common base class
+            log.warning("the fused sampler did not compile (%s: %s); sampling eagerly", type(e).__name__, e)
+            _COMPILED["step"] = None
+            self.fused = False
+            return None, None
 
 
 def decode_mode(mode: str, device) -> str:
@@ -238,7 +252,6 @@ def hf_generate(
     out: list[Sample] = []
     n = 1 if greedy else n
     mode = decode_mode(decode, model.device)
-    fused = mode == "compiled" or model.device.type == "cuda"  # no chunk loop on a GPU, in any mode
     saved, model.generation_config = model.generation_config, generation_config(mode, stops, pad)
     try:
         for start in range(0, len(prompt_ids), batch_size):
@@ -250,7 +263,7 @@ def hf_generate(
             input_ids = padded(batch, pad, width, left=True, device=model.device).repeat_interleave(n, dim=0)
             attention = padded([[1] * len(x) for x in batch], 0, width, left=True, device=model.device)
             keys = row_keys(seed, range(start, start + len(batch)), n, model.device)
-            sampler = RowSampler(keys, temperature, top_p, greedy, min_p, fused=fused)
+            sampler = RowSampler(keys, temperature, top_p, greedy, min_p, fused=mode == "compiled")
             res = model.generate(
                 input_ids=input_ids,
                 attention_mask=attention.repeat_interleave(n, dim=0),

@@ -132,7 +132,7 @@ def run(cfg: DictConfig, args: Args) -> None:
     tok = AutoTokenizer.from_pretrained(args.policy, local_files_only=True)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     trainer = Trainer(engine, data, cfg, pad_id, rank, world_size, ref_model)
-    parameters, peak = parameter_count(engine.module), device_peak(engine.device)
+    parameters, peak = parameter_count(engine.module.policy), device_peak(engine.device)
 
     plan = mini_batches(n, tc, seed)
     schedule = LRSchedule.from_dict(tc, json.loads(Path(args.prev_state).read_text()) if args.prev_state else None)
