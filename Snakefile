@@ -11,6 +11,10 @@ min_version("9.0")
 include: "workflow/rules/common.smk"
 
 
+# The HTML report opens on what the run did (the report stage's front.rst), before the workflow's graph.
+report: front_page()
+
+
 wildcard_constraints:
     k=r"\d+",
     s=r"\d+",

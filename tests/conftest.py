@@ -266,6 +266,40 @@ def pytest_runtest_logfinish(nodeid, location):
     _timeline("end", nodeid)
 
 
+def chromium() -> str:
+    """A headless browser for the HTML report's tests: Chromium, installed from Debian's packages
+    when missing (as root, the way slurm/local/slurm-up.sh installs Slurm); skipped, with the
+    reason, where neither is possible."""
+    import shutil
+
+    for name in ("chromium", "chromium-browser"):
+        if found := shutil.which(name):
+            return found
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        pytest.skip("no chromium, and no apt-get as root to install it")
+    for cmd in (["apt-get", "install", "-y", "-qq", "chromium"], ["apt-get", "update", "-qq"]):
+        subprocess.run(cmd, capture_output=True, stdin=subprocess.DEVNULL, timeout=900)
+        if shutil.which("chromium"):
+            return shutil.which("chromium")
+    res = subprocess.run(["apt-get", "install", "-y", "-qq", "chromium"], capture_output=True, text=True, timeout=900)
+    assert shutil.which("chromium"), f"apt-get install chromium failed: {res.stderr[-2000:]}"
+    return shutil.which("chromium")
+
+
+def rendered_dom(html: Path) -> str:
+    """The DOM of a local HTML file once its scripts have run, from headless Chromium."""
+    res = subprocess.run(
+        [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=20000"]
+        + ["--dump-dom", html.resolve().as_uri()],
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=300,
+    )
+    assert res.returncode == 0 and res.stdout, res.stderr[-3000:]
+    return res.stdout
+
+
 def save_reward_model(path: Path, arch: str, tok, n_positions: int, num_labels: int = 1, seed: int = 0) -> Path:
     """A randomly initialised ``arch``ForSequenceClassification for ``tok``, saved with it."""
     import torch

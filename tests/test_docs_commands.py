@@ -128,7 +128,8 @@ HOW: dict[str, str] = {
     ".venv/bin/snakemake --cores 8 --config 'model={path: /models/Qwen2.5-0.5B-Instruct, dtype: bfloat16}' "
     "'task={name: dataset, path: /data/gsm8k/train.parquet}'": REAL_MODEL,
     ".venv/bin/snakemake --cores 8 --config 'model={path: /models/Qwen2.5-0.5B-Instruct, dtype: bfloat16}' "
-    "'task={name: dataset, path: /data/gsm8k/train.parquet}' --report results/report.html": REAL_MODEL,
+    "'task={name: dataset, path: /data/gsm8k/train.parquet}' --report results/report.html "
+    "--report-metadata results/report/metadata.yaml": REAL_MODEL,
     # a dry run here; the same pipeline runs for real on this Qwen2 + BPE + chat policy in the reduced
     # experiment (tests/test_experiment.py) and with vLLM (tests/test_workflow_models.py)
     "snakemake --cores 2 --configfile config/tiny.yaml config/examples/qwen2_bpe_chat.yaml": DRY,

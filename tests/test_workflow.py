@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import shutil
@@ -262,6 +263,33 @@ def test_live_curves_of_the_run(run_dir):
 def test_html_report(run_dir):
     html = (run_dir / "results" / "report.html").read_text(errors="ignore")  # written by make run
     assert "accuracy.png" in html and "Held-out accuracy" in html
+
+
+def test_the_report_opens_on_what_the_run_did(run_dir):
+    """results/report.html (make run) opened in a headless browser lands on the front page, not
+    on the workflow's graph: what the run did, the initial and final accuracy as progress.parquet
+    has them, the tokens as rollouts.parquet sums them, the disk as disk.json has it, the learning
+    curve (the accuracy plot's PNG), the run's settings and sizes; the graph is a menu entry away."""
+    from conftest import rendered_dom
+
+    from otbflow.disk import gib
+
+    r = run_dir / "results"
+    dom = rendered_dom(r / "report.html")
+    landing = dom[dom.index("What this run did") :]
+    progress = pl.read_parquet(r / "report/progress.parquet")
+    for column in ("greedy_accuracy", "sampled_accuracy"):
+        first, last = progress[column][0], progress[column][-1]
+        assert re.search(rf"{column.split('_')[0]}.*?{first:.3f}.*?{last:.3f}", landing, re.S), column
+    tokens = int(pl.read_parquet(r / "report/rollouts.parquet")["tokens"].sum())
+    assert f"Rollout tokens generated: {tokens:,}" in landing
+    assert gib(json.loads((r / "report/disk.json").read_text())["total"]) in landing
+    assert re.search(r"Seconds per iteration: \d+\.\d s", landing)
+    curve = base64.b64encode((r / "report/accuracy.png").read_bytes()).decode()
+    assert f'src="data:image/png;base64,{curve}"' in landing
+    assert "otb advantages, ppo_clip loss" in landing  # the run's settings
+    assert re.search(r"Iterations</li><li[^>]*>2<", landing)  # its sizes (--report-metadata)
+    assert '<div id="rulegraph"' not in dom  # the workflow's graph is not drawn until asked for
 
 
 def test_nothing_to_do_after_a_complete_run(run_dir):

@@ -58,6 +58,14 @@ CHAIN_PRIORITY = 2
 RESOLVED_CONFIG = f"{R}/config.yaml"
 
 
+def front_page():
+    """The HTML report's description: the report stage's front.rst once the run has written it
+    (its path absolute: a relative one would be read beside the Snakefile), else a note that it
+    has not."""
+    front = os.path.join(R, "report", "front.rst")
+    return os.path.abspath(front) if os.path.exists(front) else "workflow/report/workflow.rst"
+
+
 def write_resolved_config():
     """The resolved config the jobs read, written by the Snakefile's ``onstart`` (real executions
     with jobs to run; not -n, --lint, --summary, --list-changes or --report, which therefore write

@@ -16,6 +16,9 @@ rule report:
         rollout_summary=f"{R}/report/rollouts.parquet",
         # bytes under results/ after the retention policy (otbflow.disk.used)
         disk=f"{R}/report/disk.json",
+        # the HTML report's landing page: the Snakefile's report description and --report-metadata
+        front=f"{R}/report/front.rst",
+        report_metadata=f"{R}/report/metadata.yaml",
         accuracy=report(
             f"{R}/report/accuracy.png",
             caption="../report/accuracy.rst",

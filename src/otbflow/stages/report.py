@@ -4,8 +4,12 @@ Writes ``progress.parquet`` (accuracy of each policy with the tokens generated s
 ``metrics.parquet`` (all train steps), ``comparison.parquet`` (estimator diagnostics of every
 iteration), ``mismatch.parquet`` (trainer vs rollout engine per iteration) and PNG plots of
 accuracy and reward against iteration and tokens generated, grad norm, response length and the
-mismatch dashboard (log-ratio and k3 distributions, log-PPL gap, TRM acceptance).
-``snakemake --report report.html`` embeds the plots with captions.
+mismatch dashboard (log-ratio and k3 distributions, log-PPL gap, TRM acceptance), and the HTML
+report's front page: ``front.rst`` (what the run did: accuracy of the initial and the final
+policy, tokens, seconds per iteration, disk, the learning curve; the Snakefile's ``report:``
+description) and ``metadata.yaml`` (the run's settings, ``--report-metadata``, which makes the
+report open on that page). ``snakemake --report report.html --report-metadata
+results/report/metadata.yaml`` embeds the plots with captions.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import polars as pl
 from omegaconf import DictConfig
 
 from otbflow import disk, schemas
-from otbflow.io import pyplot, read_metadata, read_table, save_figure, write_json, write_parquet
+from otbflow.io import pyplot, read_metadata, read_table, save_figure, write_json, write_parquet, write_text
 
 log = logging.getLogger("otbflow.report")
 PLOTS = ("accuracy", "reward", "grad_norm", "response_length", "mismatch")
@@ -39,7 +43,7 @@ class Args:
     features: list[str]
     """Features Parquets of every iteration and shard (for the mismatch dashboard)."""
     out_dir: str
-    """Output folder for the tables and {accuracy,reward,grad_norm,response_length}.png."""
+    """Output folder for the tables, {accuracy,reward,grad_norm,response_length}.png and the front page."""
 
 
 def rollout_table(rollouts: list[str]) -> pl.DataFrame:
@@ -200,6 +204,102 @@ def _plot(path: Path, panels: list[tuple[str, str, list[tuple[str, np.ndarray, n
     save_figure(fig, path)
 
 
+# The jobs of iteration k, by their Snakemake benchmark files under results/benchmarks/
+ITERATION_JOBS = ("rollout/iter_{k}_shard_*", "score/iter_{k}_shard_*", "features/iter_{k}_shard_*")
+ITERATION_JOBS += ("advantages/iter_{k}", "train/iter_{k}", "evaluate/iter_{k}")
+
+
+def job_seconds(results: Path, iterations: int) -> list[float]:
+    """Each iteration's job seconds: the sum of the wall times of its jobs (rollout, score,
+    features, advantages, train, evaluate), from Snakemake's benchmark files; jobs that run at
+    once count each. An iteration with a job's file missing (a run made by hand, or --touch) is
+    left out."""
+    out = []
+    for k in range(iterations):
+        files = [f for pattern in ITERATION_JOBS for f in (results / "benchmarks").glob(pattern.format(k=k) + ".tsv")]
+        if not any("train" in f.parts for f in files):
+            continue
+        out.append(sum(float(pl.read_csv(f, separator="\t")["s"].sum()) for f in files))
+    return out
+
+
+def front_page(cfg: DictConfig, progress: pl.DataFrame, per_iteration: pl.DataFrame, use: dict, seconds, curve) -> str:
+    """The report's landing text (reStructuredText, rendered by Snakemake through Jinja, hence the
+    raw block): the accuracy of the initial and the final policy, the tokens generated, the job
+    seconds per iteration, the disk, and the learning curve (``curve``: the accuracy plot's PNG
+    bytes, embedded)."""
+    import base64
+    import textwrap
+
+    first, last = progress.row(0, named=True), progress.row(-1, named=True)
+    k = int(progress["k"][0])
+    final = f"after iteration {last['iteration']}" if last["iteration"] >= 0 else "initial"
+    spread = f" (range {min(seconds):.1f}-{max(seconds):.1f} s)" if len(seconds) > 1 else ""
+    pace = f"{float(np.median(seconds)):.1f} s{spread}" if seconds else "not recorded (no benchmark files)"
+    m = cfg.model
+    task = cfg.task.name + (f" ({cfg.task.path})" if cfg.task.get("path") else "")
+    policy = str(m.path) if m.path else f"a built {m.arch} ({m.n_layer} layers, width {m.n_embd})"
+    lines = [
+        "{% raw %}",
+        "What this run did",
+        "=================",
+        "",
+        f"{cfg.advantages.estimator} advantages, {cfg.train.loss_type} loss ({cfg.train.loss_agg_mode}), "
+        f"{per_iteration.height} iterations of {cfg.rollout.prompts_per_iteration} prompts x "
+        f"{cfg.rollout.group_size} responses, on {task} with {policy} ({cfg.rollout.backend} backend); "
+        f"results in {cfg.results_dir}/. Held-out accuracy of each policy on {progress['n_prompts'][0]} prompts:",
+        "",
+        ".. list-table::",
+        "   :header-rows: 1",
+        "",
+        "   * - held-out accuracy",
+        "     - initial policy",
+        f"     - {final}",
+        "   * - greedy",
+        f"     - {first['greedy_accuracy']:.3f}",
+        f"     - {last['greedy_accuracy']:.3f}",
+        f"   * - avg@{k}",
+        f"     - {first['sampled_accuracy']:.3f}",
+        f"     - {last['sampled_accuracy']:.3f}",
+        "",
+        f"- Rollout tokens generated: {int(per_iteration['tokens'].sum()):,} "
+        f"({int(per_iteration['responses'].sum()):,} responses).",
+        f"- Seconds per iteration: {pace}, the sum of each iteration's job wall times.",
+        f"- Disk: {disk.gib(use['total'])} under the results folder, {disk.gib(use['train_outputs'])} of it "
+        f"policies and optimizer states; {disk.gib(use['pruned'])} deleted by the retention policy.",
+        "",
+        "Learning curve (held-out accuracy against the policy and against the tokens generated):",
+        "",
+        ".. image::",  # docutils joins the argument's lines (one line would pass its line-length limit)
+        *textwrap.wrap(
+            f"data:image/png;base64,{base64.b64encode(curve).decode()}",
+            76,
+            initial_indent="   ",
+            subsequent_indent="   ",
+            break_on_hyphens=False,
+        ),
+        "   :width: 100%",
+        "",
+        "The plots with their captions are under the categories of the menu; the tables are the Parquet "
+        "files beside this page's source (results/report/); the workflow's graph is the menu's Workflow entry.",
+        "{% endraw %}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def metadata(cfg: DictConfig) -> str:
+    """The report's landing-page metadata (Snakemake's ``--report-metadata``, a flat YAML mapping;
+    its presence is what makes the report open on the front page): the run's sizes, as numbers,
+    because Snakemake 9 renders a string value there as docutils' parts, not as its text."""
+    import yaml
+
+    r = cfg.rollout
+    facts = {"Iterations": cfg.iterations, "Prompts per iteration": r.prompts_per_iteration}
+    facts |= {"Responses per prompt": r.group_size, "Seed": cfg.seed}
+    return yaml.safe_dump({k: int(v) for k, v in facts.items()}, sort_keys=False)
+
+
 def run(cfg: DictConfig, args: Args) -> None:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -304,6 +404,10 @@ def run(cfg: DictConfig, args: Args) -> None:
         disk.gib(use["train_outputs"]),
         disk.gib(use["pruned"]),
     )
+    seconds = job_seconds(out.parent, per_iteration.height)
+    front = front_page(cfg, progress, per_iteration, use, seconds, (out / "accuracy.png").read_bytes())
+    write_text(front, out / "front.rst")
+    write_text(metadata(cfg), out / "metadata.yaml")
     first, last = progress.row(0, named=True), progress.row(-1, named=True)
     log.info(
         "accuracy (avg@k) %.3f -> %.3f, greedy %.3f -> %.3f over %d iterations, %d tokens generated",
