@@ -29,7 +29,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 # The registries that own the choice lists (none of them imports torch, nor this module).
-from otbflow.engines import BACKENDS, HF_DECODE_MODES, chat_setting, check_policy_folder
+from otbflow.engines import ARCHITECTURES, BACKENDS, HF_DECODE_MODES, chat_setting, check_policy_folder
 from otbflow.estimators import ESTIMATORS, estimator_parameters
 from otbflow.losses import LOSS_AGG_MODES, POLICY_LOSSES
 from otbflow.lr_schedule import SCHEDULES
@@ -45,7 +45,6 @@ class ConfigError(ValueError):
     """A configuration problem, reported with the offending key."""
 
 
-ARCHITECTURES = ("gpt2", "llama", "qwen2")
 TOKENIZERS = ("char", "bpe")
 DTYPES = ("float32", "bfloat16")
 TASKS = ("arithmetic", "dataset")

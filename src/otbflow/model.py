@@ -12,8 +12,7 @@ import torch
 from omegaconf import DictConfig
 
 from otbflow import resident
-from otbflow.config import ARCHITECTURES
-from otbflow.engines import VOCABULARY_FILES, check_tokenizer
+from otbflow.engines import ARCHITECTURES, VOCABULARY_FILES, check_tokenizer
 from otbflow.retention import check_not_pruned
 
 CHARS = "0123456789+-*/=;#:. abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ\n"

@@ -45,6 +45,9 @@ BACKENDS = {
 """The generation engines by ``rollout.backend`` name (the config takes its choices from here, so
 this module imports neither the config nor the engines)."""
 
+ARCHITECTURES = ("gpt2", "llama", "qwen2")
+"""The architectures of the models otbflow builds (``model.arch``; ``otbflow.model.tiny_model_config``)."""
+
 HF_DECODE_MODES = ("auto", "eager", "static", "compiled")
 """The hf backend's decode loops (``rollout.hf_decode``; ``otbflow.engines.hf.generation_config``)."""
 
