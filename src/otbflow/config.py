@@ -282,8 +282,8 @@ class TaskConfig:
     reward: str = opt("auto", choices=Names(REWARDS, "auto", *SHAPED_REWARDS))
     """Reward function, by registry name (see otbflow.rewards). 'auto': 'arithmetic' for the
     synthetic task, 'math' for datasets. 'cosine': the cosine length-scaled reward wrapping the
-    verifier task.cosine.verifier (task.cosine; docs/training.md, 'Reward shaping'). Evaluation
-    always scores with the verifiable reward."""
+    verifier task.cosine.verifier (task.cosine; docs/rewards.md, 'The cosine length-scaled
+    reward'). Evaluation always scores with the verifiable reward."""
     overlong_buffer: int = opt(0, ge=0, le=100_000_000)
     """DAPO's soft overlong punishment (algorithms.md §6.1): L_cache, the last tokens before
     rollout.max_new_tokens (L_max) over which the reward falls linearly by up to
@@ -401,7 +401,7 @@ class RolloutConfig:
     the tiny policies)."""
     enforce_eager: bool = False
     """vllm backend: run the model eagerly (no torch.compile, no CUDA graphs): the engine starts
-    faster and generates slower (measured in README, 'vLLM on CPU')."""
+    faster and generates slower (README, 'Environments and the vLLM backend')."""
     python: Optional[str] = None
     """Python interpreter of the rollout and evaluate jobs, e.g. a pre-built vLLM virtualenv on
     clusters without conda (/opt/envs/vllm/bin/python). null: the one running Snakemake (or the
