@@ -1,7 +1,7 @@
 import copy
 import dataclasses
-import re
 import functools
+import re
 import subprocess
 import sys
 import typing
