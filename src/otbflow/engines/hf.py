@@ -96,7 +96,7 @@ def gumbel_noise(row_keys: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
 def gumbel_argmax(z: torch.Tensor, row_keys: torch.Tensor, step) -> torch.Tensor:
     """The Gumbel-max token of each row of fp32 logits ``z`` [rows, vocab] with its own noise:
     argmax(z + noise) in fp64. Written as one expression so that torch.compile fuses the hashing,
-    the noise and the argmax into one pass over the logits (``FusedSampler``); eagerly it holds
+    the noise and the argmax into one pass over the logits (``fused_step``); eagerly it holds
     [rows, vocab] int64 temporaries, hence ``RowSampler``'s chunks."""
     return (z.double() + gumbel_noise(row_keys, step, z.shape[-1])).argmax(dim=-1)
 
@@ -183,9 +183,9 @@ class RowSampler:
 
 def decode_mode(mode: str, device) -> str:
     """``rollout.hf_decode`` on ``device``. 'auto': 'eager' on a CPU (the bitwise fingerprints);
-    on a GPU 'compiled' in a warm worker (``otbflow.resident``: its compilation is paid once, its
-    graphs serve every later job) and 'static' in a process that runs one job (which would pay
-    the compilation every time)."""
+    on a GPU 'compiled' in a warm worker (``otbflow.resident``: its compilation is paid once, the
+    compiled code serves every later job) and 'static' in a process that runs one job (which would
+    pay the compilation every time)."""
     if mode != "auto":
         return mode
     if torch.device(device).type != "cuda":
