@@ -225,3 +225,21 @@ def test_the_mismatch_table_counts_lag_and_truncation():
     assert table["truncated_fraction"].to_list() == [pytest.approx(2 / 4), 0.0]  # two of iteration 0's four tokens
     assert report.mismatch_table(features, 0.05, 0.02)["truncated_fraction"].is_nan().all()  # rollout_is none
     assert table["trm_acceptance"].to_list() == [0.0, 1.0]  # max k2 0.32 and 0.5 > 0.05; 0 and 0.045 pass
+
+
+def test_the_front_page_keeps_config_text_inert():
+    """A config string on the report's front page (a model path, a task file) stays text when
+    Snakemake renders the page (Jinja2, then docutils with file insertion on): a path that closes
+    the page's raw block and opens a Jinja expression, or starts an include directive on a new
+    line, renders as its characters."""
+    import jinja2
+    from docutils.core import publish_parts
+
+    from otbflow.stages.report import _inline
+
+    evil = "/models/x {% endraw %}{{ 7 * 7 }}{# c #}\n.. include:: /etc/passwd"
+    out = _inline(evil)
+    assert "\n" not in out and "{%" not in out and "{{" not in out and "{#" not in out
+    rendered = jinja2.Environment().from_string("{% raw %}" + out + "{% endraw %}").render()
+    html = publish_parts(rendered, writer_name="html")["html_body"]
+    assert "7 * 7" in html and "49" not in html and "root:" not in html and ".. include::" in html

@@ -223,6 +223,12 @@ def job_seconds(results: Path, iterations: int) -> list[float]:
     return out
 
 
+def _inline(text: str) -> str:
+    """A config string as inline text of the front page: on one line (no reStructuredText directive
+    can start in it) and with no Jinja tag (the raw block around the page stays closed)."""
+    return " ".join(text.split()).replace("{%", "{ %").replace("{{", "{ {").replace("{#", "{ #")
+
+
 def front_page(cfg: DictConfig, progress: pl.DataFrame, per_iteration: pl.DataFrame, use: dict, seconds, curve) -> str:
     """The report's landing text (reStructuredText, rendered by Snakemake through Jinja, hence the
     raw block): the accuracy of the initial and the final policy, the tokens generated, the job
@@ -237,8 +243,9 @@ def front_page(cfg: DictConfig, progress: pl.DataFrame, per_iteration: pl.DataFr
     spread = f" (range {min(seconds):.1f}-{max(seconds):.1f} s)" if len(seconds) > 1 else ""
     pace = f"{float(np.median(seconds)):.1f} s{spread}" if seconds else "not recorded (no benchmark files)"
     m = cfg.model
-    task = cfg.task.name + (f" ({cfg.task.path})" if cfg.task.get("path") else "")
-    policy = str(m.path) if m.path else f"a built {m.arch} ({m.n_layer} layers, width {m.n_embd})"
+    task = _inline(cfg.task.name + (f" ({cfg.task.path})" if cfg.task.get("path") else ""))
+    policy = _inline(str(m.path)) if m.path else f"a built {m.arch} ({m.n_layer} layers, width {m.n_embd})"
+    results = _inline(str(cfg.results_dir))
     lines = [
         "{% raw %}",
         "What this run did",
@@ -247,7 +254,7 @@ def front_page(cfg: DictConfig, progress: pl.DataFrame, per_iteration: pl.DataFr
         f"{cfg.advantages.estimator} advantages, {cfg.train.loss_type} loss ({cfg.train.loss_agg_mode}), "
         f"{per_iteration.height} iterations of {cfg.rollout.prompts_per_iteration} prompts x "
         f"{cfg.rollout.group_size} responses, on {task} with {policy} ({cfg.rollout.backend} backend); "
-        f"results in {cfg.results_dir}/. Held-out accuracy of each policy on {progress['n_prompts'][0]} prompts:",
+        f"results in {results}/. Held-out accuracy of each policy on {progress['n_prompts'][0]} prompts:",
         "",
         ".. list-table::",
         "   :header-rows: 1",
