@@ -212,14 +212,18 @@ ITERATION_JOBS += ("advantages/iter_{k}", "train/iter_{k}", "evaluate/iter_{k}")
 def job_seconds(results: Path, iterations: int) -> list[float]:
     """Each iteration's job seconds: the sum of the wall times of its jobs (rollout, score,
     features, advantages, train, evaluate), from Snakemake's benchmark files; jobs that run at
-    once count each. An iteration with a job's file missing (a run made by hand, or --touch) is
-    left out."""
+    once count each. An iteration without its train job's file (outputs made by hand, or
+    --touch) or with a file that does not read as a benchmark table is left out, with a warning
+    for the latter: these files are logs, not inputs."""
     out = []
     for k in range(iterations):
         files = [f for pattern in ITERATION_JOBS for f in (results / "benchmarks").glob(pattern.format(k=k) + ".tsv")]
         if not any("train" in f.parts for f in files):
             continue
-        out.append(sum(float(pl.read_csv(f, separator="\t")["s"].sum()) for f in files))
+        try:
+            out.append(sum(float(pl.read_csv(f, separator="\t")["s"].sum()) for f in files))
+        except (pl.exceptions.PolarsError, OSError, ValueError) as e:
+            log.warning("iteration %d left out of the seconds per iteration: a benchmark file does not read (%s)", k, e)
     return out
 
 
