@@ -172,7 +172,11 @@ def _evaluate(cfg: DictConfig) -> list[str]:
 
 
 def _report(cfg: DictConfig) -> list[str]:
-    return ["mismatch.max_k2", "mismatch.mean_k3", *rollout_is_keys(cfg)]
+    # the front page names the run's settings (otbflow.stages.report.front_page, metadata)
+    front = ["seed", "iterations", "advantages.estimator", "train.loss_type", "train.loss_agg_mode"]
+    front += ["rollout.backend", "rollout.prompts_per_iteration", "rollout.group_size", "task.name", "task.path"]
+    front += ["model.path"] + ([] if cfg.model.path else ["model.arch", "model.n_layer", "model.n_embd"])
+    return ["mismatch.max_k2", "mismatch.mean_k3", *rollout_is_keys(cfg), *front]
 
 
 def _prune(cfg: DictConfig) -> list[str]:
