@@ -77,6 +77,16 @@ def test_row_noise_is_finite_at_the_hash_extremes():
     assert int(h.min()) >= 0 and int(h.max()) < 2**32
 
 
+def assert_samples_as_eager(model, tok, mode: str, **sampling):
+    """hf_generate in decode ``mode`` samples the eager path's tokens (the dynamic cache, no
+    compilation), with log-probs within 1e-5, for three prompts."""
+    ids = encode(tok, ["1+2=", "13+4+5=", "7*8="])
+    eager, other = (hf_generate(model, tok, ids, decode=m, **sampling) for m in ("eager", mode))
+    assert [s.response_ids for s in other] == [s.response_ids for s in eager]
+    for a, b in zip(eager, other):
+        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-5)
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2"])
 def test_the_static_cache_samples_what_the_dynamic_one_does(arch, cfg):
     """rollout.hf_decode 'static' (a static KV cache, left-padded batches) against 'eager' (the
@@ -86,13 +96,7 @@ def test_the_static_cache_samples_what_the_dynamic_one_does(arch, cfg):
 
     tok = build_char_tokenizer()
     model = build_tiny_model(cfg.model.copy() | {"arch": arch}, tok, seed=0).eval()
-    ids = encode(tok, ["1+2=", "13+4+5=", "7*8="])
-    eager, static = (
-        hf_generate(model, tok, ids, n=4, max_new_tokens=12, seed=3, decode=m) for m in ("eager", "static")
-    )
-    assert [s.response_ids for s in static] == [s.response_ids for s in eager]
-    for a, b in zip(eager, static):
-        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-5)
+    assert_samples_as_eager(model, tok, "static", n=4, max_new_tokens=12, seed=3)
 
 
 def test_the_compiled_decode_loop_on_cpu(qwen2_bpe_policy):
@@ -110,13 +114,7 @@ def test_the_compiled_decode_loop_on_cpu(qwen2_bpe_policy):
             logprob, torch.log_softmax(z, -1).gather(-1, token[:, None])[:, 0], rtol=0, atol=1e-5
         )
     model, tok = load_policy(qwen2_bpe_policy)
-    ids = encode(tok, ["1+2=", "13+4+5=", "7*8="])
-    eager, compiled = (
-        hf_generate(model, tok, ids, n=2, max_new_tokens=8, seed=5, decode=m) for m in ("eager", "compiled")
-    )
-    assert [s.response_ids for s in compiled] == [s.response_ids for s in eager]
-    for a, b in zip(eager, compiled):
-        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-5)
+    assert_samples_as_eager(model, tok, "compiled", n=2, max_new_tokens=8, seed=5)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs >= 2  # the sampler and the forward
 
 
