@@ -385,8 +385,8 @@ class RolloutConfig:
     bitwise-reproducible path) | 'static': a static KV cache, allocated once per generate call |
     'compiled': the static cache with the forward compiled by torch.compile (CUDA graphs on a GPU),
     the sampler compiled into fused kernels, and prompt batches padded to a multiple of 32 tokens
-    so that the graphs repeat (the first batch of each shape compiles: tens of seconds, paid once
-    per process) | 'auto': 'eager' on a CPU; on a GPU 'compiled' in a warm worker (workers.*:
+    (a longer cache recompiles the step; the compilation takes tens of seconds, paid once per
+    process) | 'auto': 'eager' on a CPU; on a GPU 'compiled' in a warm worker (workers.*:
     compiled once, used by every later job) and 'static' in a one-job process. A row's sample is
     the same function of its seed in every mode; they differ in the logits' rounding only
     (docs/training.md, "The decode loop")."""

@@ -238,20 +238,20 @@ def pack(
             **flat,
         }
     rows: list[list[int]] = []  # the sequences of each row
+    used: list[int] = []  # the tokens of each row
     where: list[tuple[int, int]] = []  # each sequence's (row, offset)
-    used = 0
     for i, seq in enumerate(seqs):
-        if not rows or (used + len(seq) > row_tokens and rows[-1]):
+        if not rows or (used[-1] + len(seq) > row_tokens and rows[-1]):
             rows.append([])
-            used = 0
-        where.append((len(rows) - 1, used))
+            used.append(0)
+        where.append((len(rows) - 1, used[-1]))
         rows[-1].append(i)
-        used += len(seq)
-    width = max(sum(len(seqs[i]) for i in row) for row in rows)
+        used[-1] += len(seq)
+    width = max(used)
     period = max(1, max(len(s) for s in seqs))
     ids, positions = [], []
-    for row in rows:
-        filler = width - sum(len(seqs[i]) for i in row)
+    for row, n in zip(rows, used):
+        filler = width - n
         ids.append([x for i in row for x in seqs[i]] + [pad_id] * filler)
         positions.append([t for i in row for t in range(len(seqs[i]))] + [t % period for t in range(filler)])
     return {

@@ -40,8 +40,9 @@ _NOISE_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 27}
 temporaries stay near 32 MiB each on a CPU; on a GPU near 1 GiB, so that 512 rows of a
 151,936-token vocabulary take one pass, not a Python loop of chunks."""
 WIDTH_BUCKET = 32
-"""'compiled': prompt batches are left-padded to a multiple of this width, so that the static
-cache's shapes, and the compiled graphs, repeat from batch to batch."""
+"""'compiled': prompt batches are left-padded to a multiple of this width. generate keeps its static
+cache at the longest length it has met and recompiles the decode step when it grows: in steps of
+this many tokens, not one per new prompt length."""
 
 
 def processed_logits(logits: torch.Tensor, temperature: float, top_p: float, min_p: float = 0.0) -> torch.Tensor:
@@ -257,7 +258,7 @@ def hf_generate(
         for start in range(0, len(prompt_ids), batch_size):
             batch = prompt_ids[start : start + batch_size]
             longest = max(len(x) for x in batch)
-            # 'compiled': a width that repeats, so that the compiled graphs do too (the left pads are masked)
+            # 'compiled': widths in steps of WIDTH_BUCKET, so that the cache grows, and recompiles, in steps
             width = -(-longest // WIDTH_BUCKET) * WIDTH_BUCKET if mode == "compiled" else longest
             # n rows per prompt, prompt-major (generate's own expansion needs do_sample)
             input_ids = padded(batch, pad, width, left=True, device=model.device).repeat_interleave(n, dim=0)
