@@ -20,7 +20,7 @@ import polars as pl
 import pyarrow as pa
 import torch
 
-from otbflow.estimators import ESTIMATORS, compute_advantages
+from otbflow.algorithms.estimators import ESTIMATORS, compute_advantages
 
 OPTIONS = {"length_power": {"exponent": 1.58}}
 

@@ -3,7 +3,7 @@
 Both passes run the transformer body once and the output head over chunks of
 ``--chunk-size`` response positions (the features stage's layout). The log-prob-only pass takes
 log_softmax(z)[y] per chunk; the features pass computes log-probs, entropy, sum pi^2 and the
-proxy (otbflow.logits.token_stats). Each (model, pass) runs in a fresh process:
+proxy (otbflow.models.logits.token_stats). Each (model, pass) runs in a fresh process:
 
 - time: best of --repeats whole passes (body + head + statistics);
 - memory: peak RSS (VmHWM, reset through /proc/self/clear_refs) of the head + statistics part
@@ -36,7 +36,7 @@ MODELS = {
 def worker(model_name: str, mode: str, n_seq: int, seq_len: int, prompt_len: int, chunk: int, repeats: int) -> dict:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from otbflow.logits import ResponseLogits, chunked_token_stats, pack
+    from otbflow.models.logits import ResponseLogits, chunked_token_stats, pack
 
     torch.manual_seed(0)
     spec = MODELS[model_name]

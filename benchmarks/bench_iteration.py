@@ -132,7 +132,7 @@ def start_workers(results: Path, n_shards: int) -> tuple[list[subprocess.Popen],
     """One generation and one features worker per shard and one train worker for the run in
     ``results`` (``otbflow worker``), and the seconds until all had registered (their imports)."""
     sys.path.insert(0, str(REPO / "src"))
-    from otbflow.dispatch import live_workers
+    from otbflow.ops.dispatch import live_workers
 
     kinds = ["generate"] * n_shards + ["features"] * n_shards + ["train"]
     start = time.perf_counter()

@@ -24,7 +24,7 @@ import platform
 import re
 import time
 
-from otbflow import rewards
+from otbflow.algorithms import rewards
 
 OLD_NUM = r"-?(?:\d+(?:,\d{3})*(?:\.\d+)?|\.\d+)"
 OLD_GSM8K_MARKER = re.compile(r"####[ \t]*\\?\$?[ \t]*(" + OLD_NUM + r")[ \t]*\.?[ \t]*$", re.MULTILINE)

@@ -18,7 +18,7 @@ import random
 import statistics
 import time
 
-from otbflow.rewards import get_reward
+from otbflow.algorithms.rewards import get_reward
 
 
 def responses(n: int, seed: int = 0) -> list[tuple[str, str]]:

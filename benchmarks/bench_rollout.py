@@ -63,10 +63,10 @@ def build_policy(name: str, out: Path) -> dict:
     from make_policy import word_tokenizer  # benchmarks/make_policy.py (this folder is on sys.path)
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from otbflow.model import build_tiny_model
+    from otbflow.models.policy import build_tiny_model
 
     if name in ("tiny", "qwen2"):
-        from otbflow.model import build_tokenizer
+        from otbflow.models.policy import build_tokenizer
         from otbflow.stages.bootstrap import tokenizer_corpus
 
         cfg = base_config(QWEN2 if name == "qwen2" else [])
@@ -98,8 +98,8 @@ def build_policy(name: str, out: Path) -> dict:
 
 
 def prompts_for(n: int) -> list[str]:
+    from otbflow.models.tasks import arithmetic_prompts
     from otbflow.seeds import derive_seed
-    from otbflow.tasks import arithmetic_prompts
 
     cfg = base_config([])
     t = cfg.task
@@ -112,7 +112,7 @@ def prompts_for(n: int) -> list[str]:
 def prompt_ids_for(policy: str, n: int) -> list[list[int]]:
     """The prompts rendered for ``policy``'s tokenizer as the rollout renders them (task.chat auto)."""
     from otbflow.engines import render_prompts, use_chat
-    from otbflow.model import load_tokenizer
+    from otbflow.models.policy import load_tokenizer
 
     tok = load_tokenizer(policy)
     return render_prompts(tok, prompts_for(n), None, use_chat(base_config([]), tok))
@@ -179,7 +179,7 @@ def worker_vllm(policy: str, a: argparse.Namespace) -> dict:
 
     from otbflow.engines import stop_token_ids
     from otbflow.engines import vllm as vllm_engine
-    from otbflow.model import load_tokenizer
+    from otbflow.models.policy import load_tokenizer
 
     ids = prompt_ids_for(policy, a.prompts)
     stops = stop_token_ids(load_tokenizer(policy), policy)

@@ -57,7 +57,7 @@ def _since(t: float) -> float:
 
 def worker_features(model: str) -> dict:
     import otbflow.stages.features  # noqa: F401
-    from otbflow.model import load_policy
+    from otbflow.models.policy import load_policy
 
     out = {"import_s": _since(T_START)}
     t = time.perf_counter()
@@ -79,8 +79,8 @@ def worker_train(model: str) -> dict:
 
     import otbflow.stages.train  # noqa: F401
     from otbflow.config import DEFAULT_CONFIG, load_config
-    from otbflow.distributed import build_engine, init_distributed_env
-    from otbflow.train_state import full_fp32_state_dict, load_optimizer_state, save_optimizer_state, save_policy
+    from otbflow.training.distributed import build_engine, init_distributed_env
+    from otbflow.training.state import full_fp32_state_dict, load_optimizer_state, save_optimizer_state, save_policy
 
     out = {"import_s": _since(T_START)}
     tc = load_config(DEFAULT_CONFIG, []).train
@@ -149,7 +149,7 @@ def build_model(shape: str, folder: Path) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from otbflow.config import DEFAULT_CONFIG, load_config
-    from otbflow.model import build_bpe_tokenizer, build_tiny_model, build_tokenizer
+    from otbflow.models.policy import build_bpe_tokenizer, build_tiny_model, build_tokenizer
 
     cfg = load_config(DEFAULT_CONFIG, [])
     if shape == "default":

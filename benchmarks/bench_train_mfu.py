@@ -25,7 +25,7 @@ The figures here are per GPU: a run whose train jobs use several GPUs reads its 
 train metrics' own column, which divides by the peak x the ranks.
 
 Peak: the dense bf16 tensor-core FLOP/s of the GPU, by the name torch gives it
-(``otbflow.hardware.PEAKS``, the table the train stage's own ``mfu`` column uses). On a GPU not in
+(``otbflow.training.hardware.PEAKS``, the table the train stage's own ``mfu`` column uses). On a GPU not in
 the table, or on CPU, ``mfu`` is null.
 
 Prints JSON (and writes it to ``--out``) naming the command, the date, the GPU and the versions::
@@ -48,7 +48,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
-from otbflow.hardware import peak_for  # noqa: E402  (the one table of GPU peaks)
+from otbflow.training.hardware import peak_for  # noqa: E402  (the one table of GPU peaks)
 
 
 def parameters(policy: Path) -> int:

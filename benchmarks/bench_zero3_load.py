@@ -3,7 +3,7 @@
 A random Qwen2-shaped policy (``--hidden``, ``--layers``, ``--vocab``; tied embeddings) is saved in
 fp32 as the train stage reads it. Then, for each mode, ``--ranks`` ranks on this machine
 (torchrun, CPU, gloo) build the train stage's DeepSpeed engine with ``train.zero_stage=3``
-(``otbflow.distributed.build_engine``) and report their memory:
+(``otbflow.training.distributed.build_engine``) and report their memory:
 
 - ``partitioned``: the train stage as it is (``load_partitioned``: transformers' DeepSpeed
   integration builds the model inside ``deepspeed.zero.Init``; rank 0 alone reads the values).
@@ -44,7 +44,7 @@ def save_policy_folder(path: Path, hidden: int, layers: int, vocab: int) -> int:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from otbflow.config import DEFAULT_CONFIG, load_config
-    from otbflow.model import build_char_tokenizer
+    from otbflow.models.policy import build_char_tokenizer
 
     tok = build_char_tokenizer()
     torch.manual_seed(0)
@@ -68,8 +68,8 @@ def save_policy_folder(path: Path, hidden: int, layers: int, vocab: int) -> int:
 
 def worker(mode: str, policy: str, out: str) -> None:
     """One rank: the train stage's engine at ZeRO-3, its memory written to ``out``.<rank>.json."""
-    from otbflow import distributed as D
     from otbflow.config import DEFAULT_CONFIG, load_config
+    from otbflow.training import distributed as D
 
     rank, world_size = D.init_distributed_env()
     tc = load_config(DEFAULT_CONFIG, ["train.zero_stage=3"]).train

@@ -6,7 +6,7 @@ qwen2.5-0.5b: 494 M parameters, vocabulary 151,936, tied embeddings). The weight
 architecture's random initialisation (seed ``--seed``, on the CPU, so the same on every machine),
 saved in ``--dtype`` (the shape's own, bf16 for Qwen2.5). The tokenizer is word-level and covers
 the whole vocabulary: otbflow's special tokens (``<pad>`` 0, ``<eos>`` 1, ``<unk>`` 2) and
-characters (those of the arithmetic task's prompts, ``otbflow.model.CHARS``), then ``<w{i}>``
+characters (those of the arithmetic task's prompts, ``otbflow.models.policy.CHARS``), then ``<w{i}>``
 tokens up to the vocabulary's size, so any sampled id decodes.
 
 Smaller variants for a CPU check: ``--layers``, ``--vocab`` and ``--hidden`` (the width; heads
@@ -31,11 +31,11 @@ SHAPES = REPO / "benchmarks" / "shapes"
 
 
 def word_tokenizer(vocab_size: int):
-    """The character tokenizer of otbflow.model padded with word tokens '<w{i}>' to vocab_size."""
+    """The character tokenizer of otbflow.models.policy padded with word tokens '<w{i}>' to vocab_size."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from otbflow.model import CHARS, SPECIAL
+    from otbflow.models.policy import CHARS, SPECIAL
 
     tokens = SPECIAL + list(dict.fromkeys(CHARS))
     if vocab_size < len(tokens):
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--dtype", default="", choices=("", "float32", "bfloat16", "float16"), help="'': the shape's")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    sys.path.insert(0, str(REPO / "src"))  # otbflow.model's characters, without an install
+    sys.path.insert(0, str(REPO / "src"))  # otbflow.models.policy's characters, without an install
     res = build(a.shape, a.out, a.layers, a.vocab, a.hidden, a.dtype, a.seed)
     print(json.dumps(res))
     return res

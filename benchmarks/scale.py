@@ -6,7 +6,7 @@ For Qwen2.5-0.5B-, 7B- and 32B-shaped policies (benchmarks/shapes/), 512 prompts
 - **jobs**: counted by Snakemake itself (a dry run of this workflow with these settings), and the
   sbatch submissions they make with the slurm/ profile, with and without grouping an iteration's
   {features, advantages, train} into one Slurm job;
-- **disk**: ``otbflow.disk.estimate`` at the peak and at the end, per retention setting and staleness;
+- **disk**: ``otbflow.ops.disk.estimate`` at the peak and at the end, per retention setting and staleness;
 - **start-up per job** (interpreter and imports, model load, vLLM engine build, DeepSpeed
   initialisation, the optimizer state read and written, the next policy written): measured on CPU
   for two shapes by ``benchmarks/bench_startup.py`` (its JSON, ``--startup``), extrapolated to the
@@ -34,8 +34,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from otbflow.config import DEFAULT_CONFIG, load_config  # noqa: E402
-from otbflow.disk import count_parameters, estimate, gib, optimizer_bytes_per_parameter  # noqa: E402
-from otbflow.jobgroups import CHAIN as GROUPED  # noqa: E402  the rules of one grouped Slurm job per iteration
+from otbflow.ops.disk import count_parameters, estimate, gib, optimizer_bytes_per_parameter  # noqa: E402
+from otbflow.ops.jobgroups import CHAIN as GROUPED  # noqa: E402  the rules of one grouped Slurm job per iteration
 
 DOC = REPO / "docs" / "scale.md"
 STARTUP = REPO / "benchmarks" / "measured" / "startup.json"
@@ -309,7 +309,7 @@ def render(measured: dict, jobs: dict[str, int]) -> str:
     )
     add("## Disk\n")
     add(
-        "`otbflow disk` (`otbflow.disk.estimate`): fp32 policy 4 B/parameter, optimizer state 14 B/parameter "
+        "`otbflow disk` (`otbflow.ops.disk.estimate`): fp32 policy 4 B/parameter, optimizer state 14 B/parameter "
         "(ZeRO-1/2, bf16) or 12 (ZeRO-3), the data tables' per-token widths (uncompressed: an upper bound). "
         "`policy_every: 0` keeps every policy; the last `staleness + 1` policies are always kept.\n"
     )

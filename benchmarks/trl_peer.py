@@ -13,10 +13,10 @@ constant, weight decay 0, grad-norm clip 1.0, fp32. This module runs the same wo
   ``num_iterations`` 1. As gradient_accumulation_steps (4) is no multiple of the 32 micro-steps
   per generation, TRL computes the old log-probs once per generation (a no-grad forward over the
   2,048 sequences), as otbflow's features stage does: steps 2-8 are off the sampling policy.
-- the prompts otbflow's iteration k samples: ``otbflow.sampling.select_prompts``'s window of
+- the prompts otbflow's iteration k samples: ``otbflow.models.sampling.select_prompts``'s window of
   ceil(256 / n_shards) consecutive rows of each shard (``iteration_prompts``), in a dataset TRL
   reads in order (``shuffle_dataset=False``), iteration after iteration;
-- the reward is otbflow's own function (``otbflow.rewards``, which imports only the standard
+- the reward is otbflow's own function (``otbflow.algorithms.rewards``, which imports only the standard
   library: ``src/`` goes on ``sys.path``, otbflow is not installed in the TRL venv).
 
 What is not the same work (TRL has no switch for it):
@@ -136,7 +136,7 @@ def run_trl(policy: Path, shards: list[Path], iterations: int, threads: int, ven
 def iteration_prompts(shards: list[list[dict]], iteration: int, prompts_per_iteration: int) -> list[dict]:
     """The rows otbflow's rollout jobs of ``iteration`` sample, shard after shard: each shard's
     window of ceil(prompts_per_iteration / n_shards) consecutive rows, cycling
-    (otbflow.stages.rollout and otbflow.sampling.select_prompts, restated here: that module
+    (otbflow.stages.rollout and otbflow.models.sampling.select_prompts, restated here: that module
     imports torch, polars and omegaconf)."""
     per_shard = math.ceil(prompts_per_iteration / len(shards))
     rows = []
@@ -222,7 +222,7 @@ def main() -> None:
     p.add_argument("--iterations", type=int, default=2)
     p.add_argument("--out", type=Path, help="JSON result")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    p.add_argument("--reward", default="arithmetic", help="otbflow reward name (otbflow.rewards)")
+    p.add_argument("--reward", default="arithmetic", help="otbflow reward name (otbflow.algorithms.rewards)")
     p.add_argument("--prompts-per-iteration", type=int, default=GRPO_SETTINGS["prompts_per_iteration"])
     p.add_argument("--group-size", type=int, default=GRPO_SETTINGS["group_size"])
     p.add_argument("--mini-batch-size", type=int, default=GRPO_SETTINGS["mini_batch_size"])
@@ -246,17 +246,17 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    sys.path.insert(0, str(REPO / "src"))  # otbflow.rewards: standard library only
+    sys.path.insert(0, str(REPO / "src"))  # otbflow.algorithms.rewards: standard library only
     import transformers
     import trl
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
-    from otbflow.rewards import get_reward
+    from otbflow.algorithms.rewards import get_reward
 
     score = get_reward(args.reward)
     tok = AutoTokenizer.from_pretrained(args.policy, local_files_only=True)
-    if tok.pad_token_id is None:  # otbflow.model.load_tokenizer's rule
+    if tok.pad_token_id is None:  # otbflow.models.policy.load_tokenizer's rule
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
     chat = bool(getattr(tok, "chat_template", None))  # task.chat auto: the template where there is one

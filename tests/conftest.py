@@ -154,7 +154,7 @@ def cfg():
 @pytest.fixture(scope="session")
 def tiny_policy(tmp_path_factory, cfg):
     """An untrained tiny char-level GPT-2 saved as an HF folder."""
-    from otbflow.model import build_char_tokenizer, build_tiny_model
+    from otbflow.models.policy import build_char_tokenizer, build_tiny_model
 
     path = tmp_path_factory.mktemp("policy") / "policy"
     tok = build_char_tokenizer()
@@ -168,7 +168,7 @@ def tiny_policy(tmp_path_factory, cfg):
 def qwen2_bpe_policy(tmp_path_factory):
     """An untrained tiny Qwen2 (grouped-query attention) with a byte-level BPE tokenizer and a
     ChatML chat template, saved as an HF folder."""
-    from otbflow.model import build_tiny_model, build_tokenizer
+    from otbflow.models.policy import build_tiny_model, build_tokenizer
 
     cfg = tiny_config("model.arch=qwen2", "model.tokenizer=bpe", "model.n_kv_head=1")
     path = tmp_path_factory.mktemp("policy") / "qwen2_bpe"
@@ -306,7 +306,7 @@ def save_reward_model(path: Path, arch: str, tok, n_positions: int, num_labels: 
     from omegaconf import OmegaConf
     from transformers import AutoModelForSequenceClassification
 
-    from otbflow.model import tiny_model_config
+    from otbflow.models.policy import tiny_model_config
 
     small = OmegaConf.create(
         dict(arch=arch, n_positions=n_positions, n_embd=32, n_layer=2, n_head=2, n_kv_head=1 if arch != "gpt2" else 0)

@@ -13,7 +13,7 @@ and the columns added after the fixtures were recorded (``ADDED``, each with the
 its values); not the Parquet key-value metadata (versions, paths, timestamps).
 
 The fingerprints hold on one CPU model with one thread count per job: another instruction set
-adds floating-point sums in another order (README, "What a seed fixes"). ``cpu_keys()`` names the
+adds floating-point sums in another order (docs/running.md, "What a seed fixes"). ``cpu_keys()`` names the
 machine they were taken on.
 """
 

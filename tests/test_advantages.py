@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from otbflow import schemas
-from otbflow.estimators import ESTIMATORS, compare, compute_advantages, diagnostics, register
+from otbflow.algorithms.estimators import ESTIMATORS, compare, compute_advantages, diagnostics, register
 from otbflow.io import SchemaError, read_table
 from otbflow.stages import advantages
 
@@ -386,7 +386,7 @@ def test_bad_input_errors():
 
 
 def test_registry_is_one_decorated_function():
-    from otbflow import estimators
+    from otbflow.algorithms import estimators
 
     @estimators.register("half_mean_test")
     def half_mean(b, baseline_shift=0.0):

@@ -68,7 +68,7 @@ def test_evaluate_counts_the_reward_timeouts(tmp_path, cfg, tiny_policy, data_di
     counted as the math reward's worker counts them) in the samples' metadata and its log."""
     import logging
 
-    from otbflow import rewards
+    from otbflow.algorithms import rewards
     from otbflow.io import read_metadata
 
     timed_out = []

@@ -1,7 +1,6 @@
 import copy
 import dataclasses
 import functools
-import re
 import subprocess
 import sys
 import typing
@@ -443,19 +442,3 @@ def test_every_field_has_a_docstring():
             docs = field_docs(klass)
             assert {f.name for f in dataclasses.fields(klass)} <= set(docs), klass.__name__
     assert "Most responses measured" in field_docs(type(Config().scaling))["max_sequences"]
-
-
-def test_the_config_docstrings_name_sections_that_exist():
-    """Every section a config docstring points at ("docs/X.md, 'Section'", "README, 'Section'"),
-    which --help-keys and the schema show, is a heading of that file (its text, backticks
-    dropped, begins with the name)."""
-    text = re.sub(r"\s+", " ", (REPO / "src" / "otbflow" / "config.py").read_text())
-    refs = re.findall(r"(docs/[a-z_]+\.md|README)(?:\.md)?, ['\"]([^'\"]+)['\"]", text)
-    assert len(refs) >= 6
-    missing = []
-    for doc, section in refs:
-        path = REPO / (doc if doc.startswith("docs/") else "README.md")
-        headings = [h.replace("`", "") for h in re.findall(r"^#+ (.+)$", path.read_text(), flags=re.M)]
-        if not any(h.startswith(section) for h in headings):
-            missing.append(f"{doc}, '{section}'")
-    assert not missing, f"config docstrings name sections that do not exist: {missing}"

@@ -7,8 +7,8 @@ import pytest
 from conftest import REPO, TINY
 
 from otbflow.config import DEFAULT_CONFIG, load_config
-from otbflow.disk import built_model_config, count_parameters, estimate
-from otbflow.retention import decision
+from otbflow.ops.disk import built_model_config, count_parameters, estimate
+from otbflow.ops.retention import decision
 
 SHAPES = REPO / "benchmarks" / "shapes"
 

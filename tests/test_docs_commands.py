@@ -35,7 +35,9 @@ import pytest
 from conftest import REPO, make_sandbox, sandbox_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("docs")]
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+# docs/measurements.md is a record of the commands that measured each figure (with their machine and
+# date), not instructions: the commands a reader is told to run are on the other pages.
+DOCS = [REPO / "README.md", *sorted(p for p in (REPO / "docs").glob("*.md") if p.name != "measurements.md")]
 PREFIXES = ("make ", "snakemake ", "otbflow ", ".venv/bin/", "python ", "python3 ", "benchmarks/")
 
 AS_SHOWN, DRY, CI, SLURM = "as shown", "dry run", "CI", "Slurm"
@@ -121,7 +123,7 @@ HOW: dict[str, str] = {
     "otbflow submit --configfile my.yaml --workers": SLURM,
     "snakemake --workflow-profile slurm --configfile my.yaml < /dev/null": SLURM,
     "otbflow submit --configfile my.yaml --group-iterations": SLURM,
-    # a head that cannot be asked (README, "When the head dies"): its lock and record cleared
+    # a head that cannot be asked (docs/slurm.md, "When the head dies"): its lock and record cleared
     "snakemake --unlock": f"snakemake --unlock {TINY} && test ! -e .snakemake/otbflow-heads",
     # A real model and dataset
     ".venv/bin/otbflow shard --out-dir results/data task.name=dataset task.path=/data/gsm8k/train.parquet": REAL_MODEL,
@@ -154,7 +156,7 @@ HOW: dict[str, str] = {
     # one, so a dry run needs a real folder; tests/test_workflow.py runs the workflow with a tiny one)
     "snakemake --cores 2 --config 'task={reward_model: {path: /models/my-rm, weight: 0.5}}'": (
         "python -c \"import sys; sys.path.insert(0, 'tests'); from conftest import save_reward_model; "
-        "from otbflow.model import build_char_tokenizer; "
+        "from otbflow.models.policy import build_char_tokenizer; "
         "save_reward_model(__import__('pathlib').Path('results/scratch/my-rm'), 'gpt2', build_char_tokenizer(), 32)\" && "
         "snakemake -n --cores 2 --config 'task={reward_model: {path: results/scratch/my-rm, weight: 0.5}}'"
     ),
@@ -192,7 +194,7 @@ HOW: dict[str, str] = {
     "--responses 20 --repeats 1",
     "python benchmarks/bench_reward_adversarial.py": "python benchmarks/bench_reward_adversarial.py --sizes 8000 "
     "--old-sizes 1000",
-    # README, "The GPU check": on CPU at a tiny shape
+    # docs/environments.md, "The GPU check": on CPU at a tiny shape
     "benchmarks/gpu/check.sh": GPU_CHECK_TINY,
     GPU_CHECK_TINY: AS_SHOWN,
     "bash benchmarks/gpu/check.sh --bundle .gpu-bundle --out results/gpu_check": GPU_CHECK_TINY,

@@ -11,8 +11,8 @@ import pytest
 from conftest import tiny_config
 
 from otbflow import schemas
+from otbflow.algorithms.rewards import REWARDS, register
 from otbflow.io import read_metadata, read_table
-from otbflow.rewards import REWARDS, register
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -33,8 +33,8 @@ TIMED_OUT: list[str] = []
 
 def times_out_mod3(text: str, answer: str) -> float:
     """A verifier whose calls on responses of a length divisible by 3 run past the deadline: it
-    counts them as the math reward's worker does (otbflow.rewards.reward_timeouts) and scores 0."""
-    from otbflow import rewards
+    counts them as the math reward's worker does (otbflow.algorithms.rewards.reward_timeouts) and scores 0."""
+    from otbflow.algorithms import rewards
 
     if len(text) % 3:
         return float(len(text) % 3 == 1)

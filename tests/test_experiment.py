@@ -19,8 +19,8 @@ from conftest import REPO
 
 from otbflow import schemas
 from otbflow.config import ConfigError
-from otbflow.experiment_config import load_experiment, member_config
 from otbflow.io import read_metadata, read_table
+from otbflow.studies.experiment_config import load_experiment, member_config
 
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
 TINY_EXPERIMENT = REPO / "config" / "experiments" / "tiny.yaml"
@@ -216,7 +216,7 @@ def test_tokens_to_target_interpolates_the_first_crossing():
 def test_t_quantiles_match_the_published_table():
     """Two-sided critical values t_{1-alpha/2, df} from the standard t table (e.g. NIST/SEMATECH
     e-Handbook 1.3.6.7.2), to its 3 decimals."""
-    from otbflow.stats import t_quantile
+    from otbflow.studies.stats import t_quantile
 
     table = {
         (0.95, 1): 12.706,
@@ -236,7 +236,7 @@ def test_t_quantiles_match_the_published_table():
 def test_t_interval_on_hand_computed_cases():
     """{1, 2, 3}: mean 2, s = 1, t_{0.975,2} = 4.303: 2 +- 4.303 / sqrt(3) = 2 +- 2.484. {0, 1}: mean
     0.5, s / sqrt(2) = 0.5, t_{0.975,1} = 12.706: 0.5 +- 6.353. A constant: a point; one value: none."""
-    from otbflow.stats import t_interval
+    from otbflow.studies.stats import t_interval
 
     assert t_interval([1.0, 2.0, 3.0], 0.95) == pytest.approx((-0.484, 4.484), abs=1e-3)
     assert t_interval([0.0, 1.0], 0.95) == pytest.approx((-5.853, 6.853), abs=1e-3)
@@ -266,7 +266,7 @@ def test_t_interval_covers_the_mean_at_3_and_5_seeds(n, name, draw, mean):
     The percentile bootstrap this replaced fails the test: at n = 3 it covers about 0.67 (computed
     here exactly, over all 27 resamples), at n = 5 about 0.83 (all 3,125 resamples: too slow for
     this test)."""
-    from otbflow.stats import t_interval
+    from otbflow.studies.stats import t_interval
 
     rng = np.random.default_rng(n)
     x = draw(rng, (4000, n))
@@ -281,7 +281,7 @@ def test_t_interval_covers_the_mean_at_3_and_5_seeds(n, name, draw, mean):
 def test_late_trend_needs_an_equivalence_test_for_a_plateau():
     """A plateau only when the interval lies inside +-margin; an interval that holds 0 but reaches
     past the margin is unresolved, not a plateau (the issue's +0.04 gain under +-0.04 noise)."""
-    from otbflow.stats import late_trend
+    from otbflow.studies.stats import late_trend
 
     assert late_trend(-0.01, 0.015, 0.02) == "plateau"
     assert late_trend(-0.02, 0.06, 0.02) == "unresolved"
@@ -621,7 +621,7 @@ def test_experiment_schema_documents_every_key_and_reads_every_file():
     import dataclasses
 
     from otbflow.config import field_docs
-    from otbflow.experiment_config import AnalysisConfig, ExperimentConfig
+    from otbflow.studies.experiment_config import AnalysisConfig, ExperimentConfig
 
     for cls in (ExperimentConfig, AnalysisConfig):
         assert set(field_docs(cls)) == {f.name for f in dataclasses.fields(cls)}, cls.__name__

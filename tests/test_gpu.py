@@ -46,7 +46,7 @@ def test_row_noise_and_tokens_the_same_on_cpu_and_cuda():
 def test_hf_generate_samples_the_same_on_cpu_and_cuda(tiny_policy):
     """The tiny fp32 policy's samples for the same seed and prompts: the same tokens on both
     devices, log-probs within 1e-4 (the matrix products round differently)."""
-    from otbflow.model import load_policy
+    from otbflow.models.policy import load_policy
 
     model, tok = load_policy(tiny_policy, "float32")
     prompts = [
@@ -81,7 +81,7 @@ def test_the_fused_sampler_on_cuda_picks_the_cpu_tokens():
 def test_the_gpu_decode_loops_sample_the_eager_tokens(tiny_policy, mode):
     """The tiny fp32 policy on CUDA: 'static' and 'compiled' sample the eager path's tokens, with
     log-probs within 1e-4."""
-    from otbflow.model import load_policy
+    from otbflow.models.policy import load_policy
 
     model, tok = load_policy(tiny_policy, "float32")
     model = model.to("cuda")
@@ -112,7 +112,7 @@ def test_decode_profile_attributes_cuda_kernels(tmp_path):
 
 def test_this_gpu_has_a_known_peak():
     """The MFU needs the card's dense bf16 peak: the name torch gives this GPU is in the table."""
-    from otbflow.hardware import peak_for
+    from otbflow.training.hardware import peak_for
 
     name = torch.cuda.get_device_name(0)
-    assert peak_for(name)[0] is not None, f"add {name!r} to PEAKS in src/otbflow/hardware.py"
+    assert peak_for(name)[0] is not None, f"add {name!r} to PEAKS in src/otbflow/training/hardware.py"

@@ -38,7 +38,7 @@ def policy(tmp_path_factory):
 
 
 def test_made_policy_loads_and_every_id_decodes(policy):
-    from otbflow.model import load_policy
+    from otbflow.models.policy import load_policy
 
     model, tok = load_policy(policy, "float32")
     vocab = model.config.vocab_size
@@ -100,7 +100,7 @@ def test_list_settings_names_what_check_sh_runs():
 
 
 def test_peaks_by_device_name():
-    from otbflow.hardware import peak_for
+    from otbflow.training.hardware import peak_for
 
     assert peak_for("NVIDIA H100 80GB HBM3")[0] == 989.0 and peak_for("NVIDIA H200")[0] == 989.0
     assert peak_for("NVIDIA H100 PCIe")[0] == 756.0 and peak_for("NVIDIA H200 NVL")[0] == 835.0

@@ -1,4 +1,4 @@
-"""A killed head is continued by the same command (otbflow.head): who holds a folder, when that
+"""A killed head is continued by the same command (otbflow.ops.head): who holds a folder, when that
 holder is gone, the jobs it left stopped (local processes by their mark, Slurm jobs by the
 incomplete markers and by name) before anything is redone, and the tiny workflow continued after
 ``kill -9`` of Snakemake to the policy of an uninterrupted run. The Slurm side runs on the local
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, make_sandbox, sandbox_env
 
-from otbflow import head as H
+from otbflow.ops import head as H
 
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
 
@@ -235,7 +235,7 @@ def test_the_results_folder_has_one_head(tmp_path, fake_slurm):
 # --- a Snakefile with the guard: kill -9 of Snakemake, then the same command ---
 
 TOY = """
-from otbflow.head import guard
+from otbflow.ops.head import guard
 
 guard(workflow, "results")
 
@@ -327,7 +327,7 @@ def test_a_live_snakemake_keeps_the_folder(tmp_path):
 SHARED_TOY = """
 import os
 
-from otbflow.head import guard
+from otbflow.ops.head import guard
 
 R = os.environ["TOY_RESULTS"]
 guard(workflow, R)

@@ -1,4 +1,4 @@
-"""Grouped iterations on Slurm (otbflow.jobgroups): the groups come from one place, a dry run plans
+"""Grouped iterations on Slurm (otbflow.ops.jobgroups): the groups come from one place, a dry run plans
 one group job per iteration with the stale rollouts outside it, and a grouping that would make them
 wait is refused. Needs no Slurm (dry runs); tests/test_slurm_integration.py runs the grouped form
 on a local Slurm and counts its sbatch calls.
@@ -15,8 +15,8 @@ from pathlib import Path
 import yaml
 from conftest import REPO, TINY
 
-from otbflow import jobgroups
-from otbflow.submit import add_arguments, snakemake_command
+from otbflow.ops import jobgroups
+from otbflow.ops.submit import add_arguments, snakemake_command
 
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
 STALE = ["--config", "iterations=3", "rollout={staleness: 1}", "train={rollout_is: token}"]

@@ -2,17 +2,18 @@
 states through the output head, chunk by chunk; families whose forward post-processes the head's
 output (Granite's logits_scaling, Gemma2's soft-capping, Cohere's logit_scale, Falcon-H1's
 lm_head_multiplier) get the same transform per chunk, and a model whose forward does something
-otbflow does not know is refused at load (``otbflow.logits.check_head_logits``)."""
+otbflow does not know is refused at load (``otbflow.models.logits.check_head_logits``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from otbflow import logits, schemas
+from otbflow import schemas
 from otbflow.io import read_table
-from otbflow.logits import ResponseLogprobs, check_head_logits, logit_transform, pack, sequence_token_stats
-from otbflow.model import build_char_tokenizer, cast_parameters, load_policy
+from otbflow.models import logits
+from otbflow.models.logits import ResponseLogprobs, check_head_logits, logit_transform, pack, sequence_token_stats
+from otbflow.models.policy import build_char_tokenizer, cast_parameters, load_policy
 
 TEMPERATURE = 0.7
 
@@ -192,8 +193,8 @@ def test_the_features_and_train_stages_refuse_an_unknown_transform(policies, rol
     """Granite with its entry removed from the registry: the features stage and the train
     stage's engine refuse it at load, naming the model type; with it, the features stage's
     stored log pi are the forward's."""
-    from otbflow.distributed import build_engine
     from otbflow.stages import features
+    from otbflow.training.distributed import build_engine
 
     args = features.Args(rollouts=str(rollouts_path), policy=str(policies["granite"]), out=str(tmp_path / "f.parquet"))
     features.run(cfg, args)

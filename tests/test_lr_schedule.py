@@ -4,8 +4,8 @@ import json
 
 import pytest
 
+from otbflow.algorithms.lr_schedule import LRSchedule
 from otbflow.config import load_config
-from otbflow.lr_schedule import LRSchedule
 
 
 def schedule(*overrides: str) -> LRSchedule:

@@ -13,8 +13,8 @@ from conftest import tiny_config
 from otbflow.engines import render_prompts, stop_token_ids, truncate_at_stop, use_chat
 from otbflow.engines.hf import hf_generate
 from otbflow.io import read_metadata
-from otbflow.logits import sequence_token_stats
-from otbflow.model import build_char_tokenizer, build_tiny_model, build_tokenizer, load_policy
+from otbflow.models.logits import sequence_token_stats
+from otbflow.models.policy import build_char_tokenizer, build_tiny_model, build_tokenizer, load_policy
 from otbflow.stages import bootstrap
 
 ARCHS = [("gpt2", "char"), ("llama", "char"), ("llama", "bpe"), ("qwen2", "bpe")]
@@ -236,7 +236,7 @@ def test_model_path_without_its_tokenizer_is_refused_before_any_job(tiny_policy,
 
 
 def test_a_tokenizer_far_smaller_than_the_embedding_is_refused(tiny_policy, tmp_path):
-    from otbflow.model import load_tokenizer
+    from otbflow.models.policy import load_tokenizer
 
     with pytest.raises(ValueError, match="bare: no tokenizer files"):
         load_tokenizer(without(tiny_policy, tmp_path, "bare"))

@@ -1,4 +1,4 @@
-"""README 'A real model and dataset': its three commands, with a tiny Qwen2 + BPE + chat folder in
+"""docs/data.md 'A real model and dataset': its three commands, with a tiny Qwen2 + BPE + chat folder in
 place of the checkpoint and a GSM8K-layout file in place of the dataset, all for real: the data
 check (the shard stage), the whole workflow on the dataset (with the SMALL sizes layered on, so
 that it takes a minute) and the HTML report. A wrong layout stops the first command."""
@@ -23,8 +23,7 @@ DATA = "/data/gsm8k/train.parquet"
 
 
 def readme_commands() -> list[str]:
-    text = (REPO / "README.md").read_text()
-    section = text.split("## A real model and dataset", 1)[1].split("\n## ", 1)[0]
+    section = (REPO / "docs" / "data.md").read_text().split("\n## ", 1)[0]
     block = re.search(r"```bash\n(.*?)```", section, flags=re.S).group(1)
     return [line for line in block.splitlines() if line.strip()]
 

@@ -1,4 +1,4 @@
-"""Learned reward models (otbflow.reward_model): tiny random reward models of two real
+"""Learned reward models (otbflow.models.reward_model): tiny random reward models of two real
 architectures built offline (a GPT-2 with the char tokenizer, no chat template; a Qwen2 with a
 byte-level BPE and the ChatML template). The scores are pinned against HF's own forward of the
 unpadded sequence, batched against one by one, and the folder checks run before anything loads."""
@@ -15,8 +15,8 @@ import pytest
 import torch
 from conftest import REPO, save_reward_model
 
-from otbflow.model import build_bpe_tokenizer, build_char_tokenizer
-from otbflow.reward_model import RewardModel, check_reward_model, max_length_of
+from otbflow.models.policy import build_bpe_tokenizer, build_char_tokenizer
+from otbflow.models.reward_model import RewardModel, check_reward_model, max_length_of
 
 PROMPTS = ["1+2=", "12+30-7=", "7=", "", "5*5=", "100-1=", "3+3+3="]
 RESPONSES = ["3", "35;#35", "7" * 20, "#0", "25;#25<eos>", "", "9;#9"]
@@ -118,7 +118,7 @@ def test_empty_text_is_refused(gpt2_rm, qwen2_rm):
 
 
 def test_tokenizer_without_pad_pads_with_eos(nopad_rm, caplog):
-    with caplog.at_level(logging.WARNING, logger="otbflow.reward_model"):
+    with caplog.at_level(logging.WARNING, logger="otbflow.models.reward_model"):
         rm = RewardModel(nopad_rm)
     assert rm.tokenizer.pad_token == rm.tokenizer.eos_token == "<eos>"
     assert rm.model.config.pad_token_id == rm.tokenizer.eos_token_id
@@ -142,7 +142,7 @@ def test_truncation_keeps_the_end(gpt2_rm, qwen2_rm, caplog):
     prompt, response = "12+30-7=", "35;" * 12 + "#35"
     text = prompt + response
     assert len(text) > 32
-    with caplog.at_level(logging.WARNING, logger="otbflow.reward_model"):
+    with caplog.at_level(logging.WARNING, logger="otbflow.models.reward_model"):
         (cut,) = rm.score([prompt], [response])
     assert any("1 of 1 inputs are longer than its 32 tokens" in m for m in caplog.messages), caplog.messages
     assert cut == pytest.approx(rm.score([""], [text[-32:]])[0], abs=TOL)
@@ -235,7 +235,7 @@ def test_check_reads_no_weights_and_imports_no_torch(tmp_path, gpt2_rm):
     folders = {k: str(p) for k, (p, _) in bad_folders(tmp_path).items()}
     code = (
         "import json, sys\n"
-        "from otbflow.reward_model import check_reward_model\n"
+        "from otbflow.models.reward_model import check_reward_model\n"
         f"check_reward_model({str(gpt2_rm)!r})\n"
         "errors = {}\n"
         f"for kind, path in json.loads({json.dumps(json.dumps(folders))}).items():\n"

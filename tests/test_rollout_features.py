@@ -4,12 +4,13 @@ import polars as pl
 import pytest
 import torch
 
-from otbflow import mismatch, schemas
+from otbflow import schemas
+from otbflow.algorithms import mismatch
 from otbflow.engines import hf
 from otbflow.engines.hf import hf_generate
 from otbflow.io import read_metadata, read_table
-from otbflow.logits import sequence_token_stats, token_stats
-from otbflow.model import encode, load_policy
+from otbflow.models.logits import sequence_token_stats, token_stats
+from otbflow.models.policy import encode, load_policy
 from otbflow.stages import features
 
 
@@ -92,7 +93,7 @@ def test_the_static_cache_samples_what_the_dynamic_one_does(arch, cfg):
     """rollout.hf_decode 'static' (a static KV cache, left-padded batches) against 'eager' (the
     dynamic cache): the same tokens, log-probs within 1e-5 (the attention runs over the cache's
     full length, so the sums round differently)."""
-    from otbflow.model import build_char_tokenizer, build_tiny_model
+    from otbflow.models.policy import build_char_tokenizer, build_tiny_model
 
     tok = build_char_tokenizer()
     model = build_tiny_model(cfg.model.copy() | {"arch": arch}, tok, seed=0).eval()
@@ -216,7 +217,7 @@ def test_features_reject_bad_rollouts(tmp_path, rollouts_path, tiny_policy, cfg)
 
 
 def test_exact_grad_sq_norm_matches_autograd(tiny_policy, rollouts_path):
-    from otbflow.logits import exact_grad_sq_norms
+    from otbflow.models.logits import exact_grad_sq_norms
 
     model, tok = load_policy(tiny_policy)
     df = pl.read_parquet(rollouts_path).head(3)
@@ -235,7 +236,7 @@ def test_exact_grad_sq_norm_matches_autograd(tiny_policy, rollouts_path):
 def test_features_stage_exact_mode_feeds_eob(tmp_path, rollouts_path, tiny_policy):
     from conftest import tiny_config
 
-    from otbflow.estimators import compute_advantages
+    from otbflow.algorithms.estimators import compute_advantages
 
     cfg = tiny_config("features.exact_grad_norm=true")
     features.run(
@@ -255,7 +256,7 @@ def test_mismatch_columns_are_consistent(features_path):
     torch.testing.assert_close(torch.tensor(row["k3"], dtype=torch.float64), lr.exp() - 1 - lr, atol=1e-7, rtol=0)
     assert row["seq_max_k2"] == pytest.approx(max(row["k2"]), abs=1e-12)
     # a perturbed rollout log-prob shows up in every mismatch statistic
-    from otbflow.mismatch import mismatch_columns
+    from otbflow.algorithms.mismatch import mismatch_columns
 
     shifted = df.head(1).with_columns(pl.col("rollout_logprobs").list.eval(pl.element() - 0.1))
     m = mismatch_columns(shifted.drop("log_ratio", "k1", "k2", "k3")).row(0, named=True)
@@ -267,7 +268,7 @@ def test_mismatch_columns_are_consistent(features_path):
 
 @pytest.mark.parametrize("vocab_chunk", [1, 7, 50, 1000])
 def test_streaming_over_the_vocabulary_gives_the_same_stats(vocab_chunk):
-    from otbflow.logits import streamed_token_stats
+    from otbflow.models.logits import streamed_token_stats
 
     g = torch.Generator().manual_seed(3)
     head = torch.nn.Linear(16, 50, bias=True)
@@ -329,7 +330,7 @@ def expression(chars: int) -> str:
 
 def write_prompts(path, lengths):
     from otbflow.io import write_parquet
-    from otbflow.tasks import user_message
+    from otbflow.models.tasks import user_message
 
     texts = [expression(n) for n in lengths]
     table = pl.DataFrame(

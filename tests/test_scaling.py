@@ -4,9 +4,10 @@ import numpy as np
 import polars as pl
 import pytest
 
-from otbflow import scaling_fit, schemas
+from otbflow import schemas
 from otbflow.io import read_table
 from otbflow.stages import scaling
+from otbflow.studies import scaling_fit
 
 
 def test_fit_recovers_a_known_power_law():

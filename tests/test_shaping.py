@@ -1,4 +1,4 @@
-"""Reward shaping (otbflow.shaping): DAPO's overlong punishment and the cosine length reward at the
+"""Reward shaping (otbflow.algorithms.shaping): DAPO's overlong punishment and the cosine length reward at the
 points where their definitions (algorithms.md §6.1, §8) give values by hand, the configurations
 they refuse, and evaluation scoring with the verifiable reward whatever shapes training."""
 
@@ -12,9 +12,16 @@ import pytest
 from conftest import tiny_config
 
 from otbflow import schemas
+from otbflow.algorithms.shaping import (
+    Scorer,
+    cosine_reward,
+    overlong_penalty,
+    repetition_penalty,
+    training_reward,
+    verifier,
+)
 from otbflow.config import ConfigError
 from otbflow.io import read_table
-from otbflow.shaping import Scorer, cosine_reward, overlong_penalty, repetition_penalty, training_reward, verifier
 
 # the run script's values (eddycmu/demystify-long-cot scripts/run_local.sh) and the code's margin
 SEED = SimpleNamespace(
@@ -171,7 +178,7 @@ def test_the_rollout_stores_both_rewards_and_shaping_leaves_the_samples_alone(ti
 
 def _grpo(groups: list[list[float]]) -> list[list[float]]:
     """Std-normalised GRPO's per-sequence advantage of each group of rewards (one token each)."""
-    from otbflow.estimators import compute_advantages
+    from otbflow.algorithms.estimators import compute_advantages
 
     rows = [{"group_id": g, "reward": r, "logprobs": [-1.0]} for g, rs in enumerate(groups) for r in rs]
     adv = [a[0] for a in compute_advantages(pl.DataFrame(rows), "grpo")["advantages"].to_list()]

@@ -4,7 +4,7 @@ Runs the README's Slurm commands in a sandbox checkout that holds a copy of the 
 run: `otbflow submit` (a head job) reruns the workflow from the rollouts on with the slurm/ profile
 (rollout shards as a job array, a 2-process DeepSpeed train step through srun), the README's
 watch commands, a rerun after a config change, `--rerun`, a resubmission with nothing to do, and
-the profile without a head job. Then a head that survives (otbflow.head): the tiny run's
+the profile without a head job. Then a head that survives (otbflow.ops.head): the tiny run's
 iteration 1 again, once with the head job killed (kill -9) while its train job runs and the same
 command submitted again, once with a head job whose time limit is shorter than the work, which
 requeues itself; both end with the uninterrupted run's policy, bitwise. Skipped, with the reason,
@@ -26,9 +26,9 @@ import pytest
 import yaml
 from conftest import REPO, TINY, make_sandbox, sandbox_env
 
-from otbflow import head as H
 from otbflow import schemas
 from otbflow.io import read_metadata, read_table
+from otbflow.ops import head as H
 
 # one worker for the module (its Slurm run is a module fixture); the tiny run it copies is shared across workers
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.xdist_group("slurm")]
@@ -275,13 +275,13 @@ def sbatch_calls(head_log: str) -> list[str]:
 
 
 def test_grouped_iterations_submit_one_job_per_update(slurm_run):
-    """README "Fewer queued jobs": `otbflow submit --group-iterations` submits iteration 0's two
+    """docs/slurm.md "Fewer queued jobs": `otbflow submit --group-iterations` submits iteration 0's two
     features jobs, advantages and 2-rank train as one Slurm job, and iteration 1's stale rollouts (one
     job array) beside it, submitted before it ends. Counted per iteration: the ungrouped run of slurm_run
     took 5 sbatch calls (the rollout array, 2 features, advantages, train), this one 2 (the rollout
     array, the group job). The group job asks for its largest member's memory and the sum of its
     members' runtimes; its name carries the folder's prefix and the incomplete markers of all its
-    members hold its Slurm id while it runs, which is how a later head finds it (otbflow.head)."""
+    members hold its Slurm id while it runs, which is how a later head finds it (otbflow.ops.head)."""
     work, ungrouped_log = slurm_run
     start = time.perf_counter()
     out = sh(work, README_FORMS["otbflow submit --configfile my.yaml --group-iterations"])
@@ -503,7 +503,7 @@ def test_a_train_worker_job_of_two_ranks_runs_them_with_srun(local_slurm, tiny_r
 
     from test_worker import launch_train, same_update
 
-    from otbflow import dispatch, workerjobs
+    from otbflow.ops import dispatch, workerjobs
 
     registry, log, logs = tmp_path / "registry", tmp_path / "clients.log", tmp_path / "logs"
     logs.mkdir()

@@ -175,7 +175,7 @@ def test_a_worker_job_is_sized_from_its_stage_and_the_profiles_rule_settings(tmp
     import shlex
     from types import SimpleNamespace
 
-    from otbflow import head, workerjobs
+    from otbflow.ops import head, workerjobs
 
     res = SimpleNamespace(gpu=2, cpus_per_gpu=8, threads=1, mem_mb=64000)
     site = {"slurm_partition": "gpu", "gpu_model": "a100", "slurm_extra": "'--exclusive'"}

@@ -19,8 +19,8 @@ from conftest import REPO, tiny_config, vllm_env, vllm_python
 from keyreads import RecordingConfig
 from omegaconf import DictConfig, OmegaConf
 
+from otbflow.algorithms.rewards import REWARDS, register
 from otbflow.pipeline import EVERY_STAGE_EXECUTION, STAGES
-from otbflow.rewards import REWARDS, register
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -244,7 +244,7 @@ def test_every_stage_reads_what_the_table_declares(column, tmp_path):
     if column == "dapo":  # with a learned reward model: the score stage too
         from conftest import save_reward_model
 
-        from otbflow.model import build_char_tokenizer
+        from otbflow.models.policy import build_char_tokenizer
 
         rm = save_reward_model(tmp_path / "rm", "gpt2", build_char_tokenizer(), 32)
         extra = [f"task.reward_model.path={rm}", "task.reward_model.weight=0.5"]

@@ -5,8 +5,7 @@ import pytest
 from conftest import tiny_config
 
 from otbflow import schemas
-from otbflow.io import SchemaError, read_table
-from otbflow.rewards import (
+from otbflow.algorithms.rewards import (
     REWARDS,
     arithmetic_reward,
     extract_math_answer,
@@ -15,8 +14,9 @@ from otbflow.rewards import (
     marked_answer,
     math_reward,
 )
+from otbflow.io import SchemaError, read_table
+from otbflow.models.tasks import apply_prompt_template, arithmetic_prompts, arithmetic_solution, load_dataset_file
 from otbflow.stages import shard
-from otbflow.tasks import apply_prompt_template, arithmetic_prompts, arithmetic_solution, load_dataset_file
 
 
 def test_arithmetic_solution_is_correct_and_lengths_vary():
@@ -270,7 +270,7 @@ def test_math_reward_has_a_hard_deadline_in_any_thread(monkeypatch):
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    from otbflow import rewards
+    from otbflow.algorithms import rewards
 
     assert math_reward("\\boxed{2}", "2") == 1.0  # the worker is up
     first, timeouts = rewards._WORKER.proc.pid, rewards.reward_timeouts()
@@ -289,7 +289,7 @@ def test_math_reward_has_a_hard_deadline_in_any_thread(monkeypatch):
 def test_the_fallback_runs_under_the_deadline_too(monkeypatch):
     """Issue 35: the fallback extractor ran in the calling process, after the worker's deadline, with
     none of its own. It runs in the worker now: the caller's copy is never called."""
-    from otbflow import rewards
+    from otbflow.algorithms import rewards
 
     def in_the_caller(*args):
         raise AssertionError("the fallback ran in the calling process, outside the deadline")
@@ -303,7 +303,7 @@ def test_the_fallback_runs_under_the_deadline_too(monkeypatch):
 def test_a_forked_process_scores_with_its_own_worker():
     import os
 
-    from otbflow import rewards
+    from otbflow.algorithms import rewards
 
     assert math_reward("\\boxed{2}", "2") == 1.0
     parent = rewards._WORKER.proc.pid
@@ -501,7 +501,7 @@ OLD_GSM8K_MARKER = r"####[ \t]*\\?\$?[ \t]*(" + OLD_NUM + r")[ \t]*\.?[ \t]*$"
 def old_marked_answer(text):
     import re
 
-    from otbflow.rewards import _drop_thousands, last_boxed
+    from otbflow.algorithms.rewards import _drop_thousands, last_boxed
 
     found = re.findall(OLD_GSM8K_MARKER, text, re.MULTILINE)
     if found:
@@ -533,7 +533,7 @@ def old_fallback(response, answer):
         return nums[-1] if nums else None
 
     def normalise(ans):
-        from otbflow.rewards import _drop_thousands
+        from otbflow.algorithms.rewards import _drop_thousands
 
         s = ans.strip().replace("\\$", "").replace("$", "").replace("\\!", "").replace("{,}", ",").strip()
         s = old_normalise_text(s)
@@ -598,7 +598,7 @@ def test_the_fallback_reads_the_marker_as_the_old_regex_did():
 
 
 def test_the_fallback_normalises_as_the_old_regexes_did():
-    from otbflow.rewards import _normalise
+    from otbflow.algorithms.rewards import _normalise
 
     for text in random_texts(20_000, seed=2) + ADVERSARIAL:
         assert fallback_math_reward(text, "7") == old_fallback(text, "7"), repr(text)
@@ -608,7 +608,7 @@ def test_the_fallback_normalises_as_the_old_regexes_did():
 def _normalise_with_old_steps(ans):
     import re
 
-    from otbflow.rewards import _drop_thousands
+    from otbflow.algorithms.rewards import _drop_thousands
 
     s = ans.strip().replace("\\$", "").replace("$", "").replace("\\!", "").replace("{,}", ",").strip()
     s = old_normalise_text(s)

@@ -14,12 +14,8 @@ import polars as pl
 import pytest
 import torch
 
-from otbflow import logits, schemas, train_state
-from otbflow.config import ConfigError, load_config
-from otbflow.distributed import init_distributed_env
-from otbflow.io import SchemaError, read_table, write_parquet
-from otbflow.logits import policy_logprobs, response_token_stats
-from otbflow.losses import (
+from otbflow import schemas
+from otbflow.algorithms.losses import (
     POLICY_LOSSES,
     aggregate_loss,
     low_var_kl,
@@ -29,11 +25,17 @@ from otbflow.losses import (
     reinforce_loss,
     trm_keep,
 )
-from otbflow.model import build_char_tokenizer, build_tiny_model
-from otbflow.rollout_is import rollout_is_weights
+from otbflow.algorithms.rollout_is import rollout_is_weights
+from otbflow.config import ConfigError, load_config
+from otbflow.io import SchemaError, read_table, write_parquet
+from otbflow.models import logits
+from otbflow.models.logits import policy_logprobs, response_token_stats
+from otbflow.models.policy import build_char_tokenizer, build_tiny_model
 from otbflow.stages import features
 from otbflow.stages.train import Args, run
-from otbflow.train_state import OptimizerStateError
+from otbflow.training import state as train_state
+from otbflow.training.distributed import init_distributed_env
+from otbflow.training.state import OptimizerStateError
 
 MODEL = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.n_positions=64"]
 TEMPERATURE = 0.8  # not 1, so that a missing temperature shows
@@ -1004,10 +1006,10 @@ def test_the_first_ratio_is_one_with_pruning(dropout_policy_dir, tmp_path):
 def one_engine_reference(cfg, policy_dir, tables: list[Path]) -> dict[str, torch.Tensor]:
     """One DeepSpeed engine (one AdamW) stepping over the mini-batches of every table in turn,
     iteration k's in the train stage's seeded order: the weights one uninterrupted run ends with."""
-    from otbflow.distributed import build_engine
     from otbflow.seeds import derive_seed
-    from otbflow.train_state import full_fp32_state_dict
-    from otbflow.trainer import Trainer, load_rows, mini_batches
+    from otbflow.training.distributed import build_engine
+    from otbflow.training.state import full_fp32_state_dict
+    from otbflow.training.trainer import Trainer, load_rows, mini_batches
 
     init_distributed_env()
     engine = build_engine(str(policy_dir), cfg.train, 1)
@@ -1100,7 +1102,7 @@ def test_a_stored_optimizer_state_that_does_not_fit_is_refused(policy_dir, featu
 
 
 def test_the_checkpoint_fingerprint_covers_the_optimizer_input(policy_dir, features_path, tmp_path):
-    from otbflow.train_state import fingerprint
+    from otbflow.training.state import fingerprint
 
     write_advantages(features_path, tmp_path / "adv.parquet", random_advantages(features_path))
     cfg = make_cfg()

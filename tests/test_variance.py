@@ -13,7 +13,14 @@ from conftest import tiny_config
 from otbflow import schemas
 from otbflow.io import read_table, write_parquet
 from otbflow.stages import variance, variance_pool
-from otbflow.variance_study import CountSketch, center_scores, group_gradients, resample_groups, study, token_gradients
+from otbflow.studies.variance_study import (
+    CountSketch,
+    center_scores,
+    group_gradients,
+    resample_groups,
+    study,
+    token_gradients,
+)
 
 
 def every_pair_group(prompt: list[int]) -> pl.DataFrame:
@@ -253,7 +260,7 @@ def test_a_baseline_of_position_and_other_members_is_unbiased_in_the_pool():
     the study's sq_bias + sq_bias_noise (the squared norm of that mean) is 0. With the scores
     centred per sequence only (each prompt's sequence scores summing to zero, the study before
     issue 22) the same enumeration, by a loop, gives a clearly non-zero mean."""
-    from otbflow.estimators import ESTIMATORS, register
+    from otbflow.algorithms.estimators import ESTIMATORS, register
 
     @register("others_alive_mean_test")
     def others_alive_mean_test(b):

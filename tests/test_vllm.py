@@ -15,12 +15,12 @@ import pytest
 from conftest import TINY, tiny_config, vllm_env, vllm_python
 
 from otbflow import schemas
+from otbflow.algorithms.shaping import Scorer
 from otbflow.engines import render_prompts
 from otbflow.engines import vllm as vllm_engine
 from otbflow.io import check_schema, read_metadata, read_table
-from otbflow.model import load_tokenizer
-from otbflow.sampling import rollout_table
-from otbflow.shaping import Scorer
+from otbflow.models.policy import load_tokenizer
+from otbflow.models.sampling import rollout_table
 from otbflow.stages import features
 
 DATA = Path(__file__).parent / "data" / "vllm_request_outputs.json"
@@ -292,7 +292,7 @@ def test_rollout_logprobs_mean_the_same_on_both_backends(vllm_calls, qwen2_bpe_p
     import torch
 
     from otbflow.engines.hf import processed_logits
-    from otbflow.model import load_policy
+    from otbflow.models.policy import load_policy
 
     calls, ids = vllm_calls
     model, _ = load_policy(qwen2_bpe_policy)
@@ -324,7 +324,7 @@ def test_min_p_then_top_p_in_the_same_order_on_both_backends(vllm_calls, qwen2_b
     import torch
 
     from otbflow.engines.hf import processed_logits
-    from otbflow.model import load_policy
+    from otbflow.models.policy import load_policy
 
     calls, ids = vllm_calls
     model, _ = load_policy(qwen2_bpe_policy)
@@ -353,8 +353,8 @@ def test_vllm_min_p_logprobs_match_the_pruning_trainer(vllm_calls, qwen2_bpe_pol
     train stage reproduces: tests/test_train.py::test_the_first_ratio_is_one_with_pruning) agrees
     to mean |delta| <= 1e-3, no sampled token falls outside the trainer's safe set, and the test
     has teeth: the pruning is live, and the unpruned trainer differs from vLLM by far more."""
-    from otbflow.logits import sequence_token_stats
-    from otbflow.model import load_policy
+    from otbflow.models.logits import sequence_token_stats
+    from otbflow.models.policy import load_policy
 
     calls, ids = vllm_calls
     model, tok = load_policy(qwen2_bpe_policy)
@@ -381,7 +381,7 @@ def test_vllm_min_p_logprobs_match_the_pruning_trainer(vllm_calls, qwen2_bpe_pol
 
 RELOAD = """
 import json, sys
-from otbflow import resident
+from otbflow.ops import resident
 from otbflow.config import load_config
 from otbflow.engines import Sampling
 from otbflow.engines.vllm import VLLMBackend
@@ -402,7 +402,7 @@ print("RELOAD=" + json.dumps({"fresh": fresh, "reloaded": reloaded, "back": back
 @pytest.mark.vllm
 @pytest.mark.xdist_group("vllm")
 def test_a_reloaded_engine_samples_what_a_new_engine_of_the_weights_samples(vllm_calls, qwen2_bpe_policy, tmp_path):
-    """A warm worker's vLLM engine (otbflow.resident) takes a job's new weights through vLLM's
+    """A warm worker's vLLM engine (otbflow.ops.resident) takes a job's new weights through vLLM's
     reload_weights and a prefix-cache reset, on the real vLLM (CPU): built on perturbed weights P1,
     reloaded with the tiny policy P0, it samples exactly what a new engine of P0 sampled (the
     vllm_calls fixture, same prompts, seed and settings), for the prompts it served before the

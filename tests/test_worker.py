@@ -1,4 +1,4 @@
-"""Warm stage workers (otbflow.worker, otbflow.dispatch): the tiny run handed to workers gives the
+"""Warm stage workers (otbflow.ops.worker, otbflow.ops.dispatch): the tiny run handed to workers gives the
 outputs of the run without them, bitwise; a worker killed mid-job, a client killed mid-job, a stale
 registration, a request without the run's secret, a worker of other code; the client's imports."""
 
@@ -18,7 +18,7 @@ import pytest
 from conftest import REPO
 from test_workflow import copy_run, snakemake
 
-from otbflow import dispatch
+from otbflow.ops import dispatch
 
 sys.path.insert(0, str(REPO / "tests"))
 from fingerprint import fingerprints  # noqa: E402
@@ -96,7 +96,7 @@ def test_the_tiny_run_on_workers_is_bitwise_the_run_without(tiny_run, tmp_path):
 
 
 def test_the_client_imports_no_torch():
-    code = "import sys, otbflow.dispatch; assert 'torch' not in sys.modules and 'polars' not in sys.modules"
+    code = "import sys, otbflow.ops.dispatch; assert 'torch' not in sys.modules and 'polars' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -121,7 +121,7 @@ def test_without_a_live_worker_the_client_runs_the_stage_itself(tmp_path):
     os.utime(rebooted / "alive", (old, old))
     assert dispatch.live_workers(results, "features") == []
     res = subprocess.run(
-        [sys.executable, "-m", "otbflow.dispatch", "--results", str(results), "--code", "x", "features", "--help"],
+        [sys.executable, "-m", "otbflow.ops.dispatch", "--results", str(results), "--code", "x", "features", "--help"],
         capture_output=True,
         text=True,
     )
@@ -196,7 +196,7 @@ def train_args(results: Path, out: Path, iteration: int = 0, prev: Path | None =
 def test_a_client_killed_mid_job_gets_nothing_written(tiny_run, tmp_path):
     """A train job whose client (the rule's job) is killed while the worker trains: the worker
     abandons it and writes none of its outputs; it stays registered and runs the next request."""
-    from otbflow.codeversion import code_version
+    from otbflow.ops.codeversion import code_version
 
     results = tiny_run / "results"  # the inputs; the worker registers elsewhere (the shared run stays as it is)
     registry = tmp_path / "registry"
@@ -204,7 +204,15 @@ def test_a_client_killed_mid_job_gets_nothing_written(tiny_run, tmp_path):
     try:
         wait_for(lambda: dispatch.live_workers(registry, "train"), 60, "the worker")
         out = tmp_path / "job"
-        client = [sys.executable, "-m", "otbflow.dispatch", "--results", str(registry), "--code", code_version("train")]
+        client = [
+            sys.executable,
+            "-m",
+            "otbflow.ops.dispatch",
+            "--results",
+            str(registry),
+            "--code",
+            code_version("train"),
+        ]
         cmd = " ".join(f"'{a}'" for a in [*client, "train", *train_args(results, out)])
         shell = subprocess.Popen(["bash", "-c", f"{cmd} > '{tmp_path}/client.log' 2>&1"], cwd=tiny_run)
         wait_for(lambda: re.search(r"step (\d+)/\1:", (tmp_path / "w.log").read_text()), 120, "the last step")
@@ -235,7 +243,7 @@ def test_a_workers_memory_stays_flat_over_50_iterations(tiny_run, tmp_path):
     """50 chained train jobs (each continues the policy and AdamW state of the one before) and 50
     features passes, each with the policy of its train job: the workers' RSS after the 50th job is
     within 10% of its value after the 5th."""
-    from otbflow.codeversion import code_version
+    from otbflow.ops.codeversion import code_version
 
     results = tiny_run / "results"  # the inputs; the workers register elsewhere (the shared run stays as it is)
     registry = tmp_path / "registry"
@@ -277,7 +285,7 @@ def test_a_client_that_must_wait_for_a_worker_fails_clearly_when_none_comes(tmp_
     """workers.slurm: the client (a local job of the head) never runs the stage itself: with no worker
     within --wait-min it fails, saying so, and the stage's CLI never ran (its --help would print)."""
     results = tmp_path / "results"
-    cmd = [sys.executable, "-m", "otbflow.dispatch", "--results", str(results), "--code", "x"]
+    cmd = [sys.executable, "-m", "otbflow.ops.dispatch", "--results", str(results), "--code", "x"]
     cmd += ["--wait-min", "0.02", "--threads", "1", "features", "--help"]
     start = time.time()
     res = subprocess.run(cmd, capture_output=True, text=True)
@@ -333,15 +341,15 @@ def test_train_and_publish_jobs_go_to_the_train_worker(tmp_path, tasks):
         assert len(found) == 2, commands  # one per iteration of the tiny run
         for command in found:
             assert "srun" not in command and "torch.distributed.run" not in command
-            assert "-m otbflow.dispatch" in command and "--wait-min" in command, command
+            assert "-m otbflow.ops.dispatch" in command and "--wait-min" in command, command
             assert ("--tasks 2" in command) == (stage == "train" and tasks == 2), command
 
 
 def launch_train(registry: Path, cwd: Path, out: Path, iteration: int, prev: Path | None, log: Path) -> str:
     """A train job of two processes and its publish job, as the rules start them (the client,
-    ``python -m otbflow.dispatch``), on the tiny run's iteration-0 advantages; returns the train
+    ``python -m otbflow.ops.dispatch``), on the tiny run's iteration-0 advantages; returns the train
     client's output."""
-    from otbflow.codeversion import code_version
+    from otbflow.ops.codeversion import code_version
 
     results = cwd / "results"
     args = train_args(results, out, iteration, prev)
@@ -352,7 +360,7 @@ def launch_train(registry: Path, cwd: Path, out: Path, iteration: int, prev: Pat
     publish += [str(out / name) for name in ("policy", "metrics.parquet", "schedule.json")]
     outputs = []
     for stage, argv, tasks in (("train", args, 2), ("publish_optimizer", publish, 1)):
-        cmd = [sys.executable, "-m", "otbflow.dispatch", "--results", str(registry), "--code", code_version(stage)]
+        cmd = [sys.executable, "-m", "otbflow.ops.dispatch", "--results", str(registry), "--code", code_version(stage)]
         cmd += ["--tasks", str(tasks), "--cpus-per-task", "1", stage.replace("_", "-"), *argv]
         res = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env={**os.environ, "OTBFLOW_THREADS": "1"})
         with open(log, "a") as f:
@@ -440,11 +448,19 @@ def test_a_train_worker_of_two_ranks(tiny_run, tmp_path):
         launch_train(registry, cwd, tmp_path / "warm1", 1, tmp_path / "warm0", log)
         # a job that fails on every rank: its client is told so (not "gone", not rerun), and the
         # worker ends once it has answered
-        from otbflow.codeversion import code_version
+        from otbflow.ops.codeversion import code_version
 
         bad = train_args(cwd / "results", tmp_path / "bad")
         bad[bad.index("--advantages") + 1] = str(tmp_path / "missing.parquet")
-        cmd = [sys.executable, "-m", "otbflow.dispatch", "--results", str(registry), "--code", code_version("train")]
+        cmd = [
+            sys.executable,
+            "-m",
+            "otbflow.ops.dispatch",
+            "--results",
+            str(registry),
+            "--code",
+            code_version("train"),
+        ]
         res = subprocess.run([*cmd, "--tasks", "2", "train", *bad], cwd=cwd, capture_output=True, text=True)
         assert res.returncode != 0 and "runs train" in res.stdout and "is gone" not in res.stdout, res.stdout[-3000:]
         assert worker.wait(timeout=120) != 0

@@ -272,7 +272,7 @@ def test_the_report_opens_on_what_the_run_did(run_dir):
     curve (the accuracy plot's PNG), the run's settings and sizes; the graph is a menu entry away."""
     from conftest import rendered_dom
 
-    from otbflow.disk import gib
+    from otbflow.ops.disk import gib
 
     r = run_dir / "results"
     dom = rendered_dom(r / "report.html")
@@ -351,7 +351,7 @@ def test_editing_a_stage_source_reruns_that_stage(run_dir, tmp_path):
     res = snakemake(run_dir, "-n", snakefile=repo / "Snakefile", env=env)
     assert planned_rules(res.stdout) == set(), res.stdout[-3000:]
     # a comment and a reformat leave the code version as it was: nothing reruns
-    estimators = repo / "src/otbflow/estimators.py"
+    estimators = repo / "src/otbflow/algorithms/estimators.py"
     estimators.write_text(estimators.read_text().replace("EPS_STD = 1e-6", "EPS_STD = (\n    1e-6  # a comment\n)"))
     res = snakemake(run_dir, "-n", snakefile=repo / "Snakefile", env=env)
     assert planned_rules(res.stdout) == set(), res.stdout[-3000:]
@@ -448,7 +448,7 @@ def test_the_tiny_workflow_with_the_seeds_systems(run_dir, tmp_path):
     a reward model folder that does not exist is refused before any job."""
     from conftest import save_reward_model
 
-    from otbflow.model import build_char_tokenizer
+    from otbflow.models.policy import build_char_tokenizer
 
     work = copy_run(run_dir, tmp_path / "run")
     rm = save_reward_model(tmp_path / "rm", "gpt2", build_char_tokenizer(), 32)

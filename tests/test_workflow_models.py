@@ -69,7 +69,7 @@ def vllm_run(tmp_path_factory):
 def test_vllm_workflow_end_to_end(vllm_run):
     from otbflow.engines import render_prompts
     from otbflow.engines.hf import hf_generate
-    from otbflow.model import load_policy
+    from otbflow.models.policy import load_policy
 
     work, res = vllm_run
     r = work / "results"
@@ -115,7 +115,7 @@ def test_a_vllm_worker_builds_its_engine_once_and_samples_the_same(vllm_run, tmp
     import signal
     import time
 
-    from otbflow import dispatch
+    from otbflow.ops import dispatch
 
     work, _ = vllm_run
     copy = tmp_path / "run"

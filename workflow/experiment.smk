@@ -14,9 +14,9 @@ from shlex import quote
 import yaml
 
 import otbflow
-from otbflow.codeversion import code_version
+from otbflow.ops.codeversion import code_version
 from otbflow.config import DEFAULT_CONFIG, load_config, to_yaml
-from otbflow.experiment_config import check_experiment, shared_config
+from otbflow.studies.experiment_config import check_experiment, shared_config
 from otbflow.io import write_text_if_changed
 
 REPO = Path(workflow.basedir).resolve().parent

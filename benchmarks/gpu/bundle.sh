@@ -7,7 +7,7 @@
 # part2 holds snakemake and its plugins' interfaces, deepspeed (built here as a pure-Python wheel),
 # omegaconf, polars, math-verify, submitit, ... PuLP is left out (16 MB: Snakemake falls back to its
 # greedy scheduler), and so are the dev tools, wandb and the CUDA libraries. The two parts fit a
-# transfer limit of 64 MB each; benchmarks/gpu/check.sh --bundle OUTDIR installs them (README,
+# transfer limit of 64 MB each; benchmarks/gpu/check.sh --bundle OUTDIR installs them (docs/environments.md,
 # "The GPU check"). Adapted from ../shared/gpu/bundle.sh.
 set -eu
 cd "$(dirname "$0")/../.."

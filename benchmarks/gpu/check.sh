@@ -18,7 +18,7 @@
 # config/examples/gpu_qwen2.5-0.5b.yaml. Run from the checkout's root with the python3 on PATH
 # (PYTHON=... for another); no `make setup`: src/ goes on PYTHONPATH. On an offline machine whose
 # Python has torch and transformers, --bundle DIR first installs DIR/part*/*.whl (written by
-# benchmarks/gpu/bundle.sh) into that Python; --install-only stops there (README, "The GPU check").
+# benchmarks/gpu/bundle.sh) into that Python; --install-only stops there (docs/environments.md, "The GPU check").
 #   bash benchmarks/gpu/check.sh --bundle .gpu-bundle --out results/gpu_check
 #   bash benchmarks/gpu/check.sh --device cpu --tiny --out results/gpu_check   # every step, tiny, on CPU
 # Options: --iterations N (2; tiny: 1), --warm-steps N (3; tiny: 2), --budget S, --work DIR (the
@@ -54,7 +54,7 @@ if [[ -n $bundle ]]; then
 fi
 ((install_only)) && exit 0
 if ! "$PY" -c "import omegaconf, polars, snakemake, deepspeed" > /dev/null 2>&1; then
-  echo "check.sh: $PY lacks otbflow's dependencies: install the bundle (--bundle DIR; README, 'The GPU check')" >&2
+  echo "check.sh: $PY lacks otbflow's dependencies: install the bundle (--bundle DIR; docs/environments.md, 'The GPU check')" >&2
   exit 2
 fi
 

@@ -132,7 +132,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. rollout.group_size=8")
     for name, help_text in TOOLS.items():
         if name == "submit":
-            from otbflow import submit
+            from otbflow.ops import submit
 
             p = sub.add_parser(
                 name, help=help_text, description=submit.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -140,7 +140,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             submit.add_arguments(p)
             continue
         if name == "disk":
-            from otbflow import disk
+            from otbflow.ops import disk
 
             p = sub.add_parser(
                 name, help=help_text, description=disk.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -149,7 +149,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             continue
         p = sub.add_parser(name, help=help_text)
         if name == "worker":
-            from otbflow.dispatch import KINDS
+            from otbflow.ops.dispatch import KINDS
 
             p.description = (
                 "Serve the stage jobs of one kind that the workflow of one results folder hands out; "
@@ -199,7 +199,7 @@ def _launch_worker_ranks(ns) -> None:
         raise SystemExit(f"otbflow worker: --tasks is for the train worker, not {ns.kind} (one process each)")
     if os.environ.get(WORKER_RANKS) == str(ns.tasks):
         return
-    from otbflow.dispatch import launcher
+    from otbflow.ops.dispatch import launcher
 
     os.environ[WORKER_RANKS] = str(ns.tasks)
     command = [*launcher(ns.tasks, ns.cpus_per_task), sys.executable, "-m", "otbflow", *sys.argv[1:]]
@@ -253,22 +253,22 @@ def _main(argv: list[str], program: bool) -> int:
 
     try:
         if ns.command == "submit":
-            from otbflow.submit import main as submit_main
+            from otbflow.ops.submit import main as submit_main
 
             return submit_main(ns)
         if ns.command == "disk":
-            from otbflow.disk import main as disk_main
+            from otbflow.ops.disk import main as disk_main
 
             return disk_main(ns)
         if ns.command == "worker":
-            from otbflow.worker import main as worker_main
+            from otbflow.ops.worker import main as worker_main
 
             if ns.tasks > 1:
                 _launch_worker_ranks(ns)  # returns in each rank the launcher started
             run_stage = functools.partial(_main, program=False)
             return worker_main(ns.kind, ns.results, run_stage, ns.idle_exit, ns.max_jobs, ns.retire_after, ns.tasks)
         if ns.command == "experiment-member":
-            from otbflow.experiment_config import write_member_config
+            from otbflow.studies.experiment_config import write_member_config
 
             write_member_config(ns.experiment, ns.run, ns.seed, ns.policy, ns.scaling, ns.out)
             return 0

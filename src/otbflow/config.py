@@ -28,15 +28,16 @@ from typing import Any, Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from otbflow.algorithms.estimators import ESTIMATORS, estimator_parameters
+from otbflow.algorithms.losses import LOSS_AGG_MODES, POLICY_LOSSES
+from otbflow.algorithms.lr_schedule import SCHEDULES
+from otbflow.algorithms.rewards import REWARDS
+from otbflow.algorithms.rollout_is import LEVELS as ROLLOUT_IS_LEVELS
+from otbflow.algorithms.shaping import SHAPED_REWARDS
+
 # The registries that own the choice lists (none of them imports torch, nor this module).
 from otbflow.engines import ARCHITECTURES, BACKENDS, HF_DECODE_MODES, chat_setting, check_policy_folder
-from otbflow.estimators import ESTIMATORS, estimator_parameters
-from otbflow.losses import LOSS_AGG_MODES, POLICY_LOSSES
-from otbflow.lr_schedule import SCHEDULES
-from otbflow.rewards import REWARDS
-from otbflow.rollout_is import LEVELS as ROLLOUT_IS_LEVELS
-from otbflow.shaping import SHAPED_REWARDS
-from otbflow.tasks import DATASET_FORMATS
+from otbflow.models.tasks import DATASET_FORMATS
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "config" / "config.yaml"
 
@@ -280,7 +281,7 @@ class TaskConfig:
     """'arithmetic': the built-in synthetic multi-step arithmetic task with a scratchpad.
     'dataset': prompts and answers read from `path` (JSONL or Parquet, columns prompt, answer)."""
     reward: str = opt("auto", choices=Names(REWARDS, "auto", *SHAPED_REWARDS))
-    """Reward function, by registry name (see otbflow.rewards). 'auto': 'arithmetic' for the
+    """Reward function, by registry name (see otbflow.algorithms.rewards). 'auto': 'arithmetic' for the
     synthetic task, 'math' for datasets. 'cosine': the cosine length-scaled reward wrapping the
     verifier task.cosine.verifier (task.cosine; docs/rewards.md, 'The cosine length-scaled
     reward'). Evaluation always scores with the verifiable reward."""
@@ -401,7 +402,7 @@ class RolloutConfig:
     the tiny policies)."""
     enforce_eager: bool = False
     """vllm backend: run the model eagerly (no torch.compile, no CUDA graphs): the engine starts
-    faster and generates slower (README, 'Environments and the vLLM backend')."""
+    faster and generates slower (docs/environments.md, 'Environments and the vLLM backend')."""
     python: Optional[str] = None
     """Python interpreter of the rollout and evaluate jobs, e.g. a pre-built vLLM virtualenv on
     clusters without conda (/opt/envs/vllm/bin/python). null: the one running Snakemake (or the
@@ -425,7 +426,7 @@ class FeaturesConfig:
 @dataclass
 class AdvantagesConfig:
     estimator: str = opt("otb", choices=ESTIMATOR_NAMES)
-    """Estimator used for training, by registry name (see otbflow.estimators.ESTIMATORS)."""
+    """Estimator used for training, by registry name (see otbflow.algorithms.estimators.ESTIMATORS)."""
     compare: list[str] = opt(factory=lambda: ["grpo", "rloo", "opo", "otb"], item_choices=ESTIMATOR_NAMES)
     """Estimators whose variance diagnostics are computed on the same rollouts for comparison."""
     std_normalize: bool = True
@@ -622,7 +623,7 @@ class WandbConfig:
 
 @dataclass
 class TrackingConfig:
-    """Live curves of the train and evaluate jobs, written as they go (otbflow.tracking): how a
+    """Live curves of the train and evaluate jobs, written as they go (otbflow.ops.tracking): how a
     job reports, never what it writes, so changing them reruns nothing."""
 
     tensorboard: bool = True
@@ -978,7 +979,7 @@ def check_rules(cfg: DictConfig, explicit: frozenset[str] | None = None) -> None
     require(t.min_terms <= t.max_terms, "task.min_terms", "in [1, task.max_terms]", t.min_terms)
     max_len = cfg.rollout.max_new_tokens
     if t.reward_model.path is not None:
-        from otbflow.reward_model import check_reward_model  # reads config.json only, no torch
+        from otbflow.models.reward_model import check_reward_model  # reads config.json only, no torch
 
         try:
             check_reward_model(t.reward_model.path)

@@ -300,7 +300,7 @@ def bind_to_job(parent: int) -> None:
     import ctypes
     import signal
 
-    from otbflow.head import process_stat
+    from otbflow.ops.head import process_stat
 
     if process_stat(os.getpid()) is None:  # no /proc: not Linux
         return
@@ -316,7 +316,7 @@ def bind_to_job(parent: int) -> None:
 
 
 WANTED: list = []
-"""In a warm worker (``otbflow.worker``), the check of the job it runs for a client: a function
+"""In a warm worker (``otbflow.ops.worker``), the check of the job it runs for a client: a function
 that returns why the job is no longer wanted (its client is gone, it withdrew the job), or None."""
 
 
@@ -324,7 +324,7 @@ def check_job(path: str | Path) -> None:
     """Raise JobGoneError (naming ``path``) when the job that started this process has ended
     (``bind_to_job``), or the client a worker runs it for is gone (``WANTED``); nothing when it
     runs, or when the process is not bound."""
-    from otbflow.head import process_stat
+    from otbflow.ops.head import process_stat
 
     for wanted in WANTED:
         if reason := wanted():

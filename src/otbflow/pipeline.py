@@ -12,7 +12,7 @@ three classes:
   what one job computes; the Snakefile reads them.
 
 The CLI (``otbflow <stage>``), the rules' ``cmd``/``cfg``/``code`` params and the code versions
-(``otbflow.codeversion``: the stage module and everything it imports) come from here, and
+(``otbflow.ops.codeversion``: the stage module and everything it imports) come from here, and
 tests/test_stage_keys.py runs every stage with a config that records each key read and checks
 it against this table. Importing this module imports no torch (the Snakefile imports it).
 """
@@ -24,12 +24,12 @@ from typing import Callable
 
 from omegaconf import DictConfig, OmegaConf
 
+from otbflow.algorithms.estimators import estimator_parameters, studied, study_keys
+from otbflow.algorithms.losses import POLICY_LOSSES
+from otbflow.algorithms.lr_schedule import SCHEDULE_OPTIONS
+from otbflow.algorithms.shaping import shaping_keys, verifier_keys
 from otbflow.config import section_digest
 from otbflow.engines import BACKENDS
-from otbflow.estimators import estimator_parameters, studied, study_keys
-from otbflow.losses import POLICY_LOSSES
-from otbflow.lr_schedule import SCHEDULE_OPTIONS
-from otbflow.shaping import shaping_keys, verifier_keys
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ def rollout_is_keys(cfg: DictConfig) -> list[str]:
     return ["train.rollout_is"] + (["train.rollout_is_threshold"] if cfg.train.rollout_is != "none" else [])
 
 
-# The live curves of a job (otbflow.tracking): how it reports, never what it writes.
+# The live curves of a job (otbflow.ops.tracking): how it reports, never what it writes.
 TRACKING = ("tracking.tensorboard", "tracking.wandb")
 # How prompts are rendered for the policy (the chat template).
 RENDERING = ["task.chat", "task.system_prompt"]
@@ -88,7 +88,7 @@ ENGINE_EXECUTION = ("rollout.python", *dict.fromkeys(k for b in BACKENDS.values(
 
 def scoring(cfg: DictConfig) -> list[str]:
     """How sampled responses are scored for training: the verifier and the shaping
-    (otbflow.shaping). Evaluation reads only the verifier's keys."""
+    (otbflow.algorithms.shaping). Evaluation reads only the verifier's keys."""
     return [*verifier_keys(cfg.task), *shaping_keys(cfg.task)]
 
 
@@ -180,7 +180,7 @@ def _report(cfg: DictConfig) -> list[str]:
 
 
 def _prune(cfg: DictConfig) -> list[str]:
-    # what iteration k keeps is decided by the workflow (otbflow.retention.decision), passed as
+    # what iteration k keeps is decided by the workflow (otbflow.ops.retention.decision), passed as
     # flags and the rule's per-job rerun trigger: a longer run reruns only the jobs whose decision changed
     return []
 
@@ -259,7 +259,7 @@ _STAGES = [
         "prune",
         "apply the retention policy to an iteration's train outputs (delete the weights not kept)",
         _prune,
-        # what each iteration keeps (otbflow.retention.decision: its --keep-* flags), and who reads them first
+        # what each iteration keeps (otbflow.ops.retention.decision: its --keep-* flags), and who reads them first
         dag=(
             "retention.policy_every",
             "retention.optimizer",

@@ -136,7 +136,7 @@ ROLLOUTS = _table(
             "reward",
             pl.Float64,
             "the outcome reward that trains: verifiable_reward, shaped where the config says so "
-            "(task.reward cosine, task.overlong_buffer; otbflow.shaping), plus task.reward_model.weight "
+            "(task.reward cosine, task.overlong_buffer; otbflow.algorithms.shaping), plus task.reward_model.weight "
             "* rm_score with a reward model",
         ),
         ("verifiable_reward", pl.Float64, "the verifier's score (task.reward or task.cosine.verifier), unshaped"),
@@ -208,9 +208,9 @@ FEATURES = ROLLOUTS.extend(
 FLOATL = pl.List(pl.Float64)
 ADVANTAGE_INPUT = _table(
     "advantage input",
-    "(any table given to otbflow.estimators.compute_advantages)",
+    "(any table given to otbflow.algorithms.estimators.compute_advantages)",
     "The columns estimators read (float columns and lists of any float dtype); which optional ones an estimator "
-    "needs, it names (otbflow.estimators.ESTIMATORS[name].needs).",
+    "needs, it names (otbflow.algorithms.estimators.ESTIMATORS[name].needs).",
     [
         ("group_id", pl.Int64, "prompt group"),
         ("reward", pl.Float64, "outcome reward, finite"),
@@ -276,7 +276,7 @@ COMPARISON = _table(
             "normalised",
             pl.Boolean,
             "the estimator, with this row's options, divides its advantages by a data-dependent scale "
-            "(declared in its registry entry, otbflow.estimators.register)",
+            "(declared in its registry entry, otbflow.algorithms.estimators.register)",
         ),
         ("total_power_normalised", pl.Float64, "P of the advantages as trained (normalised); NaN unless normalised"),
         (
@@ -347,8 +347,9 @@ TRAIN_METRICS = _table(
         (
             "mfu",
             pl.Float64,
-            "model FLOPs utilisation: 6 x parameters (otbflow.hardware.parameter_count) x nonpad_tokens / "
-            "step_time_s / (the GPUs' dense bf16 peak, otbflow.hardware.PEAKS); NaN on CPU or a GPU not in the table",
+            "model FLOPs utilisation: 6 x parameters (otbflow.training.hardware.parameter_count) x "
+            "nonpad_tokens / step_time_s / (the GPUs' dense bf16 peak, otbflow.training.hardware.PEAKS); "
+            "NaN on CPU or a GPU not in the table",
         ),
     ],
 )
@@ -456,7 +457,7 @@ ROLLOUT_SUMMARY = _table(
         (
             "reward_timeouts",
             pl.Int64,
-            "reward calls that ran past the reward's deadline (math: otbflow.rewards.MATH_VERIFY_TIMEOUT_S) "
+            "reward calls that ran past the reward's deadline (math: otbflow.algorithms.rewards.MATH_VERIFY_TIMEOUT_S) "
             "and scored 0, over the shards and dynamic sampling's rounds (the rollouts' metadata)",
         ),
     ],

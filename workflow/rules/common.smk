@@ -8,10 +8,10 @@ from shlex import quote
 from snakemake.utils import validate
 
 import otbflow
-from otbflow.codeversion import code_version
-from otbflow.dispatch import KIND_OF
-from otbflow.workerjobs import STAGE_OF_KIND, Supervisor, WorkerJob, sbatch_options, site_settings
-from otbflow.workerjobs import script as worker_script
+from otbflow.ops.codeversion import code_version
+from otbflow.ops.dispatch import KIND_OF
+from otbflow.ops.workerjobs import STAGE_OF_KIND, Supervisor, WorkerJob, sbatch_options, site_settings
+from otbflow.ops.workerjobs import script as worker_script
 from otbflow.pipeline import STAGES, trigger
 from otbflow.config import (
     DEFAULT_CONFIG,
@@ -22,10 +22,10 @@ from otbflow.config import (
     to_yaml,
     validate_workflow,
 )
-from otbflow.head import guard as guard_head
-from otbflow.jobgroups import size_group_jobs
+from otbflow.ops.head import guard as guard_head
+from otbflow.ops.jobgroups import size_group_jobs
 from otbflow.io import write_text_if_changed
-from otbflow.retention import decision as retention_decision, pruned_inputs, refusal as retention_refusal
+from otbflow.ops.retention import decision as retention_decision, pruned_inputs, refusal as retention_refusal
 from snakemake.exceptions import WorkflowError
 
 # Snakemake's `config` holds what --configfile/--config gave (`--config 'rollout={group_size: 8}'`,
@@ -39,7 +39,7 @@ R = CFG.results_dir
 # One head per results folder, which it holds while it runs (R/.otbflow-head.json). A killed run
 # (kill -9, node failure, its head job requeued) is continued by the same command: once its head
 # is gone, its jobs are stopped, its locks removed and its incomplete outputs redone
-# (otbflow.head). Dry runs change nothing. The config's input paths are given for the Slurm
+# (otbflow.ops.head). Dry runs change nothing. The config's input paths are given for the Slurm
 # executor's check (its sbatch --wrap reads $ and backticks in a job's command line as syntax).
 guard_head(
     workflow,
@@ -86,7 +86,7 @@ PYTHONPATH = f"PYTHONPATH={quote(_SRC)}${{PYTHONPATH:+:$PYTHONPATH}}"
 def stage_cmd(stage):
     """Start of the shell command of one stage: the CLI with the resolved config; the engine's
     interpreter (rollout.python) for a stage that generates; for the stages workers run, the worker
-    client (otbflow.dispatch), which runs the job itself where no worker does, under a launcher of
+    client (otbflow.ops.dispatch), which runs the job itself where no worker does, under a launcher of
     several processes where the stage's resources ask for tasks (train). A function of the job's
     input, which Snakemake counts as derived, not as a rerun trigger: the interpreter, the launcher and the
     checkout's path change how a job runs, never what it writes. Not of its ``threads`` (that
@@ -96,9 +96,7 @@ def stage_cmd(stage):
     res = CFG.resources.get(stage, {})
     tasks = res.tasks if "tasks" in res else 1
     if dispatched(stage):  # the client starts the launcher itself where it runs the job
-        cli = (
-            f"{PYTHONPATH} {quote(python or _PY)} -m otbflow.dispatch --results {quote(R)} --code {code_version(stage)}"
-        )
+        cli = f"{PYTHONPATH} {quote(python or _PY)} -m otbflow.ops.dispatch --results {quote(R)} --code {code_version(stage)}"
         if tasks > 1:
             cli += f" --tasks {tasks} --cpus-per-task {res.cpus_per_task}"
         if on_slurm_workers(stage):  # a local job of the head: waits for a worker, never runs the stage here
@@ -128,7 +126,7 @@ def on_slurm_workers(stage):
 
 def worker_supervisor():
     """The run's worker jobs (workers.slurm): one WorkerJob per kind its rules hand jobs to, sized
-    from its stage's resources and the profile's settings of that rule (otbflow.workerjobs)."""
+    from its stage's resources and the profile's settings of that rule (otbflow.ops.workerjobs)."""
     kinds = sorted({KIND_OF[stage] for stage in SLURM_WORKER_RULES})
     w, jobs = CFG.workers, []
     for kind in kinds:
@@ -186,7 +184,7 @@ def stop_slurm_workers():
 
 
 def dispatched(stage):
-    """Whether the stage's jobs go through the worker client (otbflow.dispatch): a job of a kind
+    """Whether the stage's jobs go through the worker client (otbflow.ops.dispatch): a job of a kind
     workers run. The client runs the job itself where no worker of its kind (and of its number of
     processes) is live for this results folder: the same outputs either way (docs/workers.md)."""
     return stage in KIND_OF
@@ -222,7 +220,7 @@ if SLURM_WORKER_RULES:
     workflow.localrules(*SLURM_WORKER_RULES)
 # Slurm group jobs (otbflow submit --group-iterations, the profile's groups:): sized for their members
 # run one after another, and refused where they would lose the stale rollouts' overlap or group the
-# rules Slurm workers run (otbflow.jobgroups).
+# rules Slurm workers run (otbflow.ops.jobgroups).
 size_group_jobs(workflow, CFG.rollout.staleness, SLURM_WORKER_RULES)
 
 
@@ -310,7 +308,7 @@ def own_optimizer_state(wildcards):
     return [] if CFG.train.reset_optimizer else [f"{R}/iter_{wildcards.k}/train/optimizer"]
 
 
-# Iterations whose train outputs the retention policy prunes (otbflow.retention): one local
+# Iterations whose train outputs the retention policy prunes (otbflow.ops.retention): one local
 # `prune` job each, once every job that reads them is done.
 PRUNED_ITERATIONS = [
     k

@@ -6,7 +6,7 @@ tokens (``stop_token_ids``), and the checks of a policy folder against its input
 any generation: its tokenizer files (``check_policy_folder``, also when the config loads), its
 tokenizer's size (``check_tokenizer``) and its positions against the rendered prompts
 (``check_prompt_lengths``; the shard stage's ``prompt_char_limit``). Chat rendering and stop
-tokens: README.md, "A real model and dataset"."""
+tokens: docs/data.md, "A real model and dataset"."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ BACKENDS = {
 this module imports neither the config nor the engines)."""
 
 ARCHITECTURES = ("gpt2", "llama", "qwen2")
-"""The architectures of the models otbflow builds (``model.arch``; ``otbflow.model.tiny_model_config``)."""
+"""The architectures of the models otbflow builds (``model.arch``; ``otbflow.models.policy.tiny_model_config``)."""
 
 HF_DECODE_MODES = ("auto", "eager", "static", "compiled")
 """The hf backend's decode loops (``rollout.hf_decode``; ``otbflow.engines.hf.generation_config``)."""
@@ -73,7 +73,7 @@ class Sampling:
     greedy: bool = False
     seed: int = 0
     min_p: float = 0.0
-    """rho of min-p sampling after the temperature (rollout.min_p; otbflow.pruning). 0: none."""
+    """rho of min-p sampling after the temperature (rollout.min_p; otbflow.algorithms.vocab_pruning). 0: none."""
 
 
 class Backend(Protocol):
@@ -135,7 +135,7 @@ TOKENIZER_FILES = (
     "chat_template.json",
 )
 """Every file of a tokenizer that transformers saves or reads: a trained policy gets its input's,
-byte for byte (``otbflow.train_state.save_policy``)."""
+byte for byte (``otbflow.training.state.save_policy``)."""
 # config.json keys that give a causal LM's positions (transformers' names across architectures).
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
 PROMPT_CHARS_PER_POSITION = 64

@@ -24,12 +24,12 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from otbflow import resident
+from otbflow.algorithms.vocab_pruning import outside
 from otbflow.engines import Sample, Sampling, stop_token_ids, truncate_at_stop
-from otbflow.logits import padded
-from otbflow.model import load_policy
+from otbflow.models.logits import padded
+from otbflow.models.policy import load_policy
+from otbflow.ops import resident
 from otbflow.progress import Progress
-from otbflow.pruning import outside
 from otbflow.seeds import derive_seed
 
 log = logging.getLogger("otbflow.generate")
@@ -47,7 +47,7 @@ this many tokens, not one per new prompt length."""
 
 def processed_logits(logits: torch.Tensor, temperature: float, top_p: float, min_p: float = 0.0) -> torch.Tensor:
     """The logits sampling draws from, in fp32: ``logits / temperature``, then with ``min_p`` > 0
-    the safe set (``otbflow.pruning``: tokens below max + log min_p set to -inf, vLLM's order),
+    the safe set (``otbflow.algorithms.vocab_pruning``: tokens below max + log min_p set to -inf, vLLM's order),
     then the top-p nucleus (tokens sorted by probability; those whose cumulative probability from
     the least likely one is at most 1 - top_p are set to -inf, the most likely always kept: vLLM's
     and transformers' rule). log_softmax of the result is the log-prob contract's distribution."""
@@ -184,7 +184,7 @@ class RowSampler:
 
 def decode_mode(mode: str, device) -> str:
     """``rollout.hf_decode`` on ``device``. 'auto': 'eager' on a CPU (the bitwise fingerprints);
-    on a GPU 'compiled' in a warm worker (``otbflow.resident``: its compilation is paid once, the
+    on a GPU 'compiled' in a warm worker (``otbflow.ops.resident``: its compilation is paid once, the
     compiled code serves every later job) and 'static' in a process that runs one job (which would
     pay the compilation every time)."""
     if mode != "auto":

@@ -1,6 +1,6 @@
 """The vLLM generation backend ('vllm'), run in its own environment: ``VLLMBackend`` (the only
 place that imports vllm), and the engine and sampling arguments and the conversion of vLLM's
-outputs to ``Sample`` records as plain Python, unit-tested anywhere. Environments: README.md,
+outputs to ``Sample`` records as plain Python, unit-tested anywhere. Environments: docs/environments.md,
 "Environments and the vLLM backend"; the log-prob mode: docs/training.md, "Log-probs"."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any, Iterable
 from omegaconf import DictConfig
 
 from otbflow.engines import Sample, Sampling, stop_token_ids
-from otbflow.model import load_tokenizer
+from otbflow.models.policy import load_tokenizer
 from otbflow.seeds import derive_seed
 
 log = logging.getLogger("otbflow.vllm")
@@ -70,7 +70,7 @@ def sampling_kwargs(
     """Arguments of ``vllm.SamplingParams``: n samples, the sampled token's log-prob only, ending
     at the first of ``stop_ids`` (kept as the last token); ``min_p`` only where > 0 (vLLM keeps
     the tokens with probability >= min_p times the largest after the temperature, the rule of
-    ``otbflow.pruning``)."""
+    ``otbflow.algorithms.vocab_pruning``)."""
     stops = {"stop_token_ids": list(stop_ids)} if stop_ids else {}
     if greedy:
         return {
@@ -148,7 +148,7 @@ def resident_engine(kwargs: dict[str, Any]):
     in place (``vllm_worker.ReloadExtension.reload_policy``: vLLM's ``reload_weights`` from the
     folder) and its prefix cache is reset; the engine then samples what a new engine of those
     weights would (tests/test_vllm.py)."""
-    from otbflow import resident
+    from otbflow.ops import resident
 
     held = resident.take("vllm")
     if held is None:
@@ -169,7 +169,7 @@ def resident_engine(kwargs: dict[str, Any]):
 
 def hold_engine(kwargs: dict[str, Any], llm) -> None:
     """Keep a new engine for the jobs after this one (a warm worker only)."""
-    from otbflow import resident
+    from otbflow.ops import resident
 
     if resident.ENABLED:
         path = Path(kwargs["model"])

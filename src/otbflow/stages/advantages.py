@@ -1,8 +1,8 @@
 """Advantages stage: the features shards of one iteration merged, ``advantages.estimator`` for
-training and the diagnostics of every estimator in ``advantages.compare`` (``otbflow.estimators``;
+training and the diagnostics of every estimator in ``advantages.compare`` (``otbflow.algorithms.estimators``;
 docs/estimators.md). Every estimator runs with the ``advantages.*`` options it takes
 (``baseline_shift`` included), and each comparison row records the shift it used. Every row's
-diagnostics are on the raw-reward scale (``otbflow.estimators.compare``); an estimator that
+diagnostics are on the raw-reward scale (``otbflow.algorithms.estimators.compare``); an estimator that
 normalises its advantages also has P and E[A^2] of them as trained, marked ``normalised``. The
 inputs must be one iteration's shards, each given once, every float finite (``check_shards``,
 ``read_features``): otherwise the job stops before any output, naming the files."""
@@ -17,7 +17,7 @@ import polars as pl
 from omegaconf import DictConfig
 
 from otbflow import schemas
-from otbflow.estimators import compare, estimator_options
+from otbflow.algorithms.estimators import compare, estimator_options
 from otbflow.io import SchemaError, check_finite, read_table, write_parquet
 
 log = logging.getLogger("otbflow.advantages")

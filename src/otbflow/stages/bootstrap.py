@@ -1,7 +1,7 @@
-"""Bootstrap: build a small policy (``otbflow.model``) and warm-start it on the synthetic task by
+"""Bootstrap: build a small policy (``otbflow.models.policy``) and warm-start it on the synthetic task by
 supervised training until its sampled held-out accuracy reaches ``bootstrap.target_accuracy``;
 writes the HF folder and the warm-start curve. Skipped when ``model.path`` is set. Details:
-README.md, "A real model and dataset" (built policies)."""
+docs/data.md, "A real model and dataset" (built policies)."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ import polars as pl
 import torch
 from omegaconf import DictConfig
 
+from otbflow.algorithms.rewards import arithmetic_reward
 from otbflow.engines import render_prompts, stops_of, use_chat
 from otbflow.engines.hf import hf_generate
 from otbflow.io import atomic_dir, write_parquet
-from otbflow.logits import padded
-from otbflow.model import build_tiny_model, build_tokenizer, encode, set_threads
-from otbflow.rewards import arithmetic_reward
+from otbflow.models.logits import padded
+from otbflow.models.policy import build_tiny_model, build_tokenizer, encode, set_threads
+from otbflow.models.tasks import arithmetic_problem, arithmetic_prompts, arithmetic_solution, synthetic_splits
 from otbflow.seeds import derive_seed
-from otbflow.tasks import arithmetic_problem, arithmetic_prompts, arithmetic_solution, synthetic_splits
 
 log = logging.getLogger("otbflow.bootstrap")
 

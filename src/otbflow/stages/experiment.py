@@ -1,7 +1,7 @@
 """Experiment: the report that compares the runs x seeds of an experiment (config/experiments/*.yaml),
 all trained from one shared initial policy and prompt set: per-seed, summary and paired tables and
-the accuracy and training plots. The experiment workflow and its outputs: README.md, "Experiments";
-the file's schema and loader: ``otbflow.experiment_config``."""
+the accuracy and training plots. The experiment workflow and its outputs: docs/experiments.md, "Experiments";
+the file's schema and loader: ``otbflow.studies.experiment_config``."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import polars as pl
 from omegaconf import DictConfig
 
 from otbflow import schemas
-from otbflow.experiment_config import load_experiment
 from otbflow.io import atomic_file, pyplot, read_table, save_figure, write_parquet
-from otbflow.stats import late_trend, t_interval
+from otbflow.studies.experiment_config import load_experiment
+from otbflow.studies.stats import late_trend, t_interval
 
 log = logging.getLogger("otbflow.experiment")
 
@@ -127,7 +127,7 @@ def per_seed_table(exp: dict, curves: pl.DataFrame, metrics: pl.DataFrame) -> pl
 
 
 def summary_table(exp: dict, per_seed: pl.DataFrame) -> pl.DataFrame:
-    """One row per run: means over seeds with t-intervals (``otbflow.stats.t_interval``: the seeds'
+    """One row per run: means over seeds with t-intervals (``otbflow.studies.stats.t_interval``: the seeds'
     values assumed normal), the late gain read as plateau / rising / falling / unresolved against
     ``analysis.plateau_margin``, and the tokens to the target as how many seeds reached it, their
     median with the others censored, and the fastest and slowest seed that reached it."""

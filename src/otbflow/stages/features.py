@@ -13,12 +13,12 @@ import polars as pl
 from omegaconf import DictConfig
 
 from otbflow import schemas
+from otbflow.algorithms.mismatch import is_weights_column, mismatch_columns
+from otbflow.algorithms.vocab_pruning import PRUNING_STATS
 from otbflow.io import read_table, write_parquet
-from otbflow.logits import STAT_COLUMNS, check_head_logits, exact_grad_sq_norms, sequence_token_stats
-from otbflow.mismatch import is_weights_column, mismatch_columns
-from otbflow.model import load_policy, set_threads, trainer_dtype
+from otbflow.models.logits import STAT_COLUMNS, check_head_logits, exact_grad_sq_norms, sequence_token_stats
+from otbflow.models.policy import load_policy, set_threads, trainer_dtype
 from otbflow.progress import Progress
-from otbflow.pruning import PRUNING_STATS
 
 log = logging.getLogger("otbflow.features")
 

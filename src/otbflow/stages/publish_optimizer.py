@@ -28,10 +28,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from otbflow import resident
 from otbflow.io import check_job
-from otbflow.resident import WEIGHTS, files_digest
-from otbflow.retention import OPTIMIZER_META, OPTIMIZER_WRITER, optimizer_partial
+from otbflow.ops import resident
+from otbflow.ops.resident import WEIGHTS, files_digest
+from otbflow.ops.retention import OPTIMIZER_META, OPTIMIZER_WRITER, optimizer_partial
 
 log = logging.getLogger("otbflow.publish_optimizer")
 
@@ -57,7 +57,7 @@ class Args:
 
 def writer_alive(pending: str | Path) -> bool:
     """Whether a process is writing ``pending`` now (its OPTIMIZER_WRITER record, by pid or heartbeat)."""
-    from otbflow.dispatch import alive, me
+    from otbflow.ops.dispatch import alive, me
 
     record = optimizer_partial(pending) / OPTIMIZER_WRITER
     try:
@@ -72,7 +72,7 @@ def writer_alive(pending: str | Path) -> bool:
 def run(cfg: DictConfig, args: Args) -> None:
     start = time.monotonic()
     if resident.ENABLED:  # a warm train worker: its own writes in the background first
-        from otbflow.train_state import join_writes
+        from otbflow.training.state import join_writes
 
         join_writes()
     while not (Path(args.pending) / OPTIMIZER_META).is_file() and writer_alive(args.pending):

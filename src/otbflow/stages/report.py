@@ -23,8 +23,9 @@ import numpy as np
 import polars as pl
 from omegaconf import DictConfig
 
-from otbflow import disk, schemas
+from otbflow import schemas
 from otbflow.io import pyplot, read_metadata, read_table, save_figure, write_json, write_parquet, write_text
+from otbflow.ops import disk
 
 log = logging.getLogger("otbflow.report")
 PLOTS = ("accuracy", "reward", "grad_norm", "response_length", "mismatch")

@@ -1,6 +1,6 @@
 """Scaling: how the squared gradient norm of a response grows with its length, and how well the
 forward-only Logit-Gradient Proxy tracks it (exact norms, proxy energies, log-log fits in
-``otbflow.scaling_fit``). The experiment and its reading: docs/features.md, "Length scaling of
+``otbflow.studies.scaling_fit``). The experiment and its reading: docs/features.md, "Length scaling of
 the gradient"."""
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from omegaconf import DictConfig
 
 from otbflow import schemas
 from otbflow.io import pyplot, read_table, save_figure, write_json, write_parquet
-from otbflow.logits import check_head_logits, exact_grad_sq_norms, sequence_token_stats
-from otbflow.model import load_policy, set_threads
+from otbflow.models.logits import check_head_logits, exact_grad_sq_norms, sequence_token_stats
+from otbflow.models.policy import load_policy, set_threads
 from otbflow.progress import Progress
-from otbflow.scaling_fit import can_fit, fit_summary, spread_by_length
 from otbflow.seeds import derive_seed
+from otbflow.studies.scaling_fit import can_fit, fit_summary, spread_by_length
 
 log = logging.getLogger("otbflow.scaling")
 

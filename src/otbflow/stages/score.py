@@ -1,4 +1,4 @@
-"""Score: a learned reward model (``task.reward_model``; ``otbflow.reward_model``) scores each
+"""Score: a learned reward model (``task.reward_model``; ``otbflow.models.reward_model``) scores each
 (prompt, response) of one rollout shard in a job of its own, so that on a cluster its GPU is this
 job's resource. The output is the rollouts table with ``rm_score`` added and the reward that
 trains raised by ``task.reward_model.weight`` times it (or, with ``alone``, replaced by that);
@@ -15,8 +15,8 @@ from omegaconf import DictConfig
 
 from otbflow import schemas
 from otbflow.io import read_metadata, read_table, write_parquet
-from otbflow.model import device, set_threads
-from otbflow.reward_model import RewardModel
+from otbflow.models.policy import device, set_threads
+from otbflow.models.reward_model import RewardModel
 
 log = logging.getLogger("otbflow.score")
 

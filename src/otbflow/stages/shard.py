@@ -2,7 +2,7 @@
 
 The synthetic task is generated from the seed; a dataset (``task.name: dataset``) is read from
 ``task.path`` (JSONL or Parquet in a layout of ``task.format``: prompt/answer, verl, GSM8K, MATH;
-see ``otbflow.tasks.load_dataset_file``), shuffled with the seed, and ``task.n_eval`` rows are
+see ``otbflow.models.tasks.load_dataset_file``), shuffled with the seed, and ``task.n_eval`` rows are
 split off unless ``task.eval_path`` gives a separate eval file. Training prompt i goes to shard
 i mod N. Every prompt keeps its raw text and its chat messages (table 'prompts'); the rollout
 renders them for the policy's tokenizer.
@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 from otbflow import schemas
 from otbflow.io import write_parquet
-from otbflow.tasks import prompt_splits
+from otbflow.models.tasks import prompt_splits
 
 log = logging.getLogger("otbflow.shard")
 

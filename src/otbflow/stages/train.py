@@ -1,10 +1,10 @@
 """Train: one policy update with DeepSpeed, from an iteration's advantages.
 
 ``train.ppo_epochs`` seeded passes over the advantages table's rows, one optimizer step per
-mini-batch (``otbflow.trainer.Trainer``; losses and their aggregation in ``otbflow.losses``), an LR
+mini-batch (``otbflow.training.trainer.Trainer``; losses and their aggregation in ``otbflow.algorithms.losses``), an LR
 schedule and an AdamW state carried from iteration to iteration, resumable checkpoints within the
-job (``otbflow.train_state``); writes the next policy (an HF folder) and one metrics row per step,
-each step also a point of the live curves (``otbflow.tracking``).
+job (``otbflow.training.state``); writes the next policy (an HF folder) and one metrics row per step,
+each step also a point of the live curves (``otbflow.ops.tracking``).
 Formulas, options, metrics, checkpoints and launchers: docs/training.md.
 """
 
@@ -23,9 +23,15 @@ import polars as pl
 import torch
 from omegaconf import DictConfig
 
-from otbflow import resident, schemas
-from otbflow.dispatch import me
-from otbflow.distributed import (
+from otbflow import schemas
+from otbflow.algorithms.lr_schedule import LRSchedule
+from otbflow.io import SchemaError, fault_point, write_json, write_parquet
+from otbflow.models.policy import set_threads
+from otbflow.ops import resident
+from otbflow.ops.dispatch import me
+from otbflow.ops.tracking import Curves, open_curves
+from otbflow.seeds import derive_seed
+from otbflow.training.distributed import (
     _destroy_process_group,
     broadcast_text,
     build_engine,
@@ -33,13 +39,8 @@ from otbflow.distributed import (
     init_distributed_env,
     load_reference,
 )
-from otbflow.hardware import device_peak, mfu, parameter_count
-from otbflow.io import SchemaError, fault_point, write_json, write_parquet
-from otbflow.lr_schedule import LRSchedule
-from otbflow.model import set_threads
-from otbflow.seeds import derive_seed
-from otbflow.tracking import Curves, open_curves
-from otbflow.train_state import (
+from otbflow.training.hardware import device_peak, mfu, parameter_count
+from otbflow.training.state import (
     Checkpoints,
     OptimizerStateError,
     check_optimizer_state,
@@ -53,7 +54,7 @@ from otbflow.train_state import (
     save_optimizer_state,
     save_policy,
 )
-from otbflow.trainer import Trainer, load_rows, mini_batches
+from otbflow.training.trainer import Trainer, load_rows, mini_batches
 
 log = logging.getLogger("otbflow.train")
 
@@ -280,7 +281,7 @@ def _write_optimizer_state(engine, out: str, meta: dict, writer: dict, rank: int
 
 @dataclass
 class Resident:
-    """A warm worker's DeepSpeed engine after a job (``otbflow.resident``): its layout, the
+    """A warm worker's DeepSpeed engine after a job (``otbflow.ops.resident``): its layout, the
     fingerprint of the job that left it and the digest of the policy that job wrote."""
 
     engine: object

@@ -1,5 +1,5 @@
 """Variance: the offline variance study of the baselines on the ``variance_pool`` stage's pool (the
-study is ``otbflow.variance_study``); writes summary.parquet, summary.json and variance.png.
+study is ``otbflow.studies.variance_study``); writes summary.parquet, summary.json and variance.png.
 Formulas and choices: docs/estimators.md, "Offline variance study"."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from omegaconf import DictConfig
 
 from otbflow import schemas
 from otbflow.io import pyplot, read_table, save_figure, write_json, write_parquet
-from otbflow.logits import check_head_logits, sequence_token_stats
-from otbflow.model import load_policy, set_threads
+from otbflow.models.logits import check_head_logits, sequence_token_stats
+from otbflow.models.policy import load_policy, set_threads
 from otbflow.seeds import derive_seed
-from otbflow.variance_study import (
+from otbflow.studies.variance_study import (
     CountSketch,
     pool_gradients,
     study,

@@ -1,0 +1,207 @@
+"""``otbflow disk``: the disk a run will take, from the model's HF config, the run's size and the
+retention policy (``otbflow.ops.retention``), before it runs; and what a results folder holds.
+
+Sizes per iteration, by what the stages write:
+- policy: every parameter in fp32 (the train stage saves the fp32 master weights, whatever
+  train.bf16 is), counted exactly on the meta device from the HF config (no weights allocated);
+- optimizer (DeepSpeed checkpoint): the module's weights, the two AdamW moments in fp32 and,
+  under ZeRO-1/2, the optimizer's own fp32 weights: 12 to 16 bytes per parameter, as measured
+  (``optimizer_bytes_per_parameter``);
+- data: rollouts, features and advantages, per response token the widths of their per-token
+  columns (otbflow.schemas; Parquet's compression makes the files smaller: an upper bound), the
+  prompt's token ids once per response and table.
+Peak: while iteration k trains, the policies still read (k - staleness - 1 .. k) and two
+optimizer states (k's input and its output) exist beside everything kept so far.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from otbflow import schemas
+from otbflow.ops.retention import PRUNED, decision
+
+_WIDTH = {"Int64": 8, "Int32": 4, "Float32": 4, "Float64": 8}
+DATA_TABLES = (schemas.ROLLOUTS, schemas.FEATURES, schemas.ADVANTAGES)
+
+
+def count_parameters(model_config) -> int:
+    """Parameters of the causal LM an HF config describes (a folder, a config.json, a dict or a config),
+    counted on the meta device; tied embeddings count once, as they are saved."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if isinstance(model_config, dict):
+        config = AutoConfig.for_model(**model_config)
+    elif not isinstance(model_config, (str, Path)):
+        config = model_config  # an HF PretrainedConfig
+    else:
+        path = Path(model_config)
+        if path.is_file():  # a config.json of any name
+            config = AutoConfig.for_model(**json.loads(path.read_text()))
+        else:
+            config = AutoConfig.from_pretrained(path, local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def bytes_per_token() -> tuple[int, int]:
+    """(bytes per response token, bytes per prompt token per response) of the three data tables."""
+    response = prompt = 0
+    for table in DATA_TABLES:
+        for name, dtype in table.columns.items():
+            inner = getattr(dtype, "inner", None)
+            if inner is None:
+                continue
+            width = _WIDTH[str(inner)]
+            if name == "prompt_ids":
+                prompt += width
+            else:
+                response += width
+    return response, prompt
+
+
+def optimizer_bytes_per_parameter(tc: DictConfig) -> int:
+    """A DeepSpeed optimizer folder per parameter, as measured (docs/training.md, 'The optimizer
+    across iterations'): 3.0x the fp32 weights at ZeRO-0 and ZeRO-3, 3.5x at ZeRO-1/2 with bf16,
+    4.0x at ZeRO-1/2 in fp32 (the optimizer's own fp32 copy of the weights)."""
+    if tc.zero_stage in (1, 2):
+        return 14 if tc.bf16 else 16
+    return 12
+
+
+def estimate(cfg: DictConfig, n_params: int, response_tokens: float | None = None, prompt_tokens: float = 0.0) -> dict:
+    """Disk of a run of ``cfg`` for a model of ``n_params`` parameters. ``response_tokens``:
+    mean tokens per response (default: rollout.max_new_tokens, the most)."""
+    n, s = cfg.iterations, cfg.rollout.staleness
+    policy = 4 * n_params
+    optimizer = 0 if cfg.train.reset_optimizer else optimizer_bytes_per_parameter(cfg.train) * n_params
+    per_token, per_prompt_token = bytes_per_token()
+    responses = cfg.rollout.prompts_per_iteration * cfg.rollout.group_size
+    tokens = responses * (cfg.rollout.max_new_tokens if response_tokens is None else response_tokens)
+    data = tokens * per_token + responses * prompt_tokens * per_prompt_token
+    kept = [decision(cfg, k) for k in range(n)]
+    peak = 0.0
+    for k in range(n):  # as iteration k's train job writes: what is kept so far, and what is still read
+        policies = sum(kept[j].policy or j >= k - s - 1 for j in range(k + 1))
+        optimizers = sum(kept[j].optimizer or j >= k - 1 for j in range(k + 1))
+        peak = max(peak, (k + 1) * data + policies * policy + optimizers * optimizer)
+    final = n * data + sum(d.policy for d in kept) * policy + sum(d.optimizer for d in kept) * optimizer
+    keep_all = n * (data + policy + optimizer)
+    return {
+        "parameters": n_params,
+        "iterations": n,
+        "responses_per_iteration": responses,
+        "response_tokens_per_iteration": tokens,
+        "bytes": {
+            "policy": policy,
+            "optimizer": optimizer,
+            "data_per_iteration": data,
+            "final": final,
+            "peak": peak,
+            "keep_everything": keep_all,
+        },
+        "kept_policies": [k for k, d in enumerate(kept) if d.policy],
+        "kept_optimizers": [k for k, d in enumerate(kept) if d.optimizer and optimizer],
+        "retention": {"policy_every": cfg.retention.policy_every, "optimizer": cfg.retention.optimizer},
+    }
+
+
+def used(results_dir: str | Path) -> dict:
+    """Bytes under a results folder: in all, per iteration folder, the train outputs' (policies
+    and optimizer states), and those the retention policy deleted (their PRUNED.json records)."""
+    root = Path(results_dir)
+    out = {"total": 0, "train_outputs": 0, "pruned": 0, "iterations": {}}
+    for f in root.rglob("*"):
+        if not f.is_file():
+            continue
+        if f.name == PRUNED:
+            out["pruned"] += sum(r["bytes"] for r in json.loads(f.read_text())["removed"])
+        size = f.stat().st_size
+        out["total"] += size
+        parts = f.relative_to(root).parts
+        if len(parts) > 1 and re.fullmatch(r"iter_\d+", parts[0]):
+            out["iterations"][parts[0]] = out["iterations"].get(parts[0], 0) + size
+            if len(parts) > 2 and parts[1] == "train" and parts[2] in ("policy", "optimizer"):
+                out["train_outputs"] += size
+    out["iterations"] = dict(sorted(out["iterations"].items(), key=lambda kv: int(kv[0].split("_")[1])))
+    return out
+
+
+def spans(ks: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    out: list[list[int]] = []
+    for k in ks:
+        if out and k == out[-1][1] + 1:
+            out[-1][1] = k
+        else:
+            out.append([k, k])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in out) or "none"
+
+
+def gib(b: float) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)):
+        if b >= scale:
+            return f"{b / scale:.3g} {unit}"
+    return f"{b / 2**20:.3g} MiB"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, help="config YAML (default: config/config.yaml)")
+    p.add_argument(
+        "--model-config",
+        help="an HF model folder or its config.json (default: model.path, else the built model of model.*)",
+    )
+    p.add_argument("--response-tokens", type=float, help="mean tokens per response (default: rollout.max_new_tokens)")
+    p.add_argument("--prompt-tokens", type=float, default=0.0, help="mean tokens per prompt (default: 0)")
+    p.add_argument("--results", help="also measure what this results folder holds now")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. iterations=100")
+
+
+def built_model_config(cfg: DictConfig):
+    """The HF config of the model the bootstrap builds (model.*), without building it."""
+    from otbflow.models.policy import tiny_model_config, tiny_vocab_size
+
+    return tiny_model_config(cfg.model, tiny_vocab_size(cfg.model))
+
+
+def main(ns: argparse.Namespace) -> int:
+    from otbflow.config import DEFAULT_CONFIG, load_config
+
+    cfg = load_config(ns.config or DEFAULT_CONFIG, ns.overrides)
+    source = ns.model_config or cfg.model.path
+    n_params = count_parameters(source if source else built_model_config(cfg))
+    est = estimate(cfg, n_params, ns.response_tokens, ns.prompt_tokens)
+    est["model"] = str(source) if source else f"built {cfg.model.arch} (model.*)"
+    if ns.results:
+        est["used"] = used(ns.results)
+    if ns.json:
+        print(json.dumps(est, indent=2))
+        return 0
+    b = est["bytes"]
+    print(f"model: {est['model']}, {n_params / 1e6:.3g} M parameters; {cfg.iterations} iterations")
+    print(
+        f"  per iteration: policy {gib(b['policy'])}, optimizer state {gib(b['optimizer'])}, "
+        f"data {gib(b['data_per_iteration'])} (upper bound)"
+    )
+    print(
+        f"  retention policy_every={cfg.retention.policy_every} optimizer={cfg.retention.optimizer}: "
+        f"kept policies {spans(est['kept_policies'])}, optimizer states {spans(est['kept_optimizers'])}"
+    )
+    print(
+        f"  at the end: {gib(b['final'])}; at the peak: {gib(b['peak'])}; keeping everything: "
+        f"{gib(b['keep_everything'])}"
+    )
+    if ns.results:
+        u = est["used"]
+        print(
+            f"  {ns.results} holds {gib(u['total'])} now ({gib(u['train_outputs'])} of policies and optimizer states)"
+        )
+    return 0

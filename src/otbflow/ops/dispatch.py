@@ -1,0 +1,389 @@
+"""Stage jobs handed to warm workers: the folder protocol and the rule-side client.
+
+A worker (``otbflow worker KIND --results DIR``, ``otbflow.ops.worker``) is a long-running process that
+runs one kind of stage job after another in its own process, keeping what the next job needs
+(imports, the policy, the generation engine, the DeepSpeed engine and its AdamW state). A rule's
+job starts the client (``python -m otbflow.ops.dispatch``): it hands the job to a live worker of its
+kind (and, for a train job of several processes, of as many ranks) and waits for it, or, with none,
+runs the stage in its own process as before (``os.execvp`` of ``python -m otbflow STAGE ...``, under
+the ``launcher`` of several processes where it has them: the same command, the same outputs). The
+client imports no torch and no otbflow module but this one.
+
+The transport is the results folder itself (a shared filesystem reaches every node of a cluster,
+and no port is opened): everything lives under ``<results>/.workers/``:
+
+- ``secret``: the run's key (created by the first worker, readable by its owner only); every request
+  carries an HMAC-SHA256 of its body with it, and a worker runs no request without a valid one;
+- ``<kind>/<worker>/worker.json``: a worker's record (host, pid, start, boot, Slurm job, the stages
+  it runs and their code versions), its heartbeat ``alive`` (touched every ``HEARTBEAT_S``);
+- ``<kind>/queue/<job>.json``: a request waiting; a worker claims it by renaming it into its own
+  ``<worker>/running/`` (one rename wins);
+- ``<kind>/jobs/<job>/``: the job's ``log`` (the client copies it to its own output, the rule's
+  log), the client's heartbeat ``client`` and the worker's answer ``result.json`` (written last).
+
+Liveness: a record whose heartbeat is older than ``STALE_S`` is gone (a host rebooted, a worker
+killed by ``kill -9``); on the client's own host its pid and start time decide at once. A client
+whose claimed job's worker goes stale withdraws the job and runs it itself; a worker whose client
+is gone (the rule's job was killed) abandons the job and publishes nothing (``otbflow.io.check_job``).
+Which stages a kind runs: ``KINDS``. Docs: docs/workers.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import shlex
+import shutil
+import socket
+import sys
+import time
+import uuid
+from pathlib import Path
+
+KINDS = {
+    "generate": ("rollout", "evaluate", "variance_pool"),
+    "features": ("features",),
+    "train": ("train", "publish_optimizer"),
+}
+"""Worker kinds and the stages each runs (one generation engine serves rollouts, evaluations and the
+variance pool; the features pass; the train update, and the publication of the AdamW state it
+writes after the job returned)."""
+
+KIND_OF = {stage: kind for kind, stages in KINDS.items() for stage in stages}
+FOLDER = ".workers"
+HEARTBEAT_S = 1.0
+"""How often a worker touches its heartbeat, and a client its own."""
+STALE_S = 10.0
+"""A heartbeat older than this is a gone process (a worker, or a client on another host)."""
+POLL_S = 0.05
+"""How often a waiting client and an idle worker look at the folder."""
+CLAIM_S = 30.0
+"""A request no live worker has claimed after this long is withdrawn and run by its client."""
+WAIT_POLL_S = 2.0
+"""How often a client that must wait for a worker (Slurm workers) looks for one."""
+TRIES = 3
+"""Workers a job is handed to, one after another, when each dies under it (Slurm workers)."""
+
+
+class DispatchError(RuntimeError):
+    """A request that cannot be made or served (no secret, a bad signature, an unknown stage)."""
+
+
+# ------------------------------------------------------------------------------------------
+# The folder and its records
+# ------------------------------------------------------------------------------------------
+
+
+def root(results: str | Path) -> Path:
+    return Path(results).resolve() / FOLDER
+
+
+def secret(results: str | Path, create: bool = False) -> bytes | None:
+    """The run's key: ``<results>/.workers/secret`` (32 random bytes, hex, mode 0600). ``create``:
+    made when absent (workers do; clients only read it). None when absent."""
+    path = root(results) / "secret"
+    if create and not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".secret.{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+        try:
+            os.link(tmp, path)  # only one of two workers starting at once creates it
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    if st.st_mode & 0o077:
+        raise DispatchError(f"{path}: readable by others (mode {st.st_mode & 0o777:o}); it must be 0600")
+    return path.read_text().strip().encode()
+
+
+def sign(key: bytes, body: dict) -> str:
+    return hmac.new(key, canonical(body), hashlib.sha256).hexdigest()
+
+
+def canonical(body: dict) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def verify(key: bytes, request: dict) -> dict:
+    """The request's body when its signature is the key's, else DispatchError."""
+    body = {k: v for k, v in request.items() if k != "mac"}
+    if not hmac.compare_digest(str(request.get("mac", "")), sign(key, body)):
+        raise DispatchError("the request's signature does not match the run's secret")
+    return body
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def process_start(pid: int) -> int | None:
+    """The start of process ``pid`` in clock ticks after boot (/proc), None when there is none."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()
+    return None if fields[0] in "ZX" else int(fields[19])
+
+
+def me() -> dict:
+    """This process: host, pid, start, boot (what tells it gone)."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "start": process_start(os.getpid()), "boot": boot_id()}
+
+
+def alive(record: dict, heartbeat: Path) -> bool:
+    """Whether the process of ``record`` (``me()``'s keys) runs: on this host and boot by its pid
+    and start; elsewhere by its heartbeat file being fresher than ``STALE_S``."""
+    if record.get("host") == socket.gethostname() and record.get("boot") == boot_id():
+        if process_start(int(record["pid"])) != record.get("start"):
+            return False
+    try:
+        return time.time() - heartbeat.stat().st_mtime < STALE_S
+    except FileNotFoundError:
+        return False
+
+
+def worker_alive(folder: Path) -> bool:
+    """Whether the worker registered in ``folder`` runs (a folder it removed when it ended: no)."""
+    try:
+        info = json.loads((folder / "worker.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return alive(info, folder / "alive")
+
+
+def live_workers(results: str | Path, kind: str) -> list[Path]:
+    """The folders of the live workers of ``kind`` (stale registrations ignored)."""
+    return [
+        record.parent for record in sorted((root(results) / kind).glob("*/worker.json")) if worker_alive(record.parent)
+    ]
+
+
+# ------------------------------------------------------------------------------------------
+# The client: one rule's job
+# ------------------------------------------------------------------------------------------
+
+
+class Client:
+    """Hand one stage job to a worker of its kind and wait for it (``run``)."""
+
+    def __init__(
+        self, results: str | Path, stage: str, code: str, argv: list[str], threads: str | None = None, tasks: int = 1
+    ):
+        """``threads``: the job's torch threads (default: OTBFLOW_THREADS of this process);
+        ``tasks``: its processes (a train job's DeepSpeed ranks): a worker of as many ranks runs it."""
+        self.results, self.stage, self.code, self.argv = Path(results), stage, code, list(argv)
+        self.threads, self.tasks = threads, tasks
+        self.kind = KIND_OF[stage]
+        self.id = uuid.uuid4().hex
+        self.base = root(results) / self.kind
+        self.job = self.base / "jobs" / self.id
+
+    def request(self, key: bytes) -> dict:
+        body = {
+            "id": self.id,
+            "stage": self.stage,
+            "code": self.code,
+            "argv": self.argv,
+            "tasks": self.tasks,
+            "cwd": os.getcwd(),
+            "threads": self.threads if self.threads is not None else os.environ.get("OTBFLOW_THREADS", ""),
+            "client": me(),
+            "created": time.time(),
+        }
+        return {**body, "mac": sign(key, body)}
+
+    def run(self, out=sys.stdout) -> int | None:
+        """The job's exit code once a worker ran it; None where no worker did (none is live, none
+        claimed it in ``CLAIM_S``, its worker went stale or refused it): the caller runs it itself."""
+        if not live_workers(self.results, self.kind):
+            return None
+        key = secret(self.results)
+        if key is None:
+            return None
+        outcome, value = self.attempt(key, out, claim_s=CLAIM_S)
+        if outcome == "done":
+            return value
+        print(f"otbflow dispatch: {value}: running the job here", file=out)
+        return None
+
+    def run_on_worker(self, wait_s: float, out=sys.stdout) -> int:
+        """The job's exit code, run by a worker and never here (the workers are Slurm jobs of the
+        run, this client a local job of the head): waits up to ``wait_s`` for a live worker (its
+        job pending in the queue); a job whose worker is gone is handed to the next one, up to
+        ``TRIES`` times. 1 with the reason where no worker ran it."""
+        deadline, said, tries = time.time() + wait_s, False, 0
+        while True:
+            key = secret(self.results)
+            if key is None or not live_workers(self.results, self.kind):
+                if time.time() > deadline:
+                    print(
+                        f"otbflow dispatch: no {self.kind} worker started in {wait_s / 60:.0f} min "
+                        "(workers.wait_min): the job is not run",
+                        file=out,
+                    )
+                    return 1
+                if not said:
+                    print(f"otbflow dispatch: waiting for a {self.kind} worker (its Slurm job is queued)", file=out)
+                    out.flush()
+                    said = True
+                time.sleep(WAIT_POLL_S)
+                continue
+            outcome, value = self.attempt(key, out, claim_s=None, deadline=deadline)
+            if outcome == "done":
+                return value
+            tries += 1
+            if outcome != "gone" or tries >= TRIES:
+                print(f"otbflow dispatch: {value}: the job is not run (after {tries} worker(s))", file=out)
+                return 1
+            print(f"otbflow dispatch: {value}: the job goes to the next worker", file=out)
+            self.id = uuid.uuid4().hex
+            self.job = self.base / "jobs" / self.id
+
+    def attempt(self, key: bytes, out, claim_s: float | None, deadline: float | None = None) -> tuple[str, object]:
+        """Post the request and follow it: ("done", exit code) once its worker answered, else
+        (why, a sentence): "refused" (another code version), "unclaimed" (no worker took it in
+        ``claim_s``, or before ``deadline``) or "gone" (its worker died); the request is withdrawn
+        then (a worker checks it before it publishes) and the job's folder removed."""
+        self.job.mkdir(parents=True)
+        heartbeat = self.job / "client"
+        heartbeat.touch()
+        queued = self.base / "queue" / f"{self.id}.json"
+        queued.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(queued, self.request(key))
+        log = self.job / "log"
+        offset, started, beat, worker = 0, time.time(), 0.0, None
+        try:
+            while True:
+                now = time.time()
+                if now - beat >= HEARTBEAT_S:
+                    os.utime(heartbeat)
+                    beat = now
+                offset = copy_new(log, offset, out)
+                result = self.job / "result.json"
+                if result.exists():
+                    answer = json.loads(result.read_text())
+                    copy_new(log, offset, out)
+                    if answer.get("status") == "refused":  # another code version, or not its stage
+                        return "refused", f"the worker refused the job ({answer.get('error')})"
+                    return "done", int(answer.get("exit", 1))
+                if worker is None:
+                    worker = next(iter(self.base.glob(f"*/running/{self.id}.json")), None)
+                    late = (claim_s is not None and now - started > claim_s) or (
+                        deadline is not None and now > deadline
+                    )
+                    if worker is None and late and self.withdraw(queued):
+                        return "unclaimed", "no worker took the job in time"
+                elif not worker_alive(worker.parents[1]):
+                    # the worker answers before it removes the request: without an answer it is gone
+                    if self.withdraw(worker) or not result.exists():
+                        return "gone", f"the worker {worker.parents[1].name} is gone"
+                time.sleep(POLL_S)
+        finally:
+            out.flush()
+            shutil.rmtree(self.job, ignore_errors=True)
+
+    @staticmethod
+    def withdraw(path: Path) -> bool:
+        """Take the request back (the worker checks it before it publishes): whether it was there."""
+        try:
+            path.unlink()
+            return True
+        except FileNotFoundError:
+            return False
+
+
+def copy_new(path: Path, offset: int, out) -> int:
+    """Write what ``path`` gained since ``offset`` to ``out``; the new offset."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return offset
+    if data:
+        out.write(data.decode(errors="replace"))
+        out.flush()
+    return offset + len(data)
+
+
+def launcher(tasks: int, cpus_per_task: int, python: str = sys.executable) -> list[str]:
+    """The words that start ``tasks`` copies of the command that follows them (none for one): srun
+    inside a Slurm job (``otbflow.training.distributed`` maps SLURM_PROCID/LOCALID/NTASKS to ranks), torchrun
+    on this machine otherwise. Decided when the job runs, so the command is the same under every
+    executor. A ``bash -c`` script that receives the command as its arguments ("$@"): the command's
+    quoted words reach srun or torchrun as they are. Used by this client where it runs a job itself
+    and by ``otbflow worker --tasks``."""
+    if tasks == 1:
+        return []
+    srun = f"srun --ntasks={tasks} --cpus-per-task={cpus_per_task} --kill-on-bad-exit=1"
+    torchrun = f"{shlex.quote(python)} -m torch.distributed.run --standalone --nproc_per_node={tasks} --no-python"
+    script = f'if [ -n "${{SLURM_JOB_ID:-}}" ]; then exec {srun} "$@"; else exec {torchrun} "$@"; fi'
+    return ["bash", "-c", script, "launch"]
+
+
+def die_with_parent() -> None:
+    """On Linux, have the kernel end this client with the job's shell (``prctl(PR_SET_PDEATHSIG)``),
+    so that a worker sees a killed job's client gone; kept across the ``execv`` of the fallback,
+    which the stage's CLI sets again."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+OPTIONS = ("--results", "--code", "--wait-min", "--threads", "--tasks", "--cpus-per-task")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m otbflow.ops.dispatch --results DIR --code VERSION [--tasks T --cpus-per-task C]
+    [--wait-min M --threads N] STAGE [stage arguments]``: the job on a worker (of T ranks), or in
+    this process where none runs it: exec of ``python -m otbflow STAGE ...``, under the ``launcher``
+    of T processes of C threads where T > 1. With ``--wait-min`` (workers.slurm: this is a local
+    job of the head) the job only ever runs on a worker, waiting up to M minutes for one, with N
+    threads."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    opts = {}
+    while args and args[0] in OPTIONS:
+        opts[args[0][2:]] = args[1]
+        args = args[2:]
+    stage, rest = args[0].replace("-", "_"), args[1:]
+    tasks = int(opts.get("tasks", 1))
+    die_with_parent()
+    if stage in KIND_OF and "results" in opts:
+        client = Client(opts["results"], stage, opts.get("code", ""), rest, threads=opts.get("threads"), tasks=tasks)
+        if "wait-min" in opts:
+            return client.run_on_worker(float(opts["wait-min"]) * 60)
+        code = client.run()
+        if code is not None:
+            return code
+    sys.stdout.flush()
+    command = [*launcher(tasks, int(opts.get("cpus-per-task", 1))), sys.executable, "-m", "otbflow", args[0], *rest]
+    os.execvp(command[0], command)
+    return 1  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())

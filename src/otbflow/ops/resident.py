@@ -1,0 +1,148 @@
+"""What a warm worker (``otbflow.ops.worker``) keeps between the jobs it runs: off in every other process.
+
+- ``policy``: the policies loaded by ``otbflow.models.policy.load_policy`` (generation and the features
+  pass), one per (dtype, precision). A job whose policy folder holds the same weights (by the
+  digest of its weight files, never by its path) gets the resident module as it is; one with other
+  weights of the same architecture has them copied into the resident module in place, from the
+  job's own input folder; another architecture or tokenizer is loaded anew.
+- ``hold`` / ``take`` / ``drop``: named objects a stage keeps for the next job (the train stage's
+  DeepSpeed engine with its AdamW state, the KL reference), each with the facts the next job must
+  match to use it; ``drop`` forgets them (a failed or abandoned job: its state is not trusted).
+
+Nothing here changes what a job computes: a resident module holds exactly the weights a fresh load
+of the job's input folder would (tests/test_worker.py compares the outputs bitwise).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from otbflow.engines import TOKENIZER_FILES
+
+log = logging.getLogger("otbflow.ops.resident")
+
+ENABLED = False
+"""True in a worker (``enable``): the stages keep what the next job needs."""
+HEARTBEAT = ""
+"""The worker's heartbeat file (``otbflow.ops.worker``): a record of what it writes names it."""
+
+_held: dict[str, Any] = {}
+
+
+def enable() -> None:
+    global ENABLED
+    ENABLED = True
+
+
+def hold(name: str, value: Any) -> None:
+    if ENABLED:
+        _held[name] = value
+
+
+def take(name: str) -> Any:
+    """The object held under ``name`` (None: none), left held."""
+    return _held.get(name) if ENABLED else None
+
+
+def drop(name: str | None = None) -> None:
+    """Forget ``name`` (None: everything), e.g. after a job failed half-way."""
+    if name is None:
+        _held.clear()
+    else:
+        _held.pop(name, None)
+
+
+def files_digest(folder: str | Path, suffixes: tuple[str, ...]) -> str:
+    """sha256 over the names and bytes of ``folder``'s files with these suffixes, in name order."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in Path(folder).iterdir() if p.suffix in suffixes or p.name in suffixes):
+        h.update(path.name.encode())
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 24), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+WEIGHTS = (".safetensors", ".bin")
+TOKENIZER = TOKENIZER_FILES
+
+
+@dataclass
+class Policy:
+    model: Any
+    tok: Any
+    architecture: str
+    """``architecture`` of the folder it was loaded from."""
+    tokenizer: str
+    weights: str
+
+
+VOLATILE = ("dtype", "torch_dtype", "transformers_version", "_name_or_path")
+"""config.json keys that say how a folder was saved, not what it holds: another value does not
+make another architecture (each load states its own dtype; the stop tokens are read per job)."""
+
+
+def architecture(path: Path) -> str:
+    """The folder's config.json without ``VOLATILE`` keys, canonical: what a resident module or
+    engine must match to take the folder's weights."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    return json.dumps({k: v for k, v in config.items() if k not in VOLATILE}, sort_keys=True)
+
+
+def policy(path: str | Path, dtype: str, cast_to, load: Callable) -> tuple[Any, Any]:
+    """(model, tokenizer) of the policy folder ``path`` as ``load(path, dtype, cast_to)`` gives it,
+    from the resident module where one of the same architecture and tokenizer is held."""
+    path = Path(path)
+    key = f"policy:{dtype}:{cast_to}"
+    held: Policy | None = _held.get(key)
+    architecture_, tokenizer = architecture(path), files_digest(path, TOKENIZER)
+    if held is not None and held.architecture == architecture_ and held.tokenizer == tokenizer:
+        weights = files_digest(path, WEIGHTS)
+        if weights != held.weights:
+            load_weights_in_place(held.model, path)
+            held.weights = weights
+            log.info("resident policy: the weights of %s copied into the resident module", path)
+        else:
+            log.info("resident policy: %s holds the weights already resident", path)
+        for p in held.model.parameters():
+            p.grad = None
+        held.model.eval()
+        return held.model, held.tok
+    model, tok = load(path, dtype, cast_to)
+    if ENABLED:
+        _held[key] = Policy(model, tok, architecture_, tokenizer, files_digest(path, WEIGHTS))
+    return model, tok
+
+
+def load_weights_in_place(model, path: Path) -> None:
+    """Copy the weights of the HF folder ``path`` (safetensors) into ``model``'s own tensors, each
+    cast to the tensor's dtype on its device; a name the files lack must be tied to one they hold
+    (GPT-2's and Qwen's output head). ValueError where they do not fit."""
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path}: no safetensors weights to load in place")
+    params = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
+    seen = set()
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if name not in params:
+                    raise ValueError(f"{file}: tensor {name} has no place in the resident {type(model).__name__}")
+                target = params[name]
+                tensor = f.get_tensor(name)
+                if tuple(tensor.shape) != tuple(target.shape):
+                    raise ValueError(
+                        f"{file}: tensor {name} is {tuple(tensor.shape)}, the module's {tuple(target.shape)}"
+                    )
+                target.data.copy_(tensor)
+                seen.add(id(target))
+    missing = [n for n, p in model.named_parameters(remove_duplicate=False) if id(p) not in seen]
+    if missing:
+        raise ValueError(f"{path}: no weights for {', '.join(missing[:5])}")

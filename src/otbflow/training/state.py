@@ -1,0 +1,408 @@
+"""What a train job keeps on disk: the next policy (``save_policy``), the AdamW state across
+iterations (``check_optimizer_state`` refuses another layout or policy) and the resumable
+checkpoints within one job (``Checkpoints``). DeepSpeed's files of both are read as data only
+(``load_checkpoint_file``: a pickle that names anything but tensors, plain containers and
+DeepSpeed's few checkpoint types is refused, never run). The stage is ``otbflow.stages.train``;
+layouts and rules: docs/training.md, "The optimizer across iterations", "Robustness" and "The next
+policy"."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import pickle
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from otbflow.io import atomic_dir, check_job, write_errors_named, write_json
+from otbflow.ops.resident import WEIGHTS, files_digest
+from otbflow.ops.retention import OPTIMIZER_META, OPTIMIZER_WRITER, check_not_pruned, optimizer_partial
+
+log = logging.getLogger("otbflow.train")
+
+# ------------------------------------------------------------------------------------------
+# DeepSpeed's checkpoint files: read as data, never as code
+# ------------------------------------------------------------------------------------------
+
+
+class CheckpointFileError(ValueError):
+    """A DeepSpeed checkpoint file that is not loaded: its pickle names a type that a checkpoint
+    does not hold (loading it could run code), or it is no torch file."""
+
+
+def checkpoint_types() -> list[type]:
+    """The non-tensor types DeepSpeed 0.19 pickles into the checkpoints of every layout the
+    project configures (ZeRO 0-3, fp32 and bf16; found by saving each): the ZeRO stage (an int
+    enum), the static loss scaler and, at ZeRO-1/2, the addresses of the fp32 partitions (a
+    dataclass of two ints). The unpickler may call their constructors, which only store values."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [ZeroStageEnum, LossScaler, fragment_address]
+
+
+def load_checkpoint_file(path: str, map_location=None):
+    """``torch.load(weights_only=True)`` of one DeepSpeed file: tensors, plain containers and
+    ``checkpoint_types`` only. Anything else is refused before it is built: a CheckpointFileError
+    that names the file and what its pickle asks for."""
+    allowed = checkpoint_types()
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
+        try:  # read, not run: the globals its pickle names (zip files, which DeepSpeed writes)
+            names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        except Exception:
+            names = re.findall(r"GLOBAL ([\w.]+)", str(e))  # what torch's unpickler stopped at
+        names = [n for n in names if n not in {f"{t.__module__}.{t.__qualname__}" for t in allowed}]
+        if names:
+            raise CheckpointFileError(
+                f"{path}: not loaded: its pickle names {', '.join(names)}, which no DeepSpeed checkpoint "
+                f"holds; loading it could run code. The file was replaced or damaged after the train job wrote it"
+            ) from None
+        detail = "" if isinstance(e, pickle.UnpicklingError) else f" ({str(e).splitlines()[0]})"
+        raise CheckpointFileError(
+            f"{path}: not loaded: not a torch checkpoint of tensors, plain containers and DeepSpeed's "
+            f"checkpoint types{detail}; it is damaged, or was replaced after the train job wrote it"
+        ) from None
+
+
+def save_checkpoint_file(state, path: str, zipfile_serialization: bool) -> None:
+    """``torch.save`` of one DeepSpeed file through a Python file object: a failed write (a full
+    disk) raises its OSError naming ``path``, where torch's own file writer says "unexpected pos"."""
+    with write_errors_named(path), open(path, "wb") as f:
+        torch.save(state, f, _use_new_zipfile_serialization=zipfile_serialization)
+
+
+def guard_checkpoint_io(engine) -> None:
+    """Route the DeepSpeed engine's checkpoint file reads and writes through
+    ``load_checkpoint_file`` and ``save_checkpoint_file``. DeepSpeed's ``load_checkpoint`` reads
+    every file through its checkpoint engine (``mp_rank_*_model_states.pt``, the ZeRO shards
+    ``*_optim_states.pt``), which calls ``torch.load(weights_only=False)``; its other loaders
+    (universal checkpoints, NVMe offload, ZeRO-3 weights without optimizer states) are on paths
+    the project never takes. Idempotent."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    io = engine.checkpoint_engine
+    if getattr(io, "_otbflow_guarded", False):
+        return
+    if type(io) is not TorchCheckpointEngine:
+        raise RuntimeError(f"DeepSpeed's checkpoint engine is {type(io).__name__}, not TorchCheckpointEngine")
+
+    def save(state_dict, path: str) -> None:  # DeepSpeed passes both by name
+        save_checkpoint_file(state_dict, path, io.zipfile_serialization)
+
+    io.load, io.save = load_checkpoint_file, save
+    io._otbflow_guarded = True
+
+
+# ------------------------------------------------------------------------------------------
+# The next policy
+# ------------------------------------------------------------------------------------------
+
+
+def full_fp32_state_dict(engine, keep: bool) -> dict[str, torch.Tensor]:
+    """The policy's full fp32 weights, on CPU (ZeRO's fp32 master weights where it keeps them).
+    Collective under ZeRO: every rank must call it; only ranks with ``keep`` hold the result."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    policy = engine.module.policy
+    state = policy.state_dict()  # buffers, and every name of tied parameters
+    full: dict[int, torch.Tensor | None] = {}
+    for name, p in policy.named_parameters(remove_duplicate=False):
+        if id(p) not in full:
+            hp = safe_get_full_fp32_param(p)  # None where the module's parameter is the fp32 weight
+            if hp is None:
+                hp = p.detach()
+            full[id(p)] = hp.float().cpu() if keep else None
+        state[name] = full[id(p)]
+    return state if keep else {}
+
+
+def save_policy(engine, state: dict[str, torch.Tensor], policy_dir: str, out: str) -> None:
+    """The next policy's HF folder: the trained weights (fp32) and config, and the tokenizer of
+    ``policy_dir`` copied byte for byte (not saved anew: one tokenizer file for the whole run, which
+    a warm worker's resident engine can recognise by its digest)."""
+    from otbflow.engines import TOKENIZER_FILES
+
+    policy = engine.module.policy
+    with atomic_dir(out) as tmp:  # a failed write (a full disk) raises its OSError naming ``out``
+        policy.save_pretrained(tmp, state_dict=state)
+        if policy.dtype != torch.float32:  # bf16 module: config.json names the saved fp32 weights
+            policy.config.dtype = "float32"
+            policy.config.save_pretrained(tmp)
+        for name in TOKENIZER_FILES:
+            if (Path(policy_dir) / name).is_file():
+                shutil.copyfile(Path(policy_dir) / name, Path(tmp) / name)
+
+
+# ------------------------------------------------------------------------------------------
+# Resumable checkpoints
+# ------------------------------------------------------------------------------------------
+
+
+def fingerprint(cfg: DictConfig, args, world_size: int) -> str:
+    """What a checkpoint belongs to (``args``: the train stage's Args): the inputs (advantages
+    bytes, policy, previous schedule state, previous optimizer state), the config, the code and
+    the number of ranks."""
+    from otbflow.ops.codeversion import code_version
+    from otbflow.pipeline import trigger
+
+    h = hashlib.sha256()
+    with open(args.advantages, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    prev = Path(args.prev_state).read_text() if args.prev_state else ""
+    # the optimizer state's meta.json names the job that wrote it (its fingerprint) and its policy
+    prev_opt = (Path(args.prev_optimizer) / OPTIMIZER_META).read_text() if args.prev_optimizer else ""
+    config = trigger(cfg, "train")  # what changes the outputs; not resources: a retry with more memory resumes
+    h.update(
+        json.dumps(
+            [
+                config,
+                str(Path(args.policy).resolve()),
+                prev,
+                prev_opt,
+                args.reference,
+                args.iteration,
+                world_size,
+                code_version("train"),
+            ]
+        ).encode()
+    )
+    return h.hexdigest()[:16]
+
+
+# ------------------------------------------------------------------------------------------
+# Optimizer state across iterations
+# ------------------------------------------------------------------------------------------
+
+
+OPTIMIZER_TAG = "state"
+
+
+class OptimizerStateError(ValueError):
+    """A stored optimizer state that this job cannot load."""
+
+
+def policy_digest(policy_dir: str | Path) -> str:
+    """sha256 of an HF folder's weight files (names and bytes): which policy an optimizer state
+    belongs to."""
+    return files_digest(policy_dir, WEIGHTS)
+
+
+def optimizer_layout(tc: DictConfig, world_size: int) -> dict:
+    """What DeepSpeed needs to be equal to load a (ZeRO-partitioned) optimizer state."""
+    return {"world_size": world_size, "zero_stage": int(tc.zero_stage), "bf16": bool(tc.bf16)}
+
+
+def check_optimizer_state(folder: str, tc: DictConfig, world_size: int, policy_dir: str) -> dict:
+    """The meta of the optimizer state in ``folder`` if this job can resume it; otherwise an
+    OptimizerStateError that says what differs and what to do."""
+    path = Path(folder)
+    check_not_pruned(path)
+    meta_path = path / OPTIMIZER_META
+    if not meta_path.is_file():
+        raise OptimizerStateError(
+            f"{path}: not a finished optimizer state (no {OPTIMIZER_META}); it is written "
+            f"by the previous iteration's train job (--optimizer)"
+        )
+    meta = json.loads(meta_path.read_text())
+    want = optimizer_layout(tc, world_size)
+    have = {k: meta.get(k) for k in want}
+    if have != want:
+
+        def fmt(d):
+            return f"{d['world_size']} rank(s), ZeRO stage {d['zero_stage']}, bf16 {'on' if d['bf16'] else 'off'}"
+
+        raise OptimizerStateError(
+            f"{path}: the optimizer state was saved by {fmt(have)}; this job runs {fmt(want)}. DeepSpeed "
+            f"loads an optimizer state only into the layout that saved it (ZeRO shards it per rank). Keep "
+            f"train.zero_stage, train.bf16 and resources.train.tasks as they were, or set "
+            f"train.reset_optimizer=true to start this iteration with a fresh AdamW."
+        )
+    digest = policy_digest(policy_dir)
+    if meta.get("policy_sha256") != digest:
+        raise OptimizerStateError(
+            f"{path}: the optimizer state belongs to another policy than --policy {policy_dir} (weights digest "
+            f"{str(meta.get('policy_sha256'))[:12]}... vs {digest[:12]}...); pass the policy written by the same "
+            f"train job, or set train.reset_optimizer=true"
+        )
+    return meta
+
+
+def load_optimizer_state(engine, folder: str) -> None:
+    """Load the DeepSpeed checkpoint in ``folder`` into ``engine``: AdamW moments and step counts
+    (and with bf16 ZeRO's fp32 master weights); the module weights it holds are those of --policy.
+    Its files are read as data (``guard_checkpoint_io``)."""
+    guard_checkpoint_io(engine)
+    try:
+        path, _ = engine.load_checkpoint(
+            folder,
+            tag=OPTIMIZER_TAG,
+            load_module_strict=True,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=False,
+        )
+    except CheckpointFileError as e:
+        raise CheckpointFileError(
+            f"{e}. Rerun the previous iteration's train job to write it again, or set "
+            f"train.reset_optimizer=true to start this iteration with a fresh AdamW"
+        ) from None
+    if path is None:
+        raise OptimizerStateError(f"{folder}: DeepSpeed could not load the optimizer state")
+
+
+def _barrier(world_size: int) -> None:
+    """Wait for every rank (a no-op for one process)."""
+    if world_size > 1:
+        torch.distributed.barrier()
+
+
+WRITER_THREAD = "optimizer-writer"
+"""The name of a warm train worker's thread that writes an optimizer state after its job returned."""
+
+
+def save_optimizer_state(engine, out: str, meta: dict, rank: int, world_size: int, writer: dict | None = None) -> None:
+    """Write the engine's state as a DeepSpeed checkpoint (every rank its ZeRO shard) to a
+    temporary sibling folder, then rank 0 adds ``meta.json`` and renames it to ``out``: a killed
+    job never leaves a folder that looks finished. Collective: every rank must call it.
+    ``writer``: a record of the writing process, kept in the temporary folder while it writes
+    (``retention.OPTIMIZER_WRITER``: a publisher elsewhere waits while it lives)."""
+    out_path = Path(out)
+    tmp = optimizer_partial(out_path)  # the same name on every rank
+
+    guard_checkpoint_io(engine)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        if writer is not None:
+            write_json(writer, tmp / OPTIMIZER_WRITER)
+    _barrier(world_size)
+    try:
+        with write_errors_named(tmp):
+            engine.save_checkpoint(str(tmp), tag=OPTIMIZER_TAG, client_state={}, save_latest=False)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed write (a full disk) leaves no partial state
+        raise
+    _barrier(world_size)
+    if rank == 0:
+        try:
+            (tmp / OPTIMIZER_WRITER).unlink(missing_ok=True)
+            write_json(meta, tmp / OPTIMIZER_META)
+            check_job(out_path)  # not published once the job that started this process has ended
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if out_path.exists():
+            shutil.rmtree(out_path)
+        os.replace(tmp, out_path)
+    _barrier(world_size)
+
+
+def save_in_background(write, fatal: bool = False) -> None:
+    """Run ``write`` (a ``save_optimizer_state`` call) in a thread of this process (a warm train
+    worker's, after its job returned); ``join_writes`` waits for it. Not a daemon: the process
+    finishes the write before it exits (SIGTERM included). A failed write leaves no folder
+    (``save_optimizer_state``): the publish job then finds the state lost. ``fatal``: a failure
+    ends the process (a rank of a worker of several, whose collectives are then out of step with
+    the other ranks'; the launcher ends them)."""
+    import threading
+
+    def run():
+        try:
+            write()
+        except BaseException:
+            log.exception("writing the optimizer state failed")
+            if fatal:
+                log.error("this rank's collectives are out of step with the others': the worker ends")
+                os._exit(1)
+
+    threading.Thread(target=run, name=WRITER_THREAD).start()
+
+
+def join_writes() -> None:
+    """Wait for this process's optimizer states being written in the background."""
+    import threading
+
+    for thread in threading.enumerate():
+        if thread.name == WRITER_THREAD:
+            thread.join()
+
+
+class Checkpoints:
+    """DeepSpeed checkpoints of one train job in ``folder``, which is not a declared output
+    (Snakemake deletes the outputs of a failed job; this survives it). The folder holds one
+    fingerprint: a checkpoint of other inputs or config is wiped, never resumed. Only the latest
+    complete checkpoint is kept (DeepSpeed's ``latest`` names it only once it is written)."""
+
+    def __init__(self, folder: str, fp: str, every: int, rank: int, world_size: int):
+        self.folder, self.fp, self.every, self.rank, self.world_size = Path(folder), fp, every, rank, world_size
+
+    def load(self, engine) -> dict | None:
+        """The client state of the latest checkpoint after loading it into ``engine``, or None.
+        Its files are read as data (``guard_checkpoint_io``)."""
+        guard_checkpoint_io(engine)
+        stamp = self.folder / "fingerprint"
+        resumable = stamp.is_file() and stamp.read_text() == self.fp and self._latest() is not None
+        _barrier(self.world_size)
+        if not resumable:
+            if self.rank == 0 and self.every:
+                shutil.rmtree(self.folder, ignore_errors=True)
+                self.folder.mkdir(parents=True)
+                stamp.write_text(self.fp)
+            _barrier(self.world_size)
+            return None
+        try:
+            path, client = engine.load_checkpoint(str(self.folder), load_module_strict=True)
+        except CheckpointFileError as e:
+            raise CheckpointFileError(f"{e}. Delete {self.folder}: the job then trains from its first step") from None
+        if path is None:
+            raise RuntimeError(f"{self.folder}: could not load the checkpoint that 'latest' names")
+        return client
+
+    def due(self, steps_done: int, total: int) -> bool:
+        return bool(self.every) and steps_done % self.every == 0 and steps_done < total
+
+    def _latest(self) -> str | None:
+        """The tag that ``latest`` names, where that checkpoint's folder exists."""
+        latest = self.folder / "latest"
+        tag = latest.read_text().strip() if latest.is_file() else ""
+        return tag if tag and (self.folder / tag).is_dir() else None
+
+    def save(self, engine, steps_done: int, client: dict) -> None:
+        """Write the checkpoint of ``steps_done`` steps; ``latest`` names it once it is whole. A
+        failed write (a full disk: its OSError names the file) removes what it began."""
+        guard_checkpoint_io(engine)
+        tag = f"step_{steps_done:06d}"
+        try:
+            with write_errors_named(self.folder):
+                engine.save_checkpoint(str(self.folder), tag=tag, client_state=client, save_latest=True)
+        except BaseException:
+            shutil.rmtree(self.folder / tag, ignore_errors=True)
+            raise
+        _barrier(self.world_size)
+        if self.rank == 0:
+            for old in self.folder.glob("step_*"):
+                if old.name != tag:
+                    shutil.rmtree(old, ignore_errors=True)
+
+    def finish(self) -> None:
+        """The stage's outputs are written: the checkpoints are no longer needed. The workflow's
+        checkpoint tree (results/checkpoints/train/) goes too once it is empty."""
+        _barrier(self.world_size)
+        if self.rank == 0:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            parents = list(self.folder.parents)[:2]
+            if parents and parents[-1].name == "checkpoints":
+                for parent in parents:
+                    with contextlib.suppress(OSError):
+                        parent.rmdir()  # only if empty: another iteration's job may be running
