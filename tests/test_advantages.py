@@ -391,7 +391,7 @@ def test_registry_is_one_decorated_function():
     @estimators.register("half_mean_test")
     def half_mean(b, baseline_shift=0.0):
         """Half the group mean (test only)."""
-        return estimators._with_seq_baseline(b, 0.5 * estimators._group_mean(b, b.reward), baseline_shift)
+        return estimators.with_seq_baseline(b, 0.5 * estimators.group_mean(b, b.reward), baseline_shift)
 
     try:
         t = pl.DataFrame({"group_id": [1, 1, 2], "reward": [1.0, 0.0, 3.0], "logprobs": [[-0.1, -0.2], [-0.3], [-1.0]]})

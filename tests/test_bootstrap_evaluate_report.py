@@ -70,6 +70,7 @@ def test_evaluate_counts_the_reward_timeouts(tmp_path, cfg, tiny_policy, data_di
 
     from otbflow.algorithms import rewards
     from otbflow.io import read_metadata
+    from otbflow.registry import Entry
 
     timed_out = []
 
@@ -80,7 +81,7 @@ def test_evaluate_counts_the_reward_timeouts(tmp_path, cfg, tiny_policy, data_di
         rewards._WORKER.timeouts += 1
         return 0.0
 
-    monkeypatch.setitem(rewards.REWARDS, "arithmetic", verifier)
+    monkeypatch.setitem(rewards.REWARDS, "arithmetic", Entry("arithmetic", verifier))
     args = evaluate.Args(
         prompts=str(data_dir / "eval.parquet"),
         policy=str(tiny_policy),

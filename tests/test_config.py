@@ -442,3 +442,47 @@ def test_every_field_has_a_docstring():
             docs = field_docs(klass)
             assert {f.name for f in dataclasses.fields(klass)} <= set(docs), klass.__name__
     assert "Most responses measured" in field_docs(type(Config().scaling))["max_sequences"]
+
+
+def test_a_choice_registered_later_is_checked_by_what_it_declares():
+    """Every list of choices is a Registry of one shape (otbflow.registry). A learning-rate schedule
+    registered after the config module loaded is allowed, its options enter the train stage's
+    rerun trigger, and the config checks its requirement without knowing it by name."""
+    from otbflow.algorithms import estimators, losses, lr_schedule, rewards, shaping
+    from otbflow.registry import Registry, Requirement
+
+    for registry in (
+        estimators.ESTIMATORS,
+        losses.POLICY_LOSSES,
+        lr_schedule.SCHEDULES,
+        rewards.REWARDS,
+        shaping.SHAPED_REWARDS,
+    ):
+        assert isinstance(registry, Registry) and registry, registry
+
+    @lr_schedule.SCHEDULES.register(
+        "after_warmup",
+        options=("lr_min_ratio",),
+        requires=(Requirement("train.lr_warmup_steps", ">= 2", lambda steps, cfg: steps >= 2),),
+    )
+    class AfterWarmup(lr_schedule.Constant):
+        """A test schedule: lr_min_ratio x lr after the warm-up."""
+
+        @staticmethod
+        def lr(t, s, k):
+            return t.lr_min_ratio * t.lr
+
+    try:
+        with pytest.raises(ConfigError, match=r"'train.lr_warmup_steps': must be >= 2 with train.lr_schedule"):
+            load_config(DEFAULT_CONFIG, ["train.lr_schedule=after_warmup"])
+        cfg = load_config(DEFAULT_CONFIG, ["train.lr_schedule=after_warmup", "train.lr_warmup_steps=2"])
+        assert "train.lr_min_ratio" in STAGES["train"].outputs(cfg)
+        schedule = lr_schedule.LRSchedule(cfg.train)
+        rates = []
+        for _ in range(3):
+            rates.append(schedule.lr())
+            schedule.observe(10.0)
+        lr = cfg.train.lr
+        assert rates == [lr / 2, lr, cfg.train.lr_min_ratio * lr]  # two warm-up steps, then the schedule
+    finally:
+        del lr_schedule.SCHEDULES["after_warmup"]

@@ -732,7 +732,7 @@ def test_loss_type_takes_the_registered_losses(policy_dir, features_path, tmp_pa
     }
     with pytest.raises(ConfigError, match="train.loss_type"):
         make_cfg("train.loss_type=half_reinforce")
-    with pytest.raises(ValueError, match="already registered"):
+    with pytest.raises(ValueError, match="registered twice"):
         register_policy_loss("reinforce", is_mode="bypass")(reinforce_loss)
     with pytest.raises(ValueError, match="is_mode"):
         register_policy_loss("half_reinforce", is_mode="coupled")

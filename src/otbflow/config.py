@@ -28,6 +28,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from otbflow import schemas
 from otbflow.algorithms.estimators import ESTIMATORS, estimator_parameters
 from otbflow.algorithms.losses import LOSS_AGG_MODES, POLICY_LOSSES
 from otbflow.algorithms.lr_schedule import SCHEDULES
@@ -490,7 +491,7 @@ class TrainConfig:
     trm: bool = False
     """Trust Region Masking: drop whole sequences whose max k2 > mismatch.max_k2 or mean k3 >
     mismatch.mean_k3 from the loss, normalising by the pre-mask counts (algorithms.md 3.3)."""
-    lr_schedule: str = opt("constant", choices=SCHEDULES)
+    lr_schedule: str = opt("constant", choices=Names(SCHEDULES))
     """constant | cosine | length_decay (halve the LR every P steps after a surge in mean response
     length, algorithms.md 4.1). Linear warm-up (lr_warmup_steps) first in each case. The
     schedule counts optimizer steps over all iterations: each iteration resumes the last one's."""
@@ -992,13 +993,6 @@ def check_rules(cfg: DictConfig, explicit: frozenset[str] | None = None) -> None
         cfg.rollout.group_size,
     )
     require(t.overlong_buffer <= max_len, "task.overlong_buffer", "<= rollout.max_new_tokens", t.overlong_buffer)
-    if t.reward == "cosine":
-        require(
-            t.cosine.exceed_margin < max_len,
-            "task.cosine.exceed_margin",
-            f"< rollout.max_new_tokens ({max_len}): otherwise every response counts as exceeding",
-            t.cosine.exceed_margin,
-        )
     if t.name == "dataset":
         require(t.path is not None, "task.path", "a JSONL or Parquet file when task.name is 'dataset'", t.path)
     require(
@@ -1020,23 +1014,24 @@ def check_rules(cfg: DictConfig, explicit: frozenset[str] | None = None) -> None
         "null when task.chat is false (a system message needs the chat template)",
         t.system_prompt,
     )
-    for key, name in [
-        ("advantages.estimator", a.estimator),
-        *((f"advantages.compare[{i}]", n) for i, n in enumerate(a.compare)),
-    ]:
-        require(
-            name != "otb_tir",
-            key,
-            "another estimator: otb_tir aligns positions by a per-token loss_mask "
-            "(multi-turn data), which no stage writes; use otb",
-            name,
-        )
-        require(
-            name != "eob" or cfg.features.exact_grad_norm,
-            key,
-            "another estimator unless features.exact_grad_norm is true (eob needs grad_sq_norm)",
-            name,
-        )
+    check_requirements(cfg)
+    chosen = [("advantages.estimator", a.estimator)]
+    chosen += [(f"advantages.compare[{i}]", n) for i, n in enumerate(a.compare)]
+    for key, name in chosen:
+        for column in ESTIMATORS[name].needs:
+            flag = schemas.WRITTEN_WITH.get(column)
+            require(
+                column in schemas.FEATURES.columns,
+                key,
+                f"another estimator: {name} reads the column {column}, which the features stage does not write",
+                name,
+            )
+            require(
+                flag is None or bool(OmegaConf.select(cfg, flag)),
+                key,
+                f"another estimator unless {flag} is true ({name} reads the column {column}, written only then)",
+                name,
+            )
     if a.baseline_shift != 0 and "baseline_shift" not in estimator_parameters(a.estimator):
         raise ConfigError(
             f"config key 'advantages.baseline_shift': must be 0 when advantages.estimator is "
@@ -1052,9 +1047,28 @@ def check_rules(cfg: DictConfig, explicit: frozenset[str] | None = None) -> None
     # DeepSpeed with bf16 and no ZeRO updates bf16 weights in place (no fp32 master): small steps vanish
     require(not tr.bf16 or tr.zero_stage >= 1, "train.bf16", "false unless train.zero_stage >= 1", tr.bf16)
     for i, name in enumerate(cfg.variance.estimators):
-        require(
-            name != "otb_tir", f"variance.estimators[{i}]", "not otb_tir (the pool has no loss_mask; use otb)", name
-        )
+        for column in ESTIMATORS[name].needs:
+            require(
+                column in schemas.VARIANCE_STUDY_COLUMNS,
+                f"variance.estimators[{i}]",
+                f"another estimator: {name} reads the column {column}, which the variance study's pool does not have",
+                name,
+            )
+
+
+# The registries whose chosen entry's requirements are checked, with the key that chooses it.
+CHOSEN = ((SHAPED_REWARDS, "task.reward"), (POLICY_LOSSES, "train.loss_type"), (SCHEDULES, "train.lr_schedule"))
+
+
+def check_requirements(cfg: DictConfig) -> None:
+    """What each chosen entry of a registry requires of the rest of the config (its
+    ``Requirement``s), for every registry in CHOSEN: no choice is known here by name."""
+    for registry, key in CHOSEN:
+        name = OmegaConf.select(cfg, key)
+        entry = registry.get(name)
+        for req in entry.requires if entry else ():
+            value = OmegaConf.select(cfg, req.key)
+            require(req.test(value, cfg), req.key, f"{req.allowed} with {key} {name}", value)
 
 
 def to_yaml(cfg: DictConfig) -> str:

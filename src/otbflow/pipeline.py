@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from otbflow.algorithms.estimators import estimator_parameters, studied, study_keys
 from otbflow.algorithms.losses import POLICY_LOSSES
-from otbflow.algorithms.lr_schedule import SCHEDULE_OPTIONS
+from otbflow.algorithms.lr_schedule import SCHEDULES
 from otbflow.algorithms.shaping import shaping_keys, verifier_keys
 from otbflow.config import section_digest
 from otbflow.engines import BACKENDS
@@ -153,7 +153,7 @@ def _train(cfg: DictConfig) -> list[str]:
     keys += ["loss_type", "loss_agg_mode", "kl_coef", "entropy_coef", "rollout_is", "trm", "lr_schedule"]
     keys += ["lr_warmup_steps", "max_grad_norm", "max_consecutive_skips", "reset_optimizer", "zero_stage", "bf16"]
     keys += ["packing", *(["packing_row_tokens"] if t.packing else [])]
-    keys += [*POLICY_LOSSES[t.loss_type].options, *SCHEDULE_OPTIONS[t.lr_schedule]]
+    keys += [*POLICY_LOSSES[t.loss_type].options, *SCHEDULES[t.lr_schedule].options]
     if t.loss_agg_mode == "seq-mean-token-sum-norm":
         keys += ["loss_scale_factor"]
     if t.rollout_is != "none":

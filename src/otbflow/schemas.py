@@ -206,6 +206,13 @@ FEATURES = ROLLOUTS.extend(
 
 # Any float dtype (Float32 as the features stage writes, Float64 as a user's table may hold).
 FLOATL = pl.List(pl.Float64)
+WRITTEN_WITH = {"grad_sq_norm": "features.exact_grad_norm"}
+"""Optional columns of the features table, each with the boolean config key under which the
+features stage writes it (the config refuses an estimator that reads one the run leaves out)."""
+VARIANCE_STUDY_COLUMNS = frozenset(ROLLOUTS.columns) | {"logprobs", "sum_pi_sq", "grad_sq_norm"}
+"""What the variance study gives every estimator (otbflow.studies.variance_study): the pool's rollout
+rows with the initial policy's log-probs, sum_pi_sq and exact squared gradient norms."""
+
 ADVANTAGE_INPUT = _table(
     "advantage input",
     "(any table given to otbflow.algorithms.estimators.compute_advantages)",

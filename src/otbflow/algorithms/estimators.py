@@ -24,6 +24,7 @@ from omegaconf import DictConfig
 
 from otbflow import schemas
 from otbflow.io import SchemaError, check_finite, check_schema
+from otbflow.registry import Entry, Registry
 
 EPS_OTB = 1e-8
 EPS_STD = 1e-6
@@ -146,15 +147,19 @@ def _cumsum_per_seq(b: Batch, x: np.ndarray) -> np.ndarray:
 # ------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Estimator:
-    name: str
-    fn: Callable[..., tuple]
-    needs: tuple[str, ...]
-    doc: str
+@dataclass(frozen=True)
+class Estimator(Entry):
+    """A registered estimator: ``obj`` is ``fn(batch, **options) -> (baselines, advantages)``, its
+    options (advantages.*) the function's keyword parameters, ``needs`` the input columns it reads."""
+
+    needs: tuple[str, ...] = ()
     normalises: bool | str = False
     """Whether its advantages are divided by a data-dependent scale: True, False, or the name of
     the boolean option that switches the division (its default from the function's signature)."""
+
+    @property
+    def fn(self) -> Callable[..., tuple]:
+        return self.obj
 
     def normalises_with(self, options: dict) -> bool:
         """Whether this estimator, run with ``options``, divides its advantages by a scale."""
@@ -166,11 +171,16 @@ class Estimator:
         return bool(options.get(self.normalises, default))
 
 
-ESTIMATORS: dict[str, Estimator] = {}
+ESTIMATORS = Registry("estimator", "advantages", entry=Estimator)
+"""The advantage estimators by name (``advantages.estimator``, ``advantages.compare``,
+``variance.estimators``): the config's choices are this registry."""
 
 
 def register(name: str, needs: tuple[str, ...] = (), normalises: bool | str = False) -> Callable:
-    """Register ``fn(batch, **options) -> (baselines, advantages)`` (flat per-token float64).
+    """Register ``fn(batch, **options) -> (baselines, advantages)`` (flat per-token float64); its
+    keyword parameters are its options, read from the config's ``advantages`` section, and
+    ``needs`` the columns it reads beyond group_id, reward and logprobs (the config refuses an
+    estimator whose columns the run's tables do not have).
 
     An estimator that divides its advantages by a data-dependent scale declares it with
     ``normalises`` (True, or the name of the boolean option that switches it) and returns
@@ -179,21 +189,16 @@ def register(name: str, needs: tuple[str, ...] = (), normalises: bool | str = Fa
     the division off). The comparison table reports its diagnostics on that raw scale."""
 
     def deco(fn: Callable) -> Callable:
-        if name in ESTIMATORS:
-            raise ValueError(f"estimator '{name}' is registered twice")
-        ESTIMATORS[name] = Estimator(
-            name,
-            fn,
-            ("group_id", "reward", "logprobs") + tuple(needs),
-            (fn.__doc__ or "").strip().splitlines()[0],
-            normalises,
-        )
-        return fn
+        import inspect
+
+        options = tuple(k for k in inspect.signature(fn).parameters if k != "b")
+        columns = ("group_id", "reward", "logprobs") + tuple(needs)
+        return ESTIMATORS.register(name, options=options, needs=columns, normalises=normalises)(fn)
 
     return deco
 
 
-def _with_seq_baseline(
+def with_seq_baseline(
     b: Batch, base_seq: np.ndarray, shift: float, scale_seq: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """Broadcast a per-sequence baseline b_i. Without a scale: A_t = (G_t - b_i - shift) m_t and the
@@ -229,7 +234,9 @@ def _group_ref(b: Batch) -> np.ndarray:
     return b.reward[_group_first(b)][b.group]
 
 
-def _group_mean(b: Batch, x: np.ndarray) -> np.ndarray:
+def group_mean(b: Batch, x: np.ndarray) -> np.ndarray:
+    """Each sequence's group mean of the per-sequence values ``x`` (b.reward: each group's mean
+    reward), per sequence."""
     n = b.group_size()
     if x is b.reward:
         ref = _group_ref(b)
@@ -240,7 +247,7 @@ def _group_mean(b: Batch, x: np.ndarray) -> np.ndarray:
 @register("none")
 def none(b: Batch, baseline_shift: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """No baseline: the advantage is the return (REINFORCE)."""
-    return _with_seq_baseline(b, np.zeros_like(b.reward), baseline_shift)
+    return with_seq_baseline(b, np.zeros_like(b.reward), baseline_shift)
 
 
 @register("grpo", normalises="std_normalize")
@@ -251,14 +258,14 @@ def grpo(b: Batch, std_normalize: bool = True, baseline_shift: float = 0.0) -> t
     1e-6) - shift: an all-equal group then gets A = -shift like every other estimator, instead of
     -shift / 1e-6."""
     n = b.group_size()
-    mean = _group_mean(b, b.reward)
+    mean = group_mean(b, b.reward)
     mean[n[b.group] == 1] = 0.0  # verl: a singleton has mean 0, std 1
     if not std_normalize:
-        return (*_with_seq_baseline(b, mean, baseline_shift), None)
+        return (*with_seq_baseline(b, mean, baseline_shift), None)
     sq = _segment_sum((b.reward - mean) ** 2, b.group, b.n_groups)
     std = np.sqrt(sq / np.maximum(n - 1, 1))[b.group]
     std[n[b.group] == 1] = 1.0
-    return (*_with_seq_baseline(b, mean, baseline_shift, std + EPS_STD), b.seq_to_tokens(std + EPS_STD))
+    return (*with_seq_baseline(b, mean, baseline_shift, std + EPS_STD), b.seq_to_tokens(std + EPS_STD))
 
 
 @register("rloo")
@@ -269,7 +276,7 @@ def rloo(b: Batch, baseline_shift: float = 0.0) -> tuple[np.ndarray, np.ndarray]
     d = b.reward - ref
     total = _segment_sum(d, b.group, b.n_groups)[b.group]
     base = np.where(n > 1, ref + (total - d) / np.maximum(n - 1, 1), 0.0)
-    return _with_seq_baseline(b, base, baseline_shift)
+    return with_seq_baseline(b, base, baseline_shift)
 
 
 @register("reinforce_pp_baseline", normalises=True)
@@ -282,9 +289,9 @@ def reinforce_pp_baseline(b: Batch) -> tuple:
     mean + mu (the raw-scale baseline, G - baselines = sigma A on valid tokens), the scale is
     sigma. With fewer than two valid tokens nothing is whitened (baseline mean, scale 1)."""
     n = b.group_size()
-    mean = _group_mean(b, b.reward)
+    mean = group_mean(b, b.reward)
     mean[n[b.group] == 1] = 0.0
-    base, adv = _with_seq_baseline(b, mean, 0.0)
+    base, adv = with_seq_baseline(b, mean, 0.0)
     valid = b.mask > 0
     sigma = 1.0
     if valid.sum() > 1:
@@ -315,7 +322,7 @@ def _weighted_baseline(b: Batch, weight: np.ndarray, leave_one_out: bool) -> np.
 @register("opo")
 def opo(b: Batch, baseline_shift: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """OPO: length-weighted group baseline sum_i T_i R_i / sum_i T_i."""
-    return _with_seq_baseline(b, _weighted_baseline(b, b.valid_len, False), baseline_shift)
+    return with_seq_baseline(b, _weighted_baseline(b, b.valid_len, False), baseline_shift)
 
 
 @register("length_power")
@@ -325,7 +332,7 @@ def length_power(
     """Length-power baseline: weights T_i^s (s=0: group mean, s=1: OPO)."""
     t = b.valid_len
     weight = np.ones_like(t) if exponent == 0 else np.where(t > 0, np.power(np.maximum(t, 1e-300), exponent), 0.0)
-    return _with_seq_baseline(b, _weighted_baseline(b, weight, leave_one_out), baseline_shift)
+    return with_seq_baseline(b, _weighted_baseline(b, weight, leave_one_out), baseline_shift)
 
 
 @register("eob", needs=("grad_sq_norm",))
@@ -338,9 +345,9 @@ def eob(b: Batch, baseline_shift: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     ref = _group_ref(b)
     den = _segment_sum(n_i, b.group, b.n_groups)[b.group]
     num = _segment_sum(n_i * (b.reward - ref), b.group, b.n_groups)[b.group]
-    base = np.where(den >= 1e-10, ref + num / (den + EPS_OTB), _group_mean(b, b.reward))
+    base = np.where(den >= 1e-10, ref + num / (den + EPS_OTB), group_mean(b, b.reward))
     base = np.where(b.group_size()[b.group] > 1, base, 0.0)
-    return _with_seq_baseline(b, base, baseline_shift)
+    return with_seq_baseline(b, base, baseline_shift)
 
 
 def _concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -557,9 +564,7 @@ def _run(est: Estimator, b: Batch, options: dict) -> tuple[np.ndarray, np.ndarra
 
 def estimator_parameters(name: str) -> list[str]:
     """The keyword options estimator ``name`` takes (e.g. baseline_shift, handle_zero_tail)."""
-    import inspect
-
-    return [k for k in inspect.signature(ESTIMATORS[name].fn).parameters if k != "b"]
+    return list(ESTIMATORS[name].options)
 
 
 def estimator_options(cfg: DictConfig, name: str) -> dict:

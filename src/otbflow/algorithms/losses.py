@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from otbflow.algorithms.rollout_is import rollout_is_weights
+from otbflow.registry import Entry, Registry
 
 if TYPE_CHECKING:
     import torch
@@ -25,24 +26,26 @@ IS_MODES = ("decoupled", "bypass")
 
 
 @dataclass(frozen=True)
-class PolicyLoss:
-    """A registered policy loss: ``fn(logp, old_logp, adv, is_w, tc) -> (token_loss, clipped)``,
-    all [B, T] (``tc`` the config's train section, ``is_w`` the stop-gradient rollout IS weights,
-    which the loss applies itself; ``clipped`` the tokens where a clip is active), and which
-    log-prob its IS weights are taken against (one of IS_MODES)."""
+class PolicyLoss(Entry):
+    """A registered policy loss: ``obj`` is ``fn(logp, old_logp, adv, is_w, tc) -> (token_loss,
+    clipped)``, all [B, T] (``tc`` the config's train section, ``is_w`` the stop-gradient rollout
+    IS weights, which the loss applies itself; ``clipped`` the tokens where a clip is active); its
+    options are the train.* keys it reads (its keys in the train stage's rerun trigger), and
+    ``is_mode`` which log-prob its IS weights are taken against (one of IS_MODES)."""
 
-    fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    is_mode: str
-    options: tuple[str, ...] = ()
-    """The train.* options the loss reads (its keys in the train stage's rerun trigger)."""
+    is_mode: str = "decoupled"
+
+    @property
+    def fn(self) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+        return self.obj
 
     def is_logp(self, logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:
         """log pi_x of rho = pi_x / pi_rollout: pi_old (decoupled) or pi_theta (bypass)."""
         return old_logp if self.is_mode == "decoupled" else logp
 
 
-# The policy losses by name (train.loss_type): the config's choices are these keys.
-POLICY_LOSSES: dict[str, PolicyLoss] = {}
+POLICY_LOSSES = Registry("policy loss", "train", entry=PolicyLoss)
+"""The policy losses by name (train.loss_type): the config's choices are this registry."""
 
 
 def register_policy_loss(name: str, is_mode: str, options: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
@@ -51,14 +54,7 @@ def register_policy_loss(name: str, is_mode: str, options: tuple[str, ...] = ())
     ``options``. Returns ``fn`` unchanged."""
     if is_mode not in IS_MODES:
         raise ValueError(f"unknown is_mode {is_mode!r} for policy loss {name!r}; one of {', '.join(IS_MODES)}")
-
-    def decorate(fn: Callable) -> Callable:
-        if name in POLICY_LOSSES:
-            raise ValueError(f"policy loss {name!r} is already registered")
-        POLICY_LOSSES[name] = PolicyLoss(fn, is_mode, tuple(options))
-        return fn
-
-    return decorate
+    return POLICY_LOSSES.register(name, options=options, is_mode=is_mode)
 
 
 @register_policy_loss("ppo_clip", is_mode="decoupled", options=("clip_ratio_low", "clip_ratio_high", "clip_ratio_c"))

@@ -19,23 +19,22 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from otbflow.registry import Registry
+
 RewardFn = Callable[[str, str], float]
-REWARDS: dict[str, RewardFn] = {}
+REWARDS = Registry("verifiable reward", "task")
+"""The verifiers by name (``task.reward``, ``task.cosine.verifier``): each entry's ``obj`` is
+``fn(response_text, answer) -> float``."""
 
 
 def register(name: str) -> Callable[[RewardFn], RewardFn]:
-    def deco(fn: RewardFn) -> RewardFn:
-        if name in REWARDS:
-            raise ValueError(f"reward '{name}' is registered twice")
-        REWARDS[name] = fn
-        return fn
-
-    return deco
+    """Decorator: register ``fn(response_text, answer) -> float`` as the verifiable reward ``name``."""
+    return REWARDS.register(name)
 
 
 def get_reward(name: str) -> RewardFn:
     try:
-        return REWARDS[name]
+        return REWARDS[name].obj
     except KeyError:
         raise ValueError(f"unknown reward '{name}'; registered: {', '.join(sorted(REWARDS))}") from None
 

@@ -15,29 +15,48 @@ Formulas and defaults: docs/rewards.md, "The cosine length-scaled reward". Impor
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from otbflow.algorithms.rewards import get_reward, resolve_reward_name, reward_timeouts
+from otbflow.registry import Entry, Registry, Requirement
 
-SHAPED_REWARDS = ("cosine",)
-"""``task.reward`` values that shape a verifiable reward instead of naming one."""
+
+@dataclass(frozen=True)
+class ShapedReward(Entry):
+    """A ``task.reward`` value that shapes a verifiable reward instead of naming one: ``obj`` is
+    ``fn(correct, length, max_len, values, text) -> reward``, ``values`` the task subsection
+    ``settings`` (whose ``verifier`` key names the verifiable reward it wraps)."""
+
+    settings: str = ""
+
+
+SHAPED_REWARDS = Registry("shaped reward", "task", entry=ShapedReward)
+"""The ``task.reward`` values that shape a verifiable reward (beside the verifiers' names)."""
+
+
+def shaped(task) -> ShapedReward | None:
+    """The shaped reward ``task.reward`` names, or None for a verifier's name."""
+    return SHAPED_REWARDS.get(task.reward)
 
 
 def verifier(task) -> str:
     """The registered verifiable reward the ``task`` section scores with: ``task.reward``
-    (resolved: 'auto' is 'arithmetic' for the synthetic task, 'math' for datasets), or for
-    ``cosine`` the one it wraps (``task.cosine.verifier``)."""
-    name = task.cosine.verifier if task.reward == "cosine" else task.reward
+    (resolved: 'auto' is 'arithmetic' for the synthetic task, 'math' for datasets), or for a
+    shaped reward the one it wraps (e.g. ``task.cosine.verifier``)."""
+    s = shaped(task)
+    name = task[s.settings].verifier if s else task.reward
     return resolve_reward_name(task.name, name)
 
 
 def verifier_keys(task) -> list[str]:
     """The config keys that choose the verifier (``verifier``): evaluation's scoring keys."""
-    return ["task.name", "task.reward"] + (["task.cosine.verifier"] if task.reward == "cosine" else [])
+    s = shaped(task)
+    return ["task.name", "task.reward"] + ([f"task.{s.settings}.verifier"] if s else [])
 
 
 def shaping_keys(task) -> list[str]:
     """The config keys that change the training reward beyond the verifier (``training_reward``)."""
-    keys = ["task.cosine"] if task.reward == "cosine" else []
+    keys = SHAPED_REWARDS.option_keys(task.reward) if shaped(task) else []
     keys += ["task.overlong_buffer"] + (["task.overlong_penalty"] if task.overlong_buffer > 0 else [])
     return keys
 
@@ -72,6 +91,18 @@ def repetition_penalty(text: str, ngram: int, max_penalty: float) -> float:
     return (1 - len(set(grams)) / len(grams)) * max_penalty
 
 
+@SHAPED_REWARDS.register(
+    "cosine",
+    options=("cosine",),
+    settings="cosine",
+    requires=(
+        Requirement(
+            "task.cosine.exceed_margin",
+            "< rollout.max_new_tokens: otherwise every response counts as exceeding",
+            lambda margin, cfg: margin < cfg.rollout.max_new_tokens,
+        ),
+    ),
+)
 def cosine_reward(correct: bool, length: int, max_len: int, c, text: str = "") -> float:
     """The cosine length-scaled reward (§8) of a ``length``-token response under the generation
     limit ``max_len``, with the values of ``c`` (``task.cosine``): ``c.exceed`` where
@@ -93,9 +124,8 @@ def training_reward(task, max_len: int, verifiable: float, length: int, text: st
     reward under the ``task`` section and the generation limit ``max_len`` (rollout.max_new_tokens):
     the cosine reward (correct: verifiable == 1, as the authors' code decides) or the verifiable
     reward itself, plus the overlong punishment. Unshaped, exactly ``verifiable``."""
-    base = verifiable
-    if task.reward == "cosine":
-        base = cosine_reward(verifiable == 1.0, length, max_len, task.cosine, text)
+    s = shaped(task)
+    base = s.obj(verifiable == 1.0, length, max_len, task[s.settings], text) if s else verifiable
     if task.overlong_buffer == 0:
         return base
     return base + overlong_penalty(length, max_len, task.overlong_buffer, task.overlong_penalty)
