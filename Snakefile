@@ -1,5 +1,6 @@
-# otbflow: shard -> rollout -> features -> advantages -> train -> evaluate (-> next iteration) -> report.
-# One rule module per stage in workflow/rules/, helpers in workflow/rules/common.smk.
+# otbflow's workflow. Its stages, what each writes and the config keys that rerun it are the stage
+# table (src/otbflow/pipeline.py; `otbflow <stage> --help`). The rules are in workflow/rules/,
+# their helpers in workflow/rules/common.smk.
 # Config: config/config.yaml, validated against the schema in src/otbflow/config.py
 # (workflow/schemas/config.schema.yaml is generated from it). Override any key with
 # `--config 'section={key: value}'`, or layer a partial YAML with `--configfile FILE`.

@@ -12,6 +12,7 @@ python or benchmarks/ and is not just a stage's name). ``HOW`` says how each one
 - any other string: the tiny form that runs instead (same command, smaller inputs), shown
   next to the original so that a reader can compare them;
 - ``CI``: ``make test`` itself (CI runs it: .ci/run);
+- ``TINY_RUN``: the session's tiny run (``conftest.tiny_run``: ``make run`` with config/tiny.yaml);
 - ``SLURM``: run by tests/test_slurm_integration.py on a local one-node Slurm;
 - ``EXPERIMENT``: run by tests/test_experiment.py on the reduced experiment
   (config/experiments/tiny.yaml): its report for real, a member's --forcerun as a dry run;
@@ -41,6 +42,7 @@ DOCS = [REPO / "README.md", *sorted(p for p in (REPO / "docs").glob("*.md") if p
 PREFIXES = ("make ", "snakemake ", "otbflow ", ".venv/bin/", "python ", "python3 ", "benchmarks/")
 
 AS_SHOWN, DRY, CI, SLURM = "as shown", "dry run", "CI", "Slurm"
+TINY_RUN = "conftest.tiny_run"  # its tiny form is the session's tiny run: make run with config/tiny.yaml
 EXPERIMENT = "tests/test_experiment.py"  # run there, on the reduced experiment config/experiments/tiny.yaml
 REAL_MODEL = "tests/test_readme_real_model.py"  # run there, with a tiny Qwen2 folder and a GSM8K-layout file
 MODELS = "tests/test_workflow_models.py"  # run there: the tiny workflow on Qwen2 + BPE + chat with vLLM
@@ -67,12 +69,14 @@ ONE_WHEEL_BUNDLE = (
     "hjson==$(python -c 'import importlib.metadata as m; print(m.version(\"hjson\"))') && "
     "bash benchmarks/gpu/check.sh --bundle results/scratch/bundle --install-only"
 )
+BENCH_ROLLOUT_TINY = "python benchmarks/bench_rollout.py --models tiny --backends hf --prompts 4 --group-size 2 --max-new-tokens 8 --repeats 1"
 HOW: dict[str, str] = {
     # README: the two commands
-    "make run": f'make run ARGS="{TINY}"',  # the tiny form is the session's tiny run itself
+    "make run": TINY_RUN,
     "make test": CI,
     # one test, in the make recipe's own process (CORES=0: no pytest-xdist workers to start)
-    'make test PYTEST_ARGS="-k config"': 'make test CORES=0 PYTEST_ARGS="-k shown_commands_parse -p no:cacheprovider"',
+    'make test PYTEST_ARGS="-k config"': 'make test CORES=0 PYTEST_ARGS="tests/test_docs_commands.py '
+    '-k shown_commands_parse -p no:cacheprovider"',
     "snakemake --cores 2": DRY,  # what make run runs
     "make run ARGS=\"--config 'advantages={estimator: grpo}'\"": f"make run ARGS=\"{TINY} --config 'advantages={{estimator: grpo}}' -n\"",
     # Configuration
@@ -169,10 +173,10 @@ HOW: dict[str, str] = {
     "--shapes default --no-vllm --out results/scratch/startup.json",
     # benchmarks (tiny sizes: each prints its JSON) and set-up
     "make setup": AS_SHOWN,
-    "python benchmarks/bench_rollout.py": "python benchmarks/bench_rollout.py --models tiny --backends hf --prompts 4 --max-new-tokens 8 --repeats 1",
+    # both shown forms run as one tiny form
+    "python benchmarks/bench_rollout.py": BENCH_ROLLOUT_TINY,
     "python benchmarks/bench_rollout.py --models tiny,gpt2 --backends hf --prompts 16 --group-size 8 "
-    "--max-new-tokens 32 --repeats 3": "python benchmarks/bench_rollout.py --models tiny --backends hf --prompts 4 "
-    "--group-size 2 --max-new-tokens 8 --repeats 1",
+    "--max-new-tokens 32 --repeats 3": BENCH_ROLLOUT_TINY,
     # the script on the tiny config, one setting, no TRL (its venv is built from PyPI)
     "python benchmarks/bench_iteration.py": "python benchmarks/bench_iteration.py --settings grpo_s1 --iterations 2 "
     "--no-trl --configfile config/tiny.yaml --policy results/bootstrap/policy --work results/scratch/bench_iteration",
@@ -316,7 +320,7 @@ def runnable() -> list[tuple[str, str]]:
     """(shown, executed) pairs, each distinct executed command once."""
     out, seen = [], set()
     for cmd, how in HOW.items():
-        if how in (CI, SLURM, EXPERIMENT, REAL_MODEL, MODELS):
+        if how in (CI, SLURM, EXPERIMENT, REAL_MODEL, MODELS, TINY_RUN):
             continue
         if how == AS_SHOWN:
             executed = cmd
@@ -345,6 +349,12 @@ def test_shown_command_runs(docs_sandbox, shown, executed):
     assert res.returncode == 0, f"{shown!r} ran as {executed!r} and failed:\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}"
     if how_is_dry(shown):
         assert "Job stats" in res.stdout or "Nothing to be done" in res.stdout, res.stdout[-2000:]
+
+
+def test_make_run_is_the_session_tiny_run(tiny_run):
+    """README command 1 in its tiny form is the session's tiny run (conftest.tiny_run: make run with
+    config/tiny.yaml, which fails the session where it fails): it ends with the HTML report."""
+    assert (tiny_run / "results" / "report.html").stat().st_size > 0
 
 
 def how_is_dry(cmd: str) -> bool:

@@ -123,3 +123,13 @@ def test_named_sections_exist():
                 missing.append(f"{source.relative_to(REPO)}: {doc}, '{section}'")
     assert refs >= 10
     assert not missing, f"sections named that do not exist: {missing}"
+
+
+def test_the_readme_places_every_module():
+    """The README's code map names every module of the package (the stages as stages/)."""
+    package = REPO / "src" / "otbflow"
+    section = (REPO / "README.md").read_text().split("## Where to change what", 1)[1].split("\n## ", 1)[0]
+    modules = [p for p in package.rglob("*.py") if p.stem not in ("__init__", "__main__") and p.parent.name != "stages"]
+    assert len(modules) >= 30
+    missing = [str(p.relative_to(package)) for p in modules if f"`{p.name}`" not in section]
+    assert not missing, f"README, 'Where to change what', does not place {missing}"

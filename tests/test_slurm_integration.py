@@ -344,17 +344,16 @@ def policy_digest(policy: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(policy.iterdir()) if p.is_file()}
 
 
-@pytest.fixture
-def iteration_1_again(local_slurm, tiny_run, tmp_path):
-    """A sandbox with a copy of the tiny run less iteration 1's rollouts, features, advantages and
-    train, and my.yaml = config/tiny.yaml: ``AGAIN`` redoes that iteration through Slurm. Yields
-    (folder, the tiny run's iteration-1 policy digest); cancels the folder's jobs afterwards."""
+def redo_in_sandbox(tiny_run: Path, tmp_path: Path, stages: tuple[str, ...]):
+    """A sandbox with a copy of the tiny run less iteration 1's ``stages``, and my.yaml =
+    config/tiny.yaml: ``AGAIN`` redoes them through Slurm. Yields (folder, the tiny run's
+    iteration-1 policy digest); cancels the folder's jobs afterwards."""
     work = make_sandbox(tmp_path / "work")
     for name in ("results", ".snakemake"):
         shutil.copytree(
             tiny_run / name, work / name, symlinks=True, ignore=shutil.ignore_patterns("locks", "incomplete")
         )
-    for stage in ("rollout", "features", "advantages", "train"):
+    for stage in stages:
         shutil.rmtree(work / "results/iter_1" / stage)
     (work / "results/logs/train/iter_1.log").unlink()
     (work / "my.yaml").write_text(TINY.read_text())
@@ -365,6 +364,19 @@ def iteration_1_again(local_slurm, tiny_run, tmp_path):
         subprocess.run(["scancel", *ours], capture_output=True)
 
 
+@pytest.fixture
+def iteration_1_again(local_slurm, tiny_run, tmp_path):
+    """The tiny run less iteration 1's rollouts, features, advantages and train (``redo_in_sandbox``)."""
+    yield from redo_in_sandbox(tiny_run, tmp_path, ("rollout", "features", "advantages", "train"))
+
+
+@pytest.fixture
+def train_1_again(local_slurm, tiny_run, tmp_path):
+    """The tiny run less iteration 1's train job only: the tests of a head that survives assert on
+    that job (in flight when its head dies), so the jobs before it are not redone."""
+    yield from redo_in_sandbox(tiny_run, tmp_path, ("train",))
+
+
 def wait_for(condition, timeout: float, what: str, every: float = 1.0):
     deadline = time.monotonic() + timeout
     while not (out := condition()):
@@ -373,13 +385,13 @@ def wait_for(condition, timeout: float, what: str, every: float = 1.0):
     return out
 
 
-def test_a_killed_head_job_is_continued_by_the_same_command(iteration_1_again):
+def test_a_killed_head_job_is_continued_by_the_same_command(train_1_again):
     """scancel --full --signal=KILL of the head job while its train job runs: the train job runs on
     unsupervised (suspended here, so that it is still in flight when the next head starts, however
     fast the machine); the same submit command's head finds the killed head gone, cancels that
     train job, waits until it has left the queue, redoes it and ends with the uninterrupted run's
     policy, bitwise."""
-    work, want = iteration_1_again
+    work, want = train_1_again
     start = time.perf_counter()
     first = re.search(r"submitted the head job (\d+)", sh(work, AGAIN)).group(1)
     wait_for(lambda: (work / "results/logs/train/iter_1.log").is_file(), 600, "the train job")
@@ -401,7 +413,7 @@ def test_a_killed_head_job_is_continued_by_the_same_command(iteration_1_again):
     print(f"head killed after {killed_at:.0f} s; continued in {time.perf_counter() - start - killed_at:.0f} s")
 
 
-def test_a_head_job_requeues_itself_before_its_time_limit(iteration_1_again):
+def test_a_head_job_requeues_itself_before_its_time_limit(train_1_again):
     """A head job with 3 minutes for more than 3 minutes of work: Slurm signals it 60 s (up to 120 s)
     before its limit, it stops Snakemake (SIGKILL: the stage jobs are not cancelled) and requeues
     itself; its next run takes over and finishes with the uninterrupted run's policy, bitwise. The
@@ -411,7 +423,7 @@ def test_a_head_job_requeues_itself_before_its_time_limit(iteration_1_again):
     (its BeginTime): released here."""
     import submitit
 
-    work, want = iteration_1_again
+    work, want = train_1_again
     start = time.perf_counter()
     out = sh(work, AGAIN.replace("--configfile my.yaml", "--configfile my.yaml --time 3 --requeue-before 60"))
     job = re.search(r"submitted the head job (\d+)", out).group(1)

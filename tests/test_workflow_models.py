@@ -20,7 +20,8 @@ from otbflow import schemas
 from otbflow.io import read_metadata, read_table
 
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+# one worker builds the module's vLLM run once (its fixture is module-scoped)
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.xdist_group("vllm_models")]
 
 
 def snakemake(workdir: Path, extra: dict | None = None, env=None) -> subprocess.CompletedProcess:
