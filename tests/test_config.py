@@ -486,3 +486,25 @@ def test_a_choice_registered_later_is_checked_by_what_it_declares():
         assert rates == [lr / 2, lr, cfg.train.lr_min_ratio * lr]  # two warm-up steps, then the schedule
     finally:
         del lr_schedule.SCHEDULES["after_warmup"]
+
+
+def test_a_shaped_reward_registered_later_is_a_task_reward():
+    """task.reward takes a shaped reward registered after the config module loaded; the rollout's
+    scorer then trains with it, on the verifier its settings name, and evaluation's keys stay the
+    verifier's."""
+    from otbflow.algorithms import shaping
+
+    def halved(correct, length, max_len, values, text):
+        """A test shaped reward: half the verifiable reward."""
+        return 0.5 * float(correct)
+
+    shaping.SHAPED_REWARDS.register("halved", options=("cosine",), settings="cosine")(halved)
+    try:
+        cfg = load_config(DEFAULT_CONFIG, ["task.reward=halved"])
+        assert shaping.Scorer(cfg)("#12", "12", 3) == (1.0, 0.5)  # arithmetic: the text after '#'
+        assert "task.cosine.verifier" in shaping.verifier_keys(cfg.task)
+        assert "task.cosine" in shaping.shaping_keys(cfg.task)
+    finally:
+        del shaping.SHAPED_REWARDS["halved"]
+    with pytest.raises(ConfigError, match="task.reward"):
+        load_config(DEFAULT_CONFIG, ["task.reward=halved"])

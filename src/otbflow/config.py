@@ -53,17 +53,19 @@ TASKS = ("arithmetic", "dataset")
 
 
 class Names:
-    """The names of a registry as a field's choices, read when a value is checked: a name
-    registered after the config module was imported (a user's estimator or loss) is allowed."""
+    """The names of registries (and fixed names) as a field's choices, read when a value is
+    checked: a name registered after the config module was imported (a user's estimator, loss,
+    schedule or reward) is allowed. In order: each source's names, a registry's sorted."""
 
-    def __init__(self, registry: typing.Mapping[str, Any], *extra: str):
-        self.registry, self.extra = registry, extra
+    def __init__(self, *sources: str | typing.Mapping[str, Any]):
+        self.sources = sources
 
     def __iter__(self) -> typing.Iterator[str]:
-        return iter((*self.extra, *sorted(self.registry)))
+        for source in self.sources:
+            yield from ([source] if isinstance(source, str) else sorted(source))
 
     def __contains__(self, name: object) -> bool:
-        return name in self.extra or name in self.registry
+        return any(name == s if isinstance(s, str) else name in s for s in self.sources)
 
 
 ESTIMATOR_NAMES = Names(ESTIMATORS)
@@ -229,7 +231,7 @@ class CosineConfig:
     values of the authors' run script (eddycmu/demystify-long-cot, scripts/run_local.sh) and their
     code's 16-token exceed margin; L_max is rollout.max_new_tokens."""
 
-    verifier: str = opt("auto", choices=Names(REWARDS, "auto"))
+    verifier: str = opt("auto", choices=Names("auto", REWARDS))
     """The verifiable reward it wraps (a response is correct where it scores 1), by registry name;
     'auto': as task.reward's auto. Evaluation and dynamic sampling score with it."""
     correct_min: float = opt(1.0, finite=True)
@@ -281,7 +283,7 @@ class TaskConfig:
     name: str = opt("arithmetic", choices=TASKS)
     """'arithmetic': the built-in synthetic multi-step arithmetic task with a scratchpad.
     'dataset': prompts and answers read from `path` (JSONL or Parquet, columns prompt, answer)."""
-    reward: str = opt("auto", choices=Names(REWARDS, "auto", *SHAPED_REWARDS))
+    reward: str = opt("auto", choices=Names("auto", SHAPED_REWARDS, REWARDS))
     """Reward function, by registry name (see otbflow.algorithms.rewards). 'auto': 'arithmetic' for the
     synthetic task, 'math' for datasets. 'cosine': the cosine length-scaled reward wrapping the
     verifier task.cosine.verifier (task.cosine; docs/rewards.md, 'The cosine length-scaled
