@@ -70,6 +70,11 @@ def chain_outputs(results: Path) -> dict[str, str]:
 
 
 @pytest.mark.slow
+def client_command(results, code: str) -> list[str]:
+    """The rule-side client's command (``python -m otbflow.ops.dispatch``) up to the job's own options."""
+    return [sys.executable, "-m", "otbflow.ops.dispatch", "--results", str(results), "--code", code]
+
+
 def test_the_tiny_run_on_workers_is_bitwise_the_run_without(tiny_run, tmp_path):
     """The tiny run's iterations redone (--forcerun rollout: every rollout, features, advantages,
     train and evaluation job) with one worker of each kind: every table and policy equals the run
@@ -121,7 +126,7 @@ def test_without_a_live_worker_the_client_runs_the_stage_itself(tmp_path):
     os.utime(rebooted / "alive", (old, old))
     assert dispatch.live_workers(results, "features") == []
     res = subprocess.run(
-        [sys.executable, "-m", "otbflow.ops.dispatch", "--results", str(results), "--code", "x", "features", "--help"],
+        [*client_command(results, "x"), "features", "--help"],
         capture_output=True,
         text=True,
     )
@@ -204,16 +209,8 @@ def test_a_client_killed_mid_job_gets_nothing_written(tiny_run, tmp_path):
     try:
         wait_for(lambda: dispatch.live_workers(registry, "train"), 60, "the worker")
         out = tmp_path / "job"
-        client = [
-            sys.executable,
-            "-m",
-            "otbflow.ops.dispatch",
-            "--results",
-            str(registry),
-            "--code",
-            code_version("train"),
-        ]
-        cmd = " ".join(f"'{a}'" for a in [*client, "train", *train_args(results, out)])
+        job = [*client_command(registry, code_version("train")), "train", *train_args(results, out)]
+        cmd = " ".join(f"'{a}'" for a in job)
         shell = subprocess.Popen(["bash", "-c", f"{cmd} > '{tmp_path}/client.log' 2>&1"], cwd=tiny_run)
         wait_for(lambda: re.search(r"step (\d+)/\1:", (tmp_path / "w.log").read_text()), 120, "the last step")
         shell.send_signal(signal.SIGKILL)
@@ -221,9 +218,7 @@ def test_a_client_killed_mid_job_gets_nothing_written(tiny_run, tmp_path):
         time.sleep(2)
         assert not any(out.glob("*")) or sorted(p.name for p in out.iterdir()) == ["ckpt"]
         assert worker.poll() is None and dispatch.live_workers(registry, "train")
-        res = subprocess.run(
-            [*client, "train", *train_args(results, out)], cwd=tiny_run, capture_output=True, text=True
-        )
+        res = subprocess.run(job, cwd=tiny_run, capture_output=True, text=True)
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
         assert (out / "policy").is_dir() and (out / "optimizer").is_dir() and "runs train" in res.stdout
     finally:
@@ -285,8 +280,7 @@ def test_a_client_that_must_wait_for_a_worker_fails_clearly_when_none_comes(tmp_
     """workers.slurm: the client (a local job of the head) never runs the stage itself: with no worker
     within --wait-min it fails, saying so, and the stage's CLI never ran (its --help would print)."""
     results = tmp_path / "results"
-    cmd = [sys.executable, "-m", "otbflow.ops.dispatch", "--results", str(results), "--code", "x"]
-    cmd += ["--wait-min", "0.02", "--threads", "1", "features", "--help"]
+    cmd = [*client_command(results, "x"), "--wait-min", "0.02", "--threads", "1", "features", "--help"]
     start = time.time()
     res = subprocess.run(cmd, capture_output=True, text=True)
     assert res.returncode == 1 and "teacher-forced" not in res.stdout, res.stdout + res.stderr
@@ -360,8 +354,8 @@ def launch_train(registry: Path, cwd: Path, out: Path, iteration: int, prev: Pat
     publish += [str(out / name) for name in ("policy", "metrics.parquet", "schedule.json")]
     outputs = []
     for stage, argv, tasks in (("train", args, 2), ("publish_optimizer", publish, 1)):
-        cmd = [sys.executable, "-m", "otbflow.ops.dispatch", "--results", str(registry), "--code", code_version(stage)]
-        cmd += ["--tasks", str(tasks), "--cpus-per-task", "1", stage.replace("_", "-"), *argv]
+        cmd = [*client_command(registry, code_version(stage)), "--tasks", str(tasks), "--cpus-per-task", "1"]
+        cmd += [stage.replace("_", "-"), *argv]
         res = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env={**os.environ, "OTBFLOW_THREADS": "1"})
         with open(log, "a") as f:
             f.write(res.stdout + res.stderr)
@@ -452,16 +446,8 @@ def test_a_train_worker_of_two_ranks(tiny_run, tmp_path):
 
         bad = train_args(cwd / "results", tmp_path / "bad")
         bad[bad.index("--advantages") + 1] = str(tmp_path / "missing.parquet")
-        cmd = [
-            sys.executable,
-            "-m",
-            "otbflow.ops.dispatch",
-            "--results",
-            str(registry),
-            "--code",
-            code_version("train"),
-        ]
-        res = subprocess.run([*cmd, "--tasks", "2", "train", *bad], cwd=cwd, capture_output=True, text=True)
+        cmd = [*client_command(registry, code_version("train")), "--tasks", "2", "train", *bad]
+        res = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
         assert res.returncode != 0 and "runs train" in res.stdout and "is gone" not in res.stdout, res.stdout[-3000:]
         assert worker.wait(timeout=120) != 0
     finally:

@@ -61,9 +61,12 @@ class Cosine(Constant):
 
     @staticmethod
     def horizon(t: DictConfig, s: ScheduleState, steps_this_iteration: int, iterations) -> None:
-        if s.total_steps is None:
-            decay = t.lr_decay_steps + t.lr_warmup_steps if t.lr_decay_steps else None
-            s.total_steps = decay or max(1, steps_this_iteration * iterations())
+        if s.total_steps is not None:
+            return
+        if t.lr_decay_steps:
+            s.total_steps = t.lr_decay_steps + t.lr_warmup_steps
+        else:
+            s.total_steps = max(1, steps_this_iteration * iterations())
 
     @staticmethod
     def lr(t: DictConfig, s: ScheduleState, k: int) -> float:
