@@ -1,6 +1,7 @@
 # otbflow's workflow. Its stages, what each writes and the config keys that rerun it are the stage
-# table (src/otbflow/pipeline.py; `otbflow <stage> --help`). The rules are in workflow/rules/,
-# their helpers in workflow/rules/common.smk.
+# table (src/otbflow/pipeline.py; `otbflow <stage> --help`). Each stage's rule is in
+# workflow/rules/<stage>.smk: its inputs and outputs, named as its CLI's flags; the rest (log,
+# resources, the command) comes from the stage's entry through workflow/rules/common.smk.
 # Config: config/config.yaml, validated against the schema in src/otbflow/config.py
 # (workflow/schemas/config.schema.yaml is generated from it). Override any key with
 # `--config 'section={key: value}'`, or layer a partial YAML with `--configfile FILE`.
@@ -48,14 +49,8 @@ rule all:
         published_optimizer_states,
 
 
-include: "workflow/rules/bootstrap.smk"
-include: "workflow/rules/shard.smk"
-include: "workflow/rules/rollout.smk"
-include: "workflow/rules/features.smk"
-include: "workflow/rules/advantages.smk"
-include: "workflow/rules/train.smk"
-include: "workflow/rules/prune.smk"
-include: "workflow/rules/evaluate.smk"
-include: "workflow/rules/report.smk"
-include: "workflow/rules/scaling.smk"
-include: "workflow/rules/variance.smk"
+# One rule file per stage, in the stage table's order (a rule file reads the rules before it).
+for stage in STAGES.values():
+    if stage.rule:
+
+        include: f"workflow/rules/{stage.name}.smk"

@@ -274,13 +274,14 @@ def main(argv: list[str] | None = None) -> dict:
     from omegaconf import OmegaConf
 
     from otbflow.config import DEFAULT_CONFIG, load_config
+    from otbflow.pipeline import job_resources
 
     files = ns.configfile or []
     extra = OmegaConf.to_container(OmegaConf.merge(*[OmegaConf.load(f) for f in files])) if files else None
     cfg = load_config(DEFAULT_CONFIG, extra=extra)
     if files:
         CONFIGFILE[:] = ["--configfile", *(str(f.resolve()) for f in files)]
-    r = cfg.resources
+    r = {stage: job_resources(cfg, stage) for stage in ("rollout", "features", "advantages", "train")}
     ns.work.mkdir(parents=True, exist_ok=True)
     policy, shards = prepare(ns.work, ns.cores, cfg.shard.n_shards, ns.policy)
     record = run_record()
@@ -291,13 +292,13 @@ def main(argv: list[str] | None = None) -> dict:
         "configfile": [str(f) for f in files] or None,
         "policy": str(policy),
         "threads_per_job": {
-            "rollout": r.rollout.threads,
-            "features": r.features.threads,
+            "rollout": r["rollout"]["threads"],
+            "features": r["features"]["threads"],
             "advantages": 1,
-            "train": r.train.cpus_per_task * r.train.tasks,
+            "train": r["train"]["cpus_per_task"] * r["train"]["tasks"],
         },
         # Snakemake runs here without --resources: jobs that ask for a GPU share the one GPU
-        "gpus_per_job": {"rollout": r.rollout.gpu, "features": r.features.gpu, "advantages": 0, "train": r.train.gpu},
+        "gpus_per_job": {name: r[name].get("gpu", 0) for name in ("rollout", "features", "advantages", "train")},
         "settings": {},
     }
     for name in ns.settings.split(","):

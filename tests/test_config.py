@@ -253,6 +253,8 @@ def _declared(cls=Config, prefix=""):
     for f in dataclasses.fields(cls):
         if dataclasses.is_dataclass(hints[f.name]):
             yield from _declared(hints[f.name], f"{prefix}{f.name}.")
+        elif typing.get_origin(hints[f.name]) is dict:  # name -> section: the train stage's resources
+            yield from _declared(typing.get_args(hints[f.name])[1], f"{prefix}{f.name}.train.")
         elif f.metadata:
             yield f"{prefix}{f.name}", hints[f.name], dict(f.metadata)
 
@@ -296,6 +298,8 @@ def _check(override: str) -> None:
 
 def _cases(key, tp, meta):
     """(override, named key or None when it must pass) around each declared bound or choice."""
+    if typing.get_origin(tp) is typing.Union:  # Optional[X]: X's bounds
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
     if "choices" in meta or "item_choices" in meta:
         choices = meta.get("choices", meta.get("item_choices"))
         bad = max(choices) + 1 if tp is int else "not-a-choice"
@@ -399,7 +403,7 @@ def test_json_schema_carries_the_bounds():
     estimators = ["eob", "grpo", "length_power", "none", "opo", "otb", "otb_tir", "reinforce_pp_baseline", "rloo"]
     assert props["advantages"]["properties"]["estimator"]["enum"] == estimators
     assert props["variance"]["properties"]["estimators"]["items"]["enum"] == estimators
-    assert props["resources"]["properties"]["train"]["properties"]["gpu"]["minimum"] == 0
+    assert props["resources"]["additionalProperties"]["properties"]["gpu"]["minimum"] == 0
     assert props["scaling"]["properties"]["ci_resamples"]["minimum"] == 10
     # what Snakemake's validate does with it: the default config passes, an out-of-bounds value fails
     from otbflow.config import to_container

@@ -10,18 +10,23 @@ the key, before any job."""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import re
 import shlex
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
 import yaml
 from conftest import REPO, TINY
 
+from otbflow.cli import build_parser
 from otbflow.config import DEFAULT_CONFIG, ConfigError, load_config
 from otbflow.io import read_metadata
+from otbflow.pipeline import STAGES
 
 # each would create a MARKER file in the job's working folder if it reached a shell unquoted
 PAYLOAD = "res 'q\" $(touch MARKER1) `touch MARKER2`; touch MARKER3"
@@ -115,16 +120,41 @@ def test_every_rule_quotes_its_paths(tmp_path, odd_python, tiny_policy):
         "variance_pool",
         "variance",
     }
+    parsed = set()
     for command in commands:
         words = shlex.split(command)
+        # the flags are those of the stage's CLI (its Args): the command parses, nothing left over
+        start = next(i for i, w in enumerate(words) if w.replace("-", "_") in STAGES)
+        args = build_parser(words[start]).parse_args(words[start : words.index(">")])
+        assert args.overrides == [], command
+        parsed.add(words[start].replace("-", "_"))
         paths = [w for w in words if "MARKER" in w]
         assert paths and all(w == PAYLOAD or w.startswith(f"{PAYLOAD}/") for w in paths), command
         assert str(odd_python) in words, command
         if "bash" in words:  # the launcher: its script starts the interpreter as one word too
             script = words[words.index("-c") + 1]
             assert str(odd_python) in shlex.split(script.replace(";", " ")), script
+    assert parsed == rules
     assert not work.joinpath(PAYLOAD).exists()
     no_payload_ran(tmp_path)
+
+
+def test_the_rules_flags_are_the_stages_args():
+    """The flags a rule's command gets (otbflow.pipeline.Stage.flags, read from the stage module's
+    source) are the fields of its imported Args dataclass: names, which are required, lists, switches."""
+    for stage in STAGES.values():
+        module = importlib.import_module(stage.module)
+        hints = typing.get_type_hints(module.Args)
+        expected = [
+            (
+                f.name,
+                f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+                typing.get_origin(hints[f.name]) is list,
+                hints[f.name] is bool,
+            )
+            for f in dataclasses.fields(module.Args)
+        ]
+        assert [(f.name, f.required, f.is_list, f.is_switch) for f in stage.flags] == expected, stage.name
 
 
 @pytest.mark.parametrize(

@@ -127,10 +127,16 @@ def test_cpu_defaults(tmp_path):
 
 
 def test_threads_of_a_cpu_job_come_from_the_config(tmp_path):
-    (tmp_path / "threads.yaml").write_text("resources:\n  features: {threads: 4}\n")
+    """resources.<stage> overrides its stage's defaults key by key: the scaling study takes the
+    features' threads and its own memory, the variance pool the rollout's resources."""
+    (tmp_path / "threads.yaml").write_text(
+        "resources:\n  features: {threads: 4}\n  rollout: {mem_mb: 3000}\n  scaling: {mem_mb: 16000}\n"
+    )
     jobs = dry_run_jobs(tmp_path, REPO / "slurm", "--configfile", str(tmp_path / "threads.yaml"))
     assert sbatch_flags(*jobs["features"])[-1] == "--cpus-per-task=4"
-    assert sbatch_flags(*jobs["rollout"])[-1] == "--cpus-per-task=1"
+    assert sbatch_flags(*jobs["rollout"]) == ["-t", "120", "--mem", "3000", "--ntasks=1", "--cpus-per-task=1"]
+    assert sbatch_flags(*jobs["scaling"]) == ["-t", "60", "--mem", "16000", "--ntasks=1", "--cpus-per-task=4"]
+    assert sbatch_flags(*jobs["variance_pool"]) == ["-t", "120", "--mem", "3000", "--ntasks=1", "--cpus-per-task=1"]
 
 
 def test_runtime_grows_with_each_attempt(tmp_path):

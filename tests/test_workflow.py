@@ -429,6 +429,8 @@ def test_evaluate_every_picks_the_evaluated_policies(tmp_path):
         ("advantages={estimator: foo}", "advantages.estimator"),
         ("rollout={group_size: 0}", "rollout.group_size"),
         ("rollout={groupsize: 4}", "rollout.groupsize"),
+        ("resources={shard: {gpu: 1}}", "resources.shard.gpu"),  # a CPU-only stage
+        ("resources={trian: {gpu: 1}}", "resources.trian"),
     ],
 )
 def test_bad_config_fails_before_any_job(tmp_path, override, key):

@@ -22,7 +22,7 @@ import typing
 import otbflow
 from otbflow.config import DEFAULT_CONFIG, Config, ConfigError, describe_section, field_docs, load_config
 from otbflow.io import JobGoneError, SchemaError, bind_to_job
-from otbflow.pipeline import STAGES, Stage, by_command
+from otbflow.pipeline import STAGES, Stage, by_command, job_resources
 
 TOOLS = {
     "config": "print the validated config (or every key with its help)",
@@ -89,6 +89,10 @@ def keys_epilog(stage: Stage) -> str:
         ("config keys that shape the workflow around it (the Snakefile reads them):", stage.dag),
     ]
     lines = [line for title, keys in groups if keys for line in (title, *(describe_key(k) for k in keys))]
+    if stage.rule:
+        res = ", ".join(f"{k}={v}" for k, v in job_resources(cfg, stage.name).items())
+        where = stage.resources if isinstance(stage.resources, str) else stage.name
+        lines += [f"resources of its jobs (resources.{where} overrides each; runtime in minutes):", f"  {res}"]
     return "\n".join(lines) or "this stage reads no config key"
 
 

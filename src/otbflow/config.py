@@ -23,7 +23,7 @@ import textwrap
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -159,6 +159,10 @@ def check_fields(cls: type, node: Any, prefix: str = "") -> None:
         key, value, tp = f"{prefix}{f.name}", node[f.name], _hints(cls)[f.name]
         if dataclasses.is_dataclass(tp):
             check_fields(tp, value, f"{key}.")
+            continue
+        if typing.get_origin(tp) is dict:  # name -> section (resources)
+            for name, section in value.items():
+                check_fields(typing.get_args(tp)[1], section, f"{key}.{name}.")
             continue
         meta = f.metadata
         if not meta:
@@ -637,63 +641,35 @@ class TrackingConfig:
 
 
 @dataclass
-class CpuJobResources:
-    mem_mb: int = opt(2000, ge=1, le=1_000_000_000)
+class JobResources:
+    """A stage's job resources (``resources.<stage>``), each over the stage's own default (its
+    entry in the stage table, otbflow.pipeline; ``otbflow <stage> --help`` lists them); unset
+    (null): that default. A stage takes only the keys it has a default for (CPU-only stages have
+    no ``gpu``); site specifics (partition, account, gpu_model) belong in the slurm/ profile."""
+
+    mem_mb: Optional[int] = opt(None, ge=1, le=1_000_000_000)
     """Memory of the job in MB (Slurm: --mem)."""
-    runtime: int = opt(30, ge=1, le=100_000_000)
+    runtime: Optional[int] = opt(None, ge=1, le=100_000_000)
     """Wall time of the first attempt in minutes (Slurm: -t); a retried job gets this times the
     attempt number."""
-
-
-@dataclass
-class JobResources(CpuJobResources):
-    gpu: int = opt(0, ge=0, le=1_000_000)
-    """GPUs per job (Slurm: --gpus=N, or --gpus=MODEL:N when the profile sets gpu_model). 0: CPU."""
-    cpus_per_gpu: int = opt(8, ge=1, le=1_000_000)
-    """CPU cores per GPU when gpu > 0 (Slurm: --cpus-per-gpu); CPU jobs get the rule's threads."""
-
-
-@dataclass
-class StageJobResources(JobResources):
-    threads: int = opt(1, ge=1, le=1_000_000)
+    threads: Optional[int] = opt(None, ge=1, le=1_000_000)
     """CPU threads of the job: torch's threads, Snakemake's threads (``--cores`` caps them) and,
-    for a CPU job, Slurm's --cpus-per-task (``features.threads`` also sizes the scaling and
-    variance jobs). 1: on a small machine the default run's tiny jobs go faster two at a time,
-    one thread each, than one at a time on two threads; a larger model on CPU wants more."""
-
-
-@dataclass
-class TrainJobResources(JobResources):
-    tasks: int = opt(1, ge=1, le=1_000_000)
-    """Training processes (DeepSpeed ranks). > 1: started with srun inside a Slurm job (Slurm:
-    --ntasks), with torchrun --nproc_per_node elsewhere. With GPUs, one rank per GPU: set gpu = tasks."""
-    nodes: int = opt(1, ge=1, le=1_000_000)
-    """Nodes the training job spans (Slurm: --nodes)."""
-    cpus_per_task: int = opt(1, ge=1, le=1_000_000)
-    """CPU threads per training process (the rule's threads; Slurm: --cpus-per-task on CPU jobs)."""
-
-
-@dataclass
-class ResourcesConfig:
-    """Portable job resources of the stages, read by the rules; site specifics (partition,
-    account, gpu_model) belong in the slurm/ profile."""
-
-    shard: CpuJobResources = field(default_factory=lambda: CpuJobResources(mem_mb=2000, runtime=30))
-    """The shard job (CPU only)."""
-    rollout: StageJobResources = field(default_factory=lambda: StageJobResources(mem_mb=8000, runtime=120))
-    """Each rollout job (one per shard and iteration)."""
-    score: StageJobResources = field(default_factory=lambda: StageJobResources(mem_mb=8000, runtime=60))
-    """Each reward-model scoring job (task.reward_model.path; one per shard and iteration)."""
-    features: StageJobResources = field(default_factory=lambda: StageJobResources(mem_mb=8000, runtime=60))
-    """Each features job (one per shard and iteration)."""
-    advantages: CpuJobResources = field(default_factory=lambda: CpuJobResources(mem_mb=4000, runtime=30))
-    """The advantages job of each iteration (CPU only)."""
-    train: TrainJobResources = field(default_factory=lambda: TrainJobResources(mem_mb=8000, runtime=120))
-    """The training job of each iteration."""
-    evaluate: StageJobResources = field(default_factory=lambda: StageJobResources(mem_mb=8000, runtime=60))
-    """Each evaluate job (one per policy)."""
-    report: CpuJobResources = field(default_factory=lambda: CpuJobResources(mem_mb=2000, runtime=15))
-    """The report job (CPU only)."""
+    for a CPU job, Slurm's --cpus-per-task. 1 for the generating and forward stages: on a small
+    machine the default run's tiny jobs go faster two at a time, one thread each, than one at a
+    time on two threads; a larger model on CPU wants more."""
+    gpu: Optional[int] = opt(None, ge=0, le=1_000_000)
+    """GPUs per job (Slurm: --gpus=N, or --gpus=MODEL:N when the profile sets gpu_model). 0: CPU."""
+    cpus_per_gpu: Optional[int] = opt(None, ge=1, le=1_000_000)
+    """CPU cores per GPU when gpu > 0 (Slurm: --cpus-per-gpu); CPU jobs get the rule's threads."""
+    tasks: Optional[int] = opt(None, ge=1, le=1_000_000)
+    """Processes of the job (train: DeepSpeed ranks). > 1: started with srun inside a Slurm job
+    (Slurm: --ntasks), with torchrun --nproc_per_node elsewhere. With GPUs, one rank per GPU: set
+    gpu = tasks."""
+    nodes: Optional[int] = opt(None, ge=1, le=1_000_000)
+    """Nodes the job spans (Slurm: --nodes)."""
+    cpus_per_task: Optional[int] = opt(None, ge=1, le=1_000_000)
+    """CPU threads per process of a job of several (the rule's threads; Slurm: --cpus-per-task on
+    CPU jobs)."""
 
 
 @dataclass
@@ -749,7 +725,9 @@ class Config:
     mismatch: MismatchConfig = field(default_factory=MismatchConfig)
     retention: RetentionConfig = field(default_factory=RetentionConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
-    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    resources: Dict[str, JobResources] = field(default_factory=dict)
+    """Portable job resources per stage, over each stage's defaults, e.g. ``{train: {gpu: 1,
+    mem_mb: 32000}}`` (Slurm flags in slurm/config.yaml; docs/slurm.md)."""
     workers: WorkersConfig = field(default_factory=WorkersConfig)
 
 
@@ -805,7 +783,7 @@ def from_snakemake(config: dict) -> dict:
         out = {}
         hints = typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
         for key, value in node.items():
-            tp = hints.get(key)
+            tp = typing.get_args(cls)[1] if typing.get_origin(cls) is dict else hints.get(key)
             if isinstance(value, dict):
                 value = walk(value, tp)
             elif (
@@ -857,6 +835,9 @@ def describe_merge_error(
 def _allowed_keys(dotted_parent: str, root: type) -> list[str]:
     node: Any = root
     for part in filter(None, dotted_parent.split(".")):
+        if typing.get_origin(node) is dict:  # name -> section (resources): any name
+            node = typing.get_args(node)[1]
+            continue
         hints = _hints(node) if dataclasses.is_dataclass(node) else {}
         node = hints.get(part)
     return [f.name for f in dataclasses.fields(node)] if dataclasses.is_dataclass(node) else []
@@ -1136,8 +1117,12 @@ def describe_all() -> str:
     top = field_docs(Config)
     lines = [f"{k} (default {getattr(Config(), k)!r}): {v}" for k, v in top.items()]
     for f in dataclasses.fields(Config):
-        if dataclasses.is_dataclass(getattr(Config(), f.name)):
+        tp = _hints(Config)[f.name]
+        if dataclasses.is_dataclass(tp):
             lines.append(describe_section(f.name))
+        elif typing.get_origin(tp) is dict:  # name -> section (resources)
+            section = typing.get_args(tp)[1]
+            lines += [f"{f.name}.<stage>:", *(f"  {f.name}.<stage>.{k}: {v}" for k, v in field_docs(section).items())]
     return "\n".join(lines)
 
 
@@ -1162,6 +1147,10 @@ def json_schema() -> dict:
             if dataclasses.is_dataclass(value):
                 props[f.name] = walk(type(value), value)
                 props[f.name]["description"] = f"{f.name} options"
+            elif typing.get_origin(hints[f.name]) is dict:  # name -> section (resources)
+                section = typing.get_args(hints[f.name])[1]
+                props[f.name] = {"type": "object", "additionalProperties": walk(section, section())}
+                props[f.name] |= {"description": docs.get(f.name, ""), "default": value}
             else:
                 props[f.name] = kind(hints[f.name]) | {"description": docs.get(f.name, ""), "default": value}
                 props[f.name] |= schema_bounds(f.metadata)

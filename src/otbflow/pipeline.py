@@ -19,7 +19,10 @@ it against this table. Importing this module imports no torch (the Snakefile imp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ast
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
 from typing import Callable
 
 from omegaconf import DictConfig, OmegaConf
@@ -28,7 +31,7 @@ from otbflow.algorithms.estimators import estimator_parameters, studied, study_k
 from otbflow.algorithms.losses import POLICY_LOSSES
 from otbflow.algorithms.lr_schedule import SCHEDULES
 from otbflow.algorithms.shaping import shaping_keys, verifier_keys
-from otbflow.config import section_digest
+from otbflow.config import ConfigError, section_digest
 from otbflow.engines import BACKENDS
 
 
@@ -47,6 +50,15 @@ class Stage:
     engine: bool = False
     """Runs the generation engine (rollout.backend): the rollout.python interpreter, its
     environment, and the engine's run-only keys among its execution keys."""
+    resources: str | dict = field(default_factory=dict)
+    """The defaults of a job's resources (``mem_mb``, ``runtime`` in minutes, ``threads``,
+    ``gpu``, ``cpus_per_gpu``; ``tasks``, ``nodes``, ``cpus_per_task`` for a job of several
+    processes), which the config's ``resources.<stage>`` overrides key by key; a threads value
+    that names a stage takes that stage's threads. A stage's name instead: that stage's resources
+    (the variance pool generates as the rollout does). Empty: a local job of the head."""
+    rule: bool = True
+    """A rule of the run's workflow, in workflow/rules/<name>.smk (the experiment stage is the
+    experiment workflow's, workflow/experiment.smk)."""
 
     def __post_init__(self) -> None:
         if self.engine:  # the engine's keys; the backend also picks the job's environment
@@ -60,6 +72,40 @@ class Stage:
     @property
     def module(self) -> str:
         return f"otbflow.stages.{self.name}"
+
+    @cached_property
+    def flags(self) -> tuple[Flag, ...]:
+        """The flags of ``otbflow <stage>``: the fields of the stage module's ``Args``, read from
+        its source (importing a stage module imports torch, and the Snakefile reads these)."""
+        source = Path(__file__).parent / "stages" / f"{self.name}.py"
+        tree = ast.parse(source.read_text())
+        args = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Args")
+        return tuple(
+            Flag(node.target.id, ast.unparse(node.annotation), node.value is None)
+            for node in args.body
+            if isinstance(node, ast.AnnAssign)
+        )
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One field of a stage's ``Args``: ``--name-with-dashes``, its annotation, whether it is required."""
+
+    name: str
+    annotation: str
+    required: bool
+
+    @property
+    def option(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def is_list(self) -> bool:
+        return self.annotation.startswith("list[")
+
+    @property
+    def is_switch(self) -> bool:
+        return self.annotation == "bool"
 
 
 # ------------------------------------------------------------------------------------------
@@ -200,12 +246,16 @@ def _variance(cfg: DictConfig) -> list[str]:
     return ["seed", *(f"variance.{k}" for k in v), "rollout.temperature", "features.chunk_size", *options]
 
 
+# The resources of a job that may run on GPUs (0 by default: the built-in run is on CPU).
+GPU_JOB = {"gpu": 0, "cpus_per_gpu": 8, "mem_mb": 8000}
+
 _STAGES = [
     Stage(
         "bootstrap",
         "build and warm-start the tiny policy (skipped when model.path is set)",
         _bootstrap,
         dag=("model.path",),
+        resources={"threads": 2, "mem_mb": 4000, "runtime": 60},
     ),
     Stage(
         "shard",
@@ -214,6 +264,7 @@ _STAGES = [
         # a dataset prompt too long for model.path's positions is refused (it changes no output)
         execution=("model.path",),
         dag=("shard.n_shards",),
+        resources={"mem_mb": 2000, "runtime": 30},
     ),
     Stage(
         "rollout",
@@ -221,6 +272,7 @@ _STAGES = [
         _rollout,
         dag=("iterations", "shard.n_shards", "model.path", "rollout.staleness"),
         engine=True,
+        resources={**GPU_JOB, "threads": 1, "runtime": 120},
     ),
     Stage(
         "score",
@@ -228,6 +280,7 @@ _STAGES = [
         _score,
         execution=("task.reward_model.batch_size",),
         dag=("iterations", "shard.n_shards"),
+        resources={**GPU_JOB, "threads": 1, "runtime": 60},
     ),
     Stage(
         "features",
@@ -235,12 +288,14 @@ _STAGES = [
         _features,
         # with a reward model it reads the score stage's table instead of the rollout's
         dag=("iterations", "shard.n_shards", "task.reward_model.path"),
+        resources={**GPU_JOB, "threads": 1, "runtime": 60},
     ),
     Stage(
         "advantages",
         "baselines and advantages from stored features, plus estimator diagnostics",
         _advantages,
         dag=("iterations", "shard.n_shards"),
+        resources={"mem_mb": 4000, "runtime": 30},
     ),
     Stage(
         "train",
@@ -248,12 +303,15 @@ _STAGES = [
         _train,
         execution=("train.checkpoint_every", *TRACKING),
         dag=("iterations", "train.reset_optimizer", "train.kl_coef"),
+        # tasks > 1: DeepSpeed ranks (srun in a Slurm job, torchrun elsewhere); with GPUs one per GPU
+        resources={**GPU_JOB, "runtime": 120, "tasks": 1, "nodes": 1, "cpus_per_task": 1},
     ),
     Stage(
         "publish_optimizer",
         "wait for the AdamW state a train job wrote (a warm worker: in the background) and publish it",
         _publish_optimizer,
         dag=("train.reset_optimizer",),
+        resources={},
     ),
     Stage(
         "prune",
@@ -269,6 +327,7 @@ _STAGES = [
             "shard.n_shards",
             "train.reset_optimizer",
         ),
+        resources={},
     ),
     Stage(
         "evaluate",
@@ -277,18 +336,22 @@ _STAGES = [
         execution=TRACKING,
         dag=("iterations", "evaluate.every", "model.path"),
         engine=True,
+        resources={**GPU_JOB, "threads": 1, "runtime": 60},
     ),
     Stage(
         "report",
         "collect metrics of all iterations and plot them",
         _report,
         dag=("iterations", "evaluate.every", "shard.n_shards", "task.reward_model.path"),
+        resources={"mem_mb": 2000, "runtime": 15},
     ),
     Stage(
         "scaling",
         "exact squared gradient norm vs response length, and the proxy's agreement with it",
         _scaling,
         dag=("shard.n_shards", "model.path"),
+        # forward and backward passes, as in features
+        resources={"threads": "features", "mem_mb": 8000, "runtime": 60},
     ),
     Stage(
         "variance_pool",
@@ -296,22 +359,53 @@ _STAGES = [
         _variance_pool,
         dag=("model.path",),
         engine=True,
+        resources="rollout",
     ),
     Stage(
         "variance",
         "offline variance of the policy gradient per estimator, on resampled groups with exact gradients",
         _variance,
         dag=("model.path",),
+        resources={"threads": "features", "mem_mb": 8000, "runtime": 60},
     ),
     Stage(
         "experiment",
         "compare the runs x seeds of an experiment (workflow/experiment.smk): summary table and plots",
         lambda cfg: [],
+        rule=False,
     ),
 ]
 STAGES: dict[str, Stage] = {s.name: s for s in _STAGES}
 # Read by every job: where outputs go (the Snakefile's paths) and the threads (OTBFLOW_THREADS).
 EVERY_STAGE_EXECUTION = ("results_dir",)
+
+
+def job_resources(cfg: DictConfig, stage: str) -> dict[str, int]:
+    """The resources of one job of ``stage``: its entry's defaults, overridden by the config's
+    ``resources.<stage>``; ``threads`` (torch's and Snakemake's) is ``cpus_per_task`` for a job of
+    several processes, 1 where the stage names none."""
+    spec = STAGES[stage].resources
+    if isinstance(spec, str):
+        return job_resources(cfg, spec)
+    own = cfg.resources.get(stage) or {}
+    res = {**spec, **{key: value for key, value in own.items() if value is not None}}
+    if isinstance(res.get("threads"), str):
+        res["threads"] = job_resources(cfg, res["threads"])["threads"]
+    return res | {"threads": res.get("cpus_per_task", res.get("threads", 1))}
+
+
+def check_resources(cfg: DictConfig) -> None:
+    """Refuse a ``resources.<name>`` that is no stage with resources of its own, or a key of it
+    that the stage has no default for (a CPU-only stage's ``gpu``), naming the key."""
+    own = {name: stage.resources for name, stage in STAGES.items() if isinstance(stage.resources, dict)}
+    for name, section in cfg.resources.items():
+        if not own.get(name):
+            stages = ", ".join(n for n, r in own.items() if r)
+            raise ConfigError(f"config key 'resources.{name}': no stage of that name has resources (stages: {stages})")
+        for key, value in section.items():
+            if value is not None and key not in own[name]:
+                takes = ", ".join(own[name])
+                raise ConfigError(f"config key 'resources.{name}.{key}': the {name} stage's jobs take {takes}")
 
 
 def by_command(command: str) -> Stage:

@@ -2,24 +2,20 @@ rule advantages:
     input:
         features=expand(f"{R}/iter_{{{{k}}}}/features/shard_{{s}}.parquet", s=SHARDS),
     output:
-        advantages=f"{R}/iter_{{k}}/advantages/advantages.parquet",
+        out=f"{R}/iter_{{k}}/advantages/advantages.parquet",
         comparison=f"{R}/iter_{{k}}/advantages/comparison.parquet",
     log:
-        f"{R}/logs/advantages/iter_{{k}}.log",
+        stage_log("advantages", "iter_{k}"),
     benchmark:
-        f"{R}/benchmarks/advantages/iter_{{k}}.tsv"
+        stage_benchmark("advantages", "iter_{k}")
     # the chain from one policy to the next first (CHAIN_PRIORITY); evaluation, scaling and variance fill free cores
     priority: CHAIN_PRIORITY
     conda:
         stage_env("advantages")
-    threads: 1
+    threads: stage_threads("advantages")
     resources:
-        mem_mb=CFG.resources.advantages.mem_mb,
-        runtime=runtime(CFG.resources.advantages.runtime),
+        **stage_resources("advantages"),
     params:
-        cmd=stage_cmd("advantages"),
-        cfg=stage_trigger("advantages"),
-        code=code_version("advantages"),
+        **stage_params("advantages", iteration="{k}"),
     shell:
-        "OTBFLOW_THREADS={threads} {params.cmd} --features {input.features:q} --out {output.advantages:q} "
-        "--comparison {output.comparison:q} --iteration {wildcards.k} > {log:q} 2>&1"
+        STAGE_SHELL

@@ -1,20 +1,17 @@
 rule bootstrap:
     output:
-        policy=directory(f"{R}/bootstrap/policy"),
-        curve=f"{R}/bootstrap/sft_curve.parquet",
+        out=directory(f"{R}/bootstrap/policy"),
+        metrics=f"{R}/bootstrap/sft_curve.parquet",
     log:
-        f"{R}/logs/bootstrap/bootstrap.log",
+        stage_log("bootstrap", "bootstrap"),
     benchmark:
-        f"{R}/benchmarks/bootstrap/bootstrap.tsv"
+        stage_benchmark("bootstrap", "bootstrap")
     conda:
         stage_env("bootstrap")
-    threads: 2
+    threads: stage_threads("bootstrap")
     resources:
-        mem_mb=4000,
-        runtime=60,
+        **stage_resources("bootstrap"),
     params:
-        cmd=stage_cmd("bootstrap"),
-        cfg=stage_trigger("bootstrap"),
-        code=code_version("bootstrap"),
+        **stage_params("bootstrap"),
     shell:
-        "OTBFLOW_THREADS={threads} {params.cmd} --out {output.policy:q} --metrics {output.curve:q} > {log:q} 2>&1"
+        STAGE_SHELL

@@ -4,6 +4,7 @@ import os
 import sys
 from pathlib import Path
 from shlex import quote
+from types import SimpleNamespace
 
 from snakemake.utils import validate
 
@@ -12,7 +13,7 @@ from otbflow.ops.codeversion import code_version
 from otbflow.ops.dispatch import KIND_OF
 from otbflow.ops.workerjobs import STAGE_OF_KIND, Supervisor, WorkerJob, sbatch_options, site_settings
 from otbflow.ops.workerjobs import script as worker_script
-from otbflow.pipeline import STAGES, trigger
+from otbflow.pipeline import STAGES, check_resources, job_resources, trigger
 from otbflow.config import (
     DEFAULT_CONFIG,
     evaluated_iterations,
@@ -34,6 +35,7 @@ from snakemake.exceptions import WorkflowError
 # name the key); the typed, resolved config is then checked against the JSON schema.
 CFG = load_config(DEFAULT_CONFIG, extra=from_snakemake(config))
 validate_workflow(CFG)
+check_resources(CFG)
 validate(to_container(CFG), workflow.source_path("../schemas/config.schema.yaml"), set_default=False)
 R = CFG.results_dir
 # One head per results folder, which it holds while it runs (R/.otbflow-head.json). A killed run
@@ -93,12 +95,12 @@ def stage_cmd(stage):
     evaluates every job's resources: half of a long run's dry run); the rules' shell commands pass
     them (OTBFLOW_THREADS={threads})."""
     python = CFG.rollout.python if STAGES[stage].engine else None
-    res = CFG.resources.get(stage, {})
-    tasks = res.tasks if "tasks" in res else 1
+    res = job_resources(CFG, stage)
+    tasks = res.get("tasks", 1)
     if dispatched(stage):  # the client starts the launcher itself where it runs the job
         cli = f"{PYTHONPATH} {quote(python or _PY)} -m otbflow.ops.dispatch --results {quote(R)} --code {code_version(stage)}"
         if tasks > 1:
-            cli += f" --tasks {tasks} --cpus-per-task {res.cpus_per_task}"
+            cli += f" --tasks {tasks} --cpus-per-task {res['cpus_per_task']}"
         if on_slurm_workers(stage):  # a local job of the head: waits for a worker, never runs the stage here
             cli += f" --wait-min {CFG.workers.wait_min:g} --threads {stage_threads(stage)}"
     else:
@@ -108,13 +110,8 @@ def stage_cmd(stage):
 
 
 def stage_threads(stage):
-    """The rule's threads: torch's threads of its job (the variance pool generates as the rollout does)."""
-    if stage == "variance_pool":
-        return CFG.resources.rollout.threads
-    if stage == "publish_optimizer":
-        return 1
-    res = CFG.resources[stage]
-    return res.cpus_per_task if "tasks" in res else res.threads
+    """The rule's threads: torch's threads of its job (otbflow.pipeline.job_resources)."""
+    return job_resources(CFG, stage)["threads"]
 
 
 def on_slurm_workers(stage):
@@ -131,14 +128,14 @@ def worker_supervisor():
     w, jobs = CFG.workers, []
     for kind in kinds:
         stage = STAGE_OF_KIND[kind]
-        res = CFG.resources[stage]
-        retire_min = max(w.time_min / 2, w.time_min - res.runtime)
+        res = job_resources(CFG, stage)
+        retire_min = max(w.time_min / 2, w.time_min - res["runtime"])
         jobs.append(
             WorkerJob(
                 kind=kind,
                 count=getattr(w, kind),
                 sbatch=sbatch_options(
-                    R, kind, res, site_settings(workflow, stage), w.time_min, Path(R, "logs/workers")
+                    R, kind, SimpleNamespace(**res), site_settings(workflow, stage), w.time_min, Path(R, "logs/workers")
                 ),
                 # the generation engine's interpreter (rollout.python: vLLM's environment)
                 script=worker_script(
@@ -201,17 +198,74 @@ def stage_env(stage):
     return "../../envs/vllm.yaml" if STAGES[stage].engine and CFG.rollout.backend == "vllm" else ENV
 
 
-def runtime(minutes):
-    """Wall time that grows with each retry (the profile's `retries`): minutes x attempt."""
-    return lambda wildcards, attempt: minutes * attempt
+def stage_resources(stage):
+    """The rule's resources, from its stage's entry (otbflow.pipeline.job_resources): the job's
+    runtime grows with each retry (the profile's `retries`: minutes x attempt); a job of several
+    processes runs its command itself (`mpi`: it calls srun) with --ntasks, on GPUs one task per GPU."""
+    res = job_resources(CFG, stage)
+    out = {key: res[key] for key in ("gpu", "cpus_per_gpu", "mem_mb", "tasks", "nodes") if key in res}
+    if "runtime" in res:
+        out["runtime"] = lambda wildcards, attempt: res["runtime"] * attempt
+    if res.get("tasks", 1) > 1:
+        out |= {"mpi": "srun"} | ({"tasks_per_gpu": 1} if res["gpu"] else {})
+    return out
 
 
-def task_resources(res):
-    """Slurm task geometry of a multi-process job (plugin resources): `mpi` makes the job run its
-    command itself (it calls srun) with --ntasks; on GPUs one task per GPU."""
-    if res.tasks == 1:
-        return {}
-    return {"mpi": "srun"} | ({"tasks_per_gpu": 1} if res.gpu else {})
+def stage_log(stage, job):
+    """A job's log: logs/<stage>/<job>.log, ``job`` named by the rule's wildcards (iter_{k}_shard_{s})."""
+    return f"{R}/logs/{stage}/{job}.log"
+
+
+def stage_benchmark(stage, job):
+    """A job's wall time and memory, as Snakemake measures them: benchmarks/<stage>/<job>.tsv."""
+    return f"{R}/benchmarks/{stage}/{job}.tsv"
+
+
+# Every stage rule's shell command: the stage's CLI (params.cmd) and its flags (params.args).
+STAGE_SHELL = "OTBFLOW_THREADS={threads} {params.cmd} {params.args} > {log:q} 2>&1"
+
+
+def stage_params(stage, trigger=(), **values):
+    """The rule's params: the stage's command (``cmd``), its config trigger (``cfg``: a digest of
+    the keys that change its outputs), its code version (``code``) and ``args``, the flags of
+    ``otbflow <stage>`` (its module's Args, otbflow.pipeline.Stage.flags). Each flag's value is
+    the rule's input of that name, else its output of that name, else ``values[name]``: a string
+    formatted with the job's wildcards, or a function of them. ``args`` is derived from the job's
+    files, so it reruns nothing; the ``values`` named in ``trigger`` are params of their own,
+    which rerun the job when they change."""
+    return {
+        "cmd": stage_cmd(stage),
+        "cfg": stage_trigger(stage),
+        "code": code_version(stage),
+        **{name: values[name] for name in trigger},
+        "args": stage_args(stage, values),
+    }
+
+
+def stage_args(stage, values):
+    """The ``params.args`` of a stage's rule (stage_params), its flags with every path one shell word."""
+
+    def args(wildcards, input, output):
+        files = dict(output.items()) | dict(input.items())
+        words = []
+        for flag in STAGES[stage].flags:
+            if flag.name in files:
+                value = files[flag.name]
+            elif flag.name in values:
+                value = values[flag.name]
+                value = value(wildcards) if callable(value) else value
+                value = value.format(**wildcards) if isinstance(value, str) else value
+            elif flag.required:
+                raise WorkflowError(f"the {stage} rule gives no input, output or value for {flag.option}")
+            else:
+                continue
+            if flag.is_switch:
+                words += [flag.option] if value else []
+            elif value not in ("", [], None):
+                words += [flag.option, *(quote(str(v)) for v in (value if isinstance(value, list) else [value]))]
+        return " ".join(words)
+
+    return args
 
 
 # Under workers.slurm the dispatching rules are the head's local jobs (a client that waits).

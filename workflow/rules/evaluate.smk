@@ -7,26 +7,21 @@ rule evaluate:
         samples=f"{R}/{{policy}}/eval/samples.parquet",
         summary=f"{R}/{{policy}}/eval/summary.parquet",
     log:
-        f"{R}/logs/evaluate/{{policy}}.log",
+        stage_log("evaluate", "{policy}"),
     benchmark:
-        f"{R}/benchmarks/evaluate/{{policy}}.tsv"
+        stage_benchmark("evaluate", "{policy}")
     conda:
         stage_env("evaluate")
     threads: stage_threads("evaluate")
     resources:
-        gpu=CFG.resources.evaluate.gpu,
-        cpus_per_gpu=CFG.resources.evaluate.cpus_per_gpu,
-        mem_mb=CFG.resources.evaluate.mem_mb,
-        runtime=runtime(CFG.resources.evaluate.runtime),
+        **stage_resources("evaluate"),
     params:
-        cmd=stage_cmd("evaluate"),
-        cfg=stage_trigger("evaluate"),
-        code=code_version("evaluate"),
-        iteration=policy_iteration,
-        train_state=lambda wildcards, input: (
-            f"--train-state {' '.join(map(quote, input.train_state))}" if input.train_state else ""
+        **stage_params(
+            "evaluate",
+            name="{policy}",
+            iteration=policy_iteration,
+            tracking_name="evaluate/{policy}",
+            trigger=["iteration"],
         ),
     shell:
-        "OTBFLOW_THREADS={threads} {params.cmd} --prompts {input.prompts:q} --policy {input.policy:q} --name {wildcards.policy} "
-        "--samples {output.samples:q} --summary {output.summary:q} --iteration {params.iteration} {params.train_state} "
-        "--tracking-name evaluate/{wildcards.policy} > {log:q} 2>&1"
+        STAGE_SHELL

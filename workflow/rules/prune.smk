@@ -6,22 +6,23 @@ rule prune:
         policy=f"{R}/iter_{{k}}/train/policy",
         optimizer=own_optimizer_state,
     output:
-        f"{R}/iter_{{k}}/train/retention.json",
+        out=f"{R}/iter_{{k}}/train/retention.json",
     log:
-        f"{R}/logs/prune/iter_{{k}}.log",
+        stage_log("prune", "iter_{k}"),
     # a few deletions: in the head process, not a queued job
     localrule: True
     conda:
         stage_env("prune")
+    threads: stage_threads("prune")
     params:
-        cmd=stage_cmd("prune"),
-        cfg=stage_trigger("prune"),
-        code=code_version("prune"),
-        # what iteration k keeps, and its rerun trigger (extending `iterations` turns the last
+        # what iteration k keeps is its rerun trigger (extending `iterations` turns the last
         # policies into pruned ones: only those jobs rerun)
-        keep=lambda wildcards: retention_decision(CFG, int(wildcards.k)).flags(),
-        optional=lambda wildcards, input: (
-            f"--optimizer {' '.join(map(quote, input.optimizer))}" if input.optimizer else ""
+        **stage_params(
+            "prune",
+            iteration="{k}",
+            keep_policy=lambda wildcards: retention_decision(CFG, int(wildcards.k)).policy,
+            keep_optimizer=lambda wildcards: retention_decision(CFG, int(wildcards.k)).optimizer,
+            trigger=["keep_policy", "keep_optimizer"],
         ),
     shell:
-        "{params.cmd} --iteration {wildcards.k} --policy {input.policy:q} {params.optional} {params.keep} --out {output:q} > {log:q} 2>&1"
+        STAGE_SHELL

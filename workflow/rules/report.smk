@@ -45,20 +45,15 @@ rule report:
             category="Training-inference mismatch",
         ),
     log:
-        f"{R}/logs/report/report.log",
+        stage_log("report", "report"),
     benchmark:
-        f"{R}/benchmarks/report/report.tsv"
+        stage_benchmark("report", "report")
     conda:
         stage_env("report")
-    threads: 1
+    threads: stage_threads("report")
     resources:
-        mem_mb=CFG.resources.report.mem_mb,
-        runtime=runtime(CFG.resources.report.runtime),
+        **stage_resources("report"),
     params:
-        cmd=stage_cmd("report"),
-        cfg=stage_trigger("report"),
-        code=code_version("report"),
-        out_dir=lambda wildcards, output: os.path.dirname(output.progress),
+        **stage_params("report", out_dir=f"{R}/report"),
     shell:
-        "OTBFLOW_THREADS={threads} {params.cmd} --summaries {input.summaries:q} --metrics {input.metrics:q} --rollouts {input.rollouts:q} "
-        "--comparisons {input.comparisons:q} --features {input.features:q} --out-dir {params.out_dir:q} > {log:q} 2>&1"
+        STAGE_SHELL

@@ -12,19 +12,15 @@ rule scaling:
             category="Gradient scaling",
         ),
     log:
-        f"{R}/logs/scaling/scaling.log",
+        stage_log("scaling", "scaling"),
     benchmark:
-        f"{R}/benchmarks/scaling/scaling.tsv"
+        stage_benchmark("scaling", "scaling")
     conda:
         stage_env("scaling")
-    threads: CFG.resources.features.threads  # forward and backward passes, as in features
+    threads: stage_threads("scaling")
     resources:
-        mem_mb=8000,
-        runtime=60,
+        **stage_resources("scaling"),
     params:
-        cmd=stage_cmd("scaling"),
-        cfg=stage_trigger("scaling"),
-        code=code_version("scaling"),
-        out_dir=lambda wildcards, output: os.path.dirname(output.summary),
+        **stage_params("scaling", out_dir=f"{R}/scaling"),
     shell:
-        "OTBFLOW_THREADS={threads} {params.cmd} --rollouts {input.rollouts:q} --policy {input.policy:q} --out-dir {params.out_dir:q} > {log:q} 2>&1"
+        STAGE_SHELL

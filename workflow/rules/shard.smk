@@ -5,19 +5,15 @@ rule shard:
         train=expand(f"{R}/data/train/shard_{{s}}.parquet", s=SHARDS),
         eval=f"{R}/data/eval.parquet",
     log:
-        f"{R}/logs/shard/shard.log",
+        stage_log("shard", "shard"),
     benchmark:
-        f"{R}/benchmarks/shard/shard.tsv"
+        stage_benchmark("shard", "shard")
     conda:
         stage_env("shard")
-    threads: 1
+    threads: stage_threads("shard")
     resources:
-        mem_mb=CFG.resources.shard.mem_mb,
-        runtime=runtime(CFG.resources.shard.runtime),
+        **stage_resources("shard"),
     params:
-        cmd=stage_cmd("shard"),
-        cfg=stage_trigger("shard"),
-        code=code_version("shard"),
-        out_dir=lambda wildcards, output: os.path.dirname(output.eval),
+        **stage_params("shard", out_dir=f"{R}/data"),
     shell:
-        "OTBFLOW_THREADS={threads} {params.cmd} --out-dir {params.out_dir:q} > {log:q} 2>&1"
+        STAGE_SHELL
