@@ -452,15 +452,24 @@ def test_a_choice_registered_later_is_checked_by_what_it_declares():
     """Every list of choices is a Registry of one shape (otbflow.registry). A learning-rate schedule
     registered after the config module loaded is allowed, its options enter the train stage's
     rerun trigger, and the config checks its requirement without knowing it by name."""
-    from otbflow.algorithms import estimators, losses, lr_schedule, rewards, shaping
+    from otbflow import engines
+    from otbflow.algorithms import estimators, losses, lr_schedule, rewards, rollout_is, shaping
+    from otbflow.models import tasks
     from otbflow.registry import Registry, Requirement
 
     for registry in (
         estimators.ESTIMATORS,
         losses.POLICY_LOSSES,
+        losses.LOSS_AGGREGATIONS,
         lr_schedule.SCHEDULES,
         rewards.REWARDS,
         shaping.SHAPED_REWARDS,
+        rollout_is.ROLLOUT_IS_LEVELS,
+        engines.BACKENDS,
+        engines.ARCHITECTURES,
+        engines.TOKENIZERS,
+        tasks.TASKS,
+        tasks.DATASET_FORMATS,
     ):
         assert isinstance(registry, Registry) and registry, registry
 
@@ -512,3 +521,181 @@ def test_a_shaped_reward_registered_later_is_a_task_reward():
         del shaping.SHAPED_REWARDS["halved"]
     with pytest.raises(ConfigError, match="task.reward"):
         load_config(DEFAULT_CONFIG, ["task.reward=halved"])
+
+
+def _registries():
+    from otbflow import engines
+    from otbflow.algorithms import losses, rollout_is
+    from otbflow.models import tasks
+
+    return {
+        "model.arch": engines.ARCHITECTURES,
+        "model.tokenizer": engines.TOKENIZERS,
+        "task.name": tasks.TASKS,
+        "task.format": tasks.DATASET_FORMATS,
+        "rollout.backend": engines.BACKENDS,
+        "train.loss_agg_mode": losses.LOSS_AGGREGATIONS,
+        "train.rollout_is": rollout_is.ROLLOUT_IS_LEVELS,
+    }
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "model.arch",
+        "model.tokenizer",
+        "task.name",
+        "task.format",
+        "rollout.backend",
+        "train.loss_agg_mode",
+        "train.rollout_is",
+    ],
+)
+def test_a_choice_registered_later_is_allowed_and_its_requirement_checked(key):
+    """A choice registered in the registry of ``key`` after the config module loaded is allowed,
+    refused once removed, and the config checks its requirement, naming the required key."""
+    from omegaconf import OmegaConf
+
+    from otbflow.registry import Requirement
+
+    registry = _registries()[key]
+    needs_seed_7 = Requirement("seed", "7", lambda seed, cfg: seed == 7)
+    registry.register("later_test", requires=(needs_seed_7,), doc="a test choice")(object())
+    try:
+        with pytest.raises(ConfigError) as e:
+            load_config(DEFAULT_CONFIG, [f"{key}=later_test", "seed=3"])
+        assert str(e.value) == f"config key 'seed': must be 7 with {key} later_test (got 3)"
+        assert OmegaConf.select(load_config(DEFAULT_CONFIG, [f"{key}=later_test", "seed=7"]), key) == "later_test"
+    finally:
+        del registry["later_test"]
+    with pytest.raises(ConfigError, match=f"config key '{key}': must be one of "):
+        load_config(DEFAULT_CONFIG, [f"{key}=later_test", "seed=7"])
+
+
+def test_the_built_in_requirements_name_their_key():
+    """The rules that belong to one choice are that choice's requirements: the message names the
+    required key and the choice."""
+    for overrides, message in [
+        (
+            ["model.n_kv_head=2"],
+            "config key 'model.n_kv_head': must be 0 (no grouped-query attention) with model.arch gpt2 (got 2)",
+        ),
+        (
+            ["task.chat=true"],
+            "config key 'task.chat': must be 'auto' or 'false' when the bootstrap builds the policy (it has no "
+            "chat template) with model.tokenizer char (got 'True')",
+        ),
+        (
+            ["task.name=dataset"],
+            "config key 'task.path': must be a JSONL or Parquet file with task.name dataset (got None)",
+        ),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            load_config(DEFAULT_CONFIG, overrides)
+        assert str(e.value) == message
+    load_config(DEFAULT_CONFIG, ["model.n_kv_head=2", "model.arch=llama"])
+    load_config(DEFAULT_CONFIG, ["task.chat=true", "model.tokenizer=bpe"])
+    load_config(DEFAULT_CONFIG, ["task.chat=true", "task.name=dataset", "task.path=x.jsonl"])
+
+
+def test_a_loss_aggregation_registered_later_trains_with_its_option():
+    """train.loss_agg_mode takes an aggregation registered later; aggregate_loss runs it, and the
+    option it declares (loss_scale_factor) reaches it as the scale and enters the train stage's keys."""
+    import torch
+
+    from otbflow.algorithms import losses
+
+    @losses.LOSS_AGGREGATIONS.register("token-sum-scaled", options=("loss_scale_factor",))
+    def token_sum_scaled(per_seq, m, global_tokens, global_seqs, scale, seq_tokens):
+        """sum_{i,t} m L / scale."""
+        return per_seq.sum() / scale
+
+    try:
+        cfg = load_config(DEFAULT_CONFIG, ["train.loss_agg_mode=token-sum-scaled", "train.loss_scale_factor=4"])
+        scale = losses.loss_scale(cfg)
+        loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+        mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+        assert scale == 4 and float(losses.aggregate_loss(loss, mask, "token-sum-scaled", 3, 2, scale)) == 7 / 4
+        assert losses.LOSS_AGGREGATIONS.option_keys("token-sum-scaled") == ["train.loss_scale_factor"]
+    finally:
+        del losses.LOSS_AGGREGATIONS["token-sum-scaled"]
+    assert losses.loss_scale(load_config(DEFAULT_CONFIG, ["train.loss_scale_factor=4"])) == 1.0
+
+
+def test_a_rollout_is_level_registered_later_weights_and_serves_stale_rollouts():
+    """A level registered later that reads the truncation C is a level that weights: the
+    rollout IS weights are its, and rollout.staleness >= 1 accepts it."""
+    import torch
+
+    from otbflow.algorithms import rollout_is
+
+    @rollout_is.ROLLOUT_IS_LEVELS.register("flat_test", options=("rollout_is_threshold",))
+    def flat(log_rho, m, threshold):
+        """C / 2 on every token."""
+        return m * threshold / 2
+
+    try:
+        load_config(DEFAULT_CONFIG, ["rollout.staleness=1", "train.rollout_is=flat_test"])
+        mask = torch.tensor([[1.0, 0.0]])
+        w = rollout_is.rollout_is_weights(torch.zeros(1, 2), mask, "flat_test", 3.0)
+        assert w.tolist() == [[1.5, 0.0]]
+        with pytest.raises(ConfigError, match="must be token or sequence or flat_test when rollout.staleness is 1"):
+            load_config(DEFAULT_CONFIG, ["rollout.staleness=1"])
+    finally:
+        del rollout_is.ROLLOUT_IS_LEVELS["flat_test"]
+
+
+def test_a_backend_registered_later_names_its_sample_and_run_keys():
+    """A backend's options are the rollout.* keys it reads; those it declares as changing its
+    samples enter the rollout stage's keys, the others are how it runs."""
+    from otbflow.engines import BACKENDS
+
+    BACKENDS.register("later_backend", options=("top_p", "batch_size"), samples=("top_p",), doc="a test")("x:Y")
+    try:
+        cfg = load_config(DEFAULT_CONFIG, ["rollout.backend=later_backend"])
+        entry = BACKENDS["later_backend"]
+        assert (entry.target, entry.sample_keys, entry.run_keys) == ("x:Y", ("rollout.top_p",), ("rollout.batch_size",))
+        assert "rollout.top_p" in STAGES["rollout"].outputs(cfg)
+    finally:
+        del BACKENDS["later_backend"]
+
+
+def test_a_task_and_a_layout_registered_later_give_the_prompts(tmp_path):
+    """task.name takes a task registered later, whose splits the shard stage's prompt_splits
+    returns and whose options are its keys; one the bootstrap cannot build a policy for needs
+    model.path in the workflow. task.format takes a layout registered later, which reads the file
+    after its columns are checked."""
+    import polars as pl
+
+    from otbflow.config import validate_workflow
+    from otbflow.models import tasks
+
+    @tasks.TASKS.register("fixed_test", options=("n_eval",))
+    def fixed(cfg):
+        """Two fixed prompts."""
+        rows = pl.DataFrame({"prompt": ["1+1=", "2+2="], "answer": ["2", "4"]})
+        return rows[1:], rows[:1]
+
+    @tasks.DATASET_FORMATS.register("qa_test", columns=("q", "a"))
+    def qa(df, path, prompt_template, source):
+        """Columns q, a."""
+        return tasks._text_rows(df["q"].to_list(), df["a"].to_list(), source, prompt_template)
+
+    try:
+        cfg = load_config(DEFAULT_CONFIG, ["task.name=fixed_test"])
+        train, ev = tasks.prompt_splits(cfg)
+        assert (train["prompt"].to_list(), ev["prompt"].to_list()) == (["2+2="], ["1+1="])
+        with pytest.raises(
+            ConfigError, match="'model.path': must be a local HF causal-LM folder when task.name is 'fixed_test'"
+        ):
+            validate_workflow(cfg)
+        data = tmp_path / "qa.jsonl"
+        data.write_text('{"q": "3+4=", "a": "7"}\n')
+        load_config(DEFAULT_CONFIG, ["task.name=dataset", f"task.path={data}", "task.format=qa_test"])
+        rows = tasks.load_dataset_file(data, "qa_test")
+        assert rows.select("prompt", "answer", "data_source").rows() == [("3+4=", "7", "qa_test")]
+        with pytest.raises(Exception, match="missing column 'a' \\(the qa_test layout needs q, a\\)"):
+            (tmp_path / "q.jsonl").write_text('{"q": "3+4="}\n')
+            tasks.load_dataset_file(tmp_path / "q.jsonl", "qa_test")
+    finally:
+        del tasks.TASKS["fixed_test"], tasks.DATASET_FORMATS["qa_test"]

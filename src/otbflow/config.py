@@ -30,15 +30,16 @@ from omegaconf.errors import OmegaConfBaseException
 
 from otbflow import schemas
 from otbflow.algorithms.estimators import ESTIMATORS, estimator_parameters
-from otbflow.algorithms.losses import LOSS_AGG_MODES, POLICY_LOSSES
+from otbflow.algorithms.losses import LOSS_AGGREGATIONS, POLICY_LOSSES
 from otbflow.algorithms.lr_schedule import SCHEDULES
 from otbflow.algorithms.rewards import REWARDS
-from otbflow.algorithms.rollout_is import LEVELS as ROLLOUT_IS_LEVELS
+from otbflow.algorithms.rollout_is import ROLLOUT_IS_LEVELS, weighting_levels
 from otbflow.algorithms.shaping import SHAPED_REWARDS
 
 # The registries that own the choice lists (none of them imports torch, nor this module).
-from otbflow.engines import ARCHITECTURES, BACKENDS, HF_DECODE_MODES, chat_setting, check_policy_folder
-from otbflow.models.tasks import DATASET_FORMATS
+from otbflow.engines import ARCHITECTURES, BACKENDS, HF_DECODE_MODES, TOKENIZERS, chat_setting, check_policy_folder
+from otbflow.models.tasks import DATASET_FORMATS, TASKS
+from otbflow.registry import Registry
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "config" / "config.yaml"
 
@@ -47,9 +48,7 @@ class ConfigError(ValueError):
     """A configuration problem, reported with the offending key."""
 
 
-TOKENIZERS = ("char", "bpe")
 DTYPES = ("float32", "bfloat16")
-TASKS = ("arithmetic", "dataset")
 
 
 class Names:
@@ -92,16 +91,17 @@ def opt(
     doc_allowed: str | None = None,
 ) -> Any:
     """A dataclass field with its bounds in the metadata: ``ge``/``gt``/``le``/``lt`` (numbers),
-    ``choices`` (the value is one of them), ``item_choices`` (every item of a list field is one of
+    ``choices`` (the value is one of them: a tuple; a registry, its names in registration order;
+    or ``Names``, read when a value is checked), ``item_choices`` (every item of a list field is one of
     them), ``finite`` (no nan or inf) and ``doc_allowed`` (the text that error messages give
     instead of the generated one). ``factory``: a default factory (lists)."""
     meta: dict[str, Any] = {
         k: v for k, v in {"ge": ge, "gt": gt, "le": le, "lt": lt, "doc_allowed": doc_allowed}.items() if v is not None
     }
     if choices is not None:
-        meta["choices"] = choices if isinstance(choices, Names) else tuple(choices)
+        meta["choices"] = choices if isinstance(choices, (Names, Registry)) else tuple(choices)
     if item_choices is not None:
-        meta["item_choices"] = item_choices if isinstance(item_choices, Names) else tuple(item_choices)
+        meta["item_choices"] = item_choices if isinstance(item_choices, (Names, Registry)) else tuple(item_choices)
     if finite:
         meta["finite"] = True
     if factory is not None:
@@ -479,7 +479,7 @@ class TrainConfig:
     """PPO clip: ratio upper bound 1 + clip_ratio_high (0.28 is DAPO clip-higher)."""
     clip_ratio_c: float = opt(3.0, gt=1)
     """PPO dual clip: for A < 0 the token loss is at most -A * clip_ratio_c (> 1; verl's 3.0)."""
-    loss_agg_mode: str = opt("token-mean", choices=LOSS_AGG_MODES)
+    loss_agg_mode: str = opt("token-mean", choices=LOSS_AGGREGATIONS)
     """Loss aggregation over the optimizer step's batch: token-mean | seq-mean-token-sum |
     seq-mean-token-mean | seq-mean-token-sum-norm (seq-mean-token-sum / loss_scale_factor, Dr.GRPO)."""
     loss_scale_factor: float = opt(0.0, ge=0, finite=True)
@@ -883,9 +883,9 @@ def validate_workflow(cfg: DictConfig) -> None:
     tokenizer (an experiment checks its members before their shared policy exists; a stage alone
     refuses a tokenizer far smaller than the model where it loads it)."""
     require(
-        cfg.task.name != "dataset" or cfg.model.path is not None,
+        TASKS[cfg.task.name].bootstrap or cfg.model.path is not None,
         "model.path",
-        "a local HF causal-LM folder when task.name is 'dataset' (the bootstrap builds policies for the "
+        f"a local HF causal-LM folder when task.name is '{cfg.task.name}' (the bootstrap builds policies for the "
         "built-in task only)",
         cfg.model.path,
     )
@@ -916,10 +916,11 @@ def check_staleness(cfg: DictConfig, explicit: frozenset[str] | None) -> None:
     s, tr = cfg.rollout.staleness, cfg.train
     if s == 0:
         return
+    levels = weighting_levels()
     require(
-        tr.rollout_is != "none",
+        tr.rollout_is in levels,
         "train.rollout_is",
-        f"token or sequence when rollout.staleness is {s}: stale samples need the truncated behaviour "
+        f"{' or '.join(levels)} when rollout.staleness is {s}: stale samples need the truncated behaviour "
         "weight min(pi_prox / pi_behav, C) of decoupled PPO (algorithms.md §10)",
         tr.rollout_is,
     )
@@ -946,20 +947,7 @@ def check_rules(cfg: DictConfig, explicit: frozenset[str] | None = None) -> None
         "0 or a divisor of model.n_head",
         m.n_kv_head,
     )
-    require(
-        m.arch != "gpt2" or m.n_kv_head in (0, m.n_head),
-        "model.n_kv_head",
-        "0 for model.arch gpt2 (no grouped-query attention)",
-        m.n_kv_head,
-    )
     require(chat in ("auto", "true", "false"), "task.chat", "one of auto, true, false", t.chat)
-    if m.path is None and t.name == "arithmetic":
-        require(
-            chat != "true" or m.tokenizer == "bpe",
-            "task.chat",
-            "'auto' or 'false' with model.tokenizer char (it has no chat template)",
-            t.chat,
-        )
     require(t.min_terms <= t.max_terms, "task.min_terms", "in [1, task.max_terms]", t.min_terms)
     max_len = cfg.rollout.max_new_tokens
     if t.reward_model.path is not None:
@@ -976,8 +964,6 @@ def check_rules(cfg: DictConfig, explicit: frozenset[str] | None = None) -> None
         cfg.rollout.group_size,
     )
     require(t.overlong_buffer <= max_len, "task.overlong_buffer", "<= rollout.max_new_tokens", t.overlong_buffer)
-    if t.name == "dataset":
-        require(t.path is not None, "task.path", "a JSONL or Parquet file when task.name is 'dataset'", t.path)
     require(
         "{prompt}" in t.prompt_template,
         "task.prompt_template",
@@ -1040,7 +1026,18 @@ def check_rules(cfg: DictConfig, explicit: frozenset[str] | None = None) -> None
 
 
 # The registries whose chosen entry's requirements are checked, with the key that chooses it.
-CHOSEN = ((SHAPED_REWARDS, "task.reward"), (POLICY_LOSSES, "train.loss_type"), (SCHEDULES, "train.lr_schedule"))
+CHOSEN = (
+    (ARCHITECTURES, "model.arch"),
+    (TOKENIZERS, "model.tokenizer"),
+    (TASKS, "task.name"),
+    (DATASET_FORMATS, "task.format"),
+    (SHAPED_REWARDS, "task.reward"),
+    (BACKENDS, "rollout.backend"),
+    (POLICY_LOSSES, "train.loss_type"),
+    (LOSS_AGGREGATIONS, "train.loss_agg_mode"),
+    (ROLLOUT_IS_LEVELS, "train.rollout_is"),
+    (SCHEDULES, "train.lr_schedule"),
+)
 
 
 def check_requirements(cfg: DictConfig) -> None:

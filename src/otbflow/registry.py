@@ -1,6 +1,8 @@
 """One shape for every list of choices that a config key names by name (the advantage estimators,
-the policy losses, the learning-rate schedules, the verifiable and the shaped rewards): a
-``Registry`` maps a name to an ``Entry``, which says
+the policy losses and loss aggregations, the learning-rate schedules, the verifiable and the
+shaped rewards, the rollout IS levels, the generation backends, the built models' architectures
+and tokenizers, the tasks and the dataset layouts): a ``Registry`` maps a name to an ``Entry``,
+which says
 
 - ``options``: the keys of the registry's config section that the choice reads besides the key
   that chooses it. The rerun triggers of the stages that run it hold them (``otbflow.pipeline``);
@@ -48,16 +50,17 @@ class Registry(dict):
         super().__init__()
         self.what, self.section, self.entry = what, section, entry
 
-    def register(self, name: str, *, options=(), requires=(), **fields) -> Callable[[Any], Any]:
+    def register(self, name: str, *, options=(), requires=(), doc=None, **fields) -> Callable[[Any], Any]:
         """Decorator: register the decorated function or class as ``name``; returns it unchanged.
+        ``doc``: the entry's one-line doc (default: the first line of the object's docstring).
         ``fields`` are the entry type's own (an estimator's ``needs``, a loss's ``is_mode``)."""
 
         def decorate(obj: Any) -> Any:
             if name in self:
                 raise ValueError(f"{self.what} {name!r} is registered twice")
-            doc = ((obj.__doc__ or "").strip().splitlines() or [""])[0]
+            line = doc if doc is not None else ((obj.__doc__ or "").strip().splitlines() or [""])[0]
             self[name] = self.entry(
-                name=name, obj=obj, options=tuple(options), requires=tuple(requires), doc=doc, **fields
+                name=name, obj=obj, options=tuple(options), requires=tuple(requires), doc=line, **fields
             )
             return obj
 

@@ -1,4 +1,4 @@
-"""Policy losses, their registry, and the one loss aggregation (algorithms.md §6.3-6.5).
+"""Policy losses and loss aggregations, their registries (algorithms.md §6.3-6.5).
 
 The functions take and return torch tensors but call only tensor methods, so that importing this
 module (the config reads its registries) imports no torch.
@@ -17,8 +17,6 @@ from otbflow.registry import Entry, Registry
 
 if TYPE_CHECKING:
     import torch
-
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 # What the rollout IS ratio rho is taken against (algorithms.md §6.5): the proximal policy
 # pi_old (decoupled: the loss's own ratio handles pi_theta / pi_old) or pi_theta itself (bypass).
@@ -112,6 +110,46 @@ def low_var_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return (d.exp() - d - 1.0).clamp(-10.0, 10.0)
 
 
+LOSS_AGGREGATIONS = Registry("loss aggregation", "train")
+"""The loss aggregations by name (train.loss_agg_mode): each ``fn(per_seq, m, global_tokens,
+global_seqs, scale, seq_tokens)`` (``aggregate_loss``); the config's choices are this registry."""
+
+
+@LOSS_AGGREGATIONS.register("token-mean")
+def token_mean(per_seq, m, global_tokens, global_seqs, scale, seq_tokens):
+    """sum_{i,t} m L / global_tokens."""
+    return per_seq.sum() / max(global_tokens, 1)
+
+
+@LOSS_AGGREGATIONS.register("seq-mean-token-sum")
+def seq_mean_token_sum(per_seq, m, global_tokens, global_seqs, scale, seq_tokens):
+    """sum_i sum_t m L / global_seqs."""
+    return per_seq.sum() / max(global_seqs, 1)
+
+
+@LOSS_AGGREGATIONS.register("seq-mean-token-mean")
+def seq_mean_token_mean(per_seq, m, global_tokens, global_seqs, scale, seq_tokens):
+    """sum_i (sum_t m L / (T_i + 1e-8)) / global_seqs."""
+    t = m.sum(-1) if seq_tokens is None else seq_tokens
+    return (per_seq / (t + 1e-8)).sum() / max(global_seqs, 1)
+
+
+@LOSS_AGGREGATIONS.register("seq-mean-token-sum-norm", options=("loss_scale_factor",))
+def seq_mean_token_sum_norm(per_seq, m, global_tokens, global_seqs, scale, seq_tokens):
+    """sum_i sum_t m L / global_seqs / scale (Dr.GRPO's constant C; the Aug-2026 verl form, which keeps the 1/N_seq)."""
+    return per_seq.sum() / max(global_seqs, 1) / scale
+
+
+def loss_scale(cfg: Any) -> float:
+    """The ``scale`` of ``aggregate_loss``: an aggregation that reads train.loss_scale_factor gets
+    it (0: rollout.max_new_tokens, Dr.GRPO's constant C), the others 1. Both keys are read only
+    where they are used (the train stage's keys follow: otbflow.pipeline)."""
+    tc = cfg.train
+    if "loss_scale_factor" not in LOSS_AGGREGATIONS[tc.loss_agg_mode].options:
+        return 1.0
+    return tc.loss_scale_factor or cfg.rollout.max_new_tokens
+
+
 def aggregate_loss(
     token_loss: torch.Tensor,
     mask: torch.Tensor,
@@ -121,33 +159,20 @@ def aggregate_loss(
     scale: float = 1.0,
     seq_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """This micro-batch's share of the optimizer step's loss (algorithms.md §6.3).
+    """This micro-batch's share of the optimizer step's loss under the aggregation ``mode``
+    (a name in LOSS_AGGREGATIONS; algorithms.md §6.3).
 
     ``token_loss`` and ``mask`` are [B, T]. ``global_tokens`` (valid tokens) and ``global_seqs``
     (sequences with at least one valid token) count the whole step's batch over all micro-batches
-    and ranks, so the shares of all micro-batches add up to the full-batch value:
-
-    - token-mean:              sum_{i,t} m L / global_tokens
-    - seq-mean-token-sum:      sum_i sum_t m L / global_seqs
-    - seq-mean-token-mean:     sum_i (sum_t m L / (T_i + 1e-8)) / global_seqs
-    - seq-mean-token-sum-norm: sum_i sum_t m L / global_seqs / scale   (Dr.GRPO's constant C;
-      the Aug-2026 verl form, which keeps the 1/N_seq)
-
-    T_i is ``seq_tokens`` (default: sum_t m). Masking a sequence out of the loss (TRM) while
-    keeping it in the counts is done by zeroing its ``token_loss`` rows.
+    and ranks, so the shares of all micro-batches add up to the full-batch value. T_i is
+    ``seq_tokens`` (default: sum_t m). Masking a sequence out of the loss (TRM) while keeping it in
+    the counts is done by zeroing its ``token_loss`` rows.
     """
+    if mode not in LOSS_AGGREGATIONS:
+        raise ValueError(f"unknown loss_agg_mode {mode!r}; one of {', '.join(LOSS_AGGREGATIONS)}")
     m = mask.to(token_loss.dtype)
     per_seq = (token_loss * m).sum(-1)
-    if mode == "token-mean":
-        return per_seq.sum() / max(global_tokens, 1)
-    if mode == "seq-mean-token-sum":
-        return per_seq.sum() / max(global_seqs, 1)
-    if mode == "seq-mean-token-mean":
-        t = m.sum(-1) if seq_tokens is None else seq_tokens
-        return (per_seq / (t + 1e-8)).sum() / max(global_seqs, 1)
-    if mode == "seq-mean-token-sum-norm":
-        return per_seq.sum() / max(global_seqs, 1) / scale
-    raise ValueError(f"unknown loss_agg_mode {mode!r}; one of {', '.join(LOSS_AGG_MODES)}")
+    return LOSS_AGGREGATIONS[mode].obj(per_seq, m, global_tokens, global_seqs, scale, seq_tokens)
 
 
 def trm_keep(seq_max_k2: np.ndarray, seq_mean_k3: np.ndarray, max_k2: float, mean_k3: float) -> np.ndarray:

@@ -18,35 +18,86 @@ from typing import Any, Protocol
 
 from omegaconf import DictConfig
 
+from otbflow.registry import Entry, Registry, Requirement
+
 
 @dataclass(frozen=True)
-class BackendEntry:
-    """A generation backend: where its class lives (loaded by name: vLLM is not importable in
-    every environment), the config keys that change its samples and those that change only how
-    it runs (otbflow.pipeline's rollout, evaluate and variance_pool stages read these)."""
+class BackendEntry(Entry):
+    """A generation backend: ``obj`` is where its class lives, "module:Class" (loaded by name: vLLM
+    is not importable in every environment); its options are the rollout.* keys it reads, and
+    ``samples`` those of them that change its samples (the others change only how it runs).
+    otbflow.pipeline's rollout, evaluate and variance_pool stages read ``sample_keys`` and
+    ``run_keys``."""
 
-    target: str
-    sample_keys: tuple[str, ...] = ()
-    run_keys: tuple[str, ...] = ()
+    samples: tuple[str, ...] = ()
+
+    @property
+    def target(self) -> str:
+        return self.obj
+
+    @property
+    def sample_keys(self) -> tuple[str, ...]:
+        return tuple(f"rollout.{k}" for k in self.samples)
+
+    @property
+    def run_keys(self) -> tuple[str, ...]:
+        return tuple(f"rollout.{k}" for k in self.options if k not in self.samples)
 
 
-# The backends by name (rollout.backend): the config's choices are these keys.
-BACKENDS = {
-    # every row draws its own noise: the batch size changes memory and speed (samples only by rounding)
-    # and so does the decode loop (rollout.hf_decode)
-    "hf": BackendEntry("otbflow.engines.hf:HFBackend", run_keys=("rollout.batch_size", "rollout.hf_decode")),
-    # tensor parallelism changes the reductions' order
-    "vllm": BackendEntry(
-        "otbflow.engines.vllm:VLLMBackend",
-        sample_keys=("rollout.tensor_parallel_size",),
-        run_keys=("rollout.gpu_memory_utilization", "rollout.kv_cache_gib", "rollout.enforce_eager"),
-    ),
-}
+BACKENDS = Registry("backend", "rollout", entry=BackendEntry)
 """The generation engines by ``rollout.backend`` name (the config takes its choices from here, so
-this module imports neither the config nor the engines)."""
+this module imports neither the config nor the engines). Add one with
+``BACKENDS.register("name", options=..., samples=..., doc=...)("module:Class")``."""
+# every row draws its own noise: the batch size changes memory and speed (samples only by rounding)
+# and so does the decode loop (rollout.hf_decode)
+BACKENDS.register("hf", options=("batch_size", "hf_decode"), doc="transformers' generate, CPU or GPU")(
+    "otbflow.engines.hf:HFBackend"
+)
+# tensor parallelism changes the reductions' order
+BACKENDS.register(
+    "vllm",
+    options=("tensor_parallel_size", "gpu_memory_utilization", "kv_cache_gib", "enforce_eager"),
+    samples=("tensor_parallel_size",),
+    doc="vLLM, GPU only, own environment",
+)("otbflow.engines.vllm:VLLMBackend")
 
-ARCHITECTURES = ("gpt2", "llama", "qwen2")
-"""The architectures of the models otbflow builds (``model.arch``; ``otbflow.models.policy.tiny_model_config``)."""
+ARCHITECTURES = Registry("architecture", "model")
+"""The architectures of the models otbflow builds (``model.arch``), each the name of its
+transformers model class (``otbflow.models.policy.tiny_model_config`` builds its config)."""
+ARCHITECTURES.register(
+    "gpt2",
+    requires=(
+        Requirement(
+            "model.n_kv_head",
+            "0 (no grouped-query attention)",
+            lambda n_kv_head, cfg: n_kv_head in (0, cfg.model.n_head),
+        ),
+    ),
+    doc="GPT-2",
+)("GPT2LMHeadModel")
+ARCHITECTURES.register("llama", options=("n_kv_head",), doc="Llama, untied embeddings")("LlamaForCausalLM")
+ARCHITECTURES.register("qwen2", options=("n_kv_head",), doc="Qwen2: q/k/v biases, tied embeddings")("Qwen2ForCausalLM")
+
+TOKENIZERS = Registry("tokenizer", "model")
+"""The tokenizers of the models otbflow builds (``model.tokenizer``), each the name of its
+builder in ``otbflow.models.policy`` (``build_tokenizer``)."""
+TOKENIZERS.register(
+    "char",
+    requires=(
+        Requirement(
+            "task.chat",
+            "'auto' or 'false' when the bootstrap builds the policy (it has no chat template)",
+            # a model.path policy brings its own tokenizer; the bootstrap builds for the built-in task only
+            lambda chat, cfg: (
+                cfg.model.path is not None or cfg.task.name != "arithmetic" or chat_setting(cfg) != "true"
+            ),
+        ),
+    ),
+    doc="one token per character, no chat template",
+)("build_char_tokenizer")
+TOKENIZERS.register(
+    "bpe", options=("vocab_size",), doc="a byte-level BPE trained on the task's text, with a ChatML chat template"
+)("build_bpe_tokenizer")
 
 HF_DECODE_MODES = ("auto", "eager", "static", "compiled")
 """The hf backend's decode loops (``rollout.hf_decode``; ``otbflow.engines.hf.generation_config``)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -23,6 +24,7 @@ from omegaconf import DictConfig
 from otbflow.algorithms.rewards import last_boxed
 from otbflow.engines import PROMPT_CHARS_PER_POSITION, model_config, model_positions, prompt_char_limit
 from otbflow.io import SchemaError
+from otbflow.registry import Entry, Registry, Requirement
 from otbflow.seeds import derive_seed, task_seed
 
 
@@ -83,14 +85,31 @@ def arithmetic_prompts(
     return out
 
 
-DATASET_FORMATS = ("auto", "prompt_answer", "verl", "gsm8k", "math")
-# The columns each layout needs (verl: `prompt` holds a list of {role, content} messages).
-LAYOUT_COLUMNS = {
-    "prompt_answer": ("prompt", "answer"),
-    "verl": ("prompt", "reward_model"),
-    "gsm8k": ("question", "answer"),
-    "math": ("problem", "solution"),
-}
+@dataclass(frozen=True)
+class Task(Entry):
+    """A prompt source (``task.name``): ``obj`` is ``splits(cfg) -> (train, eval)`` prompt tables
+    (``prompt_splits``), its options the task.* keys it reads beside task.seed and task.n_eval, and
+    ``bootstrap`` whether the bootstrap stage builds and warm-starts a policy for it (otherwise
+    model.path must name one)."""
+
+    bootstrap: bool = False
+
+
+TASKS = Registry("task", "task", entry=Task)
+"""The prompt sources by name (task.name): the config's choices are this registry."""
+
+
+@dataclass(frozen=True)
+class Layout(Entry):
+    """A dataset layout (``task.format``): ``obj`` is ``rows(df, path, prompt_template, source)``,
+    the file's table as the columns of ``DATASET_COLUMNS``; ``columns`` the columns it needs, the
+    prompt's first. 'auto' is ``detect_format``, which names the layout of a file."""
+
+    columns: tuple[str, ...] = ()
+
+
+DATASET_FORMATS = Registry("dataset format", "task", entry=Layout)
+"""The dataset layouts by name (task.format): the config's choices are this registry."""
 
 
 def read_dataset_file(path: str | Path) -> pl.DataFrame:
@@ -155,17 +174,18 @@ def _check_texts(path, column: str, values: list, what: str, strings_only: bool 
         raise _bad_rows(path, column, bad, f"empty {what}")
 
 
+@DATASET_FORMATS.register("auto", doc="the layout its columns show")
 def detect_format(df: pl.DataFrame, path: str | Path) -> str:
     """The layout of a dataset from its columns (task.format: auto)."""
     cols = set(df.columns)
     if "prompt" in cols and isinstance(df.schema["prompt"], pl.List):
         return "verl"
     for name in ("prompt_answer", "gsm8k", "math"):
-        if set(LAYOUT_COLUMNS[name]) <= cols:
+        if set(DATASET_FORMATS[name].columns) <= cols:
             return name
-    partial = [name for name, need in LAYOUT_COLUMNS.items() if name != "verl" and cols & set(need)]
+    partial = [name for name in ("prompt_answer", "gsm8k", "math") if cols & set(DATASET_FORMATS[name].columns)]
     if len(partial) == 1:  # one layout's columns in part: name what it lacks
-        need = LAYOUT_COLUMNS[partial[0]]
+        need = DATASET_FORMATS[partial[0]].columns
         missing = next(c for c in need if c not in cols)
         raise SchemaError(f"{path}: missing column '{missing}' (the {partial[0]} layout needs {', '.join(need)})")
     raise SchemaError(
@@ -274,7 +294,7 @@ def load_dataset_file(
         if bad:
             raise _bad_rows(
                 path,
-                LAYOUT_COLUMNS[fmt][0],
+                DATASET_FORMATS[fmt].columns[0],
                 bad,
                 f"{sizes[bad[0]]:,} characters, more than {max_prompt_chars:,} ({PROMPT_CHARS_PER_POSITION} per "
                 "position of model.path's model): no such prompt fits its positions",
@@ -286,7 +306,7 @@ def _dataset_rows(path: str | Path, fmt: str, prompt_template: str) -> tuple[pl.
     """``load_dataset_file``'s table and the layout it read."""
     df = read_dataset_file(path)
     fmt = detect_format(df, path) if fmt == "auto" else fmt
-    needed = LAYOUT_COLUMNS[fmt]
+    needed = DATASET_FORMATS[fmt].columns
     for col in needed:
         if col not in df.columns:
             raise SchemaError(f"{path}: missing column '{col}' (the {fmt} layout needs {', '.join(needed)})")
@@ -297,40 +317,67 @@ def _dataset_rows(path: str | Path, fmt: str, prompt_template: str) -> tuple[pl.
     source = (
         df["data_source"].cast(pl.String).fill_null(fmt).to_list() if "data_source" in df.columns else [fmt] * df.height
     )
-    if fmt == "verl":
-        if prompt_template != "{prompt}":
-            raise SchemaError(
-                f"{path}: task.prompt_template applies to text prompts; this verl file's prompts "
-                "are chat messages, used as they are (set task.prompt_template to '{prompt}')"
-            )
-        return _verl_rows(df, path), fmt
-    prompt_column = LAYOUT_COLUMNS[fmt][0]
-    if fmt == "prompt_answer" and isinstance(df.schema["prompt"], pl.List):
+    return DATASET_FORMATS[fmt].obj(df, path, prompt_template, source), fmt
+
+
+def _prompts(df: pl.DataFrame, path, column: str) -> list:
+    """The text prompts of ``column``, refused where one is no string or empty."""
+    prompts = _as_given(path, df, column)
+    _check_texts(path, column, prompts, "prompt")
+    return prompts
+
+
+@DATASET_FORMATS.register("prompt_answer", columns=("prompt", "answer"))
+def prompt_answer_rows(df: pl.DataFrame, path, prompt_template: str, source: list[str]) -> pl.DataFrame:
+    """String columns prompt, answer."""
+    if isinstance(df.schema["prompt"], pl.List):
         raise SchemaError(f"{path}: column 'prompt' holds lists (messages?): use task.format verl")
-    prompts = _as_given(path, df, prompt_column)
-    _check_texts(path, prompt_column, prompts, "prompt")
-    if fmt == "prompt_answer":
-        answers = [str(a) for a in df["answer"].to_list()]
-        _check_texts(path, "answer", answers, ANSWER, strings_only=False)
-        return _text_rows(prompts, answers, source, prompt_template), fmt
-    if fmt == "gsm8k":
-        solutions = df["answer"].cast(pl.String).to_list()
-        bad = [i for i, a in enumerate(solutions) if "####" not in a]
-        if bad:
-            raise _bad_rows(path, "answer", bad, "no '#### <answer>' line (GSM8K layout)")
-        answers = [a.rsplit("####", 1)[1].strip().replace(",", "") for a in solutions]
-        _check_texts(path, "answer", answers, ANSWER + " after '####'", strings_only=False)
-        return _text_rows(prompts, answers, source, prompt_template), fmt
+    prompts = _prompts(df, path, "prompt")
+    answers = [str(a) for a in df["answer"].to_list()]
+    _check_texts(path, "answer", answers, ANSWER, strings_only=False)
+    return _text_rows(prompts, answers, source, prompt_template)
+
+
+@DATASET_FORMATS.register("verl", columns=("prompt", "reward_model"))
+def verl_rows(df: pl.DataFrame, path, prompt_template: str, source: list[str]) -> pl.DataFrame:
+    """verl's RL Parquet: prompt a list of {role, content} messages, reward_model.ground_truth, data_source."""
+    if prompt_template != "{prompt}":
+        raise SchemaError(
+            f"{path}: task.prompt_template applies to text prompts; this verl file's prompts "
+            "are chat messages, used as they are (set task.prompt_template to '{prompt}')"
+        )
+    return _verl_rows(df, path)
+
+
+@DATASET_FORMATS.register("gsm8k", columns=("question", "answer"))
+def gsm8k_rows(df: pl.DataFrame, path, prompt_template: str, source: list[str]) -> pl.DataFrame:
+    """HF GSM8K: question, and answer ending in '#### x'."""
+    prompts = _prompts(df, path, "question")
+    solutions = df["answer"].cast(pl.String).to_list()
+    bad = [i for i, a in enumerate(solutions) if "####" not in a]
+    if bad:
+        raise _bad_rows(path, "answer", bad, "no '#### <answer>' line (GSM8K layout)")
+    answers = [a.rsplit("####", 1)[1].strip().replace(",", "") for a in solutions]
+    _check_texts(path, "answer", answers, ANSWER + " after '####'", strings_only=False)
+    return _text_rows(prompts, answers, source, prompt_template)
+
+
+@DATASET_FORMATS.register("math", columns=("problem", "solution"))
+def math_rows(df: pl.DataFrame, path, prompt_template: str, source: list[str]) -> pl.DataFrame:
+    """MATH: problem, and solution with the answer in its last \\boxed{}."""
+    prompts = _prompts(df, path, "problem")
     boxed = [last_boxed(str(s)) for s in df["solution"].to_list()]
     bad = [i for i, b in enumerate(boxed) if b is None]
     if bad:
         raise _bad_rows(path, "solution", bad, "no \\boxed{} answer (MATH layout)")
     answers = [b.strip() for b in boxed]
     _check_texts(path, "solution", answers, ANSWER + " in its last \\boxed{}", strings_only=False)
-    return _text_rows(prompts, answers, source, prompt_template), fmt
+    return _text_rows(prompts, answers, source, prompt_template)
 
 
+@TASKS.register("arithmetic", options=("n_train", "min_terms", "max_terms", "max_operand"), bootstrap=True)
 def synthetic_splits(cfg: DictConfig) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """The built-in synthetic multi-step arithmetic task with a scratchpad."""
     t = cfg.task
     rows = arithmetic_prompts(
         t.n_train + t.n_eval, derive_seed(task_seed(cfg), "task"), t.min_terms, t.max_terms, t.max_operand
@@ -356,7 +403,13 @@ def max_prompt_chars(cfg: DictConfig) -> int | None:
     return None if found is None else prompt_char_limit(found[0])
 
 
+@TASKS.register(
+    "dataset",
+    options=("path", "eval_path", "format", "prompt_template"),
+    requires=(Requirement("task.path", "a JSONL or Parquet file", lambda path, cfg: path is not None),),
+)
 def dataset_splits(cfg: DictConfig) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Prompts and answers read from task.path (JSONL or Parquet, in a layout of task.format)."""
     t = cfg.task
     limit = max_prompt_chars(cfg)
     df = load_dataset_file(t.path, t.format, t.prompt_template, limit)
@@ -372,4 +425,4 @@ def dataset_splits(cfg: DictConfig) -> tuple[pl.DataFrame, pl.DataFrame]:
 
 def prompt_splits(cfg: DictConfig) -> tuple[pl.DataFrame, pl.DataFrame]:
     """(training prompts, eval prompts) of the task, shuffled and split with the prompt set's seed."""
-    return synthetic_splits(cfg) if cfg.task.name == "arithmetic" else dataset_splits(cfg)
+    return TASKS[cfg.task.name].obj(cfg)

@@ -20,7 +20,7 @@ from otbflow.engines.hf import hf_generate
 from otbflow.io import atomic_dir, write_parquet
 from otbflow.models.logits import padded
 from otbflow.models.policy import build_tiny_model, build_tokenizer, encode, set_threads
-from otbflow.models.tasks import arithmetic_problem, arithmetic_prompts, arithmetic_solution, synthetic_splits
+from otbflow.models.tasks import TASKS, arithmetic_problem, arithmetic_prompts, arithmetic_solution, synthetic_splits
 from otbflow.seeds import derive_seed
 
 log = logging.getLogger("otbflow.bootstrap")
@@ -88,10 +88,10 @@ def tokenizer_corpus(cfg: DictConfig) -> list[str]:
 
 
 def run(cfg: DictConfig, args: Args) -> None:
-    if cfg.task.name != "arithmetic":
+    if not TASKS[cfg.task.name].bootstrap:
         raise ValueError(
             "the bootstrap builds a policy for the synthetic task only; set model.path "
-            "to a local HF causal-LM folder for task.name=dataset"
+            f"to a local HF causal-LM folder for task.name={cfg.task.name}"
         )
     set_threads()
     b, t = cfg.bootstrap, cfg.task

@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 from otbflow import schemas
 from otbflow.algorithms.estimators import total_power, variance_proxies
-from otbflow.algorithms.losses import aggregate_loss, low_var_kl, policy_token_loss, trm_keep
+from otbflow.algorithms.losses import aggregate_loss, loss_scale, low_var_kl, policy_token_loss, trm_keep
 from otbflow.algorithms.vocab_pruning import PRUNING_STATS
 from otbflow.io import check_finite, read_table
 from otbflow.models.logits import pack, padded, response_token_stats, to_padded
@@ -155,9 +155,7 @@ class Trainer:
                 )
             kl_ref = low_var_kl(logp, to_padded(ref_flat, batch, len(rows)))
             token_loss = token_loss + tc.kl_coef * kl_ref
-        scale = 1.0  # Dr.GRPO's constant C, read only where it is used
-        if tc.loss_agg_mode == "seq-mean-token-sum-norm":
-            scale = tc.loss_scale_factor or cfg.rollout.max_new_tokens
+        scale = loss_scale(cfg)  # Dr.GRPO's constant C, read only where it is used
         loss = aggregate_loss(token_loss * keep, mask, tc.loss_agg_mode, global_tokens, global_seqs, scale)
         # DeepSpeed averages gradients over ranks, and scale_wrt_gas=False stops it from also
         # dividing by the accumulation steps: the step-wide normalisers already did both.
