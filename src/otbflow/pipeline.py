@@ -28,11 +28,13 @@ from typing import Callable
 from omegaconf import DictConfig, OmegaConf
 
 from otbflow.algorithms.estimators import estimator_parameters, studied, study_keys
-from otbflow.algorithms.losses import POLICY_LOSSES
+from otbflow.algorithms.losses import LOSS_AGGREGATIONS, POLICY_LOSSES
 from otbflow.algorithms.lr_schedule import SCHEDULES
+from otbflow.algorithms.rollout_is import ROLLOUT_IS_LEVELS
 from otbflow.algorithms.shaping import shaping_keys, verifier_keys
 from otbflow.config import ConfigError, section_digest
-from otbflow.engines import BACKENDS
+from otbflow.engines import ARCHITECTURES, BACKENDS, TOKENIZERS
+from otbflow.models.tasks import TASKS
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,7 @@ def sampling_engine(cfg: DictConfig) -> list[str]:
 
 def rollout_is_keys(cfg: DictConfig) -> list[str]:
     """The rollout IS weights' level, and their truncation where they are on."""
-    return ["train.rollout_is"] + (["train.rollout_is_threshold"] if cfg.train.rollout_is != "none" else [])
+    return ["train.rollout_is", *ROLLOUT_IS_LEVELS.option_keys(cfg.train.rollout_is)]
 
 
 # The live curves of a job (otbflow.ops.tracking): how it reports, never what it writes.
@@ -139,10 +141,9 @@ def scoring(cfg: DictConfig) -> list[str]:
 
 
 def prompt_set(cfg: DictConfig) -> list[str]:
-    dataset = ["task.path", "task.eval_path", "task.format", "task.prompt_template"]
-    synthetic = ["task.min_terms", "task.max_terms", "task.max_operand", "task.n_train"]
+    """The keys that make the prompts: the task's own options (otbflow.models.tasks.TASKS) and its split."""
     common = ["task.seed", "task.name", "task.n_eval"] + (["seed"] if cfg.task.seed is None else [])
-    return common + (synthetic if cfg.task.name == "arithmetic" else dataset)
+    return common + TASKS.option_keys(cfg.task.name)
 
 
 # ------------------------------------------------------------------------------------------
@@ -153,8 +154,7 @@ def prompt_set(cfg: DictConfig) -> list[str]:
 def _bootstrap(cfg: DictConfig) -> list[str]:
     m = cfg.model
     model = ["model.arch", "model.tokenizer", "model.n_layer", "model.n_embd", "model.n_head", "model.n_positions"]
-    model += ["model.vocab_size"] if m.tokenizer == "bpe" else []
-    model += ["model.n_kv_head"] if m.arch != "gpt2" else []
+    model += [*TOKENIZERS.option_keys(m.tokenizer), *ARCHITECTURES.option_keys(m.arch)]
     # the held-out checks avoid the eval split, which depends on the whole synthetic prompt set
     keys = ["seed", *model, "bootstrap", *prompt_set(cfg), *RENDERING, "rollout.max_new_tokens"]
     return list(dict.fromkeys(keys))
@@ -199,16 +199,14 @@ def _train(cfg: DictConfig) -> list[str]:
     keys += ["loss_type", "loss_agg_mode", "kl_coef", "entropy_coef", "rollout_is", "trm", "lr_schedule"]
     keys += ["lr_warmup_steps", "max_grad_norm", "max_consecutive_skips", "reset_optimizer", "zero_stage", "bf16"]
     keys += ["packing", *(["packing_row_tokens"] if t.packing else [])]
-    keys += [*POLICY_LOSSES[t.loss_type].options, *SCHEDULES[t.lr_schedule].options]
-    if t.loss_agg_mode == "seq-mean-token-sum-norm":
-        keys += ["loss_scale_factor"]
-    if t.rollout_is != "none":
-        keys += ["rollout_is_threshold"]
+    aggregation = LOSS_AGGREGATIONS[t.loss_agg_mode].options
+    keys += [*POLICY_LOSSES[t.loss_type].options, *SCHEDULES[t.lr_schedule].options, *aggregation]
+    keys += ROLLOUT_IS_LEVELS[t.rollout_is].options
     other = ["seed", "rollout.temperature", "rollout.min_p", "mismatch.max_k2", "mismatch.mean_k3"]
-    if t.loss_agg_mode == "seq-mean-token-sum-norm" and t.loss_scale_factor == 0:
-        other += ["rollout.max_new_tokens"]
-    if t.lr_schedule == "cosine" and t.lr_decay_steps == 0:
-        other += ["iterations"]  # the cosine horizon; otherwise more iterations keep the finished ones
+    if "loss_scale_factor" in aggregation and t.loss_scale_factor == 0:
+        other += ["rollout.max_new_tokens"]  # the scale defaults to the longest response (losses.loss_scale)
+    if "lr_decay_steps" in SCHEDULES[t.lr_schedule].options and t.lr_decay_steps == 0:
+        other += ["iterations"]  # the decay's horizon; otherwise more iterations keep the finished ones
     return [*(f"train.{k}" for k in dict.fromkeys(keys)), *other]
 
 
