@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from otbflow.pipeline import EVERY_STAGE_EXECUTION, STAGES
 
 
 class RecordingConfig:
@@ -60,3 +62,63 @@ class RecordingConfig:
 
     def __setattr__(self, key: str, value: Any) -> None:
         raise TypeError("the config is read-only")
+
+
+# ------------------------------------------------------------------------------------------
+# A stage's reads against the stage table (tests/test_stage_keys.py; a stage's own test may check its reads too)
+# ------------------------------------------------------------------------------------------
+
+
+def declared(stage: str, cfg: DictConfig) -> tuple[set[str], set[str]]:
+    """The stage's (output-changing, execution-only) keys, sections expanded to their leaves."""
+
+    def leaves(key: str) -> set[str]:
+        node = OmegaConf.select(cfg, key)
+        if isinstance(node, DictConfig):
+            return {f"{key}.{k}" for k in node if not isinstance(node[k], DictConfig)}
+        return {key}
+
+    s = STAGES[stage]
+    outputs = set().union(*(leaves(k) for k in s.outputs(cfg)))
+    return outputs, set().union(*(leaves(k) for k in (*s.execution, *EVERY_STAGE_EXECUTION)))
+
+
+def data_dependent(cfg: DictConfig) -> set[str]:
+    """Declared keys that a short run may not reach: read only once the data make it so.
+    length_decay checks for a surge only after length_baseline_steps + patience steps, and sets
+    the halving period and the floor only once it found one. The cosine reward reads a branch's
+    values only for a response in that branch (the variance pool's few responses may all be wrong)."""
+    keys = set()
+    if cfg.train.lr_schedule == "length_decay":
+        keys |= {"train.length_surge_factor", "train.length_period_factor", "train.lr_min_ratio"}
+    if cfg.task.reward == "cosine":
+        keys |= {f"task.cosine.{k}" for k in ("correct_min", "correct_max", "wrong_min", "wrong_max")}
+        keys |= {"task.cosine.repetition_ngram", "task.cosine.repetition_max"}
+    return keys
+
+
+def check(stage: str, column: str, cfg: DictConfig, reads: set[str]) -> list[str]:
+    outputs, execution = declared(stage, cfg)
+    problems = []
+    if missing := sorted(reads - outputs - execution):
+        problems.append(f"{stage} [{column}] reads keys its declaration lacks: {missing}")
+    if unread := sorted(outputs - reads - data_dependent(cfg)):
+        problems.append(f"{stage} [{column}] declares keys it never reads: {unread}")
+    return problems
+
+
+def run_recorded(stage: str, cfg: DictConfig, **args) -> set[str]:
+    """The keys ``stage`` reads. The train stage digests its own declared keys (the identity of
+    its resumable checkpoints, otbflow.pipeline.trigger): that digest reads the config unrecorded,
+    or every declared key would count as read."""
+    import importlib
+    from unittest import mock
+
+    from otbflow import pipeline
+
+    mod = importlib.import_module(STAGES[stage].module)
+    recorded = RecordingConfig(cfg)
+    unrecorded = pipeline.trigger
+    with mock.patch.object(pipeline, "trigger", lambda c, name: unrecorded(getattr(c, "_node", c), name)):
+        mod.run(recorded, mod.Args(**args))
+    return recorded.reads

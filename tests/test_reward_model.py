@@ -292,18 +292,19 @@ def test_the_config_checks_the_folder_before_anything_runs(gpt2_rm, tmp_path):
 
 def test_the_score_stage_adds_the_weighted_score_to_the_reward(gpt2_rm, rollouts_path, tmp_path):
     """The score stage's table: the rollout's columns unchanged but the reward, rm_score equal to
-    each pair scored alone, and reward = the rollout's reward + weight * rm_score."""
+    each pair scored alone, and reward = the rollout's reward + weight * rm_score. It reads the
+    config keys its stage table entry declares, no other."""
     from conftest import tiny_config
+    from keyreads import check, run_recorded
 
     from otbflow import schemas
     from otbflow.io import read_table
     from otbflow.stages import score
 
     out = tmp_path / "scored.parquet"
-    score.run(
-        tiny_config(f"task.reward_model.path={gpt2_rm}", "task.reward_model.weight=0.5"),
-        score.Args(str(rollouts_path), str(out)),
-    )
+    cfg = tiny_config(f"task.reward_model.path={gpt2_rm}", "task.reward_model.weight=0.5")
+    reads = run_recorded("score", cfg, rollouts=str(rollouts_path), out=str(out))
+    assert not check("score", "weight 0.5", cfg, reads)
     before, after = read_table(rollouts_path, schemas.ROLLOUTS), read_table(out, schemas.ROLLOUTS)
     assert after.drop("reward", "rm_score").equals(before.drop("reward"))
     rm = RewardModel(gpt2_rm)

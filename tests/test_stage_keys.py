@@ -4,7 +4,8 @@ Every stage runs on tiny data with a config that records each key read (tests/ke
 over a matrix of configs (loss types, estimators, schedules, tokenizers; the vLLM backend for the
 rollout stage where .venv-vllm exists). A key that a stage reads must be declared as
 output-changing (its rerun trigger) or execution-only; a key declared output-changing must be
-read. Either failure names the stage, the config and the keys.
+read. Either failure names the stage, the config and the keys. A stage outside the chain may
+check its reads beside its own test (the score stage: tests/test_reward_model.py).
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, tiny_config, vllm_env, vllm_python
-from keyreads import RecordingConfig
+from keyreads import check, run_recorded
 from omegaconf import DictConfig, OmegaConf
 
 from otbflow.algorithms.rewards import REWARDS, register
-from otbflow.pipeline import EVERY_STAGE_EXECUTION, STAGES
+from otbflow.pipeline import STAGES
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -113,61 +114,6 @@ MATRIX = {
 }
 
 
-def declared(stage: str, cfg: DictConfig) -> tuple[set[str], set[str]]:
-    """The stage's (output-changing, execution-only) keys, sections expanded to their leaves."""
-
-    def leaves(key: str) -> set[str]:
-        node = OmegaConf.select(cfg, key)
-        if isinstance(node, DictConfig):
-            return {f"{key}.{k}" for k in node if not isinstance(node[k], DictConfig)}
-        return {key}
-
-    s = STAGES[stage]
-    outputs = set().union(*(leaves(k) for k in s.outputs(cfg)))
-    return outputs, set().union(*(leaves(k) for k in (*s.execution, *EVERY_STAGE_EXECUTION)))
-
-
-def data_dependent(cfg: DictConfig) -> set[str]:
-    """Declared keys that a short run may not reach: read only once the data make it so.
-    length_decay checks for a surge only after length_baseline_steps + patience steps, and sets
-    the halving period and the floor only once it found one. The cosine reward reads a branch's
-    values only for a response in that branch (the variance pool's few responses may all be wrong)."""
-    keys = set()
-    if cfg.train.lr_schedule == "length_decay":
-        keys |= {"train.length_surge_factor", "train.length_period_factor", "train.lr_min_ratio"}
-    if cfg.task.reward == "cosine":
-        keys |= {f"task.cosine.{k}" for k in ("correct_min", "correct_max", "wrong_min", "wrong_max")}
-        keys |= {"task.cosine.repetition_ngram", "task.cosine.repetition_max"}
-    return keys
-
-
-def check(stage: str, column: str, cfg: DictConfig, reads: set[str]) -> list[str]:
-    outputs, execution = declared(stage, cfg)
-    problems = []
-    if missing := sorted(reads - outputs - execution):
-        problems.append(f"{stage} [{column}] reads keys its declaration lacks: {missing}")
-    if unread := sorted(outputs - reads - data_dependent(cfg)):
-        problems.append(f"{stage} [{column}] declares keys it never reads: {unread}")
-    return problems
-
-
-def run_recorded(stage: str, cfg: DictConfig, **args) -> set[str]:
-    """The keys ``stage`` reads. The train stage digests its own declared keys (the identity of
-    its resumable checkpoints, otbflow.pipeline.trigger): that digest reads the config unrecorded,
-    or every declared key would count as read."""
-    import importlib
-    from unittest import mock
-
-    from otbflow import pipeline
-
-    mod = importlib.import_module(STAGES[stage].module)
-    recorded = RecordingConfig(cfg)
-    unrecorded = pipeline.trigger
-    with mock.patch.object(pipeline, "trigger", lambda c, name: unrecorded(getattr(c, "_node", c), name)):
-        mod.run(recorded, mod.Args(**args))
-    return recorded.reads
-
-
 def run_chain(tmp: Path, cfg: DictConfig, policy: str | None = None) -> dict[str, set[str]]:
     """Every stage of one iteration (and the report over it), each on the previous one's
     outputs, the train and evaluate stages with their live curves (under cfg.results_dir); the
@@ -180,10 +126,6 @@ def run_chain(tmp: Path, cfg: DictConfig, policy: str | None = None) -> dict[str
     prompts = str(tmp / "data" / "train" / "shard_0.parquet")
     rollouts, features, adv = tmp / "rollout.parquet", tmp / "features.parquet", tmp / "advantages.parquet"
     reads["rollout"] = run_recorded("rollout", cfg, prompts=prompts, policy=policy, out=str(rollouts), iteration=1)
-    if cfg.task.reward_model.path is not None:  # the chain reads the scored table, as the workflow does
-        scored = tmp / "scored.parquet"
-        reads["score"] = run_recorded("score", cfg, rollouts=str(rollouts), out=str(scored))
-        rollouts = scored
     reads["features"] = run_recorded("features", cfg, rollouts=str(rollouts), policy=policy, out=str(features))
     reads["advantages"] = run_recorded(
         "advantages", cfg, features=[str(features)], out=str(adv), comparison=str(tmp / "comparison.parquet")
@@ -241,7 +183,8 @@ def run_chain(tmp: Path, cfg: DictConfig, policy: str | None = None) -> dict[str
 @pytest.mark.parametrize("column", sorted(MATRIX))
 def test_every_stage_reads_what_the_table_declares(column, tmp_path):
     extra = []
-    if column == "dapo":  # with a learned reward model: the score stage too
+    if column == "dapo":  # with a learned reward model, which no stage of the chain reads (the score
+        # stage's reads are checked beside its test, tests/test_reward_model.py)
         from conftest import save_reward_model
 
         from otbflow.models.policy import build_char_tokenizer
@@ -265,7 +208,7 @@ def test_the_dataset_prompt_set_is_declared(tmp_path):
 RECORD = """
 import json, sys
 sys.path.insert(0, {tests!r})
-from keyreads import RecordingConfig
+from keyreads import check, run_recorded
 from otbflow.config import load_config
 import importlib
 cfg = load_config(None, {overrides!r})

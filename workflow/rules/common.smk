@@ -310,14 +310,6 @@ def policy_for_rollout(wildcards):
     return start_policy(behaviour_iteration(wildcards))
 
 
-def scored_rollouts(k="{k}", s="{s}"):
-    """The rollouts table of iteration k, shard s that the chain reads: the score stage's (the
-    learned reward model's score added to the reward) with task.reward_model.path, else the
-    rollout stage's."""
-    stage = "scored" if CFG.task.reward_model.path is not None else "shard"
-    return f"{R}/iter_{k}/rollout/{stage}_{s}.parquet"
-
-
 def previous_schedule_state(wildcards):
     """The LR schedule continues from the previous iteration's train stage (none at k = 0)."""
     k = int(wildcards.k)

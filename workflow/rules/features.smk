@@ -1,6 +1,6 @@
 rule features:
     input:
-        rollouts=scored_rollouts(),
+        rollouts=CHAIN_ROLLOUTS,
         policy=policy_for_iteration,
     output:
         out=f"{R}/iter_{{k}}/features/shard_{{s}}.parquet",

@@ -2,7 +2,7 @@ rule report:
     input:
         summaries=[f"{R}/initial/eval/summary.parquet"] + expand(f"{R}/iter_{{k}}/eval/summary.parquet", k=EVALUATED),
         metrics=expand(rules.train.output.metrics, k=ITERATIONS),
-        rollouts=[scored_rollouts(k, s) for k in ITERATIONS for s in SHARDS],
+        rollouts=expand(CHAIN_ROLLOUTS, k=ITERATIONS, s=SHARDS),
         comparisons=expand(rules.advantages.output.comparison, k=ITERATIONS),
         features=expand(rules.features.output[0], k=ITERATIONS, s=SHARDS),
         # the disk it reports is after the retention policy

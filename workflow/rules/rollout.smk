@@ -25,3 +25,8 @@ rule rollout:
         ),
     shell:
         STAGE_SHELL
+
+
+# The rollouts table the chain (features, the report) reads: this rule's, unless a stage that
+# rewrites it replaces it (score.smk, with a learned reward model).
+CHAIN_ROLLOUTS = rules.rollout.output.out

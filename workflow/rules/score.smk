@@ -17,3 +17,8 @@ rule score:
         **stage_params("score"),
     shell:
         STAGE_SHELL
+
+
+# With task.reward_model.path the chain reads the scored table (the learned reward added).
+if CFG.task.reward_model.path is not None:
+    CHAIN_ROLLOUTS = rules.score.output.out
