@@ -18,14 +18,29 @@ must be on this page (``tests/test_docs_facts.py``).
 
     python benchmarks/measurements.py           # writes docs/measurements.md
     python benchmarks/measurements.py --check   # fails if docs/measurements.md is not what it would write
+
+A benchmark's record is written by running it through ``record``: the benchmark prints its JSON,
+which the record keeps under ``raw`` with the command, the machine (the JSON's ``machine``, else
+this one's CPU and cores) and the date; each ``--figure WHAT PATH UNIT`` is the value at PATH
+(keys joined by ``/``; a list of repeats reads as its range), and ``figure_paths`` keeps them, so
+that ``rerun NAME`` measures the same figures again:
+
+    python benchmarks/measurements.py record dry_run_planning --title "Planning a 500-iteration run" \
+        --topic workflow --figure "3,500 jobs planned (-q)" plan_seconds s \
+        -- python benchmarks/bench_dry_run.py --iterations 500 --repeats 3
+    python benchmarks/measurements.py rerun dry_run_planning
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import shlex
+import subprocess
 import sys
+from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -109,12 +124,82 @@ def render(records: dict[str, dict]) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--check", action="store_true", help="compare with docs/measurements.md instead of writing it")
-    ns = p.parse_args()
+def json_output(stdout: str) -> dict:
+    """The JSON object a benchmark printed last (log lines may come before it)."""
+    starts = [m.start() for m in re.finditer(r"^\{", stdout, flags=re.M)]
+    for start in reversed(starts):
+        try:
+            return json.loads(stdout[start:])
+        except json.JSONDecodeError:
+            continue
+    raise SystemExit(f"the command printed no JSON object:\n{stdout[-2000:]}")
+
+
+def figure_value(raw: dict, path: str, unit: str) -> str:
+    """The value at ``path`` in ``raw`` as the page shows it: a number with its unit; a list of
+    repeats as its range."""
+    value = raw
+    for key in path.split("/"):
+        value = value[int(key)] if isinstance(value, list) else value[key]
+
+    def number(x) -> str:
+        if isinstance(x, bool) or not isinstance(x, (int, float)):
+            return str(x)
+        return f"{x:,}" if isinstance(x, int) else f"{x:,.2f}" if abs(x) < 1000 else f"{x:,.0f}"
+
+    if isinstance(value, list):
+        lo, hi = min(value), max(value)
+        text = number(lo) if lo == hi else f"{number(lo)}\u2013{number(hi)}"
+    else:
+        text = number(value)
+    return f"{text} {unit}".strip()
+
+
+def this_machine() -> dict:
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        "unknown CPU",
+    )
+    return {"cpu": cpu, "cores": os.cpu_count()}
+
+
+def record(name: str, title: str, topic: str, figures: list[list[str]], command: list[str], notes: str = "") -> Path:
+    """Run ``command`` from the checkout's root and write ``benchmarks/measured/NAME.json`` from the
+    JSON it prints (module docstring)."""
+    if topic not in TOPICS:
+        raise SystemExit(f"--topic must be one of {', '.join(TOPICS)}, not {topic!r}")
+    res = subprocess.run(command, cwd=REPO, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if res.returncode != 0:
+        raise SystemExit(
+            f"{shlex.join(command)} failed ({res.returncode}):\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}"
+        )
+    raw = json_output(res.stdout)
+    out = {
+        "title": title,
+        "topic": topic,
+        "command": shlex.join(command),
+        "machine": raw.get("machine") or this_machine(),
+        "date": datetime.now().isoformat(timespec="seconds"),
+        "source": "the command's JSON output (raw)",
+        "figures": [[what, figure_value(raw, path, unit)] for what, path, unit in figures],
+        "figure_paths": figures,
+        **({"notes": notes} if notes else {}),
+        "raw": raw,
+    }
+    path = MEASURED / f"{name}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(out, indent=1, ensure_ascii=False) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def write_page(check: bool) -> int:
     text = render(load())
-    if ns.check:
+    if check:
         if not DOC.exists() or DOC.read_text() != text:
             sys.stderr.write(f"{DOC} is not what benchmarks/measurements.py writes: run it and commit the result\n")
             return 1
@@ -123,6 +208,38 @@ def main() -> int:
     DOC.write_text(text)
     print(f"wrote {DOC}")
     return 0
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    if argv[:1] == ["record"]:
+        command = argv[argv.index("--") + 1 :] if "--" in argv else []
+        p = argparse.ArgumentParser(prog="measurements.py record", description=record.__doc__)
+        p.add_argument("name")
+        p.add_argument("--title", required=True)
+        p.add_argument("--topic", required=True, choices=list(TOPICS))
+        p.add_argument("--figure", nargs=3, action="append", default=[], metavar=("WHAT", "PATH", "UNIT"))
+        p.add_argument("--notes", default="")
+        ns = p.parse_args(argv[1 : argv.index("--") if "--" in argv else len(argv)])
+        if not command or not ns.figure:
+            p.error("a command after -- and at least one --figure are needed")
+        path = record(ns.name, ns.title, ns.topic, ns.figure, command, ns.notes)
+        print(f"wrote {path}")
+        return write_page(check=False)
+    if argv[:1] == ["rerun"]:
+        if len(argv) != 2:
+            raise SystemExit("usage: measurements.py rerun NAME")
+        old = load()[argv[1]]
+        if "figure_paths" not in old:
+            raise SystemExit(f"{argv[1]} was not written by `record` (no figure_paths): record it anew")
+        path = record(
+            argv[1], old["title"], old["topic"], old["figure_paths"], shlex.split(old["command"]), old.get("notes", "")
+        )
+        print(f"wrote {path}")
+        return write_page(check=False)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--check", action="store_true", help="compare with docs/measurements.md instead of writing it")
+    return write_page(p.parse_args(argv).check)
 
 
 if __name__ == "__main__":

@@ -69,6 +69,12 @@ ONE_WHEEL_BUNDLE = (
     "hjson==$(python -c 'import importlib.metadata as m; print(m.version(\"hjson\"))') && "
     "bash benchmarks/gpu/check.sh --bundle results/scratch/bundle --install-only"
 )
+RECORD_SHOWN = (
+    'python benchmarks/measurements.py record dry_run_planning_500 --title "Planning a 500-iteration run" '
+    '--topic workflow --figure "jobs planned" jobs "" --figure "planned (-q)" plan_seconds s --figure '
+    '"every job listed" listing_seconds s -- python benchmarks/bench_dry_run.py --iterations 500 --repeats 3'
+)
+RECORD_TINY = RECORD_SHOWN.replace("--iterations 500 --repeats 3", "--iterations 20 --repeats 1")
 BENCH_ROLLOUT_TINY = "python benchmarks/bench_rollout.py --models tiny --backends hf --prompts 4 --group-size 2 --max-new-tokens 8 --repeats 1"
 HOW: dict[str, str] = {
     # README: the two commands
@@ -221,6 +227,12 @@ HOW: dict[str, str] = {
         "python tests/fingerprint.py results --check results/scratch/fp.json"
     ),
     ".venv/bin/python benchmarks/variance_seeds.py --seeds 0 1 2 3 4": VARIANCE_SEEDS,
+    # docs/testing.md: a record written from a benchmark's JSON (a 20-iteration plan), then measured again
+    RECORD_SHOWN: RECORD_TINY,
+    "python benchmarks/measurements.py rerun dry_run_planning_500": (
+        f"{RECORD_TINY} && python benchmarks/measurements.py rerun dry_run_planning_500 && "
+        "grep -q 'Planning a 500-iteration run' docs/measurements.md"
+    ),
     # docs/workers.md: a train worker of two ranks (torchrun) registers, and ends once idle
     # (tests/test_worker.py::test_a_train_worker_of_two_ranks runs train jobs on one)
     "otbflow worker train --results results --tasks N": (
