@@ -208,7 +208,7 @@ def test_the_dataset_prompt_set_is_declared(tmp_path):
 RECORD = """
 import json, sys
 sys.path.insert(0, {tests!r})
-from keyreads import check, run_recorded
+from keyreads import RecordingConfig
 from otbflow.config import load_config
 import importlib
 cfg = load_config(None, {overrides!r})
