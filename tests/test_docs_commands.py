@@ -63,7 +63,6 @@ WANDB_SYNC = (
 # The GPU check (README): its tiny form runs every step on CPU; the bundle is listed, not fetched;
 # --bundle installs a one-wheel bundle of a package the venv holds at that version (pip leaves it as it is)
 GPU_CHECK_TINY = "bash benchmarks/gpu/check.sh --device cpu --tiny --out results/gpu_check"
-GPU_POLICY_TINY = "python benchmarks/make_policy.py --shape qwen2.5-0.5b --layers 2 --vocab 4096 --hidden 64 --out results/scratch/policy"
 ONE_WHEEL_BUNDLE = (
     "mkdir -p results/scratch/bundle/part1 && python -m pip download -q --no-deps -d results/scratch/bundle/part1 "
     "hjson==$(python -c 'import importlib.metadata as m; print(m.version(\"hjson\"))') && "
@@ -183,9 +182,8 @@ HOW: dict[str, str] = {
     "python benchmarks/bench_rollout.py": BENCH_ROLLOUT_TINY,
     "python benchmarks/bench_rollout.py --models tiny,gpt2 --backends hf --prompts 16 --group-size 8 "
     "--max-new-tokens 32 --repeats 3": BENCH_ROLLOUT_TINY,
-    # the script on the tiny config, one setting, no TRL (its venv is built from PyPI)
-    "python benchmarks/bench_iteration.py": "python benchmarks/bench_iteration.py --settings grpo_s1 --iterations 2 "
-    "--no-trl --configfile config/tiny.yaml --policy results/bootstrap/policy --work results/scratch/bench_iteration",
+    # the GPU check's tiny form runs it (its chain step: one iteration per setting, no TRL)
+    "python benchmarks/bench_iteration.py": GPU_CHECK_TINY,
     "benchmarks/bench_advantages.py": "python benchmarks/bench_advantages.py --tokens 20000 --repeats 1",
     ".venv/bin/python benchmarks/bench_advantages.py": ".venv/bin/python benchmarks/bench_advantages.py --tokens 20000 "
     "--repeats 1",
@@ -210,13 +208,12 @@ HOW: dict[str, str] = {
     "bash benchmarks/gpu/check.sh --bundle .gpu-bundle --out results/gpu_check": GPU_CHECK_TINY,
     "bash benchmarks/gpu/check.sh --bundle .gpu-bundle --install-only": ONE_WHEEL_BUNDLE,
     "bash benchmarks/gpu/bundle.sh .gpu-bundle": "bash benchmarks/gpu/bundle.sh --list | grep -x 'snakemake==.*'",
-    "benchmarks/make_policy.py": GPU_POLICY_TINY,
-    "benchmarks/bench_decode.py": f"{GPU_POLICY_TINY} && python benchmarks/bench_decode.py --policy results/scratch/policy "
-    "--device cpu --dtype float32 --prompts 4 --group-size 2 --max-new-tokens 8 --repeats 1",
+    # the GPU check's steps run these (tiny, on CPU): its policy, decode and chain steps
+    "benchmarks/make_policy.py": GPU_CHECK_TINY,
+    "benchmarks/bench_decode.py": GPU_CHECK_TINY,
     # the sandbox's tiny run (its train jobs' metrics; its bootstrap policy)
     "benchmarks/bench_train_mfu.py": "python benchmarks/bench_train_mfu.py --runs .",
-    "benchmarks/bench_iteration.py": "python benchmarks/bench_iteration.py --settings grpo_s1 --iterations 2 "
-    "--no-trl --configfile config/tiny.yaml --policy results/bootstrap/policy --work results/scratch/bench_iteration",
+    "benchmarks/bench_iteration.py": GPU_CHECK_TINY,
     # the lint CI runs (.ci/run); Snakemake's own lint runs here
     "make lint": CI,
     "snakemake --lint": AS_SHOWN,

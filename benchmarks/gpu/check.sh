@@ -21,6 +21,7 @@
 # benchmarks/gpu/bundle.sh) into that Python; --install-only stops there (docs/environments.md, "The GPU check").
 #   bash benchmarks/gpu/check.sh --bundle .gpu-bundle --out results/gpu_check
 #   bash benchmarks/gpu/check.sh --device cpu --tiny --out results/gpu_check   # every step, tiny, on CPU
+#                   (the chain at s = 0 as stage jobs and at s = 1 on workers only)
 # Options: --iterations N (2; tiny: 1), --warm-steps N (3; tiny: 2), --budget S, --work DIR (the
 # policy and the runs, kept; default: a new folder under $TMPDIR or /tmp, never under --out, whose
 # files come back from a lent machine). Exit status 1 if a step failed.
@@ -102,6 +103,8 @@ settings=grpo_s0,grpo_s1
 for s in grpo_s0_workers grpo_s1_workers; do
   "$PY" benchmarks/bench_iteration.py --list-settings | grep -qx "$s" && settings+=",$s"
 done
+# tiny: each path once, s = 0 as stage jobs and s = 1 on the workers (where the script lists them)
+((tiny)) && settings=grpo_s0,${settings##*,}
 left=$((budget - (SECONDS - start) - 45)) # the MFU after it, from the chain's train jobs at least
 step chain "$left" "$PY" benchmarks/bench_iteration.py --settings "$settings" --iterations "$iterations" --no-trl \
   --configfile "${configs[@]}" --policy "$policy" --work "$work/iteration" --cores "$(nproc)" --drop-weights \
