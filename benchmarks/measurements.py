@@ -156,14 +156,12 @@ def figure_value(raw: dict, path: str, unit: str) -> str:
 
 
 def this_machine() -> dict:
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        "unknown CPU",
-    )
+    """This machine's CPU (model name, family and model: one name covers several generations) and cores."""
+    info = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().splitlines()[:30] if ":" in line)
+    info = {k.strip(): v.strip() for k, v in info.items()}
+    cpu = info.get("model name", "unknown CPU")
+    if "cpu family" in info and "model" in info:
+        cpu += f" (family {info['cpu family']}, model {info['model']})"
     return {"cpu": cpu, "cores": os.cpu_count()}
 
 
