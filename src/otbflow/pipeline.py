@@ -11,7 +11,10 @@ three classes:
 - ``dag``: keys that shape the workflow (which jobs exist, which files they read) rather than
   what one job computes; the Snakefile reads them.
 
-The CLI (``otbflow <stage>``), the rules' ``cmd``/``cfg``/``code`` params and the code versions
+It also holds the defaults of its jobs' resources (``resources``; the config's
+``resources.<stage>`` overrides them key by key), and its flags are its module's ``Args``
+(``Stage.flags``). The CLI (``otbflow <stage>``), each rule's command, flags, log, threads,
+resources and ``cmd``/``cfg``/``code`` params (workflow/rules/common.smk) and the code versions
 (``otbflow.ops.codeversion``: the stage module and everything it imports) come from here, and
 tests/test_stage_keys.py runs every stage with a config that records each key read and checks
 it against this table. Importing this module imports no torch (the Snakefile imports it).
