@@ -20,9 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import time
+
+from machine import cpu_model  # benchmarks/machine.py (this folder is on sys.path)
 
 from otbflow.algorithms import rewards
 
@@ -54,16 +55,6 @@ def timed(fn, *args) -> tuple[float, object]:
     t = time.perf_counter()
     out = fn(*args)
     return round(time.perf_counter() - t, 4), out
-
-
-def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main() -> None:

@@ -12,10 +12,18 @@ from pathlib import Path
 
 
 def cpu_model() -> str:
+    """The CPU's model name, with its family and model where /proc/cpuinfo gives them (one name,
+    such as 'AMD EPYC', covers several generations)."""
+    info = {}
     for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
+        if not line.strip():
+            break  # the first processor's block
+        key, _, value = line.partition(":")
+        info[key.strip()] = value.strip()
+    name = info.get("model name") or platform.processor()
+    if "cpu family" in info and "model" in info:
+        name += f" (family {info['cpu family']}, model {info['model']})"
+    return name
 
 
 def run_record() -> dict:

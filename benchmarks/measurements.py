@@ -156,13 +156,10 @@ def figure_value(raw: dict, path: str, unit: str) -> str:
 
 
 def this_machine() -> dict:
-    """This machine's CPU (model name, family and model: one name covers several generations) and cores."""
-    info = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().splitlines()[:30] if ":" in line)
-    info = {k.strip(): v.strip() for k, v in info.items()}
-    cpu = info.get("model name", "unknown CPU")
-    if "cpu family" in info and "model" in info:
-        cpu += f" (family {info['cpu family']}, model {info['model']})"
-    return {"cpu": cpu, "cores": os.cpu_count()}
+    """This machine's CPU (benchmarks/machine.py) and cores, for a benchmark whose JSON names none."""
+    from machine import cpu_model  # beside this script
+
+    return {"cpu": cpu_model(), "cores": os.cpu_count()}
 
 
 def record(name: str, title: str, topic: str, figures: list[list[str]], command: list[str], notes: str = "") -> Path:

@@ -41,10 +41,6 @@ class Decision:
     policy: bool
     optimizer: bool
 
-    def flags(self) -> str:
-        """The prune stage's --keep-* flags: also the rule's per-job rerun trigger."""
-        return " ".join(f for f, keep in (("--keep-policy", self.policy), ("--keep-optimizer", self.optimizer)) if keep)
-
 
 def decision(cfg: DictConfig, k: int) -> Decision:
     """The retention rule, in one place: iteration k's policy is kept when k+1 is a multiple of
