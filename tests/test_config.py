@@ -539,18 +539,7 @@ def _registries():
     }
 
 
-@pytest.mark.parametrize(
-    "key",
-    [
-        "model.arch",
-        "model.tokenizer",
-        "task.name",
-        "task.format",
-        "rollout.backend",
-        "train.loss_agg_mode",
-        "train.rollout_is",
-    ],
-)
+@pytest.mark.parametrize("key", list(_registries()))
 def test_a_choice_registered_later_is_allowed_and_its_requirement_checked(key):
     """A choice registered in the registry of ``key`` after the config module loaded is allowed,
     refused once removed, and the config checks its requirement, naming the required key."""

@@ -180,10 +180,11 @@ def detect_format(df: pl.DataFrame, path: str | Path) -> str:
     cols = set(df.columns)
     if "prompt" in cols and isinstance(df.schema["prompt"], pl.List):
         return "verl"
-    for name in ("prompt_answer", "gsm8k", "math"):
+    text_layouts = ("prompt_answer", "gsm8k", "math")  # told apart by their columns (verl by its prompt's type)
+    for name in text_layouts:
         if set(DATASET_FORMATS[name].columns) <= cols:
             return name
-    partial = [name for name in ("prompt_answer", "gsm8k", "math") if cols & set(DATASET_FORMATS[name].columns)]
+    partial = [name for name in text_layouts if cols & set(DATASET_FORMATS[name].columns)]
     if len(partial) == 1:  # one layout's columns in part: name what it lacks
         need = DATASET_FORMATS[partial[0]].columns
         missing = next(c for c in need if c not in cols)
