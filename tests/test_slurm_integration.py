@@ -102,18 +102,28 @@ def sh(work: Path, command: str, ok=(0,)) -> str:
     return res.stdout + res.stderr
 
 
-def submit(work: Path, command: str) -> tuple[str, str]:
-    """Run an `otbflow submit` command, wait for its head job; returns (job id, head log)."""
+def head_log(work: Path, job_id: str) -> str:
+    """Wait until a head job has left Slurm's queue; returns its log. A head job that did not end
+    COMPLETED (one that Slurm killed or could not start) fails here, with its log: submitit's
+    ``result()`` would wait forever for the result file such a job never writes."""
     import submitit
 
-    out = sh(work, command)
-    job_id = re.search(r"submitted the head job (\d+)", out).group(1)
+    def ended() -> str | None:
+        state = H.slurm_state(job_id)
+        return None if state in H.QUEUED else state or "gone"
+
+    state = wait_for(ended, 1800, f"the head job {job_id}")
     job = submitit.SlurmJob(folder=work / "logs" / "submit" / "%j", job_id=job_id)
-    try:
-        job.result()
-    finally:
-        head_log = Path(job.paths.stdout).read_text() + Path(job.paths.stderr).read_text()
-    return job_id, head_log
+    log = "".join(Path(p).read_text() for p in (job.paths.stdout, job.paths.stderr) if Path(p).is_file())
+    assert state == "COMPLETED", f"the head job {job_id} ended {state}:\n{log[-3000:]}"
+    assert job.result() == 0, log[-3000:]
+    return log
+
+
+def submit(work: Path, command: str) -> tuple[str, str]:
+    """Run an `otbflow submit` command, wait for its head job; returns (job id, head log)."""
+    job_id = re.search(r"submitted the head job (\d+)", sh(work, command)).group(1)
+    return job_id, head_log(work, job_id)
 
 
 # The README's Slurm commands (test_docs_commands.HOW marks them SLURM), in the tiny form run here:
@@ -167,21 +177,15 @@ def slurm_run(slurm_sandbox):
     out = sh(work, README_FORMS["otbflow submit --configfile my.yaml --partition long --account my_project"])
     job = re.search(r"submitted the head job (\d+)", out).group(1)
     assert re.search(rf"^\s*{job}\s", sh(work, README_FORMS["squeue --me"]), re.M)  # listed while it runs
-    head_log = work / "logs" / "submit" / job / f"{job}_0_log.out"
+    log_file = work / "logs" / "submit" / job / f"{job}_0_log.out"
     for _ in range(600):  # the head job writes its log once it starts
-        if head_log.is_file():
+        if log_file.is_file():
             break
         time.sleep(0.2)
     sh(work, README_FORMS["tail -f logs/submit/4242/4242_0_log.out"].format(job=job), ok=(0, 124))
-    import submitit
-
-    sub = submitit.SlurmJob(folder=work / "logs" / "submit" / "%j", job_id=job)
-    try:
-        assert sub.result() == 0
-    finally:
-        head_log = Path(sub.paths.stdout).read_text() + Path(sub.paths.stderr).read_text()
+    log = head_log(work, job)
     print(f"tiny workflow from the rollouts on, through Slurm: {time.perf_counter() - start:.0f} s")
-    return work, head_log
+    return work, log
 
 
 def test_tiny_workflow_through_slurm(slurm_run):
@@ -299,13 +303,7 @@ def test_grouped_iterations_submit_one_job_per_update(slurm_run):
     request = subprocess.run(["scontrol", "show", "job", group], capture_output=True, text=True).stdout
     for field in ("TimeLimit=01:20:00", "NumTasks=2", "CPUs/Task=1", "MinMemoryNode=3000M"):
         assert field in request, f"{field} not in the group job's request:\n{request}"
-    import submitit
-
-    sub = submitit.SlurmJob(folder=work / "logs" / "submit" / "%j", job_id=head_job)
-    try:
-        assert sub.result() == 0
-    finally:
-        log = Path(sub.paths.stdout).read_text() + Path(sub.paths.stderr).read_text()
+    log = head_log(work, head_job)
 
     grouped = sbatch_calls(log)
     assert sorted(grouped) == ["array", "group_chain_0_advantages_features_train"], grouped
@@ -419,9 +417,9 @@ def test_a_head_job_requeues_itself_before_its_time_limit(train_1_again):
     itself; its next run takes over and finishes with the uninterrupted run's policy, bitwise. The
     train job is suspended until the head job has been requeued, so that the work outlasts the
     signal however fast the machine (on a fast one the iteration took 85 s: no requeue); the next
-    run cancels it and redoes it. A requeued job waits about 2 minutes before Slurm starts it again
-    (its BeginTime): released here."""
-    import submitit
+    run cancels it and redoes it. A requeued job waits before Slurm starts it again (its BeginTime:
+    the credential lifetime, 120 s by default, 10 s on the test cluster; started sooner, by hand,
+    Slurm refuses its batch step and the job fails)."""
 
     work, want = train_1_again
     start = time.perf_counter()
@@ -431,16 +429,7 @@ def test_a_head_job_requeues_itself_before_its_time_limit(train_1_again):
     (train,) = wait_for(lambda: H.queued_jobs(set(), {H.jobname_prefix(work / "results")}), 60, "its Slurm id")
     subprocess.run(["scontrol", "suspend", train], check=True)
 
-    def ended() -> bool:
-        row = [r for r in H.squeue("%i|%T|%r") if r[0] == job]
-        if row and row[0][1] == "PENDING" and row[0][2] == "BeginTime":
-            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
-        return not row or row[0][1] not in H.QUEUED
-
-    wait_for(ended, 900, "the head job", every=2)
-    sub = submitit.SlurmJob(folder=work / "logs" / "submit" / "%j", job_id=job)
-    log = Path(sub.paths.stdout).read_text() + Path(sub.paths.stderr).read_text()
-    assert sub.result() == 0, log[-3000:]
+    log = head_log(work, job)
     assert "Snakemake stopped (SIGKILL), its jobs run on" in log and f"Requeued job {job}" in log, log[-3000:]
     assert f"Slurm job {job}" in log and "is gone" in log  # the requeued run took over from its previous run
     assert f"cancelling the Slurm jobs {train}" in log and "rule train" in log  # redone, never adopted
@@ -469,7 +458,6 @@ def test_slurm_workers_run_the_iteration_and_replace_a_killed_worker_job(iterati
     the machine) while it trains: the waiting client hands the job to the next worker, the head
     submits a new worker job in its place, the run ends with the uninterrupted run's policy, bitwise,
     and the worker jobs are cancelled with the run."""
-    import submitit
 
     work, want = iteration_1_again
     start = time.perf_counter()
@@ -484,11 +472,7 @@ def test_slurm_workers_run_the_iteration_and_replace_a_killed_worker_job(iterati
     subprocess.run(["scancel", "--full", "--signal=KILL", victim], check=True)
     killed_at = time.perf_counter() - start
 
-    sub = submitit.SlurmJob(folder=work / "logs" / "submit" / "%j", job_id=job)
-    try:
-        sub.result()
-    finally:
-        log = Path(sub.paths.stdout).read_text() + Path(sub.paths.stderr).read_text()
+    log = head_log(work, job)
     assert policy_digest(work / "results/iter_1/train/policy") == want
     for kind in ("generate", "features", "train"):
         assert f"submitted the {kind} worker job" in log, log[-3000:]

@@ -71,7 +71,9 @@ if (( FAKE_GPUS > 0 )); then
   GRES_NODE="Gres=gpu:$FAKE_GPUS"; GRES_TYPES="GresTypes=gpu"
 fi
 
-cat > /etc/slurm/slurm.conf <<EOF
+# AuthInfo cred_expire: a requeued job may start again after 10 s instead of 120 s (Slurm holds it
+# that long; started sooner, by hand, its batch step is refused: "Job credential revoked").
+cat > "$LAB/slurm.conf.new" <<EOF
 ClusterName=localcluster
 $GRES_TYPES
 SlurmctldHost=localhost
@@ -79,6 +81,7 @@ SlurmUser=slurm
 MailProg=/bin/true
 SlurmdUser=root
 AuthType=auth/munge
+AuthInfo=cred_expire=10
 CredType=cred/munge
 MpiDefault=none
 SlurmctldPort=6817
@@ -113,6 +116,16 @@ JobCompLoc=$LAB/log/jobcomp.txt
 NodeName=localhost NodeAddr=127.0.0.1 $TOPO RealMemory=$MEM $GRES_NODE State=UNKNOWN
 PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
 EOF
+# daemons running with another configuration (an older version of this script) are restarted with this one
+if ! cmp -s "$LAB/slurm.conf.new" /etc/slurm/slurm.conf; then
+  for entry in "$LAB/run/slurmd.pid:slurmd" "$LAB/run/slurmctld.pid:slurmctld"; do
+    f=${entry%%:*}
+    if running "$f" "${entry#*:}"; then
+      pid=$(cat "$f"); kill "$pid"; for i in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    fi
+  done
+fi
+mv "$LAB/slurm.conf.new" /etc/slurm/slurm.conf
 chmod 644 /etc/slurm/slurm.conf
 # No cgroup.conf: 22.05 has no CgroupPlugin=disabled ("cannot find cgroup plugin for disabled");
 # left alone, slurmd autodetects cgroup/v1 (only loaded, not used with proctrack/linuxproc + task/none).
