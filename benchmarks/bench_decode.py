@@ -28,9 +28,10 @@ of the model over the rows' prompts, timed alone), ``tokens_per_s`` (rows x step
 ``profile``: ``torch.profiler`` over one ``hf_generate`` call of ``--profile-steps`` + 1 new
 tokens, on ``otbflow_compiled`` where it runs (else ``otbflow``). Its decode steps (after the
 first sampler call, which follows the prefill) are split by the op that launched each kernel:
-``sampler`` (inside ``RowSampler.__call__``, marked with a ``record_function`` for this run;
-under CUDA graphs the forward's kernels launch as one graph, counted as ``other``), ``matmul``
-(aten::mm, addmm, bmm, ...), ``attention`` (scaled-dot-product attention ops), ``other``; the
+``sampler`` (inside ``RowSampler.__call__``, marked with a ``record_function`` for this run),
+``matmul`` (aten::mm, addmm, bmm, ...; in a compiled forward, cuBLAS's and CUTLASS's kernels by
+name), ``attention`` (scaled-dot-product attention ops; compiled: the fused attention kernels by
+name), ``other``; the
 share of each in the kernels' time (on CPU: in the ops' own CPU time), with the host's wall time
 and the kernels launched per step. The goal of the fast-decoding work: the sampler at most 10% of
 a decode step's CUDA time.
@@ -49,6 +50,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import sys
 import time
 from collections import Counter
@@ -62,6 +64,12 @@ DEFAULT_PATHS = ("otbflow", "otbflow_static", "otbflow_compiled", "sample", "sta
 SAMPLER = "otbflow.RowSampler"
 MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear"}
 MATMUL_OPS |= {"aten::_scaled_mm"}
+# Kernels launched by a compiled forward (no aten op around them), told by their own names: cuBLAS's
+# GEMMs (nvjet_sm90_* on an H100 with CUDA 13, *gemm* elsewhere, CUTLASS's) and the fused attention
+# kernels (cuDNN's sdpa, flash, fmha); Inductor's Triton kernels are named after every op they fuse
+# ("triton_poi_fused__scaled_dot_product_..._cat_cos": rotary and copies), so they stay "other".
+MATMUL_KERNEL = re.compile(r"gemm|nvjet|cutlass|xmma", re.I)
+ATTENTION_KERNEL = re.compile(r"sdpa|flash|fmha", re.I)
 CATEGORIES = ("sampler", "matmul", "attention", "other")
 
 
@@ -112,6 +120,16 @@ def category(event) -> str:
     return "other"
 
 
+def kernel_category(op: str, kernel: str) -> str:
+    """A CUDA kernel's part: its launching op's (``category``), or where that says "other", the
+    kernel's own name's (``MATMUL_KERNEL``, ``ATTENTION_KERNEL``)."""
+    if op != "other" or kernel.startswith("triton_"):
+        return op
+    if MATMUL_KERNEL.search(kernel):
+        return "matmul"
+    return "attention" if ATTENTION_KERNEL.search(kernel) else "other"
+
+
 def breakdown(events, cuda: bool, steps: int) -> dict:
     """Microseconds per category over the decode steps between the first and the last sampler
     call: on CUDA each kernel's time, counted for the CPU op that launched it; on CPU each op's
@@ -128,12 +146,12 @@ def breakdown(events, cuda: bool, steps: int) -> dict:
         if not lo <= e.time_range.start < hi:
             continue
         kernels += len(e.kernels)
-        t = sum(k.duration for k in e.kernels) if cuda else e.self_cpu_time_total
-        if t <= 0:
-            continue
-        us[category(e)] += t
-        for name, d in [(k.name, k.duration) for k in e.kernels] if cuda else [(e.name, t)]:
-            top[f"{category(e)}: {name[:100]}"] += d
+        op = category(e)
+        parts = [(kernel_category(op, k.name), k.name, k.duration) for k in e.kernels]
+        for part, name, d in parts if cuda else [(op, e.name, e.self_cpu_time_total)]:
+            if d > 0:
+                us[part] += d
+                top[f"{part}: {name[:100]}"] += d
     total = sum(us.values())
     return {
         "time": "CUDA kernels" if cuda else "CPU (ops' self time)",

@@ -28,14 +28,15 @@ def test_row_hash_is_bitwise_the_same_on_cpu_and_cuda():
 
 
 def test_row_noise_and_tokens_the_same_on_cpu_and_cuda():
-    """The Gumbel noise of the same row keys agrees to a few ulp in fp64 (log on CUDA and on the CPU
-    need not round alike) and RowSampler picks the same tokens from the same fp32 logits, with the
+    """The Gumbel noise of the same row keys agrees to a few ulp of 1 in fp64 (log on CUDA and on the
+    CPU need not round alike; measured on an H100: 2.2e-16 at most, relatively 3.5e-12 where the
+    noise is near 0) and RowSampler picks the same tokens from the same fp32 logits, with the
     same log-probs."""
     vocab = 151_936
     keys = row_keys(7, range(8), 4, "cpu")
     for step in (0, 1, 191):
         cpu, cuda = gumbel_noise(keys, step, vocab), gumbel_noise(keys.cuda(), step, vocab).cpu()
-        torch.testing.assert_close(cuda, cpu, rtol=1e-14, atol=0)
+        torch.testing.assert_close(cuda, cpu, rtol=1e-14, atol=1e-15)
     logits = torch.randn(len(keys), vocab, generator=torch.Generator().manual_seed(1))
     on_cpu, on_cuda = RowSampler(keys, 1.0, 1.0, False), RowSampler(keys.cuda(), 1.0, 1.0, False)
     for _ in range(3):
@@ -71,8 +72,9 @@ def test_the_fused_sampler_on_cuda_picks_the_cpu_tokens():
     keys = row_keys(11, range(64), 8, "cpu")
     for step in (0, 1, 191):
         z = torch.randn(len(keys), vocab, generator=torch.Generator().manual_seed(step))
-        token, logprob = hf.fused_step()(z.cuda(), keys.cuda(), torch.tensor(step, device="cuda"))
-        assert torch.equal(token.cpu(), hf.gumbel_argmax(z, keys, step))
+        terms = hf.token_terms(vocab, "cuda")
+        token, logprob = hf.fused_step()(z.cuda(), keys.cuda(), torch.tensor(step, device="cuda"), terms)
+        assert torch.equal(token.cpu(), hf.gumbel_argmax(z, keys, step, terms.cpu()))
         reference = torch.log_softmax(z, -1).gather(-1, token.cpu()[:, None])[:, 0]
         torch.testing.assert_close(logprob.cpu(), reference, rtol=0, atol=1e-5)
 

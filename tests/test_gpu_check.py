@@ -120,3 +120,24 @@ def test_mfu_of_a_step(tmp_path):
     assert step["tflops"] == pytest.approx(6 * 10**9 * 108 / 2 / 1e12, abs=0.01)
     assert step["mfu"] == pytest.approx(6 * 10**9 * 108 / 2 / 1e12 / 1000, abs=1e-4)
     assert step["mfu_response_tokens"] == pytest.approx(6 * 10**9 * 100 / 2 / 1e12 / 1000, abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    "op, kernel, part",
+    [
+        # kernels of the compiled decode step profiled on an H100 (torch 2.11, CUDA 13), 2026-11-27
+        ("other", "nvjet_sm90_tst_168x128_64x5_2x4_h_bz_TNN", "matmul"),
+        ("other", "cudnn_generated_fort_native_sdpa_sm80_flash_fprop_wmma_f16_knob_3_64x64x64_4x1x1", "attention"),
+        ("other", "triton_poi_fused__scaled_dot_product_cudnn_attention__to_copy__unsafe_view_add_cat_cos", "other"),
+        ("other", "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda", "other"),
+        ("sampler", "void at::native::vectorized_elementwise_kernel<4, at::native::BUnaryFunctor", "sampler"),
+        ("matmul", "ampere_sgemm_128x64_tn", "matmul"),
+    ],
+)
+def test_decode_profile_names_the_kernels_of_a_compiled_forward(op, kernel, part):
+    """A compiled forward launches cuBLAS's and cuDNN's kernels with no aten op around them: the
+    profile tells them by name; Inductor's Triton kernels, named after every op they fuse, stay
+    "other"; a kernel launched inside the sampler is the sampler's."""
+    from bench_decode import kernel_category
+
+    assert kernel_category(op, kernel) == part

@@ -74,7 +74,7 @@ def test_row_noise_is_finite_at_the_hash_extremes():
     assert 0.0 < u[0] and u[1] < 1.0
     assert (torch.tensor([top], dtype=torch.float32) + 0.5) / 2.0**32 == 1.0  # fp32 would give -log(-log 1) = inf
     keys = hf.row_keys(0, range(3), 2, "cpu")
-    h = hf.token_hashes(keys, 191, 151_936)
+    h = hf.token_hashes(keys, 191, hf.token_terms(151_936, "cpu"))
     assert int(h.min()) >= 0 and int(h.max()) < 2**32
 
 
@@ -109,7 +109,7 @@ def test_the_compiled_decode_loop_on_cpu(qwen2_bpe_policy):
     keys = hf.row_keys(7, range(6), 4, "cpu")
     for rows, step in [(24, 0), (24, 1), (10, 191)]:
         z = torch.randn(rows, 4099, generator=torch.Generator().manual_seed(step))
-        token, logprob = hf.fused_step()(z, keys[:rows], torch.tensor(step))
+        token, logprob = hf.fused_step()(z, keys[:rows], torch.tensor(step), hf.token_terms(4099, "cpu"))
         assert torch.equal(token, (z.double() + hf.gumbel_noise(keys[:rows], step, 4099)).argmax(-1))
         torch.testing.assert_close(
             logprob, torch.log_softmax(z, -1).gather(-1, token[:, None])[:, 0], rtol=0, atol=1e-5

@@ -73,12 +73,20 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def token_hashes(row_keys: torch.Tensor, step, vocab: int) -> torch.Tensor:
+def token_terms(vocab: int, device) -> torch.Tensor:
+    """[vocab] int64: each token id's term of its hash, (id * 0x9E3779B1) mod 2^32. The compiled
+    sampler reads it from memory: written as ``torch.arange(vocab) * 0x9E3779B1`` inside the compiled
+    function, Inductor folds the product into an int32 index expression, which Triton refuses
+    ("Scalar 2654435761 is out of range for type int32", on an H100 with torch 2.11)."""
+    return (torch.arange(vocab, device=device, dtype=torch.int64) * 0x9E3779B1) & _M32
+
+
+def token_hashes(row_keys: torch.Tensor, step, terms: torch.Tensor) -> torch.Tensor:
     """[rows, vocab] int64 hashes in [0, 2^32), a pure function of (row key, step, token id).
-    ``step``: an int, or an int64 tensor (the compiled sampler's, so that no step recompiles)."""
+    ``step``: an int, or an int64 tensor (the compiled sampler's, so that no step recompiles);
+    ``terms``: ``token_terms`` of the vocabulary."""
     base = _fmix32(_fmix32(row_keys) ^ step)
-    tokens = (torch.arange(vocab, device=row_keys.device, dtype=torch.int64) * 0x9E3779B1) & _M32
-    return _fmix32((base[:, None] + tokens) & _M32)
+    return _fmix32((base[:, None] + terms) & _M32)
 
 
 def gumbel_of_hash(h: torch.Tensor) -> torch.Tensor:
@@ -91,19 +99,21 @@ def gumbel_of_hash(h: torch.Tensor) -> torch.Tensor:
 def gumbel_noise(row_keys: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
     """[rows, vocab] standard Gumbel noise, a pure function of (row key, step, token id): the same
     on any device, in any batch. ``row_keys``: int64 [rows] in [0, 2^31)."""
-    return gumbel_of_hash(token_hashes(row_keys, step, vocab))
+    return gumbel_of_hash(token_hashes(row_keys, step, token_terms(vocab, row_keys.device)))
 
 
-def gumbel_argmax(z: torch.Tensor, row_keys: torch.Tensor, step) -> torch.Tensor:
+def gumbel_argmax(z: torch.Tensor, row_keys: torch.Tensor, step, terms: torch.Tensor) -> torch.Tensor:
     """The Gumbel-max token of each row of fp32 logits ``z`` [rows, vocab] with its own noise:
     argmax(z + noise) in fp64. Written as one expression so that torch.compile fuses the hashing,
     the noise and the argmax into one pass over the logits (``fused_step``); eagerly it holds
     [rows, vocab] int64 temporaries, hence ``RowSampler``'s chunks."""
-    return (z.double() + gumbel_noise(row_keys, step, z.shape[-1])).argmax(dim=-1)
+    return (z.double() + gumbel_of_hash(token_hashes(row_keys, step, terms))).argmax(dim=-1)
 
 
-def _fused_step(z: torch.Tensor, row_keys: torch.Tensor, step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    token = gumbel_argmax(z, row_keys, step)
+def _fused_step(
+    z: torch.Tensor, row_keys: torch.Tensor, step: torch.Tensor, terms: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    token = gumbel_argmax(z, row_keys, step, terms)
     logprob = z.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)
     return token, logprob
 
@@ -113,7 +123,8 @@ _COMPILED: dict[str, Any] = {}
 
 def fused_step():
     """``_fused_step`` compiled by torch.compile (once per process; rows dynamic): the token and
-    its log-prob, log_softmax's value z_y - logsumexp(z), from fused kernels over the logits."""
+    its log-prob, log_softmax's value z_y - logsumexp(z), from fused kernels over the logits;
+    called as ``fused_step()(z, row_keys, step, token_terms(vocab, device))``."""
     if "step" not in _COMPILED:
         _COMPILED["step"] = torch.compile(_fused_step, dynamic=True, fullgraph=True)
     if _COMPILED["step"] is None:
@@ -150,6 +161,7 @@ class RowSampler:
         self.min_p = min_p
         self.fused = fused and _COMPILED.get("step", True) is not None  # not after a failed compilation
         self.logprobs: list[torch.Tensor] = []
+        self.terms: torch.Tensor | None = None  # token_terms of the vocabulary, made at the first step
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         step = len(self.logprobs)
@@ -159,13 +171,15 @@ class RowSampler:
             logprob = torch.log_softmax(z, dim=-1).gather(-1, token[:, None]).squeeze(-1)
         else:
             z = processed_logits(scores, self.temperature, self.top_p, self.min_p)
+            if self.terms is None:
+                self.terms = token_terms(z.shape[-1], z.device)
             if self.fused:
                 token, logprob = self._fused(z, step)
             if not self.fused:
                 token = torch.empty(z.shape[0], dtype=torch.long, device=z.device)
                 rows = max(1, _NOISE_ELEMENTS.get(z.device.type, _NOISE_ELEMENTS["cpu"]) // z.shape[-1])
                 for s in range(0, z.shape[0], rows):
-                    token[s : s + rows] = gumbel_argmax(z[s : s + rows], self.row_keys[s : s + rows], step)
+                    token[s : s + rows] = gumbel_argmax(z[s : s + rows], self.row_keys[s : s + rows], step, self.terms)
                 logprob = torch.log_softmax(z, dim=-1).gather(-1, token[:, None]).squeeze(-1)
         self.logprobs.append(logprob)
         return one_hot_choice(token, scores.shape[-1])
@@ -174,7 +188,8 @@ class RowSampler:
         """``fused_step`` on this step; where torch.compile fails (no C compiler, no Triton), a
         warning and the eager path for the rest of the process (the same tokens)."""
         try:
-            return fused_step()(z, self.row_keys, torch.tensor(step, dtype=torch.int64, device=z.device))
+            step_t = torch.tensor(step, dtype=torch.int64, device=z.device)
+            return fused_step()(z, self.row_keys, step_t, self.terms)
         except Exception as e:  # torch.compile's errors have no common base class
             log.warning("the fused sampler did not compile (%s: %s); sampling eagerly", type(e).__name__, e)
             _COMPILED["step"] = None
