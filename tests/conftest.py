@@ -213,7 +213,10 @@ def features_path(tmp_path_factory, cfg, tiny_policy, rollouts_path):
 # Long tests first. pytest-xdist hands out the tests in collection order (make test:
 # --no-loadscope-reorder), so that the longest units start early and the short ones fill the end
 # on both workers: the tiny run's group first (the Slurm and workflow groups wait for it), then
-# the reduced experiment, which needs nothing, then the Slurm group, once the tiny run is done.
+# the reduced experiment, which needs nothing, then the Slurm group, once the tiny run is done,
+# then the other long groups, which the short tests left at the end otherwise could not balance
+# (a CI run's timeline, OTBFLOW_TEST_TIMELINE, replayed through pytest-xdist's assignment rule:
+# benchmarks/measured/ci_fresh_clone.json).
 LONG_FIRST = (
     "tests/test_docs_commands.py",
     "tests/test_experiment.py::test_tiny_experiment",
@@ -221,6 +224,9 @@ LONG_FIRST = (
     "tests/test_readme_real_model.py",
     "tests/test_workflow_models.py",
     "tests/test_vllm.py",
+    "tests/test_worker.py",
+    "tests/test_workflow.py",
+    "tests/test_train.py",
 )
 
 

@@ -412,7 +412,7 @@ def test_a_killed_head_job_is_continued_by_the_same_command(train_1_again):
 
 
 def test_a_head_job_requeues_itself_before_its_time_limit(train_1_again):
-    """A head job with 3 minutes for more than 3 minutes of work: Slurm signals it 60 s (up to 120 s)
+    """A head job with 2 minutes for more than 2 minutes of work: Slurm signals it 30 s (up to 90 s)
     before its limit, it stops Snakemake (SIGKILL: the stage jobs are not cancelled) and requeues
     itself; its next run takes over and finishes with the uninterrupted run's policy, bitwise. The
     train job is suspended until the head job has been requeued, so that the work outlasts the
@@ -420,10 +420,9 @@ def test_a_head_job_requeues_itself_before_its_time_limit(train_1_again):
     run cancels it and redoes it. A requeued job waits before Slurm starts it again (its BeginTime:
     the credential lifetime, 120 s by default, 10 s on the test cluster; started sooner, by hand,
     Slurm refuses its batch step and the job fails)."""
-
     work, want = train_1_again
     start = time.perf_counter()
-    out = sh(work, AGAIN.replace("--configfile my.yaml", "--configfile my.yaml --time 3 --requeue-before 60"))
+    out = sh(work, AGAIN.replace("--configfile my.yaml", "--configfile my.yaml --time 2 --requeue-before 30"))
     job = re.search(r"submitted the head job (\d+)", out).group(1)
     wait_for(lambda: (work / "results/logs/train/iter_1.log").is_file(), 600, "the train job")
     (train,) = wait_for(lambda: H.queued_jobs(set(), {H.jobname_prefix(work / "results")}), 60, "its Slurm id")
