@@ -38,10 +38,14 @@ run: setup
 	$(VENV)/bin/snakemake --cores $(CORES) $(ARGS) < /dev/null
 	$(VENV)/bin/snakemake --cores $(CORES) $(ARGS) --report results/report.html --report-metadata results/report/metadata.yaml < /dev/null
 
-# One pytest-xdist worker per core. Tests that share a module fixture run on one worker
-# (xdist_group); collection order is kept so that the tiny run the workflow tests share starts early.
+# One pytest-xdist worker per core, plus one: part of the suite waits (on the local Slurm, on
+# polled subprocesses), and the extra worker runs tests meanwhile (docs/testing.md, "CI").
+# TEST_WORKERS=0 runs the tests in make's own process. Tests that share a module fixture run on one
+# worker (xdist_group); collection order is kept so that the tiny run the workflow tests share
+# starts early.
+TEST_WORKERS ?= $(shell expr $(CORES) + 1)
 test: setup
-	$(PY) -m pytest -q -n $(CORES) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The field's checks (CI runs them before the tests): ruff (pinned in pyproject.toml's dev extra),
 # its formatter, snakefmt, Snakemake's own lint and a dry run.

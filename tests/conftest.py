@@ -30,7 +30,7 @@ SMALL = {
 }
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 # torch threads per stage run in a test: 2 on its own, 1 per pytest-xdist worker (make test runs
-# one worker per core; two threads each would oversubscribe the cores)
+# one worker more than cores; two threads each would oversubscribe them further)
 os.environ.setdefault("OTBFLOW_THREADS", "1" if os.environ.get("PYTEST_XDIST_WORKER") else "2")
 # What a user's checkout has at its top level; a sandbox links to these (results/ stays its own).
 SANDBOX_ENTRIES = (

@@ -79,8 +79,8 @@ HOW: dict[str, str] = {
     # README: the two commands
     "make run": TINY_RUN,
     "make test": CI,
-    # one test, in the make recipe's own process (CORES=0: no pytest-xdist workers to start)
-    'make test PYTEST_ARGS="-k config"': 'make test CORES=0 PYTEST_ARGS="tests/test_docs_commands.py '
+    # one test, in the make recipe's own process (TEST_WORKERS=0: no pytest-xdist workers to start)
+    'make test PYTEST_ARGS="-k config"': 'make test TEST_WORKERS=0 PYTEST_ARGS="tests/test_docs_commands.py '
     '-k shown_commands_parse -p no:cacheprovider"',
     "snakemake --cores 2": DRY,  # what make run runs
     "make run ARGS=\"--config 'advantages={estimator: grpo}'\"": f"make run ARGS=\"{TINY} --config 'advantages={{estimator: grpo}}' -n\"",
