@@ -117,14 +117,7 @@ NodeName=localhost NodeAddr=127.0.0.1 $TOPO RealMemory=$MEM $GRES_NODE State=UNK
 PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
 EOF
 # daemons running with another configuration (an older version of this script) are restarted with this one
-if ! cmp -s "$LAB/slurm.conf.new" /etc/slurm/slurm.conf; then
-  for entry in "$LAB/run/slurmd.pid:slurmd" "$LAB/run/slurmctld.pid:slurmctld"; do
-    f=${entry%%:*}
-    if running "$f" "${entry#*:}"; then
-      pid=$(cat "$f"); kill "$pid"; for i in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-    fi
-  done
-fi
+cmp -s "$LAB/slurm.conf.new" /etc/slurm/slurm.conf || SLURM_LAB=$LAB bash "$(dirname "$0")/slurm-down.sh" slurmd slurmctld
 mv "$LAB/slurm.conf.new" /etc/slurm/slurm.conf
 chmod 644 /etc/slurm/slurm.conf
 # No cgroup.conf: 22.05 has no CgroupPlugin=disabled ("cannot find cgroup plugin for disabled");
