@@ -32,6 +32,14 @@ VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 # torch threads per stage run in a test: 2 on its own, 1 per pytest-xdist worker (make test runs
 # one worker more than cores; two threads each would oversubscribe them further)
 os.environ.setdefault("OTBFLOW_THREADS", "1" if os.environ.get("PYTEST_XDIST_WORKER") else "2")
+# The preload servers of this session's stage jobs (otbflow.ops.preload) live in a folder of the
+# session's (made by the first process, the pytest-xdist workers inherit it) and end with it.
+if "OTBFLOW_PRELOAD_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["OTBFLOW_PRELOAD_DIR"] = _PRELOAD_DIR = tempfile.mkdtemp(prefix="otbflow-preload-")
+else:
+    _PRELOAD_DIR = None
 # What a user's checkout has at its top level; a sandbox links to these (results/ stays its own).
 SANDBOX_ENTRIES = (
     "Snakefile",
@@ -253,6 +261,16 @@ _XDIST_CONTROLLER = False  # under pytest-xdist the controller only relays the w
 def pytest_configure(config):
     global _XDIST_CONTROLLER
     _XDIST_CONTROLLER = bool(getattr(config.option, "numprocesses", None)) and not hasattr(config, "workerinput")
+
+
+def pytest_unconfigure(config):
+    if _PRELOAD_DIR:  # the process that made the folder: the session is over
+        import shutil
+
+        from otbflow.ops import preload
+
+        preload.stop(Path(_PRELOAD_DIR))
+        shutil.rmtree(_PRELOAD_DIR, ignore_errors=True)
 
 
 def _timeline(event: str, nodeid: str) -> None:

@@ -185,6 +185,9 @@ HOW: dict[str, str] = {
     # the GPU check's tiny form runs it (its chain step: one iteration per setting, no TRL)
     "python benchmarks/bench_iteration.py": GPU_CHECK_TINY,
     "benchmarks/bench_advantages.py": "python benchmarks/bench_advantages.py --tokens 20000 --repeats 1",
+    # docs/workers.md: the tiny run's first job (the shard) in each mode, once
+    "python benchmarks/bench_preload.py": "python benchmarks/bench_preload.py --target results/data/eval.parquet "
+    "--repeats 1",
     ".venv/bin/python benchmarks/bench_advantages.py": ".venv/bin/python benchmarks/bench_advantages.py --tokens 20000 "
     "--repeats 1",
     "benchmarks/bench_features.py": "python benchmarks/bench_features.py --sequences 4 --seq-len 32 --repeats 1 "

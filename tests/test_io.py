@@ -1,3 +1,4 @@
+import json
 import os
 import signal
 import subprocess
@@ -144,37 +145,62 @@ def _wait(what: str, until, timeout: float = 120):
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="Linux only (prctl, /proc)")
-@pytest.mark.parametrize("launcher", ["alone", "torchrun"])
+@pytest.mark.parametrize("launcher", ["alone", "torchrun", "preloaded"])
 def test_a_stage_whose_job_shell_was_killed_writes_nothing(tmp_path, launcher):
     """A real stage (shard, made to take 2-3 s) started as Snakemake starts a rule's
     command (``bash -c 'set -euo pipefail; ...'``; under torchrun as the workflow's launcher does
-    for several tasks): once it has started, it is held (SIGSTOP), its job's shell is killed
-    (kill -9: Snakemake counts the job failed and deletes its outputs), and it is let go
-    (SIGCONT). It writes no output and no temporary file, ever: alone, the kernel kills it with its
-    shell; under torchrun, which outlives the shell, the rank refuses to publish."""
+    for several tasks; or forked by a warm preload server, otbflow.ops.preload): once it has
+    started, it is held (SIGSTOP), its job's shell is killed (kill -9: Snakemake counts the job
+    failed and deletes its outputs), and it is let go (SIGCONT). It writes no output and no
+    temporary file, ever: alone, the kernel kills it with its shell; under torchrun, which outlives
+    the shell, the rank refuses to publish; preloaded, its client dies with the shell and the
+    server kills the stage's process group."""
     out, log = tmp_path / "prompts", tmp_path / "job.log"
     launch = f"{sys.executable} -m torch.distributed.run --standalone --nproc_per_node=1 --no-python "
     stage = f"{sys.executable} -m otbflow shard --out-dir {out} task.n_train=100000 task.max_operand=1000"
     cmd = f"set -euo pipefail; {launch if launcher == 'torchrun' else ''}{stage} > {log} 2>&1"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    server = None
+    if launcher == "preloaded":
+        env["OTBFLOW_PRELOAD_DIR"] = str(tmp_path / "preload")
+        server = preload_server(env)
+    else:
+        env["OTBFLOW_PRELOAD"] = "0"
     shell = subprocess.Popen(["bash", "-c", cmd], env=env)
     try:
         _wait("the stage to start", lambda: log.is_file() and "shard started" in log.read_text())
         tree = _processes_under(shell.pid)
-        pid = next(p for p, argv in tree if argv[1:4] == ["-m", "otbflow", "shard"])
+        if server:  # the stage is the server's child; its client stands for it in the job's shell
+            children = _processes_under(server)
+            tree += children
+            pid = children[0][0]
+        else:
+            pid = next(p for p, argv in tree if argv[1:4] == ["-m", "otbflow", "shard"])
         os.kill(pid, signal.SIGSTOP)
         os.kill(shell.pid, signal.SIGKILL)
         shell.wait()
         os.kill(pid, signal.SIGCONT)
-        for p, _ in tree:  # the stage, and torchrun
+        for p, _ in tree:  # the stage, and torchrun or the client
             _wait(f"process {p} to end", lambda p=p: _gone(p))
     finally:
         for p, _ in _processes_under(shell.pid) if shell.poll() is None else []:
             os.kill(p, signal.SIGKILL)
         shell.kill()
+        if server:
+            os.kill(server, signal.SIGTERM)
     # no file but the log (atomic_file may have made the outputs' folder: no output, nothing that looks done)
-    assert [p for p in tmp_path.rglob("*") if not p.is_dir()] == [log], log.read_text()[-2000:]
+    written = [p for p in tmp_path.rglob("*") if not p.is_dir() and "preload" not in p.parts]
+    assert written == [log], log.read_text()[-2000:]
     if launcher == "torchrun":
         assert (
             f"{out}/train/shard_0.parquet: not written: the job that started this process has ended" in log.read_text()
         )
+
+
+def preload_server(env: dict) -> int:
+    """A warm preload server (otbflow.ops.preload) for jobs of this environment: started by a
+    first job (a stage's --help, which that job runs itself) and waited for; its pid."""
+    subprocess.run([sys.executable, "-m", "otbflow", "shard", "--help"], env=env, check=True, capture_output=True)
+    folder = Path(env["OTBFLOW_PRELOAD_DIR"])
+    _wait("the preload server's socket", lambda: next(folder.glob("*.sock"), None), timeout=120)
+    return json.loads(next(folder.glob("*.json")).read_text())["pid"]

@@ -277,8 +277,11 @@ class JobGoneError(RuntimeError):
 
 _JOB: list[tuple[int, int]] = []
 """(pid, start in clock ticks after boot) of the processes whose end is the end of this process's
-job: its parent and, for a rank under torchrun, torchrun's parent (the job's shell). Empty: not
-bound (the Snakefile, a test calling a stage in its own process), or not Linux."""
+job: its parent and, for a rank under torchrun, torchrun's parent (the job's shell); for a job the
+preload server runs, its client and the client's parent (the job's shell). Empty: not bound (the
+Snakefile, a test calling a stage in its own process), or not Linux."""
+_PARENT: list[int] = []
+"""The parent this process must keep (another one: its parent ended and it was adopted)."""
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -296,10 +299,15 @@ def bind_to_job(parent: int) -> None:
       refuses to publish once the parent, or under torchrun torchrun's parent (the job's shell,
       which torchrun outlives), has ended; each is known by its pid and start time (no pid reuse).
 
+    A job the preload server runs (``otbflow.ops.preload``: ``otbflow.PRELOAD_CLIENT`` set) is a
+    child of the server, which it dies with; its job is its client (which dies with the job's
+    shell, ``parent``) and that shell.
+
     Raises JobGoneError when the parent ended before the signal was set."""
     import ctypes
     import signal
 
+    import otbflow
     from otbflow.ops.head import process_stat
 
     if process_stat(os.getpid()) is None:  # no /proc: not Linux
@@ -309,9 +317,12 @@ def bind_to_job(parent: int) -> None:
         if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     pids = [parent]
-    if "TORCHELASTIC_RUN_ID" in os.environ and (stat := process_stat(parent)):  # a rank under torchrun
+    if otbflow.PRELOAD_CLIENT is not None:
+        pids.insert(0, otbflow.PRELOAD_CLIENT)
+    elif "TORCHELASTIC_RUN_ID" in os.environ and (stat := process_stat(parent)):  # a rank under torchrun
         pids.append(stat[1])
     _JOB[:] = [(pid, stat[2] if (stat := process_stat(pid)) else -1) for pid in pids]
+    _PARENT[:] = [os.getppid() if otbflow.PRELOAD_CLIENT is not None else parent]
     check_job("this job")
 
 
@@ -331,7 +342,7 @@ def check_job(path: str | Path) -> None:
             raise JobGoneError(f"{path}: not written: {reason}; an output written now would look done to the next run")
     for pid, start in _JOB:
         stat = process_stat(pid)
-        if stat is None or stat[0] in "ZX" or stat[2] != start or os.getppid() != _JOB[0][0]:
+        if stat is None or stat[0] in "ZX" or stat[2] != start or os.getppid() != _PARENT[0]:
             raise JobGoneError(
                 f"{path}: not written: the job that started this process has ended (process {pid} is gone), "
                 f"so Snakemake counts it failed; an output written now would look done to the next run"
