@@ -43,7 +43,8 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+# the checkout the script was started from (not resolved: a sandbox that links to this file writes its own records)
+REPO = Path(__file__).absolute().parents[1]
 MEASURED = REPO / "benchmarks" / "measured"
 DOC = REPO / "docs" / "measurements.md"
 TOPICS = {

@@ -318,6 +318,15 @@ def docs_sandbox(tiny_run, tmp_path_factory):
     """A sandbox checkout with a copy of the tiny run's results (and Snakemake's record of them),
     so that commands that write do not touch the run other tests read."""
     work = make_sandbox(tmp_path_factory.mktemp("docs"))
+    # the records and the page that `measurements.py record/rerun` write: the sandbox's own copies
+    for folder, own in (("benchmarks", "measured"), ("docs", "measurements.md")):
+        (work / folder).unlink()
+        (work / folder).mkdir()
+        for entry in (REPO / folder).iterdir():
+            if entry.name == own:
+                (shutil.copytree if entry.is_dir() else shutil.copy)(entry, work / folder / own)
+            else:
+                (work / folder / entry.name).symlink_to(entry)
     for name in ("results", ".snakemake"):
         shutil.copytree(
             tiny_run / name,
