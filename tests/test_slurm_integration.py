@@ -31,7 +31,11 @@ from otbflow.io import read_metadata, read_table
 from otbflow.ops import head as H
 
 # one worker for the module (its Slurm run is a module fixture); the tiny run it copies is shared across workers
+# The tests that share slurm_run's sandbox run on one pytest-xdist worker ("slurm"); those with a
+# sandbox of their own (a head that survives, worker jobs) on another ("slurm_heads"), beside them on
+# the test cluster (slurm-up.sh: room for both).
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.xdist_group("slurm")]
+HEADS = pytest.mark.xdist_group("slurm_heads")
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
 LOCAL = REPO / "slurm" / "local"
 # A test cluster: no accounts, first status check after 2 s instead of the profile's 20 s, one
@@ -383,6 +387,7 @@ def wait_for(condition, timeout: float, what: str, every: float = 1.0):
     return out
 
 
+@HEADS
 def test_a_killed_head_job_is_continued_by_the_same_command(train_1_again):
     """scancel --full --signal=KILL of the head job while its train job runs: the train job runs on
     unsupervised (suspended here, so that it is still in flight when the next head starts, however
@@ -411,6 +416,7 @@ def test_a_killed_head_job_is_continued_by_the_same_command(train_1_again):
     print(f"head killed after {killed_at:.0f} s; continued in {time.perf_counter() - start - killed_at:.0f} s")
 
 
+@HEADS
 def test_a_head_job_requeues_itself_before_its_time_limit(train_1_again):
     """A head job with 2 minutes for more than 2 minutes of work: Slurm signals it 30 s (up to 90 s)
     before its limit, it stops Snakemake (SIGKILL: the stage jobs are not cancelled) and requeues
@@ -449,6 +455,7 @@ def worker_jobs(work: Path) -> dict[str, list[str]]:
     return out
 
 
+@HEADS
 def test_slurm_workers_run_the_iteration_and_replace_a_killed_worker_job(iteration_1_again):
     """otbflow submit --workers redoes the tiny run's iteration 1 with a generation, a features and a
     train worker, each a Slurm job of its own; the rollouts, features and update run on them (their
@@ -488,6 +495,7 @@ def test_slurm_workers_run_the_iteration_and_replace_a_killed_worker_job(iterati
     )
 
 
+@HEADS
 def test_a_train_worker_job_of_two_ranks_runs_them_with_srun(local_slurm, tiny_run, tmp_path):
     """otbflow submit --workers with resources.train.tasks 2: the train worker's Slurm job as the
     head submits it (``workerjobs.sbatch_options`` and ``script``: --ntasks=2, the worker starting

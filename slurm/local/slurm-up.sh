@@ -2,7 +2,7 @@
 # Single-node Slurm (Debian bookworm slurm-wlm 22.05) on localhost inside a container/VM with no systemd,
 # for otbflow's Slurm integration test (tests/test_slurm_integration.py). Adapted from the project's
 # shared scripts. Run as root; exits 77 when it cannot start Slurm here (not root, no apt-get).
-# Usage: [FAKE_GPUS=N] [MIN_CPUS=6] [SLURM_LAB=/tmp/slurm-lab] slurm-up.sh [--with-dbd]   (stop: slurm-down.sh)
+# Usage: [FAKE_GPUS=N] [MIN_CPUS=12] [SLURM_LAB=/tmp/slurm-lab] slurm-up.sh [--with-dbd]   (stop: slurm-down.sh)
 #   --with-dbd : also MariaDB + slurmdbd, so `sacct` works (snakemake-executor-plugin-slurm's default status
 #                command and submitit's job watcher both call sacct)
 #   FAKE_GPUS=N: advertise N fake GPUs (gres/gpu backed by /dev/null-like char devices) so that
@@ -27,6 +27,9 @@ if [[ $WITH_DBD == 1 ]] && ! command -v slurmdbd >/dev/null; then
   apt-get install -y -qq slurmdbd mariadb-server >/dev/null
 fi
 
+# one caller at a time (the suite's pytest-xdist workers may start it together)
+exec 9>"$LAB.lock"
+flock 9
 mkdir -p "$LAB"/{spool/ctld,spool/d,log,run}
 chown -R slurm:slurm "$LAB/spool/ctld" "$LAB/log" "$LAB/run"
 chmod 755 "$LAB" "$LAB"/*
@@ -40,10 +43,11 @@ munge -n </dev/null | unmunge | grep -q 'STATUS: *Success' || { echo "munge not 
 
 # node topology as slurmd sees it (avoids "Node reconfigured socket/core boundaries"), minus 1 GB memory headroom
 TOPO=$(slurmd -C | head -1 | grep -o -E '(CPUs|Boards|SocketsPerBoard|CoresPerSocket|ThreadsPerCore)=[0-9]+' | tr '\n' ' ')
-# A test node advertises at least MIN_CPUS (default 6) CPUs, so that a head job (1 CPU) and a
-# 2-rank training job (2 CPUs), or a head job, three worker jobs and a stage job (1 CPU each), fit on
-# a 2-core machine (jobs are not CPU-pinned: TaskPlugin=task/none).
-MIN_CPUS=${MIN_CPUS:-6}
+# A test node advertises at least MIN_CPUS (default 12) CPUs, so that two tests' runs fit on a 2-core
+# machine at once (the suite runs two Slurm tests side by side), each with a head job (1 CPU) and a
+# 2-rank training job (2 CPUs), or a head job, three worker jobs and a stage job (1 CPU each); jobs
+# are not CPU-pinned (TaskPlugin=task/none).
+MIN_CPUS=${MIN_CPUS:-12}
 OVERRIDES=""
 if (( $(echo "$TOPO" | grep -o -E 'CPUs=[0-9]+' | cut -d= -f2) < MIN_CPUS )); then
   TOPO="CPUs=$MIN_CPUS Boards=1 SocketsPerBoard=1 CoresPerSocket=$MIN_CPUS ThreadsPerCore=1"
