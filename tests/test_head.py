@@ -410,10 +410,11 @@ def tree_digest(folder: Path) -> dict[str, str]:
 
 def start_train_and_kill(command: str, work: Path, train_log: Path) -> H.Head:
     """Start ``command`` (a Snakemake run) in ``work``; once its train job has started (the job's
-    log appears), kill Snakemake with SIGKILL. Returns the killed head's record."""
-    first = subprocess.Popen(
-        command, shell=True, cwd=work, env=sandbox_env(work), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
+    log appears), kill Snakemake with SIGKILL. The train job holds before its outputs (up to 60 s:
+    OTBFLOW_FAULT=train:before-outputs:sleep), so that it is still running when the next head
+    starts, however fast it is. Returns the killed head's record."""
+    env = {**sandbox_env(work), "OTBFLOW_FAULT": "train:before-outputs:sleep"}
+    first = subprocess.Popen(command, shell=True, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     wait_for(lambda: train_log.is_file() or first.poll() is not None, timeout=600, what="the train job")
     assert first.poll() is None, first.stdout.read().decode()[-3000:]
     (record,) = (work / ".snakemake" / H.RECORDS).glob("*.json")

@@ -103,19 +103,22 @@ def test_the_live_curves_are_in_no_code_version():
         assert "otbflow.ops.tracking" not in closure(f"otbflow.stages.{stage}")
 
 
-def versions(src, stages: list[str]) -> dict[str, str]:
+def versions(src, stages: list[str], cache: Path) -> dict[str, str]:
+    """The stages' code versions as a new process computes them (with its versions cache in ``cache``)."""
     code = f"from otbflow.ops.codeversion import code_version; print(' '.join(code_version(s) for s in {stages!r}))"
-    out = subprocess.run(
-        [sys.executable, "-c", code], env={"PYTHONPATH": str(src)}, check=True, capture_output=True, text=True
-    ).stdout
+    env = {"PYTHONPATH": str(src), "XDG_CACHE_HOME": str(cache)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True).stdout
     return dict(zip(stages, out.split()))
 
 
 def test_code_versions_ignore_formatting_and_follow_expressions(tmp_path):
-    src = tmp_path / "src"
+    """Each step's versions come from the cache the step before wrote (codeversion.CACHE), and equal
+    those of a process with an empty cache."""
+    src, cache = tmp_path / "src", tmp_path / "cache"
     shutil.copytree(PACKAGE, src / "otbflow", ignore=shutil.ignore_patterns("__pycache__"))
     stages = ["advantages", "train", "shard"]
-    before = versions(src, stages)
+    before = versions(src, stages, cache)
+    assert list(cache.glob("otbflow/code-versions-*.json")) and versions(src, stages, cache) == before
     est = src / "otbflow" / "algorithms" / "estimators.py"
     text = est.read_text()
     # a reformat (line length 60), a comment and a changed docstring: no version moves
@@ -123,13 +126,14 @@ def test_code_versions_ignore_formatting_and_follow_expressions(tmp_path):
     ruff = str(Path(sys.executable).with_name("ruff"))  # the dev extra's, beside this interpreter
     subprocess.run([ruff, "format", "--line-length", "60", "--no-cache", str(est)], check=True, capture_output=True)
     assert est.read_text() != text
-    assert versions(src, stages) == before
+    assert versions(src, stages, cache) == before == versions(src, stages, tmp_path / "empty1")
     # one changed expression: the stages that reach estimators move, shard does not
     assert "EPS_STD = 1e-6" in est.read_text()
     est.write_text(est.read_text().replace("EPS_STD = 1e-6", "EPS_STD = 1e-7"))
-    after = versions(src, stages)
+    after = versions(src, stages, cache)
     assert after["advantages"] != before["advantages"] and after["train"] != before["train"]
     assert after["shard"] == before["shard"]
+    assert after == versions(src, stages, tmp_path / "empty2")
 
 
 def test_planning_imports_no_torch():

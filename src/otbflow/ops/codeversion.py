@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import json
+import os
 import re
 from functools import cache
 from pathlib import Path
@@ -95,10 +97,61 @@ def normalized(name: str) -> str:
     return ast.dump(tree, annotate_fields=False, include_attributes=False)
 
 
+# Parsing every module a stage reaches was the largest part of each Snakemake start's planning (the
+# rules' params hold each stage's version), and every job of a run on Slurm starts Snakemake. The
+# versions are kept in a file of the user's cache, with the files each was computed from (modification
+# time, change time, size, inode; the package's folders too: a new module is a new entry of a folder),
+# as Python keeps its bytecode; a cache that cannot be read or written is computed again.
+CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "otbflow"
+
+
 def code_version(stage: str) -> str:
-    """The code version of ``stage`` (its module otbflow.stages.<stage> and what it reaches)."""
+    """The code version of ``stage`` (its module otbflow.stages.<stage> and what it reaches); from
+    the cache while none of the files it was computed from has changed."""
+    versions = _cache()
+    entry = versions.get(stage)
+    if entry and all(_signature(path) == sig for path, sig in entry["files"].items()):
+        return entry["version"]
+    # the files' signatures before they are read: a file changed meanwhile is read again next time
+    before = {str(p): _signature(p) for p in [PACKAGE, *PACKAGE.rglob("*")] if p.is_dir() or p.suffix == ".py"}
     h = hashlib.sha256()
-    for mod in closure(f"otbflow.stages.{stage}"):
+    modules = closure(f"otbflow.stages.{stage}")
+    for mod in modules:
         h.update(mod.encode())
         h.update(normalized(mod).encode())
-    return h.hexdigest()[:16]
+    version = h.hexdigest()[:16]
+    files = {str(module_file(m)) for m in modules} | {p for p in before if Path(p).is_dir()}
+    versions[stage] = {"version": version, "files": {p: before.get(p, []) for p in sorted(files)}}
+    _save(versions)
+    return version
+
+
+def _signature(path: str) -> list[int]:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return []
+    return [st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino]
+
+
+def _cache_file() -> Path:
+    return CACHE / f"code-versions-{hashlib.sha256(str(PACKAGE).encode()).hexdigest()[:16]}.json"
+
+
+@cache
+def _cache() -> dict:
+    try:
+        return json.loads(_cache_file().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _save(versions: dict) -> None:
+    path = _cache_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(versions))
+        tmp.replace(path)
+    except OSError:
+        pass

@@ -12,9 +12,10 @@ interpreter, import path, environment and place (namespaces, cgroup, limits) to 
 - the client (the job's own process) waits, relays the signals it gets to the child's group and ends
   as the child did (its exit status; killed by a signal, by the same signal).
 
-With no server, the client starts one in the background for the next jobs and runs the job itself,
-as before. A server exits after ``IDLE_S`` without a job, or once a source file it imported changes
-(the jobs after it run in their own processes until a new server has loaded the new code).
+With no server, the job runs in its own process, as before; the second job of a key within
+``IDLE_S`` starts its server in the background, for the jobs after it. A server exits after
+``IDLE_S`` without a job, or once a source file it imported changes (the jobs after it run in their
+own processes until a new server has loaded the new code).
 
 The same outputs: the server only imports (no torch operation runs in it, so no thread pool is
 forked half-made), and the child is the process a fresh ``python -m otbflow`` would be after its
@@ -222,10 +223,20 @@ def umask() -> int:
 
 def start_server(base: Path, key: str) -> None:
     """Start the server of this key in the background (in a session of its own, its output in its
-    log), unless one holds its lock (it is starting, or exiting)."""
+    log) for the second job of the key within IDLE_S, unless one holds its lock (it is starting, or
+    exiting). The first job only leaves its mark (``KEY.seen``): a key asked for once (a rerun of
+    one stage, a job in a namespace of its own) never pays a server's imports."""
     import fcntl
     import subprocess
 
+    seen = base / f"{key}.seen"
+    try:
+        fresh = time.time() - seen.stat().st_mtime < float(os.environ.get("OTBFLOW_PRELOAD_IDLE_S") or IDLE_S)
+    except OSError:
+        fresh = False
+    if not fresh:
+        seen.touch()
+        return
     try:
         with open(base / f"{key}.lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
