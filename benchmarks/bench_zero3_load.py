@@ -105,6 +105,12 @@ def worker(mode: str, policy: str, out: str) -> None:
         "build_s": round(time.perf_counter() - t, 2),
     }
     Path(f"{out}.{rank}.json").write_text(json.dumps(result))
+    # both ranks done before the group goes: a rank that exits with gloo's threads still running can
+    # abort ("terminate called without an active exception"), as one did on a loaded 2-core machine
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def main() -> int:
