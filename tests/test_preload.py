@@ -144,3 +144,23 @@ def _ended(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] == "Z"
     except OSError:
         return True
+
+
+def test_a_socket_path_longer_than_unix_sockets_take(tmp_path):
+    """A folder deep enough that its socket's path is over the 108 bytes of a Unix socket address
+    (pytest's own temporary folders are): bound and reached through a descriptor of the folder."""
+    import socket
+
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    path = deep / "x.sock"
+    assert len(str(path)) > 108
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with preload.address(path) as where:
+        server.bind(where)
+    server.listen(1)
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with preload.address(path) as where:
+        client.connect(where)
+    server.accept()[0].sendall(b"ok")
+    assert client.recv(2) == b"ok" and path.exists()

@@ -13,7 +13,7 @@ interpreter, import path, environment and place (namespaces, cgroup, limits) to 
   as the child did (its exit status; killed by a signal, by the same signal).
 
 With no server, the job runs in its own process, as before; the second job of a key within
-``IDLE_S`` starts its server in the background, for the jobs after it. A server exits after
+``WINDOW_S`` starts its server in the background, for the jobs after it. A server exits after
 ``IDLE_S`` without a job, or once a source file it imported changes (the jobs after it run in their
 own processes until a new server has loaded the new code).
 
@@ -36,6 +36,7 @@ The client imports no torch and no otbflow module but this one and ``otbflow.ops
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -47,7 +48,9 @@ import time
 from pathlib import Path
 
 IDLE_S = 120.0
-"""A server with no job for this long exits (``OTBFLOW_PRELOAD_IDLE_S`` where the first job has it)."""
+"""A server with no job for this long exits (``OTBFLOW_PRELOAD_IDLE_S`` where the job that starts it has it)."""
+WINDOW_S = 120.0
+"""A key's second job within this long of its first starts its server."""
 START_S = 10.0
 """How long a server waits for a connected client's request."""
 PRELOADED = ("torch", "transformers", "deepspeed", "otbflow.cli")
@@ -162,7 +165,8 @@ def run(argv: list[str]) -> int | None:
     key = server_key(dict(os.environ), sys.path, sys.executable)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        conn.connect(str(base / f"{key}.sock"))
+        with address(base / f"{key}.sock") as where:
+            conn.connect(where)
     except OSError:
         conn.close()
         start_server(base, key)
@@ -215,6 +219,20 @@ def run(argv: list[str]) -> int | None:
     return 1
 
 
+@contextlib.contextmanager
+def address(path: Path):
+    """A Unix socket's address for ``path``: the path, or where it is too long for one (108 bytes),
+    the path through a descriptor of its folder (``/proc/self/fd/N/NAME``), open meanwhile."""
+    if len(os.fsencode(path)) < 100:
+        yield str(path)
+        return
+    fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY)
+    try:
+        yield f"/proc/self/fd/{fd}/{path.name}"
+    finally:
+        os.close(fd)
+
+
 def umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
@@ -223,7 +241,7 @@ def umask() -> int:
 
 def start_server(base: Path, key: str) -> None:
     """Start the server of this key in the background (in a session of its own, its output in its
-    log) for the second job of the key within IDLE_S, unless one holds its lock (it is starting, or
+    log) for the second job of the key within WINDOW_S, unless one holds its lock (it is starting, or
     exiting). The first job only leaves its mark (``KEY.seen``): a key asked for once (a rerun of
     one stage, a job in a namespace of its own) never pays a server's imports."""
     import fcntl
@@ -231,7 +249,7 @@ def start_server(base: Path, key: str) -> None:
 
     seen = base / f"{key}.seen"
     try:
-        fresh = time.time() - seen.stat().st_mtime < float(os.environ.get("OTBFLOW_PRELOAD_IDLE_S") or IDLE_S)
+        fresh = time.time() - seen.stat().st_mtime < WINDOW_S
     except OSError:
         fresh = False
     if not fresh:
@@ -400,7 +418,8 @@ def serve(base: Path, key: str, idle_s: float = IDLE_S) -> int:
     sock_path = base / f"{key}.sock"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     tmp = base / f".{key}.{me}.sock"
-    listener.bind(str(tmp))
+    with address(tmp) as where:
+        listener.bind(where)
     listener.listen(64)
     record = base / f"{key}.json"
     record.write_text(json.dumps({"pid": me, "python": sys.executable, "path": sys.path[1:], "started": time.time()}))
