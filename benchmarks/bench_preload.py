@@ -59,6 +59,22 @@ def server_cpu(folder: Path) -> float:
     return total
 
 
+def starting(folder: Path) -> bool:
+    """Whether a server in ``folder`` holds its lock without a socket yet (it is importing). A run
+    of one job starts none (otbflow.ops.preload.WINDOW_S)."""
+    import fcntl
+
+    for lock in folder.glob("*.lock"):
+        if (folder / f"{lock.stem}.sock").exists():
+            continue
+        with open(lock) as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                return True
+    return False
+
+
 def children_cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
     return r.ru_utime + r.ru_stime
@@ -107,9 +123,9 @@ def main() -> None:
                 got = run_once(work, mode_env, args.target, preload_dir)
                 for k, v in got.items():
                     out[mode][k].append(v)
-                if mode == "cold":  # the server the cold run started: ready (its imports done) before "warm"
+                if mode == "cold":  # a server the cold run started: ready (its imports done) before "warm"
                     deadline = time.monotonic() + 120
-                    while not list(preload_dir.glob("*.sock")) and time.monotonic() < deadline:
+                    while starting(preload_dir) and time.monotonic() < deadline:
                         time.sleep(0.2)
                 shutil.rmtree(work / "results", ignore_errors=True)
             preload.stop(preload_dir)

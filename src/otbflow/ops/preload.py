@@ -1,7 +1,7 @@
 """Local stage jobs forked from a process that has already imported what they import (the preload server).
 
 A small CPU stage job spends more of its time importing torch, transformers, DeepSpeed and otbflow
-than working: the tiny run, each job in its own process, takes 3-4 times the CPU time it takes
+than working: the tiny run, each job in its own process, takes 2-3 times the CPU time it takes
 preloaded (docs/measurements.md, "Preloaded stage jobs: the tiny run"). So ``python -m otbflow STAGE
 ...`` (every rule's command, and the worker client's fallback) first asks the preload server of its
 interpreter, import path, environment and place (namespaces, cgroup, limits) to run it:
