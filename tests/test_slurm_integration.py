@@ -90,13 +90,14 @@ def slurm_sandbox(local_slurm, tiny_run, tmp_path_factory):
         subprocess.run(["scancel", *ours], capture_output=True)
 
 
-def sh(work: Path, command: str, ok=(0,)) -> str:
-    """A README command in the sandbox's shell; returns its output."""
+def sh(work: Path, command: str, ok=(0,), env: dict | None = None) -> str:
+    """A README command in the sandbox's shell (``env``: variables added to its environment);
+    returns its output."""
     res = subprocess.run(
         command,
         shell=True,
         cwd=work,
-        env=sandbox_env(work),
+        env={**sandbox_env(work), **(env or {})},
         capture_output=True,
         text=True,
         stdin=subprocess.DEVNULL,
@@ -390,13 +391,15 @@ def wait_for(condition, timeout: float, what: str, every: float = 1.0):
 @HEADS
 def test_a_killed_head_job_is_continued_by_the_same_command(train_1_again):
     """scancel --full --signal=KILL of the head job while its train job runs: the train job runs on
-    unsupervised (suspended here, so that it is still in flight when the next head starts, however
-    fast the machine); the same submit command's head finds the killed head gone, cancels that
-    train job, waits until it has left the queue, redoes it and ends with the uninterrupted run's
-    policy, bitwise."""
+    unsupervised (held before its outputs, OTBFLOW_FAULT=train:before-outputs:sleep, until it is
+    suspended here, so that it is still in flight when the next head starts, however fast the
+    machine); the same submit command's head finds the killed head gone, cancels that train job,
+    waits until it has left the queue, redoes it and ends with the uninterrupted run's policy,
+    bitwise."""
     work, want = train_1_again
     start = time.perf_counter()
-    first = re.search(r"submitted the head job (\d+)", sh(work, AGAIN)).group(1)
+    hold = {"OTBFLOW_FAULT": "train:before-outputs:sleep"}  # this submission's jobs only
+    first = re.search(r"submitted the head job (\d+)", sh(work, AGAIN, env=hold)).group(1)
     wait_for(lambda: (work / "results/logs/train/iter_1.log").is_file(), 600, "the train job")
     (record,) = (work / ".snakemake" / H.RECORDS).glob("*.json")
     dead = H.Head(**json.loads(record.read_text()))
