@@ -34,16 +34,7 @@ from machine import run_record  # benchmarks/machine.py (this folder is on sys.p
 
 REPO = Path(__file__).resolve().parents[1]
 
-ENTRIES = ("Snakefile", "workflow", "config", "src", "envs")
 MODES = ("own", "cold", "warm")
-
-
-def sandbox(root: Path) -> Path:
-    """A folder that looks like a checkout (links to the workflow and the source) with its own results."""
-    root.mkdir(parents=True)
-    for name in ENTRIES:
-        (root / name).symlink_to(REPO / name)
-    return root
 
 
 def server_cpu(folder: Path) -> float:
@@ -83,19 +74,9 @@ def children_cpu() -> float:
 def run_once(work: Path, env: dict, target: list[str], preload_dir: Path) -> dict:
     before = children_cpu() + server_cpu(preload_dir)
     start = time.perf_counter()
-    cmd = [
-        sys.executable,
-        "-m",
-        "snakemake",
-        *target,
-        "--cores",
-        "2",
-        "--quiet",
-        "all",
-        "--configfile",
-        "config/tiny.yaml",
-    ]
-    res = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    cmd = [sys.executable, "-m", "snakemake", *target, "-s", str(REPO / "Snakefile"), "--directory", str(work)]
+    cmd += ["--cores", "2", "--quiet", "all", "--configfile", str(REPO / "config" / "tiny.yaml")]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
     wall = time.perf_counter() - start
     if res.returncode != 0:
         raise SystemExit(f"snakemake failed in {work}:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
@@ -118,7 +99,7 @@ def main() -> None:
             env["PYTHONPATH"] = str(REPO / "src")
             env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
             for mode in MODES:
-                work = sandbox(tmp / f"{mode}-{repeat}")
+                work = tmp / f"{mode}-{repeat}"  # the run's folder: its results/ and .snakemake/
                 mode_env = {**env, "OTBFLOW_PRELOAD": "0" if mode == "own" else "1"}
                 got = run_once(work, mode_env, args.target, preload_dir)
                 for k, v in got.items():
