@@ -27,7 +27,8 @@ if [[ $WITH_DBD == 1 ]] && ! command -v slurmdbd >/dev/null; then
   apt-get install -y -qq slurmdbd mariadb-server >/dev/null
 fi
 
-# one caller at a time (the suite's pytest-xdist workers may start it together)
+# one caller at a time (the suite's pytest-xdist workers may start it together); the daemons it starts
+# get the lock's descriptor closed (9>&-), or they would hold the lock for as long as they run
 exec 9>"$LAB.lock"
 flock 9
 mkdir -p "$LAB"/{spool/ctld,spool/d,log,run}
@@ -37,7 +38,7 @@ chmod 755 "$LAB" "$LAB"/*
 # ---- munge (needs /etc/munge/munge.key owned by munge, mode 0400/0600; the Debian package creates it) ----
 [[ -s /etc/munge/munge.key ]] || { mungekey --create --force; chown munge:munge /etc/munge/munge.key; chmod 600 /etc/munge/munge.key; }
 install -d -o munge -g munge -m 0755 /run/munge
-running /run/munge/munged.pid 'munged' || runuser -u munge -- /usr/sbin/munged   # munged refuses to run as root
+running /run/munge/munged.pid 'munged' || runuser -u munge -- /usr/sbin/munged 9>&-   # munged refuses to run as root
 for i in $(seq 50); do munge -n </dev/null | unmunge >/dev/null 2>&1 && break; sleep 0.1; done
 munge -n </dev/null | unmunge | grep -q 'STATUS: *Success' || { echo "munge not working"; exit 1; }
 
@@ -134,7 +135,7 @@ if [[ $WITH_DBD == 1 ]]; then
   if ! running /run/mysqld/mysqld.pid 'mysqld|mariadbd'; then
     [[ -d /var/lib/mysql/mysql ]] || mariadb-install-db --user=mysql --datadir=/var/lib/mysql >/dev/null
     (runuser -u mysql -- /usr/sbin/mariadbd --datadir=/var/lib/mysql --socket=/run/mysqld/mysqld.sock \
-        --bind-address=127.0.0.1 --pid-file=/run/mysqld/mysqld.pid >"$LAB/log/mariadb.log" 2>&1 &)
+        --bind-address=127.0.0.1 --pid-file=/run/mysqld/mysqld.pid >"$LAB/log/mariadb.log" 2>&1 9>&- &)
     for i in $(seq 100); do mariadb -uroot -e 'select 1' >/dev/null 2>&1 && break; sleep 0.2; done
   fi
   # Fresh slurmctld state => job ids restart at 1; drop the old accounting DB too, or sacct/submitit can read
@@ -163,20 +164,20 @@ StorageUser=slurm
 StoragePass=slurmpw
 EOF
   chown slurm:slurm /etc/slurm/slurmdbd.conf; chmod 600 /etc/slurm/slurmdbd.conf
-  running "$LAB/run/slurmdbd.pid" 'slurmdbd' || /usr/sbin/slurmdbd
+  running "$LAB/run/slurmdbd.pid" 'slurmdbd' || /usr/sbin/slurmdbd 9>&-
   for i in $(seq 100); do sacctmgr -n show cluster >/dev/null 2>&1 && break; sleep 0.2; done
   sacctmgr -i add cluster localcluster >/dev/null 2>&1 || true
 fi
 
 # ---- slurmctld (runs as SlurmUser=slurm, started by root) and slurmd (root) ----
-running "$LAB/run/slurmctld.pid" 'slurmctld' || /usr/sbin/slurmctld -i        # -i: ignore missing/unreadable state on first start
+running "$LAB/run/slurmctld.pid" 'slurmctld' || /usr/sbin/slurmctld -i 9>&-        # -i: ignore missing/unreadable state on first start
 for i in $(seq 100); do scontrol ping 2>/dev/null | grep -q 'UP' && break; sleep 0.2; done
 if [[ $WITH_DBD == 1 ]]; then
   sacctmgr -i add account default Cluster=localcluster >/dev/null 2>&1 || true
   sacctmgr -i add user root Account=default >/dev/null 2>&1 || true
   [[ -n "${SUDO_USER:-}" ]] && sacctmgr -i add user "$SUDO_USER" Account=default >/dev/null 2>&1 || true
 fi
-running "$LAB/run/slurmd.pid" 'slurmd' || /usr/sbin/slurmd -N localhost   # -N: NodeName differs from hostname
+running "$LAB/run/slurmd.pid" 'slurmd' || /usr/sbin/slurmd -N localhost 9>&-   # -N: NodeName differs from hostname
 for i in $(seq 150); do sinfo -h -N -o '%T' 2>/dev/null | grep -q -E '^(idle|mixed|allocated)' && break; sleep 0.2; done
 scontrol update NodeName=localhost State=RESUME 2>/dev/null || true
 sinfo
