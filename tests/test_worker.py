@@ -226,6 +226,38 @@ def test_a_client_killed_mid_job_gets_nothing_written(tiny_run, tmp_path):
         worker.wait(timeout=30)
 
 
+def test_a_publish_job_run_outside_the_worker_waits_for_its_background_write(tiny_run, tmp_path):
+    """A train job returned by the worker, whose background write of the AdamW state starts 5 s
+    late (OTBFLOW_FAULT=train:writing-optimizer:pause), then its publish job run in a process of its
+    own at once (as a client does when no worker claims it): the publisher finds the worker's
+    record, waits for the write and publishes the state of the job's policy."""
+    from otbflow.ops.codeversion import code_version
+    from otbflow.training.state import policy_digest
+
+    results = tiny_run / "results"
+    registry = tmp_path / "registry"
+    worker = start_worker(registry, "train", tmp_path / "w.log", {"OTBFLOW_FAULT": "train:writing-optimizer:pause"})
+    try:
+        wait_for(lambda: dispatch.live_workers(registry, "train"), 60, "the worker")
+        out = tmp_path / "job"
+        args = train_args(results, out)
+        args[args.index("--optimizer") + 1] = str(out / "optimizer.pending")
+        train = [*client_command(registry, code_version("train")), "train", *args, "--optimizer-async"]
+        res = subprocess.run(train, cwd=tiny_run, capture_output=True, text=True)
+        assert res.returncode == 0 and "runs train" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
+        assert not (out / "optimizer.pending").exists()  # the write is held
+        publish = [sys.executable, "-m", "otbflow", "publish-optimizer", "--config", str(results / "config.yaml")]
+        publish += ["--pending", str(out / "optimizer.pending"), "--out", str(out / "optimizer")]
+        publish += ["--policy", str(out / "policy"), "--train-outputs", str(out / "policy")]
+        res = subprocess.run(publish, cwd=tiny_run, capture_output=True, text=True)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        meta = json.loads((out / "optimizer/meta.json").read_text())
+        assert meta["policy_sha256"] == policy_digest(out / "policy")
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(timeout=60)
+
+
 def rss_kib(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):

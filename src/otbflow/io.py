@@ -356,22 +356,25 @@ def fault_point(name: str) -> None:
     """A place where tests stop a process (the environment's ``OTBFLOW_FAULT``, once per process):
     ``name`` kills it (SIGKILL, as ``kill -9`` or a lost node would), ``name:later`` kills it 5 s
     later (a background thread's fault, after the job that started it returned), ``name:sleep``
-    holds it up to 60 s in short sleeps (a worker can abandon the job meanwhile). Nothing otherwise."""
+    holds it up to 60 s in short sleeps (a worker can abandon the job meanwhile), ``name:pause``
+    holds it 5 s and goes on (a slow moment). Nothing otherwise."""
     fault = os.environ.get("OTBFLOW_FAULT", "")
-    if fault.removesuffix(":sleep").removesuffix(":later") != name or name in _FAULTS_HIT:
+    point = fault.rsplit(":", 1)[0] if fault.endswith((":sleep", ":later", ":pause")) else fault
+    if point != name or name in _FAULTS_HIT:
         return
     _FAULTS_HIT.add(name)
-    if fault.endswith(":later"):
-        import time
+    import time
 
-        time.sleep(5)
-    elif fault.endswith(":sleep"):
+    if fault.endswith(":sleep"):
         import logging
-        import time
 
         logging.getLogger("otbflow.io").warning("OTBFLOW_FAULT=%s: held here", fault)
         for _ in range(600):
             time.sleep(0.1)
+        return
+    if fault.endswith((":later", ":pause")):
+        time.sleep(5)
+    if fault.endswith(":pause"):
         return
     import signal
 

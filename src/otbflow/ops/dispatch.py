@@ -150,12 +150,16 @@ def me() -> dict:
     return {"host": socket.gethostname(), "pid": os.getpid(), "start": process_start(os.getpid()), "boot": boot_id()}
 
 
-def alive(record: dict, heartbeat: Path) -> bool:
+def alive(record: dict, heartbeat: Path, by_pid_here: bool = False) -> bool:
     """Whether the process of ``record`` (``me()``'s keys) runs: on this host and boot by its pid
-    and start; elsewhere by its heartbeat file being fresher than ``STALE_S``."""
+    and start; elsewhere by its heartbeat file being fresher than ``STALE_S``. A process found here
+    must also have a fresh heartbeat (one that stopped beating is hung), but with ``by_pid_here``:
+    a slow process on a loaded machine is still waited for."""
     if record.get("host") == socket.gethostname() and record.get("boot") == boot_id():
         if process_start(int(record["pid"])) != record.get("start"):
             return False
+        if by_pid_here:
+            return True
     try:
         return time.time() - heartbeat.stat().st_mtime < STALE_S
     except FileNotFoundError:

@@ -8,6 +8,7 @@
 - ``hold`` / ``take`` / ``drop``: named objects a stage keeps for the next job (the train stage's
   DeepSpeed engine with its AdamW state, the KL reference), each with the facts the next job must
   match to use it; ``drop`` forgets them (a failed or abandoned job: its state is not trusted).
+- ``save_in_background`` / ``join_writes``: the AdamW state a train job writes after it returned.
 
 Nothing here changes what a job computes: a resident module holds exactly the weights a fresh load
 of the job's input folder would (tests/test_worker.py compares the outputs bitwise).
@@ -18,6 +19,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -55,6 +58,37 @@ def drop(name: str | None = None) -> None:
         _held.clear()
     else:
         _held.pop(name, None)
+
+
+WRITER_THREAD = "optimizer-writer"
+"""The name of a warm train worker's thread that writes an optimizer state after its job returned."""
+
+
+def save_in_background(write: Callable[[], None], fatal: bool = False) -> None:
+    """Run ``write`` (``otbflow.training.state.save_optimizer_state``) in a thread of this process
+    (a warm train worker's, after its job returned); ``join_writes`` waits for it. Not a daemon:
+    the process finishes the write before it exits (SIGTERM included; the worker stays registered
+    until then). A failed write leaves no folder: the publish job then finds the state lost.
+    ``fatal``: a failure ends the process (a rank of a worker of several, whose collectives are
+    then out of step with the other ranks'; the launcher ends them)."""
+
+    def run():
+        try:
+            write()
+        except BaseException:
+            log.exception("writing the optimizer state failed")
+            if fatal:
+                log.error("this rank's collectives are out of step with the others': the worker ends")
+                os._exit(1)
+
+    threading.Thread(target=run, name=WRITER_THREAD).start()
+
+
+def join_writes() -> None:
+    """Wait for this process's optimizer states being written in the background."""
+    for thread in threading.enumerate():
+        if thread.name == WRITER_THREAD:
+            thread.join()
 
 
 def files_digest(folder: str | Path, suffixes: tuple[str, ...]) -> str:

@@ -168,6 +168,7 @@ class Worker:
                 self.jobs_done += 1
                 idle_since = time.time()
         finally:
+            resident.join_writes()  # an AdamW state written in the background: registered until it is
             self.stop.set()
             self.unregister()
             if self.ranks is not None:

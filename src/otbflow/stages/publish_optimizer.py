@@ -56,7 +56,8 @@ class Args:
 
 
 def writer_alive(pending: str | Path) -> bool:
-    """Whether a process is writing ``pending`` now (its OPTIMIZER_WRITER record, by pid or heartbeat)."""
+    """Whether a process is writing ``pending`` now (its OPTIMIZER_WRITER record): on this host
+    while its process runs, elsewhere while its heartbeat is fresh."""
     from otbflow.ops.dispatch import alive, me
 
     record = optimizer_partial(pending) / OPTIMIZER_WRITER
@@ -66,15 +67,13 @@ def writer_alive(pending: str | Path) -> bool:
         return False
     if all(info.get(k) == v for k, v in me().items()):  # this process, whose writes were joined
         return False
-    return alive(info, Path(info.get("heartbeat") or record))
+    return alive(info, Path(info.get("heartbeat") or record), by_pid_here=True)
 
 
 def run(cfg: DictConfig, args: Args) -> None:
     start = time.monotonic()
     if resident.ENABLED:  # a warm train worker: its own writes in the background first
-        from otbflow.training.state import join_writes
-
-        join_writes()
+        resident.join_writes()
     while not (Path(args.pending) / OPTIMIZER_META).is_file() and writer_alive(args.pending):
         if time.monotonic() - start > WAIT_S:
             break

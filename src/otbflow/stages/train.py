@@ -44,13 +44,12 @@ from otbflow.training.state import (
     Checkpoints,
     OptimizerStateError,
     check_optimizer_state,
+    claim_optimizer_write,
     fingerprint,
     full_fp32_state_dict,
-    join_writes,
     load_optimizer_state,
     optimizer_layout,
     policy_digest,
-    save_in_background,
     save_optimizer_state,
     save_policy,
 )
@@ -107,7 +106,7 @@ def run(cfg: DictConfig, args: Args) -> None:
             f"train.reset_optimizer is true but --prev-optimizer {args.prev_optimizer} was given: drop one of them"
         )
     rank, world_size = init_distributed_env()
-    join_writes()  # a warm worker's engine is not changed while its last state is being written
+    resident.join_writes()  # a warm worker's engine is not changed while its last state is being written
     if args.prev_optimizer:
         prev_meta = check_optimizer_state(args.prev_optimizer, tc, world_size, args.policy)  # before any work
     seed = derive_seed(cfg.seed, "train", args.iteration)
@@ -269,7 +268,9 @@ def run(cfg: DictConfig, args: Args) -> None:
     ckpt.finish()
     curves.close()
     if background is not None:  # last: the job's own collectives (ckpt.finish's barrier) are over
-        save_in_background(background, fatal=world_size > 1)
+        if rank == 0:  # the writer's record before the job returns: a publisher that starts first waits
+            claim_optimizer_write(os.path.abspath(args.optimizer), writer)
+        resident.save_in_background(background, fatal=world_size > 1)
 
 
 def _write_optimizer_state(engine, out: str, meta: dict, writer: dict, rank: int, world_size: int) -> None:

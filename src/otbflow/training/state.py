@@ -267,10 +267,6 @@ def _barrier(world_size: int) -> None:
         torch.distributed.barrier()
 
 
-WRITER_THREAD = "optimizer-writer"
-"""The name of a warm train worker's thread that writes an optimizer state after its job returned."""
-
-
 def save_optimizer_state(engine, out: str, meta: dict, rank: int, world_size: int, writer: dict | None = None) -> None:
     """Write the engine's state as a DeepSpeed checkpoint (every rank its ZeRO shard) to a
     temporary sibling folder, then rank 0 adds ``meta.json`` and renames it to ``out``: a killed
@@ -281,11 +277,8 @@ def save_optimizer_state(engine, out: str, meta: dict, rank: int, world_size: in
     tmp = optimizer_partial(out_path)  # the same name on every rank
 
     guard_checkpoint_io(engine)
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        if writer is not None:
-            write_json(writer, tmp / OPTIMIZER_WRITER)
+    if rank == 0 and not (writer is not None and _read_json(tmp / OPTIMIZER_WRITER) == writer):
+        claim_optimizer_write(out_path, writer)
     _barrier(world_size)
     try:
         with write_errors_named(tmp):
@@ -308,34 +301,23 @@ def save_optimizer_state(engine, out: str, meta: dict, rank: int, world_size: in
     _barrier(world_size)
 
 
-def save_in_background(write, fatal: bool = False) -> None:
-    """Run ``write`` (a ``save_optimizer_state`` call) in a thread of this process (a warm train
-    worker's, after its job returned); ``join_writes`` waits for it. Not a daemon: the process
-    finishes the write before it exits (SIGTERM included). A failed write leaves no folder
-    (``save_optimizer_state``): the publish job then finds the state lost. ``fatal``: a failure
-    ends the process (a rank of a worker of several, whose collectives are then out of step with
-    the other ranks'; the launcher ends them)."""
-    import threading
-
-    def run():
-        try:
-            write()
-        except BaseException:
-            log.exception("writing the optimizer state failed")
-            if fatal:
-                log.error("this rank's collectives are out of step with the others': the worker ends")
-                os._exit(1)
-
-    threading.Thread(target=run, name=WRITER_THREAD).start()
+def claim_optimizer_write(out: str | Path, writer: dict | None = None) -> None:
+    """Rank 0: an empty temporary folder for the optimizer state ``out``, holding the record of
+    its ``writer``. A warm train worker makes it before its job returns, so that a publisher that
+    starts before the background write does waits for it (it finds neither ``meta.json`` nor a
+    live writer otherwise, and counts the state lost)."""
+    tmp = optimizer_partial(out)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    if writer is not None:
+        write_json(writer, tmp / OPTIMIZER_WRITER)
 
 
-def join_writes() -> None:
-    """Wait for this process's optimizer states being written in the background."""
-    import threading
-
-    for thread in threading.enumerate():
-        if thread.name == WRITER_THREAD:
-            thread.join()
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 class Checkpoints:
