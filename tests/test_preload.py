@@ -8,6 +8,7 @@ The killed job's shell: tests/test_io.py::test_a_stage_whose_job_shell_was_kille
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -54,6 +55,8 @@ def test_a_served_job_writes_what_its_own_process_writes(env, tiny_policy, data_
     preload_server(env)
     forked = stage(env, *args, "--out", str(tmp_path / "forked.parquet"))
     assert [line.split(": ")[1].split(" as ")[0] for line in served(env)] == ["rollout"]
+    (about,) = Path(env["OTBFLOW_PRELOAD_DIR"]).glob("*.about")  # what the server's key is made of
+    assert json.loads(about.read_text())["executable"] == sys.executable
     assert pl.read_parquet(tmp_path / "own.parquet").equals(pl.read_parquet(tmp_path / "forked.parquet"))
     for res in (own, forked):
         assert re.search(r"rollout finished in", res.stderr), res.stderr[-2000:]
@@ -98,6 +101,20 @@ def test_a_changed_source_retires_the_server(env, tmp_path):
     log = next(Path(env["OTBFLOW_PRELOAD_DIR"]).glob("*.log")).read_text()
     assert "its sources changed: no new jobs" in log
     assert preload_server(env) != first
+
+
+def test_a_keys_description_names_what_set_it_apart_and_no_value():
+    """Two environments that differ in one variable: different keys, whose descriptions differ in
+    that variable's entry only, and hold neither value."""
+    path, place = ["", "/a", "/b"], [["ns"], "cgroup", [], 0]
+    one = {"HOME": "/home/me", "WANDB_API_KEY": "secret-one"}
+    two = {**one, "WANDB_API_KEY": "secret-two"}
+    keys = [preload.server_key(e, path, "/py", place) for e in (one, two)]
+    abouts = [preload.about(preload.key_parts(e, path, "/py", place)) for e in (one, two)]
+    assert keys[0] != keys[1] and abouts[0]["env"]["HOME"] == abouts[1]["env"]["HOME"]
+    assert abouts[0]["env"]["WANDB_API_KEY"] != abouts[1]["env"]["WANDB_API_KEY"]
+    assert {k: v for k, v in abouts[0].items() if k != "env"} == {k: v for k, v in abouts[1].items() if k != "env"}
+    assert "secret" not in json.dumps(abouts)
 
 
 def test_where_it_is_off(monkeypatch):

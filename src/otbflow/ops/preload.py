@@ -53,9 +53,10 @@ WINDOW_S = 120.0
 """A key's second job within this long of its first starts its server."""
 START_S = 10.0
 """How long a server waits for a connected client's request."""
-PRELOADED = ("torch", "transformers", "deepspeed", "otbflow.cli")
-"""What a server imports before it serves (and every stage's module, and the modeling module of
-every architecture of otbflow.engines.ARCHITECTURES)."""
+PRELOADED = ("torch", "transformers", "deepspeed", "vllm.entrypoints.llm", "otbflow.cli")
+"""What a server imports before it serves, where its environment has it (DeepSpeed in .venv, vLLM
+in .venv-vllm, whose import is much of a small vLLM job's start-up), and every stage's module, and
+the modeling module of every architecture of otbflow.engines.ARCHITECTURES."""
 PER_JOB_ENV = ("OTBFLOW_", "SNAKEMAKE", "PYTEST_", "PWD", "OLDPWD", "SHLVL", "_", "PATH", "PYTHONPATH")
 PER_JOB_ENV += ("TMPDIR", "TEMP", "TMP", "TEMPDIR")
 """Environment variables (names, or prefixes ending in ``_``/``SNAKEMAKE``) that differ between
@@ -104,10 +105,24 @@ def server_key(env: dict[str, str], path: list[str], executable: str, place: lis
     """The server a job may use: its interpreter, its import path (less the working folder, which
     ``python -m`` puts first; each folder by its real path, once), its environment, less the
     per-job variables, and where the process is (``place``, by default this process's)."""
+    return hashlib.sha256(json.dumps(key_parts(env, path, executable, place)).encode()).hexdigest()[:24]
+
+
+def key_parts(env: dict[str, str], path: list[str], executable: str, place: list | None = None) -> list:
     kept = sorted((k, v) for k, v in env.items() if not per_job(k))
     folders = list(dict.fromkeys(os.path.realpath(p) for p in path[1:]))
-    text = json.dumps([executable, folders, kept, this_place() if place is None else place])
-    return hashlib.sha256(text.encode()).hexdigest()[:24]
+    return [executable, folders, kept, this_place() if place is None else place]
+
+
+def about(parts: list) -> dict:
+    """A key's parts as a server's ``KEY.about`` shows them (the environment's values and the place
+    by digest): two servers' files say which variable set them apart."""
+
+    def digest(value) -> str:
+        return hashlib.sha256(json.dumps(value).encode()).hexdigest()[:12]
+
+    executable, folders, kept, place = parts
+    return {"executable": executable, "path": folders, "env": {k: digest(v) for k, v in kept}, "place": digest(place)}
 
 
 def this_place() -> list:
@@ -260,6 +275,9 @@ def start_server(base: Path, key: str) -> None:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         return
+    with contextlib.suppress(OSError):
+        text = json.dumps(about(key_parts(dict(os.environ), sys.path, sys.executable)), indent=1)
+        (base / f"{key}.about").write_text(text)
     # the first job's environment, less what marks a job (the head's mark: otbflow.ops.head)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTBFLOW_", "SNAKEMAKE", "PYTEST_"))}
     with open(base / f"{key}.log", "ab") as log:
@@ -295,7 +313,7 @@ def preload() -> None:
     for name in PRELOADED:
         try:
             importlib.import_module(name)
-        except ImportError:  # not in this environment (DeepSpeed in vLLM's): its jobs import it themselves
+        except ImportError:  # not in this environment (DeepSpeed in vLLM's, vLLM in .venv)
             pass
     from otbflow.engines import ARCHITECTURES
     from otbflow.pipeline import STAGES
