@@ -4,8 +4,8 @@ The tiny workflow (``config/tiny.yaml``: 2 iterations, 23 jobs) runs from scratc
 folder once per mode and repeat:
 
 - ``own``: every job in its own process (``OTBFLOW_PRELOAD=0``);
-- ``cold``: preloaded, with no server running (the first job starts one and, like the jobs that
-  come before it is ready, runs in its own process);
+- ``cold``: preloaded, with no server running (the first job runs in its own process; the second
+  starts the server and waits for it, as do the jobs that come while it starts);
 - ``warm``: preloaded, the server of the previous run still up.
 
 Per mode: the wall time of ``snakemake``, and the CPU time of everything it ran (Snakemake and its

@@ -238,9 +238,11 @@ HOW: dict[str, str] = {
     "otbflow worker train --results results --tasks N": (
         "otbflow worker train --results results --tasks 2 --idle-exit 1 2>&1 | grep -q 'rank 1: rank 0 ended the worker'"
     ),
-    # docs/workers.md: the workers serve the tiny run's train jobs redone, and end once idle
+    # docs/workers.md: the workers serve the tiny run's train jobs redone, and end once idle (after
+    # 60 s: on the loaded CI machine iteration 1's rollouts, features and advantages took over 20 s,
+    # and a train worker idle that long had ended before iteration 1's train job)
     "for kind in generate features train; do otbflow worker $kind --results results --idle-exit 600 & done": (
-        "for kind in generate features train; do otbflow worker $kind --results results --idle-exit 20 & done; "
+        "for kind in generate features train; do otbflow worker $kind --results results --idle-exit 60 & done; "
         "until ls results/.workers/train/*/alive > /dev/null 2>&1; do sleep 0.5; done; "
         "snakemake --cores 2 --configfile config/tiny.yaml --forcerun train && wait && "
         "grep -q 'runs train' results/logs/train/iter_1.log"

@@ -199,7 +199,8 @@ def test_a_stage_whose_job_shell_was_killed_writes_nothing(tmp_path, launcher):
 
 def preload_server(env: dict) -> int:
     """A warm preload server (otbflow.ops.preload) for jobs of this environment: started by a
-    second job (a stage's --help, which the two jobs run themselves) and waited for; its pid."""
+    second job (a stage's --help: the first runs itself, the second waits for the server and runs
+    on it); its pid."""
     for _ in range(2):  # the first job leaves its mark, the second starts the server
         subprocess.run([sys.executable, "-m", "otbflow", "shard", "--help"], env=env, check=True, capture_output=True)
     folder = Path(env["OTBFLOW_PRELOAD_DIR"])

@@ -49,12 +49,14 @@ def served(env) -> list[str]:
 
 def test_a_served_job_writes_what_its_own_process_writes(env, tiny_policy, data_dir, tmp_path):
     """A rollout (torch, the policy, sampling) in its own process, then forked by the server: the
-    same table; the server's log names the second job, and its log has the stage's own lines."""
+    same table; the server's log names the job that started it and the rollout, and the rollout's
+    log has the stage's own lines."""
     args = ["rollout", "--prompts", str(data_dir / "train" / "shard_0.parquet"), "--policy", str(tiny_policy)]
     own = stage({**env, "OTBFLOW_PRELOAD": "0"}, *args, "--out", str(tmp_path / "own.parquet"))
     preload_server(env)
     forked = stage(env, *args, "--out", str(tmp_path / "forked.parquet"))
-    assert [line.split(": ")[1].split(" as ")[0] for line in served(env)] == ["rollout"]
+    # the server's jobs: the second --help (it started the server and waited for it), then the rollout
+    assert [line.split(": ")[1].split(" as ")[0] for line in served(env)] == ["shard", "rollout"]
     (about,) = Path(env["OTBFLOW_PRELOAD_DIR"]).glob("*.about")  # what the server's key is made of
     assert json.loads(about.read_text())["executable"] == sys.executable
     assert pl.read_parquet(tmp_path / "own.parquet").equals(pl.read_parquet(tmp_path / "forked.parquet"))
@@ -70,7 +72,7 @@ def test_exit_status_errors_and_signals_are_the_jobs(env, tmp_path):
     forked, own = stage(env, *bad, check=False), stage({**env, "OTBFLOW_PRELOAD": "0"}, *bad, check=False)
     assert forked.returncode == own.returncode == 2
     assert forked.stderr.splitlines()[-1] == own.stderr.splitlines()[-1]
-    assert len(served(env)) == 1
+    assert len(served(env)) == 2  # preload_server's second job, then the refused config
     log = tmp_path / "long.log"
     with open(log, "w") as f:
         job = subprocess.Popen(

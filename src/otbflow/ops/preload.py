@@ -13,7 +13,8 @@ interpreter, import path, environment and place (namespaces, cgroup, limits) to 
   as the child did (its exit status; killed by a signal, by the same signal).
 
 With no server, the job runs in its own process, as before; the second job of a key within
-``WINDOW_S`` starts its server in the background, for the jobs after it. A server exits after
+``WINDOW_S`` starts its server in the background and waits for it to serve, as do the jobs that come
+while it starts (its imports are paid once, not by each of them). A server exits after
 ``IDLE_S`` without a job, or once a source file it imported changes (the jobs after it run in their
 own processes until a new server has loaded the new code).
 
@@ -53,6 +54,8 @@ WINDOW_S = 120.0
 """A key's second job within this long of its first starts its server."""
 START_S = 10.0
 """How long a server waits for a connected client's request."""
+READY_S = 60.0
+"""How long a job waits for a server of its key that is starting (its imports) before it runs itself."""
 PRELOADED = ("torch", "transformers", "deepspeed", "vllm.entrypoints.llm", "otbflow.cli")
 """What a server imports before it serves, where its environment has it (DeepSpeed in .venv, vLLM
 in .venv-vllm, whose import is much of a small vLLM job's start-up), and every stage's module, and
@@ -178,13 +181,10 @@ def run(argv: list[str]) -> int | None:
     if not usable(argv) or not is_stage(argv[0]) or (base := directory(create=True)) is None:
         return None
     key = server_key(dict(os.environ), sys.path, sys.executable)
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        with address(base / f"{key}.sock") as where:
-            conn.connect(where)
-    except OSError:
-        conn.close()
-        start_server(base, key)
+    conn = connect(base, key)
+    if conn is None and start_server(base, key):
+        conn = wait_for_server(base, key)
+    if conn is None:
         return None
     import otbflow
     from otbflow.ops.dispatch import die_with_parent
@@ -234,6 +234,34 @@ def run(argv: list[str]) -> int | None:
     return 1
 
 
+def connect(base: Path, key: str) -> socket.socket | None:
+    """A connection to the server of ``key``, or None where none serves."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        with address(base / f"{key}.sock") as where:
+            conn.connect(where)
+    except OSError:
+        conn.close()
+        return None
+    return conn
+
+
+def wait_for_server(base: Path, key: str) -> socket.socket | None:
+    """A connection to the server of ``key`` once it serves, while it is starting (its ``KEY.starting``
+    mark, at most READY_S old): the job waits about as long as its own imports would take, and they
+    are paid once. None where it did not come (the job runs itself)."""
+    starting = base / f"{key}.starting"
+    while True:
+        try:
+            fresh = time.time() - starting.stat().st_mtime < READY_S
+        except OSError:
+            fresh = False  # it serves now, or it failed
+        conn = connect(base, key)
+        if conn is not None or not fresh:
+            return conn
+        time.sleep(0.05)
+
+
 @contextlib.contextmanager
 def address(path: Path):
     """A Unix socket's address for ``path``: the path, or where it is too long for one (108 bytes),
@@ -254,14 +282,23 @@ def umask() -> int:
     return mask
 
 
-def start_server(base: Path, key: str) -> None:
+def start_server(base: Path, key: str) -> bool:
     """Start the server of this key in the background (in a session of its own, its output in its
     log) for the second job of the key within WINDOW_S, unless one holds its lock (it is starting, or
     exiting). The first job only leaves its mark (``KEY.seen``): a key asked for once (a rerun of
-    one stage, a job in a namespace of its own) never pays a server's imports."""
+    one stage, a job in a namespace of its own) never pays a server's imports. Whether a server of
+    the key is starting (``KEY.starting``, made here and removed by the server once it serves or
+    gives up): a job that finds one waits for it (``wait_for_server``)."""
     import fcntl
     import subprocess
 
+    starting = base / f"{key}.starting"
+    try:
+        if time.time() - starting.stat().st_mtime < READY_S:
+            return True
+        starting.unlink()  # a server that died while it started
+    except OSError:
+        pass
     seen = base / f"{key}.seen"
     try:
         fresh = time.time() - seen.stat().st_mtime < WINDOW_S
@@ -269,12 +306,13 @@ def start_server(base: Path, key: str) -> None:
         fresh = False
     if not fresh:
         seen.touch()
-        return
+        return False
     try:
         with open(base / f"{key}.lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        return
+        return False
+    starting.touch()
     with contextlib.suppress(OSError):
         text = json.dumps(about(key_parts(dict(os.environ), sys.path, sys.executable)), indent=1)
         (base / f"{key}.about").write_text(text)
@@ -291,6 +329,7 @@ def start_server(base: Path, key: str) -> None:
             start_new_session=True,
             close_fds=True,
         )
+    return True
 
 
 def stop(base: Path) -> None:
@@ -415,6 +454,15 @@ def child(request: dict, fds: list[int], keep: list) -> None:
 
 
 def serve(base: Path, key: str, idle_s: float = IDLE_S) -> int:
+    """Serve the jobs of ``key`` until idle for ``idle_s`` (or retired); the ``KEY.starting`` mark of
+    the job that started it goes once it serves, or once it gives up."""
+    try:
+        return _serve(base, key, idle_s)
+    finally:
+        (base / f"{key}.starting").unlink(missing_ok=True)
+
+
+def _serve(base: Path, key: str, idle_s: float) -> int:
     import fcntl
     import gc
     import selectors
@@ -442,6 +490,7 @@ def serve(base: Path, key: str, idle_s: float = IDLE_S) -> int:
     record = base / f"{key}.json"
     record.write_text(json.dumps({"pid": me, "python": sys.executable, "path": sys.path[1:], "started": time.time()}))
     os.replace(tmp, sock_path)  # clients see a socket only once it serves
+    (base / f"{key}.starting").unlink(missing_ok=True)  # the jobs waiting for it connect
     gc.freeze()  # the children's collections never walk (and copy) the preloaded objects
 
     sel = selectors.DefaultSelector()
