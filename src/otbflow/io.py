@@ -125,6 +125,14 @@ def write_json(data, path: str | Path) -> Path:
     return write_text(json.dumps(data, indent=2, default=str), path)
 
 
+def read_json(path: str | Path):
+    """A small JSON record, or None where it is missing or cannot be read (half-written, removed)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def write_text_if_changed(path: str | Path, text: str) -> None:
     """A small text file (a resolved config) rewritten atomically, and only when its content
     changes, so that Snakemake sees no spurious modification time."""

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from otbflow.io import check_job
+from otbflow.io import check_job, read_json
 from otbflow.ops import resident
 from otbflow.ops.resident import WEIGHTS, files_digest
 from otbflow.ops.retention import OPTIMIZER_META, OPTIMIZER_WRITER, optimizer_partial
@@ -61,9 +61,7 @@ def writer_alive(pending: str | Path) -> bool:
     from otbflow.ops.dispatch import alive, me
 
     record = optimizer_partial(pending) / OPTIMIZER_WRITER
-    try:
-        info = json.loads(record.read_text())
-    except (OSError, ValueError):
+    if (info := read_json(record)) is None:
         return False
     if all(info.get(k) == v for k, v in me().items()):  # this process, whose writes were joined
         return False

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from otbflow.io import atomic_dir, check_job, write_errors_named, write_json
+from otbflow.io import atomic_dir, check_job, read_json, write_errors_named, write_json
 from otbflow.ops.resident import WEIGHTS, files_digest
 from otbflow.ops.retention import OPTIMIZER_META, OPTIMIZER_WRITER, check_not_pruned, optimizer_partial
 
@@ -277,7 +277,7 @@ def save_optimizer_state(engine, out: str, meta: dict, rank: int, world_size: in
     tmp = optimizer_partial(out_path)  # the same name on every rank
 
     guard_checkpoint_io(engine)
-    if rank == 0 and not (writer is not None and _read_json(tmp / OPTIMIZER_WRITER) == writer):
+    if rank == 0 and not (writer is not None and read_json(tmp / OPTIMIZER_WRITER) == writer):
         claim_optimizer_write(out_path, writer)
     _barrier(world_size)
     try:
@@ -311,13 +311,6 @@ def claim_optimizer_write(out: str | Path, writer: dict | None = None) -> None:
     tmp.mkdir(parents=True)
     if writer is not None:
         write_json(writer, tmp / OPTIMIZER_WRITER)
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 class Checkpoints:
