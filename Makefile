@@ -10,6 +10,9 @@ STAMP := $(VENV)/.otbflow-installed
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.otbflow-installed
 CORES ?= 2
+# make's own settings stay out of the recipes' environment (given on the command line, make exports
+# them): the jobs a run starts see the same environment however it was started.
+unexport VENV VLLM_VENV CORES ARGS PYTEST_ARGS TEST_WORKERS
 
 .PHONY: setup vllm-env run report test lint clean
 

@@ -132,6 +132,9 @@ def test_where_it_is_off(monkeypatch):
     key = preload.server_key(base, ["", "/a"], "/py")
     job = {**base, "OTBFLOW_THREADS": "2", "SNAKEMAKE_PROFILE": "x", "PATH": "/x", "PWD": "/w", "TMPDIR": "/t"}
     assert preload.server_key(job, ["/w", "/a"], "/py") == key
+    # a run started by make (its own variables), or by a process that has imported DeepSpeed
+    made = {**base, "MAKEFLAGS": " -- ARGS=-n", "MAKELEVEL": "1", "MFLAGS": "", "MAKEOVERRIDES": "x"}
+    assert preload.server_key({**made, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}, ["", "/a"], "/py") == key
     assert preload.server_key(base, ["", "/a", "/a/../a"], "/py") == key  # one folder, twice
     for other in ({**base, "OMP_NUM_THREADS": "2"}, {**base, "HOME": "/h"}):  # read at import
         assert preload.server_key(other, ["", "/a"], "/py") != key

@@ -61,12 +61,17 @@ PRELOADED = ("torch", "transformers", "deepspeed", "vllm.entrypoints.llm", "otbf
 in .venv-vllm, whose import is much of a small vLLM job's start-up), and every stage's module, and
 the modeling module of every architecture of otbflow.engines.ARCHITECTURES."""
 PER_JOB_ENV = ("OTBFLOW_", "SNAKEMAKE", "PYTEST_", "PWD", "OLDPWD", "SHLVL", "_", "PATH", "PYTHONPATH")
-PER_JOB_ENV += ("TMPDIR", "TEMP", "TMP", "TEMPDIR")
+PER_JOB_ENV += ("TMPDIR", "TEMP", "TMP", "TEMPDIR", "MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")
+PER_JOB_ENV += ("PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR")
 """Environment variables (names, or prefixes ending in ``_``/``SNAKEMAKE``) that differ between
 jobs and are read when a job runs, never at import (the temporary folder is looked up again in the
 child; PYTHONPATH is in the key as the import path): a job's own values reach its child; the
 server's key leaves them out (every other variable selects a server of its own: the thread counts
-Snakemake sets per job, OMP_NUM_THREADS..., are read when a library loads)."""
+Snakemake sets per job, OMP_NUM_THREADS..., are read when a library loads). Among them: make's
+own (a run started by ``make run``), and two that a process sets for itself once it has imported
+DeepSpeed (``PYTORCH_NVML_BASED_CUDA_CHECK``) or used inductor (``TORCHINDUCTOR_CACHE_DIR``), which
+the jobs it starts inherit (a worker's, a test's); torch reads them when it looks for a GPU or
+compiles."""
 GPU_DEVICES = ("/dev/nvidiactl", "/dev/kfd")
 RELAYED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 CHILD = False
