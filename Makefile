@@ -10,9 +10,6 @@ STAMP := $(VENV)/.otbflow-installed
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.otbflow-installed
 CORES ?= 2
-# make's own settings stay out of the recipes' environment (given on the command line, make exports
-# them): the jobs a run starts see the same environment however it was started.
-unexport VENV VLLM_VENV CORES ARGS PYTEST_ARGS TEST_WORKERS
 
 .PHONY: setup vllm-env run report test lint clean
 
@@ -47,6 +44,10 @@ run: setup
 # worker (xdist_group); collection order is kept so that the tiny run the workflow tests share
 # starts early.
 TEST_WORKERS ?= $(shell expr $(CORES) + 1)
+# make's own settings stay out of the recipes' environment (given on the command line, make exports
+# them): the jobs a run starts see the same environment however it was started. (After their
+# definitions: unexport makes an undefined variable defined, and empty.)
+unexport VENV VLLM_VENV CORES ARGS PYTEST_ARGS TEST_WORKERS
 test: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
 
