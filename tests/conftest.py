@@ -95,39 +95,68 @@ def sandbox_env(path: Path) -> dict:
     return env
 
 
-@pytest.fixture(scope="session")
-def tiny_run(tmp_path_factory, worker_id):
-    """README command 1 in its tiny form, once per test session: ``make run`` with config/tiny.yaml
-    in a sandbox checkout (the whole workflow, 2 iterations, and the HTML report). Tests that read
-    outputs, dry-run reruns or run the README's commands share this folder; those that write copy it.
-    Under pytest-xdist the workers share it too: the first to ask runs it, under a file lock in the
-    session's temp root, and the others wait for it."""
+def once_per_session(tmp_path_factory, worker_id: str, name: str, build) -> Path:
+    """The folder ``name`` that ``build(folder)`` fills, once per test session: under pytest-xdist
+    the first worker to ask builds it, under a file lock in the session's temp root, and the others
+    wait for it. ``build`` raises AssertionError with what went wrong; the others get the same
+    error without building again."""
     from filelock import FileLock
 
     root = tmp_path_factory.getbasetemp()
     if worker_id != "master":
         root = root.parent  # pytest-of-<user>/pytest-<n>: this session's, shared by its workers
-    work, done, failed = root / "tiny_run", root / "tiny_run.done", root / "tiny_run.failed"
-    with FileLock(str(root / "tiny_run.lock")):
+    work, done, failed = root / name, root / f"{name}.done", root / f"{name}.failed"
+    with FileLock(str(root / f"{name}.lock")):
         if failed.is_file():
             raise AssertionError(failed.read_text())
         if not done.is_file():
-            make_sandbox(work)
-            res = subprocess.run(
-                ["make", "run", "ARGS=--configfile config/tiny.yaml"],
-                cwd=work,
-                env=sandbox_env(work),
-                capture_output=True,
-                text=True,
-                stdin=subprocess.DEVNULL,
-            )
-            if res.returncode != 0:
-                failed.write_text(
-                    f"make run (tiny) failed ({res.returncode}):\n{res.stdout[-4000:]}\n{res.stderr[-6000:]}"
-                )
-                raise AssertionError(failed.read_text())
+            try:
+                build(work)
+            except AssertionError as e:
+                failed.write_text(str(e))
+                raise
             done.touch()
     return work
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, worker_id):
+    """README command 1 in its tiny form, once per test session: ``make run`` with config/tiny.yaml
+    in a sandbox checkout (the whole workflow, 2 iterations, and the HTML report). Tests that read
+    outputs, dry-run reruns or run the README's commands share this folder; those that write copy it.
+    Under pytest-xdist the workers share it too (``once_per_session``)."""
+
+    def build(work: Path) -> None:
+        make_sandbox(work)
+        res = subprocess.run(
+            ["make", "run", "ARGS=--configfile config/tiny.yaml"],
+            cwd=work,
+            env=sandbox_env(work),
+            capture_output=True,
+            text=True,
+            stdin=subprocess.DEVNULL,
+        )
+        log = f"{res.stdout[-4000:]}\n{res.stderr[-6000:]}"
+        assert res.returncode == 0, f"make run (tiny) failed ({res.returncode}):\n{log}"
+
+    return once_per_session(tmp_path_factory, worker_id, "tiny_run", build)
+
+
+@pytest.fixture(scope="session")
+def two_rank_update(tiny_run, tmp_path_factory, worker_id):
+    """The tiny run's iteration-0 train job (two ranks under torchrun) and its publish job, run by
+    their client itself (no worker): ``alone0/`` (policy, metrics, optimizer state). The reference
+    that the tests of a train worker of two ranks compare with (tests/test_worker.py, on a local
+    worker; tests/test_slurm_integration.py, on a worker's Slurm job), built once per session."""
+
+    def build(work: Path) -> None:
+        from test_worker import launch_train
+
+        work.mkdir()
+        out = launch_train(work / "none", tiny_run, work / "alone0", 0, None, work / "clients.log")
+        assert out.count("train finished in") == 2 and "runs train" not in out, out[-3000:]  # two ranks, no worker
+
+    return once_per_session(tmp_path_factory, worker_id, "two_rank_update", build) / "alone0"
 
 
 def vllm_python() -> Path:

@@ -499,7 +499,7 @@ def test_slurm_workers_run_the_iteration_and_replace_a_killed_worker_job(iterati
 
 
 @HEADS
-def test_a_train_worker_job_of_two_ranks_runs_them_with_srun(local_slurm, tiny_run, tmp_path):
+def test_a_train_worker_job_of_two_ranks_runs_them_with_srun(local_slurm, tiny_run, two_rank_update, tmp_path):
     """otbflow submit --workers with resources.train.tasks 2: the train worker's Slurm job as the
     head submits it (``workerjobs.sbatch_options`` and ``script``: --ntasks=2, the worker starting
     its ranks with srun) runs a train job of two processes and its publish job, both ranks in the
@@ -513,7 +513,6 @@ def test_a_train_worker_job_of_two_ranks_runs_them_with_srun(local_slurm, tiny_r
 
     registry, log, logs = tmp_path / "registry", tmp_path / "clients.log", tmp_path / "logs"
     logs.mkdir()
-    launch_train(tmp_path / "none", tiny_run, tmp_path / "alone", 0, None, log)
     res = SimpleNamespace(gpu=0, tasks=2, nodes=1, cpus_per_task=1, mem_mb=3000)
     sbatch = workerjobs.sbatch_options(registry, "train", res, {}, 30, logs)
     assert "--ntasks=2" in sbatch and "--cpus-per-task=1" in sbatch
@@ -527,7 +526,7 @@ def test_a_train_worker_job_of_two_ranks_runs_them_with_srun(local_slurm, tiny_r
         assert "runs train" in out and "is gone" not in out, out[-3000:]
     finally:
         subprocess.run(["scancel", job_id], capture_output=True)
-    same_update(tmp_path / "slurm", tmp_path / "alone")
+    same_update(tmp_path / "slurm", two_rank_update)
     wait_for(lambda: not list(registry.glob(".workers/train/*/worker.json")), 120, "the worker to unregister")
     text = (logs / f"train-{job_id}.log").read_text()
     assert "rank 1 runs train" in text and "runs publish_optimizer" in text, text[-3000:]

@@ -434,7 +434,7 @@ def start_ranks(registry: Path, log: Path, env: dict | None = None) -> subproces
 
 
 @pytest.mark.slow
-def test_a_train_worker_of_two_ranks(tiny_run, tmp_path):
+def test_a_train_worker_of_two_ranks(tiny_run, two_rank_update, tmp_path):
     """resources.train.tasks 2: a train worker of two ranks runs two chained train jobs and their
     publish jobs: the second goes on with both ranks' resident engines, and the policies and metrics
     equal those of the same jobs run by their client itself under torchrun (no worker), bitwise. A
@@ -442,9 +442,9 @@ def test_a_train_worker_of_two_ranks(tiny_run, tmp_path):
     sees it gone and runs the job itself, with the same outputs. A job that fails on every rank is
     answered as failed, and the worker then ends."""
     cwd, log = tiny_run, tmp_path / "clients.log"  # the shared run's inputs; outputs and workers under tmp_path
-    alone = launch_train(tmp_path / "none", cwd, tmp_path / "alone0", 0, None, log)
-    launch_train(tmp_path / "none", cwd, tmp_path / "alone1", 1, tmp_path / "alone0", log)
-    assert alone.count("train finished in") == 2 and "runs train" not in alone  # two ranks, no worker
+    alone = {0: two_rank_update, 1: tmp_path / "alone1"}  # the jobs run by their clients, no worker
+    out = launch_train(tmp_path / "none", cwd, alone[1], 1, alone[0], log)
+    assert out.count("train finished in") == 2 and "runs train" not in out  # two ranks, no worker
 
     registry = tmp_path / "registry"
     # held before its outputs in both ranks: time to kill rank 1 mid-job
@@ -466,7 +466,7 @@ def test_a_train_worker_of_two_ranks(tiny_run, tmp_path):
     finally:
         if faulty.poll() is None:
             faulty.kill()
-    same_update(tmp_path / "fault0", tmp_path / "alone0")
+    same_update(tmp_path / "fault0", alone[0])
 
     worker = start_ranks(registry, tmp_path / "worker.log")
     try:
@@ -490,5 +490,5 @@ def test_a_train_worker_of_two_ranks(tiny_run, tmp_path):
     assert text.count("rank 1 runs train") == 3 and text.count("runs publish_optimizer") == 2, text[-3000:]
     assert text.count("AdamW resumes from the resident engine") == 1  # rank 0's line
     for i in (0, 1):
-        same_update(tmp_path / f"warm{i}", tmp_path / f"alone{i}")
+        same_update(tmp_path / f"warm{i}", alone[i])
     assert not any(registry.glob(".workers/*/*/worker.json"))
