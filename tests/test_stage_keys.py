@@ -2,7 +2,7 @@
 
 Every stage runs on tiny data with a config that records each key read (tests/keyreads.py),
 over a matrix of configs (loss types, estimators, schedules, tokenizers; the vLLM backend for the
-rollout stage where .venv-vllm exists). A key that a stage reads must be declared as
+rollout stage: tests/test_vllm.py, on its vLLM rollout). A key that a stage reads must be declared as
 output-changing (its rerun trigger) or execution-only; a key declared output-changing must be
 read. Either failure names the stage, the config and the keys. A stage outside the chain may
 check its reads beside its own test (the score stage: tests/test_reward_model.py).
@@ -11,17 +11,15 @@ check its reads beside its own test (the score stage: tests/test_reward_model.py
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, tiny_config, vllm_env, vllm_python
+from conftest import REPO, tiny_config
 from keyreads import check, run_recorded
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from otbflow.algorithms.rewards import REWARDS, register
-from otbflow.pipeline import STAGES
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -203,51 +201,6 @@ def test_the_dataset_prompt_set_is_declared(tmp_path):
     cfg = tiny_config(*SMALL, "task.name=dataset", f"task.path={data}", "task.prompt_template='Q: {prompt}'")
     reads = run_recorded("shard", cfg, out_dir=str(tmp_path / "data"))
     assert not check("shard", "dataset", cfg, reads)
-
-
-RECORD = """
-import json, sys
-sys.path.insert(0, {tests!r})
-from keyreads import RecordingConfig
-from otbflow.config import load_config
-import importlib
-cfg = load_config(None, {overrides!r})
-mod = importlib.import_module({module!r})
-recorded = RecordingConfig(cfg)
-mod.run(recorded, mod.Args(**{args!r}))
-print("READS=" + json.dumps(sorted(recorded.reads)))
-"""
-
-
-@pytest.mark.vllm
-def test_the_vllm_backend_reads_what_the_table_declares(tmp_path, tiny_policy, data_dir):
-    """The rollout stage on vLLM (CPU), in .venv-vllm's Python. The engine's keys are one
-    declaration (pipeline.sampling_engine, ENGINE_EXECUTION) for the three stages that generate;
-    evaluate and the variance pool read the same engine code (one vLLM engine start: ~40 s)."""
-    python = vllm_python()
-    base = OmegaConf.to_container(tiny_config(*SMALL), resolve=True)
-    overrides = [f"{k}={json.dumps(v)}" for k, v in _flat(base).items()]
-    overrides += ["rollout.backend=vllm", "rollout.kv_cache_gib=1", "rollout.enforce_eager=true"]
-    cfg = tiny_config(*SMALL, "rollout.backend=vllm", "rollout.kv_cache_gib=1", "rollout.enforce_eager=true")
-    args = dict(
-        prompts=str(data_dir / "train" / "shard_0.parquet"), policy=str(tiny_policy), out=str(tmp_path / "r.parquet")
-    )
-    code = RECORD.format(tests=str(REPO / "tests"), overrides=overrides, module=STAGES["rollout"].module, args=args)
-    res = subprocess.run([str(python), "-c", code], env=vllm_env(), capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-4000:]
-    line = next(x for x in res.stdout.splitlines() if x.startswith("READS="))
-    problems = check("rollout", "vllm", cfg, set(json.loads(line[len("READS=") :])))
-    assert not problems, "\n".join(problems)
-
-
-def _flat(node: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in node.items():
-        if isinstance(v, dict):
-            out |= _flat(v, f"{prefix}{k}.")
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 if __name__ == "__main__":  # discovery: print what each stage reads beyond / short of its declaration

@@ -13,9 +13,11 @@ from types import SimpleNamespace
 import polars as pl
 import pytest
 from conftest import TINY, tiny_config, vllm_env, vllm_python
+from keyreads import check
 
 from otbflow import schemas
 from otbflow.algorithms.shaping import Scorer
+from otbflow.config import load_config
 from otbflow.engines import render_prompts
 from otbflow.engines import vllm as vllm_engine
 from otbflow.io import check_schema, read_metadata, read_table
@@ -150,46 +152,48 @@ def test_the_cli_entry_point_is_guarded_against_re_import():
 # ------------------------------------------------------------------------------------------
 
 
+ROLLOUT_OVERRIDES = [
+    "rollout.backend=vllm",
+    "rollout.enforce_eager=true",
+    "rollout.kv_cache_gib=1",
+    "task.system_prompt=Add.",
+]
+ROLLOUT = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from keyreads import run_recorded
+from otbflow.config import load_config
+reads = run_recorded("rollout", load_config({config!r}, {overrides!r}), **{args!r})
+print("READS=" + json.dumps(sorted(reads)))
+"""
+
+
 @pytest.fixture(scope="module")
 def vllm_rollout(tmp_path_factory, qwen2_bpe_policy, data_dir):
-    """`otbflow rollout` run by .venv-vllm's Python with rollout.backend=vllm (vLLM's own process
-    layout: the engine core in a child process), on the tiny Qwen2 + BPE + chat policy."""
-    python = vllm_python()
+    """The rollout stage run by .venv-vllm's Python with rollout.backend=vllm (vLLM's own process
+    layout: the engine core in a child process), on the tiny Qwen2 + BPE + chat policy, with
+    config/tiny.yaml as ``otbflow rollout --config`` loads it (ROLLOUT_OVERRIDES on top) through a
+    config that records the keys it reads (tests/keyreads.py). Returns its output and those keys.
+    (The CLI runs it in tests/test_workflow_models.py's vLLM workflow.)"""
     out = tmp_path_factory.mktemp("vllm_rollout") / "shard_0.parquet"
-    cmd = [
-        str(python),
-        "-m",
-        "otbflow",
-        "rollout",
-        "--config",
-        str(TINY),
-        "--prompts",
-        str(data_dir / "train" / "shard_0.parquet"),
-        "--policy",
-        str(qwen2_bpe_policy),
-        "--out",
-        str(out),
-        "rollout.backend=vllm",
-        "rollout.enforce_eager=true",
-        "rollout.kv_cache_gib=1",
-        "task.system_prompt=Add.",
-    ]
+    args = dict(prompts=str(data_dir / "train" / "shard_0.parquet"), policy=str(qwen2_bpe_policy), out=str(out))
+    script = ROLLOUT.format(tests=str(Path(__file__).parent), config=str(TINY), overrides=ROLLOUT_OVERRIDES, args=args)
     t0 = time.perf_counter()
-    res = subprocess.run(cmd, env=vllm_env(), capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+    reads = run_in_vllm(vllm_python(), script, "READS")
     print(f"vLLM rollout stage: {time.perf_counter() - t0:.1f} s")
-    return out
+    return out, set(reads)
 
 
 @pytest.mark.vllm
 @pytest.mark.xdist_group("vllm")  # one worker: they share the module's vLLM rollout (80 s)
 def test_vllm_rollout_stage(vllm_rollout, qwen2_bpe_policy, data_dir):
-    df = read_table(vllm_rollout, schemas.ROLLOUTS)
+    rollouts, _ = vllm_rollout
+    df = read_table(rollouts, schemas.ROLLOUTS)
     cfg = tiny_config()
     prompts = read_table(data_dir / "train" / "shard_0.parquet", schemas.PROMPTS)
     n_prompts = cfg.rollout.prompts_per_iteration // cfg.shard.n_shards
     assert df.height == n_prompts * cfg.rollout.group_size
-    meta = read_metadata(vllm_rollout)
+    meta = read_metadata(rollouts)
     assert meta["backend"] == "vllm" and meta["vllm_version"] == "0.32.0" and meta["engine"]["enforce_eager"]
     assert meta["engine"]["logprobs_mode"] == "processed_logprobs" and meta["chat"] is True
     # the prompts vLLM saw are the ones the training environment renders (transformers 5.19 there)
@@ -216,13 +220,26 @@ def test_vllm_logprobs_match_the_trainer(vllm_rollout, qwen2_bpe_policy, tmp_pat
     """The same sampled tokens scored by the trainer (the features stage, transformers fp32):
     mean |log pi_vllm - log pi_trainer| <= 1e-3 per token."""
     out = tmp_path / "features.parquet"
-    features.run(tiny_config(), features.Args(rollouts=str(vllm_rollout), policy=str(qwen2_bpe_policy), out=str(out)))
+    rollouts, _ = vllm_rollout
+    features.run(tiny_config(), features.Args(rollouts=str(rollouts), policy=str(qwen2_bpe_policy), out=str(out)))
     delta = read_table(out, schemas.FEATURES)["log_ratio"].explode().abs()
     print(
         f"vLLM vs transformers log-probs (fp32, {delta.len()} tokens): mean |delta| {delta.mean():.2e}, "
         f"max |delta| {delta.max():.2e}"
     )
     assert delta.len() > 0 and delta.mean() <= 1e-3
+
+
+@pytest.mark.vllm
+@pytest.mark.xdist_group("vllm")
+def test_the_vllm_backend_reads_what_the_table_declares(vllm_rollout):
+    """The stage table against what the rollout stage reads on vLLM (tests/test_stage_keys.py's
+    check, on the vllm_rollout fixture's keys). The engine's keys are one declaration
+    (pipeline.sampling_engine, ENGINE_EXECUTION) for the three stages that generate; evaluate and
+    the variance pool read the same engine code."""
+    _, reads = vllm_rollout
+    problems = check("rollout", "vllm", load_config(TINY, ROLLOUT_OVERRIDES), reads)
+    assert not problems, "\n".join(problems)
 
 
 CALLS = """
