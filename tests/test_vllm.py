@@ -244,13 +244,15 @@ def test_the_vllm_backend_reads_what_the_table_declares(vllm_rollout):
 
 CALLS = """
 import json, sys
+from otbflow.ops import resident
 from otbflow.config import load_config
 from otbflow.engines import Sampling
 from otbflow.engines.vllm import VLLMBackend
+resident.enable()  # as in a warm worker: the engine stays, later policies' weights are reloaded into it
 cfg = load_config(None, ["rollout.backend=vllm", "rollout.enforce_eager=true", "rollout.kv_cache_gib=1"])
-backend = VLLMBackend(cfg, sys.argv[1])
-prompts = json.loads(sys.argv[2])
-def run(prompts, *sampling):
+p0, p1, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+backend = VLLMBackend(cfg, p0)  # a new engine of P0
+def run(prompts, *sampling, backend=backend):
     return [[s.prompt_index, s.response_ids, s.logprobs] for s in backend.generate(prompts, Sampling(*sampling))]
 out = {
     "copies": run([prompts[0], prompts[0]], 8, 1.0, 1.0, 12, False, 5),
@@ -259,6 +261,13 @@ out = {
     "min_p": run(prompts, 4, MIN_P_TEMPERATURE, 1.0, 16, False, 11, MIN_P),
     "min_p,top_p=0.9": run(prompts, 4, MIN_P_TEMPERATURE, 0.9, 16, False, 11, MIN_P),
 }
+def reload(policy, prompts):  # a job of another policy: the same engine, its weights reloaded
+    again = VLLMBackend(cfg, policy)
+    return run(prompts, 4, 1.0, 1.0, 16, False, 11, backend=again), again.llm is backend.llm
+p1_first, same1 = reload(p1, prompts[:2])  # the perturbed weights, 2 prompts
+p0_back, same0 = reload(p0, prompts)       # P0 again: the 2 prompts served under P1, and 2 more
+p1_again, same2 = reload(p1, prompts[:2])  # and P1 again
+out["reload"] = {"p1": p1_first, "p0": p0_back, "p1_again": p1_again, "one_engine": same1 and same0 and same2}
 print("CALLS=" + json.dumps(out))
 """
 PARITY = ((1.0, 1.0), (1.0, 0.9), (0.7, 0.9))
@@ -268,16 +277,33 @@ MIN_P, MIN_P_TEMPERATURE = 0.15, 0.7
 
 
 @pytest.fixture(scope="module")
-def vllm_calls(qwen2_bpe_policy, data_dir):
-    """Samples of one engine (real vLLM on CPU) on the tiny Qwen2 + BPE + chat policy: two copies of
-    one prompt, twice with one seed, 4 prompts at each PARITY setting and 4 with min-p (MIN_P),
-    without and with top_p 0.9; and the prompts' ids."""
+def vllm_calls(qwen2_bpe_policy, data_dir, tmp_path_factory):
+    """Samples of one engine (real vLLM on CPU, resident as in a warm worker) on the tiny Qwen2 +
+    BPE + chat policy P0: two copies of one prompt, twice with one seed, 4 prompts at each PARITY
+    setting and 4 with min-p (MIN_P), without and with top_p 0.9; then (``reload``) with the
+    weights of a perturbed copy P1 reloaded into it, then P0's, then P1's again; and the prompts' ids."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from otbflow.engines import TOKENIZER_FILES
+
     python = vllm_python()
     tok = load_tokenizer(qwen2_bpe_policy)
     prompts = read_table(data_dir / "train" / "shard_0.parquet", schemas.PROMPTS)
     ids = render_prompts(tok, prompts["prompt"][:4].to_list(), prompts["messages"][:4].to_list(), chat=True)
+    p1 = tmp_path_factory.mktemp("perturbed") / "policy"
+    model = AutoModelForCausalLM.from_pretrained(qwen2_bpe_policy)
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.add_(0.5 * torch.randn(p.shape, generator=torch.Generator().manual_seed(i)))
+    model.save_pretrained(p1)
+    for name in TOKENIZER_FILES:  # as a train job passes the tokenizer on
+        if (qwen2_bpe_policy / name).is_file():
+            shutil.copyfile(qwen2_bpe_policy / name, p1 / name)
     script = f"PARITY = {PARITY!r}\nMIN_P, MIN_P_TEMPERATURE = {MIN_P!r}, {MIN_P_TEMPERATURE!r}\n" + CALLS
-    return run_in_vllm(python, script, "CALLS", qwen2_bpe_policy, json.dumps(ids)), ids
+    return run_in_vllm(python, script, "CALLS", qwen2_bpe_policy, p1, json.dumps(ids)), ids
 
 
 @pytest.mark.vllm
@@ -396,55 +422,20 @@ def test_vllm_min_p_logprobs_match_the_pruning_trainer(vllm_calls, qwen2_bpe_pol
     assert 0.05 < fraction < 0.95 and plain_mean > 100 * max(mean, 1e-5)
 
 
-RELOAD = """
-import json, sys
-from otbflow.ops import resident
-from otbflow.config import load_config
-from otbflow.engines import Sampling
-from otbflow.engines.vllm import VLLMBackend
-resident.enable()  # as in a warm worker: the engine stays, new weights are reloaded into it
-cfg = load_config(None, ["rollout.backend=vllm", "rollout.enforce_eager=true", "rollout.kv_cache_gib=1"])
-p0, p1, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-def run(policy, prompts):
-    backend = VLLMBackend(cfg, policy)
-    samples = backend.generate(prompts, Sampling(4, 1.0, 1.0, 16, False, 11))
-    return [[s.prompt_index, s.response_ids, s.logprobs] for s in samples], id(backend.llm)
-fresh, engine = run(p1, prompts[:2])  # a new engine of the perturbed weights, 2 prompts
-reloaded, e0 = run(p0, prompts)       # p0 reloaded into it: the 2 prompts served before, 2 new ones
-back, e1 = run(p1, prompts[:2])       # and p1 again
-print("RELOAD=" + json.dumps({"fresh": fresh, "reloaded": reloaded, "back": back, "one_engine": engine == e0 == e1}))
-"""
-
-
 @pytest.mark.vllm
 @pytest.mark.xdist_group("vllm")
-def test_a_reloaded_engine_samples_what_a_new_engine_of_the_weights_samples(vllm_calls, qwen2_bpe_policy, tmp_path):
+def test_a_reloaded_engine_samples_what_a_new_engine_of_the_weights_samples(vllm_calls):
     """A warm worker's vLLM engine (otbflow.ops.resident) takes a job's new weights through vLLM's
-    reload_weights and a prefix-cache reset, on the real vLLM (CPU): built on perturbed weights P1,
-    reloaded with the tiny policy P0, it samples exactly what a new engine of P0 sampled (the
-    vllm_calls fixture, same prompts, seed and settings), for the prompts it served before the
-    reload and for new ones; reloaded with P1 again, what it sampled first. One engine throughout."""
-    import shutil
-
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from otbflow.engines import TOKENIZER_FILES
-
-    calls, ids = vllm_calls
-    p1 = tmp_path / "perturbed"
-    model = AutoModelForCausalLM.from_pretrained(qwen2_bpe_policy)
-    with torch.no_grad():
-        for i, p in enumerate(model.parameters()):
-            p.add_(0.5 * torch.randn(p.shape, generator=torch.Generator().manual_seed(i)))
-    model.save_pretrained(p1)
-    for name in TOKENIZER_FILES:  # as a train job passes the tokenizer on
-        if (qwen2_bpe_policy / name).is_file():
-            shutil.copyfile(qwen2_bpe_policy / name, p1 / name)
-    out = run_in_vllm(vllm_python(), RELOAD, "RELOAD", qwen2_bpe_policy, p1, json.dumps(ids))
+    reload_weights and a prefix-cache reset, on the real vLLM (CPU): the engine built on the tiny
+    policy P0 (the vllm_calls fixture), reloaded with perturbed weights P1 and then with P0 again,
+    samples exactly what it sampled new (same prompts, seed and settings), for the prompts it served
+    under P1 and for the others; reloaded with P1 again, what it sampled with P1 first. One engine
+    throughout."""
+    calls, _ = vllm_calls
+    out = calls["reload"]
     assert out["one_engine"]
-    new_engine = calls["T=1.0,top_p=1.0"]  # a new engine of P0: rollout(prompts, 4, T 1, top_p 1, 16 tokens, seed 11)
-    assert [r for _, r, _ in out["reloaded"]] == [r for _, r, _ in new_engine]
+    new_engine = calls["T=1.0,top_p=1.0"]  # the new engine of P0: rollout(prompts, 4, T 1, top_p 1, 16 tokens, seed 11)
+    assert [r for _, r, _ in out["p0"]] == [r for _, r, _ in new_engine]
     flat = lambda rows: [x for _, _, lp in rows for x in lp]  # noqa: E731
-    assert flat(out["reloaded"]) == pytest.approx(flat(new_engine), abs=1e-6)
-    assert out["back"] == out["fresh"] and out["fresh"][:8] != out["reloaded"][:8]
+    assert flat(out["p0"]) == pytest.approx(flat(new_engine), abs=1e-6)
+    assert out["p1_again"] == out["p1"] and out["p1"][:8] != out["p0"][:8]
