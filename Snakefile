@@ -3,7 +3,7 @@
 # workflow/rules/<stage>.smk: its inputs and outputs, named as its CLI's flags; the rest (log,
 # resources, the command) comes from the stage's entry through workflow/rules/common.smk.
 # Config: config/config.yaml, validated against the schema in src/otbflow/config.py
-# (workflow/schemas/config.schema.yaml is generated from it). Override any key with
+# (workflow/schemas/config.schema.json is generated from it). Override any key with
 # `--config 'section={key: value}'`, or layer a partial YAML with `--configfile FILE`.
 from snakemake.utils import min_version
 

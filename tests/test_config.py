@@ -1,6 +1,7 @@
 import copy
 import dataclasses
 import functools
+import json
 import subprocess
 import sys
 import typing
@@ -131,8 +132,8 @@ def test_config_is_read_only():
 
 
 def test_json_schema_file_is_in_sync():
-    on_disk = yaml.safe_load((REPO / "workflow" / "schemas" / "config.schema.yaml").read_text())
-    assert on_disk == json_schema(), "regenerate: otbflow config --json-schema > workflow/schemas/config.schema.yaml"
+    on_disk = json.loads((REPO / "workflow" / "schemas" / "config.schema.json").read_text())
+    assert on_disk == json_schema(), "regenerate: otbflow config --json-schema > workflow/schemas/config.schema.json"
 
 
 def test_schema_doc_is_in_sync():

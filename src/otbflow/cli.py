@@ -186,7 +186,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         if name == "config":
             p.add_argument("--config", default=None)
             p.add_argument("--help-keys", action="store_true", help="list every key with its help")
-            p.add_argument("--json-schema", action="store_true", help="print the config's JSON schema (YAML)")
+            p.add_argument("--json-schema", action="store_true", help="print the config's JSON schema")
             p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     return parser
 
@@ -286,11 +286,11 @@ def _main(argv: list[str], program: bool) -> int:
                 print(describe_all())
                 return 0
             if ns.json_schema:
-                import yaml
+                import json
 
                 from otbflow.config import json_schema
 
-                print(yaml.safe_dump(json_schema(), sort_keys=False, width=100), end="")
+                print(json.dumps(json_schema(), indent=1, ensure_ascii=False))
                 return 0
             print(to_yaml(load_config(ns.config or DEFAULT_CONFIG, ns.overrides)), end="")
             return 0

@@ -1125,7 +1125,8 @@ def describe_all() -> str:
 
 def json_schema() -> dict:
     """JSON schema of the config (descriptions, defaults and bounds from the dataclasses), written
-    to workflow/schemas/config.schema.yaml for Snakemake's ``validate``."""
+    to workflow/schemas/config.schema.json for Snakemake's ``validate`` (JSON: every Snakemake start
+    reads it, and Snakemake's YAML reader took 0.2 s for it, the JSON reader under 1 ms)."""
 
     def kind(tp: Any) -> dict:
         if typing.get_origin(tp) is typing.Union:

@@ -36,7 +36,7 @@ from snakemake.exceptions import WorkflowError
 CFG = load_config(DEFAULT_CONFIG, extra=from_snakemake(config))
 validate_workflow(CFG)
 check_resources(CFG)
-validate(to_container(CFG), workflow.source_path("../schemas/config.schema.yaml"), set_default=False)
+validate(to_container(CFG), workflow.source_path("../schemas/config.schema.json"), set_default=False)
 R = CFG.results_dir
 # One head per results folder, which it holds while it runs (R/.otbflow-head.json). A killed run
 # (kill -9, node failure, its head job requeued) is continued by the same command: once its head
