@@ -255,16 +255,20 @@ def wait_for_server(base: Path, key: str) -> socket.socket | None:
     """A connection to the server of ``key`` once it serves, while it is starting (its ``KEY.starting``
     mark, at most READY_S old): the job waits about as long as its own imports would take, and they
     are paid once. None where it did not come (the job runs itself)."""
-    starting = base / f"{key}.starting"
     while True:
-        try:
-            fresh = time.time() - starting.stat().st_mtime < READY_S
-        except OSError:
-            fresh = False  # it serves now, or it failed
+        fresh = younger(base / f"{key}.starting", READY_S)  # gone: it serves now, or it failed
         conn = connect(base, key)
         if conn is not None or not fresh:
             return conn
         time.sleep(0.05)
+
+
+def younger(path: Path, seconds: float) -> bool:
+    """Whether ``path`` exists and was modified less than ``seconds`` ago."""
+    try:
+        return time.time() - path.stat().st_mtime < seconds
+    except OSError:
+        return False
 
 
 @contextlib.contextmanager
@@ -298,18 +302,12 @@ def start_server(base: Path, key: str) -> bool:
     import subprocess
 
     starting = base / f"{key}.starting"
-    try:
-        if time.time() - starting.stat().st_mtime < READY_S:
-            return True
+    if younger(starting, READY_S):
+        return True
+    with contextlib.suppress(OSError):
         starting.unlink()  # a server that died while it started
-    except OSError:
-        pass
     seen = base / f"{key}.seen"
-    try:
-        fresh = time.time() - seen.stat().st_mtime < WINDOW_S
-    except OSError:
-        fresh = False
-    if not fresh:
+    if not younger(seen, WINDOW_S):
         seen.touch()
         return False
     try:
