@@ -32,6 +32,13 @@ VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 # torch threads per stage run in a test: 2 on its own, 1 per pytest-xdist worker (make test runs
 # one worker more than cores; two threads each would oversubscribe them further)
 os.environ.setdefault("OTBFLOW_THREADS", "1" if os.environ.get("PYTEST_XDIST_WORKER") else "2")
+# Several processes with torch threads share the cores while the suite runs: OpenMP threads that
+# busy-wait after each parallel region (libgomp's default policy) burn the CPU that the other tests
+# wait for. libgomp reads this when torch loads it (nothing above imports torch); every job a test
+# starts inherits it. What a job computes does not depend on it (the fingerprint tests compare runs
+# bitwise); what it saves: docs/testing.md, "CI".
+assert "torch" not in sys.modules, "OMP_WAIT_POLICY must be set before torch loads libgomp"
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # The preload servers of this session's stage jobs (otbflow.ops.preload) live in a folder of the
 # session's (made by the first process, the pytest-xdist workers inherit it) and end with it.
 if "OTBFLOW_PRELOAD_DIR" not in os.environ:
