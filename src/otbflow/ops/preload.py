@@ -58,8 +58,10 @@ READY_S = 60.0
 """How long a job waits for a server of its key that is starting (its imports) before it runs itself."""
 PRELOADED = ("torch", "transformers", "deepspeed", "vllm.entrypoints.llm", "otbflow.cli")
 """What a server imports before it serves, where its environment has it (DeepSpeed in .venv, vLLM
-in .venv-vllm, whose import is much of a small vLLM job's start-up), and every stage's module, and
-the modeling module of every architecture of otbflow.engines.ARCHITECTURES."""
+in .venv-vllm, whose import is much of a small vLLM job's start-up), and every stage's module, the
+modeling module of every architecture of otbflow.engines.ARCHITECTURES, and matplotlib's pyplot on
+the backend the stages that plot use (``otbflow.io.pyplot``; its import is much of a small plotting
+job's start-up)."""
 PER_JOB_ENV = ("OTBFLOW_", "SNAKEMAKE", "PYTEST_", "PWD", "OLDPWD", "SHLVL", "_", "PATH", "PYTHONPATH")
 PER_JOB_ENV += ("TMPDIR", "TEMP", "TMP", "TEMPDIR", "MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")
 PER_JOB_ENV += ("PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR")
@@ -367,6 +369,12 @@ def preload() -> None:
             importlib.import_module(f"transformers.models.{arch}.modeling_{arch}")
         except ImportError:
             pass
+    try:
+        from otbflow.io import pyplot
+
+        pyplot()  # the report, scaling, variance and experiment stages plot
+    except ImportError:  # no matplotlib (vLLM's environment)
+        pass
 
 
 def sources() -> dict[str, tuple[int, int]]:
