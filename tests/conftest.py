@@ -39,7 +39,10 @@ os.environ.setdefault("OTBFLOW_THREADS", "1" if os.environ.get("PYTEST_XDIST_WOR
 # runs bitwise); what it saves: docs/testing.md, "CI".
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # The preload servers of this session's stage jobs (otbflow.ops.preload) live in a folder of the
-# session's (made by the first process, the pytest-xdist workers inherit it) and end with it.
+# session's (made by the first process, the pytest-xdist workers inherit it) and end with it. Idle,
+# one waits 10 minutes instead of 2 for the next test's jobs: an idle server uses no CPU, a new one
+# pays its imports again.
+os.environ.setdefault("OTBFLOW_PRELOAD_IDLE_S", "600")
 if "OTBFLOW_PRELOAD_DIR" not in os.environ:
     import tempfile
 
@@ -264,6 +267,7 @@ LONG_FIRST = (
     "tests/test_docs_commands.py",
     "tests/test_experiment.py::test_tiny_experiment",
     "tests/test_slurm_integration.py",
+    "tests/test_gpu_check.py",
     "tests/test_readme_real_model.py",
     "tests/test_workflow_models.py",
     "tests/test_vllm.py",
