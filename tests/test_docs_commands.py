@@ -19,7 +19,9 @@ python or benchmarks/ and is not just a stage's name). ``HOW`` says how each one
 - ``REAL_MODEL``: run by tests/test_readme_real_model.py (a tiny Qwen2 folder and a GSM8K-layout
   file in place of the user's checkpoint and data, small sizes layered on);
 - ``MODELS``: run by tests/test_workflow_models.py (the tiny workflow on Qwen2 + BPE + chat with
-  the vLLM backend).
+  the vLLM backend);
+- ``WORKERS``: run by tests/test_worker.py (the workers it starts serve the tiny run redone);
+- ``GPU_CHECK``: run by tests/test_gpu_check.py (the GPU check's tiny form, every step on CPU).
 
 A command shown in the docs but missing here fails ``test_every_shown_command_is_covered``, and
 so does an entry here that the docs no longer show. Python blocks run too, one subprocess per
@@ -46,6 +48,8 @@ TINY_RUN = "conftest.tiny_run"  # its tiny form is the session's tiny run: make 
 EXPERIMENT = "tests/test_experiment.py"  # run there, on the reduced experiment config/experiments/tiny.yaml
 REAL_MODEL = "tests/test_readme_real_model.py"  # run there, with a tiny Qwen2 folder and a GSM8K-layout file
 MODELS = "tests/test_workflow_models.py"  # run there: the tiny workflow on Qwen2 + BPE + chat with vLLM
+WORKERS = "tests/test_worker.py"  # run there: the workers started as shown serve the tiny run redone
+GPU_CHECK = "tests/test_gpu_check.py"  # run there: the GPU check's tiny form, every step on CPU
 TINY = "--configfile config/tiny.yaml"
 # The variance study over seeds, one seed of the tiny config, on the tiny run's initial policy and
 # prompts (the script builds them only where its folder lacks them; the bootstrap is tested elsewhere).
@@ -60,9 +64,8 @@ WANDB_SYNC = (
     "--tracking-name evaluate/initial evaluate.n_samples=1 tracking.wandb.project=my_project && "
     "wandb sync --dry-run results/wandb/offline-run-* 2>&1 | grep 'Would sync 1 run'"
 )
-# The GPU check (README): its tiny form runs every step on CPU; the bundle is listed, not fetched;
-# --bundle installs a one-wheel bundle of a package the venv holds at that version (pip leaves it as it is)
-GPU_CHECK_TINY = "bash benchmarks/gpu/check.sh --device cpu --tiny --out results/gpu_check"
+# The GPU check: the bundle is listed, not fetched; --bundle installs a one-wheel bundle of a package
+# the venv holds at that version (pip leaves it as it is)
 ONE_WHEEL_BUNDLE = (
     "mkdir -p results/scratch/bundle/part1 && python -m pip download -q --no-deps -d results/scratch/bundle/part1 "
     "hjson==$(python -c 'import importlib.metadata as m; print(m.version(\"hjson\"))') && "
@@ -183,7 +186,7 @@ HOW: dict[str, str] = {
     "python benchmarks/bench_rollout.py --models tiny,gpt2 --backends hf --prompts 16 --group-size 8 "
     "--max-new-tokens 32 --repeats 3": BENCH_ROLLOUT_TINY,
     # the GPU check's tiny form runs it (its chain step: one iteration per setting, no TRL)
-    "python benchmarks/bench_iteration.py": GPU_CHECK_TINY,
+    "python benchmarks/bench_iteration.py": GPU_CHECK,
     "benchmarks/bench_advantages.py": "python benchmarks/bench_advantages.py --tokens 20000 --repeats 1",
     # docs/workers.md: the tiny run's first job (the shard) in each mode, once
     "python benchmarks/bench_preload.py": "python benchmarks/bench_preload.py --target results/data/eval.parquet "
@@ -206,17 +209,17 @@ HOW: dict[str, str] = {
     "python benchmarks/bench_reward_adversarial.py": "python benchmarks/bench_reward_adversarial.py --sizes 8000 "
     "--old-sizes 1000",
     # docs/environments.md, "The GPU check": on CPU at a tiny shape
-    "benchmarks/gpu/check.sh": GPU_CHECK_TINY,
-    GPU_CHECK_TINY: AS_SHOWN,
-    "bash benchmarks/gpu/check.sh --bundle .gpu-bundle --out results/gpu_check": GPU_CHECK_TINY,
+    "benchmarks/gpu/check.sh": GPU_CHECK,
+    "bash benchmarks/gpu/check.sh --device cpu --tiny --out results/gpu_check": GPU_CHECK,
+    "bash benchmarks/gpu/check.sh --bundle .gpu-bundle --out results/gpu_check": GPU_CHECK,
     "bash benchmarks/gpu/check.sh --bundle .gpu-bundle --install-only": ONE_WHEEL_BUNDLE,
     "bash benchmarks/gpu/bundle.sh .gpu-bundle": "bash benchmarks/gpu/bundle.sh --list | grep -x 'snakemake==.*'",
     # the GPU check's steps run these (tiny, on CPU): its policy, decode and chain steps
-    "benchmarks/make_policy.py": GPU_CHECK_TINY,
-    "benchmarks/bench_decode.py": GPU_CHECK_TINY,
+    "benchmarks/make_policy.py": GPU_CHECK,
+    "benchmarks/bench_decode.py": GPU_CHECK,
     # the sandbox's tiny run (its train jobs' metrics; its bootstrap policy)
     "benchmarks/bench_train_mfu.py": "python benchmarks/bench_train_mfu.py --runs .",
-    "benchmarks/bench_iteration.py": GPU_CHECK_TINY,
+    "benchmarks/bench_iteration.py": GPU_CHECK,
     # the lint CI runs (.ci/run); Snakemake's own lint runs here
     "make lint": CI,
     "snakemake --lint": AS_SHOWN,
@@ -238,15 +241,8 @@ HOW: dict[str, str] = {
     "otbflow worker train --results results --tasks N": (
         "otbflow worker train --results results --tasks 2 --idle-exit 1 2>&1 | grep -q 'rank 1: rank 0 ended the worker'"
     ),
-    # docs/workers.md: the workers serve the tiny run's train jobs redone, and end once idle (after
-    # 60 s: on the loaded CI machine iteration 1's rollouts, features and advantages took over 20 s,
-    # and a train worker idle that long had ended before iteration 1's train job)
-    "for kind in generate features train; do otbflow worker $kind --results results --idle-exit 600 & done": (
-        "for kind in generate features train; do otbflow worker $kind --results results --idle-exit 60 & done; "
-        "until ls results/.workers/train/*/alive > /dev/null 2>&1; do sleep 0.5; done; "
-        "snakemake --cores 2 --configfile config/tiny.yaml --forcerun train && wait && "
-        "grep -q 'runs train' results/logs/train/iter_1.log"
-    ),
+    # docs/workers.md: the workers serve the tiny run's iterations redone, and end once idle
+    "for kind in generate features train; do otbflow worker $kind --results results --idle-exit 600 & done": WORKERS,
 }
 
 
@@ -343,7 +339,7 @@ def runnable() -> list[tuple[str, str]]:
     """(shown, executed) pairs, each distinct executed command once."""
     out, seen = [], set()
     for cmd, how in HOW.items():
-        if how in (CI, SLURM, EXPERIMENT, REAL_MODEL, MODELS, TINY_RUN):
+        if how in (CI, SLURM, EXPERIMENT, REAL_MODEL, MODELS, WORKERS, GPU_CHECK, TINY_RUN):
             continue
         if how == AS_SHOWN:
             executed = cmd

@@ -1,10 +1,12 @@
-"""The GPU check's parts on the CPU (benchmarks/gpu/check.sh; its whole tiny form runs in
-tests/test_docs_commands.py): the policy builder, the decode benchmark, the MFU arithmetic and the
-bench_iteration settings that check.sh asks for. No timings are asserted."""
+"""The GPU check (benchmarks/gpu/check.sh) on the CPU: its tiny form as the docs show it, every step
+(the policy builder, the decode benchmark, the `gpu` tests, the workflow chain, the MFU), with the
+facts of its policy and its decode benchmark; then the MFU arithmetic and the bench_iteration
+settings that check.sh asks for. No timings are asserted."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -12,10 +14,25 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, make_sandbox, sandbox_env
 
 sys.path.insert(0, str(REPO / "benchmarks"))
+# docs/environments.md, "The GPU check": the check's tiny form, run as shown (test_docs_commands.HOW
+# points here for it, for the check's other forms and for the scripts its steps run)
+SHOWN = "bash benchmarks/gpu/check.sh --device cpu --tiny --out results/gpu_check"
+COVERED = {
+    SHOWN,
+    "benchmarks/gpu/check.sh",
+    "bash benchmarks/gpu/check.sh --bundle .gpu-bundle --out results/gpu_check",
+    "benchmarks/make_policy.py",
+    "benchmarks/bench_decode.py",
+    "benchmarks/bench_iteration.py",
+    "python benchmarks/bench_iteration.py",
+}
+STEPS = ["policy", "decode", "gpu_tests", "chain", "mfu"]
+# docs/environments.md's tiny shape (the --tiny policy step's own arguments)
 TINY = ["--shape", "qwen2.5-0.5b", "--layers", "2", "--vocab", "4096", "--hidden", "64"]
+pytestmark = pytest.mark.xdist_group("gpu_check")  # one worker runs the check, once
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -27,24 +44,64 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def policy(tmp_path_factory):
-    """benchmarks/make_policy.py's tiny variant, as the docs show it."""
-    out = tmp_path_factory.mktemp("make_policy") / "p"
-    res = run("benchmarks/make_policy.py", *TINY, "--out", str(out))
-    printed = json.loads(res.stdout.splitlines()[-1])  # the last line: DeepSpeed may log before it
+def gpu_check(tmp_path_factory):
+    """SHOWN in a sandbox checkout, its work folder (the policy, the runs) under the sandbox's own
+    TMPDIR; returns (sandbox, work folder, the completed process)."""
+    work = make_sandbox(tmp_path_factory.mktemp("gpu_check"))
+    tmp = work / "tmp"
+    tmp.mkdir()
+    res = subprocess.run(
+        SHOWN,
+        shell=True,
+        cwd=work,
+        env={**sandbox_env(work), "TMPDIR": str(tmp)},
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=900,
+    )
+    (folder,) = tmp.glob("otbflow-gpu-check.*")
+    return work, folder, res
+
+
+def test_every_shown_form_of_the_check_runs_here():
+    from test_docs_commands import GPU_CHECK, HOW
+
+    assert {c for c, how in HOW.items() if how == GPU_CHECK} == COVERED
+
+
+def test_the_tiny_check_runs_every_step(gpu_check):
+    work, _, res = gpu_check
+    assert res.returncode == 0, f"{SHOWN!r} failed:\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}"
+    out = work / "results/gpu_check"
+    record = json.loads((out / "check.json").read_text())
+    assert [(s["step"], s["exit"]) for s in record["steps"]] == [(step, 0) for step in STEPS]
+    assert record["command"] == SHOWN
+    for name in ("decode", "iteration", "mfu"):
+        assert json.loads((out / f"{name}.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def policy(gpu_check):
+    """The check's policy (benchmarks/make_policy.py at the tiny shape), and the JSON it printed."""
+    work, folder, _ = gpu_check
+    log = (work / "results/gpu_check/check.log").read_text()
+    step = re.search(r"^== policy \(.*?\n(.*?)^== policy: exit 0", log, re.S | re.M)
+    assert step and f"--out {folder / 'policy'} {' '.join(TINY[2:])}" in log, log[:3000]
+    printed = json.loads(step.group(1).strip().splitlines()[-1])  # the last line: DeepSpeed may log before it
     assert (printed["vocab"], printed["layers"], printed["hidden"], printed["dtype"]) == (4096, 2, 64, "bfloat16")
-    (out / "printed.json").write_text(json.dumps(printed))
-    return out
+    return folder / "policy", printed
 
 
 def test_made_policy_loads_and_every_id_decodes(policy):
     from otbflow.models.policy import load_policy
 
-    model, tok = load_policy(policy, "float32")
+    path, printed = policy
+    model, tok = load_policy(path, "float32")
     vocab = model.config.vocab_size
     assert model.config.model_type == "qwen2" and model.config.tie_word_embeddings
     assert len(tok) == vocab == 4096 and model.dtype == torch.float32
-    assert sum(p.numel() for p in model.parameters()) == json.loads((policy / "printed.json").read_text())["parameters"]
+    assert sum(p.numel() for p in model.parameters()) == printed["parameters"]
     texts = tok.batch_decode([[i] for i in range(vocab)])
     assert all(texts) and len(set(texts)) == vocab
     assert tok.decode(tok("12+3=", add_special_tokens=False)["input_ids"]) == "12+3="  # the task's characters
@@ -66,23 +123,13 @@ def test_full_shape_has_qwen_sizes_and_a_decodable_tokenizer():
     assert len(tok) == 151_936 and all(texts) and len(set(texts)) == 151_936
 
 
-def test_bench_decode_on_cpu(policy, tmp_path):
-    out = tmp_path / "decode.json"
-    args = ["--policy", str(policy), "--device", "cpu", "--dtype", "float32", "--prompts", "4", "--group-size", "2"]
-    run(
-        "benchmarks/bench_decode.py",
-        *args,
-        "--max-new-tokens",
-        "8",
-        "--repeats",
-        "1",
-        "--profile-steps",
-        "2",
-        "--out",
-        str(out),
-    )
-    res = json.loads(out.read_text())
-    assert res["machine"]["gpu"] is None and res["command"].startswith("python benchmarks/bench_decode.py --policy")
+def test_bench_decode_on_cpu(gpu_check):
+    """The check's decode step (--dtype float32, 4 prompts x 2, 8 new tokens, 1 repeat, a profile of
+    2 steps): every path decoded every step, and the profile split the compiled loop's steps."""
+    work, folder, _ = gpu_check
+    res = json.loads((work / "results/gpu_check/decode.json").read_text())
+    assert res["machine"]["gpu"] is None
+    assert res["command"].startswith(f"python benchmarks/bench_decode.py --policy {folder / 'policy'} --device cpu")
     assert res["rows"] == 8 and set(res["paths"]) == {"otbflow", "otbflow_static", "sample", "static"}
     for path in res["paths"].values():
         assert path["steps"] == 8 and path["ms_per_step"] > 0 and path["tokens_per_s"] > 0

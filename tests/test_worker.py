@@ -75,25 +75,57 @@ def client_command(results, code: str) -> list[str]:
     return [sys.executable, "-m", "otbflow.ops.dispatch", "--results", str(results), "--code", code]
 
 
+# docs/workers.md's "Starting them" (test_docs_commands.HOW points here): the shell loop as shown,
+# with an idle exit that ends the workers once the run is done (the train worker waits through
+# iteration 0's rollouts, features and advantages before its first job, over 20 s on the loaded CI
+# machine)
+SHOWN_START = "for kind in generate features train; do otbflow worker $kind --results results --idle-exit 600 & done"
+IDLE_EXIT_S = 90
+START_FORM = SHOWN_START.replace("--idle-exit 600", f"--idle-exit {IDLE_EXIT_S}") + "; wait"
+
+
+def test_the_start_command_shown_in_the_docs_runs_here():
+    from test_docs_commands import HOW, WORKERS
+
+    assert [c for c, how in HOW.items() if how == WORKERS] == [SHOWN_START]
+
+
 def test_the_tiny_run_on_workers_is_bitwise_the_run_without(tiny_run, tmp_path):
-    """The tiny run's iterations redone (--forcerun rollout: every rollout, features, advantages,
-    train and evaluation job) with one worker of each kind: every table and policy equals the run
-    without workers, bitwise; the train worker went on with its engine (iteration 1 read no
-    optimizer state), the features worker with its resident module; the jobs' logs hold the stage's
-    own lines; a rerun plans nothing; the workers left no registration behind."""
+    """The docs' start command (SHOWN_START, in the run's folder) starts one worker of each kind;
+    the tiny run's iterations redone (--forcerun rollout: every rollout, features, advantages,
+    train and evaluation job) give every table and policy of the run without workers, bitwise; the
+    train worker went on with its engine (iteration 1 read no optimizer state), the features worker
+    with its resident module; the jobs' logs hold the stage's own lines; a rerun plans nothing; the
+    workers end once idle and leave no registration behind."""
     work = copy_run(tiny_run, tmp_path / "run")
     results = work / "results"
     want = chain_outputs(tiny_run / "results")
-    procs = workers(results, tmp_path)
+    log = tmp_path / "workers.log"
+    shell = subprocess.Popen(
+        ["bash", "-c", START_FORM],
+        cwd=work,
+        env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"},  # otbflow: this venv's
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
+        for kind in KINDS:
+            wait_for(lambda kind=kind: dispatch.live_workers(results, kind), 60, f"the {kind} worker to register")
         snakemake(work, "--forcerun", "rollout")
+        assert shell.wait(timeout=IDLE_EXIT_S + 60) == 0, log.read_text()[-3000:]
     finally:
-        stop(procs)
+        if shell.poll() is None:
+            os.killpg(shell.pid, signal.SIGTERM)
+            shell.wait(timeout=30)
     assert chain_outputs(results) == want
-    train_log = (tmp_path / "worker_train.log").read_text()
-    assert train_log.count("runs train") == 2 and "AdamW resumes from the resident engine" in train_log
-    assert "resident policy" in (tmp_path / "worker_features.log").read_text()
-    assert "train finished in" in (results / "logs/train/iter_1.log").read_text()
+    text = log.read_text()
+    assert text.count(f"idle for {IDLE_EXIT_S} s: the worker ends") == len(KINDS), text[-3000:]
+    assert text.count("runs train") == 2 and "AdamW resumes from the resident engine" in text
+    assert "resident policy" in (results / "logs/features/iter_1_shard_0.log").read_text()
+    train_1 = (results / "logs/train/iter_1.log").read_text()
+    assert "runs train" in train_1 and "train finished in" in train_1
     assert "runs rollout" in (results / "logs/rollout/iter_1_shard_0.log").read_text()
     assert not any((results / ".workers").glob("*/*/worker.json"))
     res = snakemake(work, "-n")
