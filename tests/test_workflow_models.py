@@ -142,7 +142,8 @@ def test_a_vllm_worker_builds_its_engine_once_and_samples_the_same(vllm_run, tmp
         example = yaml.safe_load((copy / "extra.yaml").read_text())
         layers = [str(TINY), str(QWEN2_BPE_CHAT), str(copy / "small.yaml"), str(copy / "extra.yaml")]
         cmd = [SNAKEMAKE, "-s", str(REPO / "Snakefile"), "--directory", str(copy), "--cores", "2"]
-        cmd += ["--configfile", *layers, "--forcerun", "rollout"]
+        # the evaluation as target: the jobs up to it, not the scaling and report jobs after it
+        cmd += ["results/iter_0/eval/samples.parquet", "--configfile", *layers, "--forcerun", "rollout"]
         run_env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
         res = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, env=run_env)
         assert res.returncode == 0, res.stderr[-5000:]
