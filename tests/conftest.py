@@ -43,6 +43,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # one waits 10 minutes instead of 2 for the next test's jobs: an idle server uses no CPU, a new one
 # pays its imports again.
 os.environ.setdefault("OTBFLOW_PRELOAD_IDLE_S", "600")
+# Where the environment says not to write bytecode (PYTHONDONTWRITEBYTECODE; the CI machine sets
+# it), each of the thousands of processes the suite starts would compile the otbflow modules it
+# imports, 0.1 CPU-s or more apiece: the session's first process compiles src/ once (Python still
+# reads those files, and compiles a module whose source is newer than its file in memory).
+if not os.environ.get("PYTEST_XDIST_WORKER"):
+    import compileall
+
+    compileall.compile_dir(REPO / "src", quiet=1)
 if "OTBFLOW_PRELOAD_DIR" not in os.environ:
     import tempfile
 
