@@ -339,21 +339,19 @@ def pytest_runtest_logfinish(nodeid, location):
 
 def chromium() -> str:
     """A headless browser for the HTML report's tests: Chromium, installed from Debian's packages
-    when missing (as root, the way slurm/local/slurm-up.sh installs Slurm); skipped, with the
-    reason, where neither is possible."""
+    where missing (tests/install-chromium.sh, as root, as slurm/local/slurm-up.sh installs Slurm);
+    skipped, with the reason, where neither is possible."""
     import shutil
 
     for name in ("chromium", "chromium-browser"):
         if found := shutil.which(name):
             return found
-    if os.geteuid() != 0 or not shutil.which("apt-get"):
-        pytest.skip("no chromium, and no apt-get as root to install it")
-    for cmd in (["apt-get", "install", "-y", "-qq", "chromium"], ["apt-get", "update", "-qq"]):
-        subprocess.run(cmd, capture_output=True, stdin=subprocess.DEVNULL, timeout=900)
-        if shutil.which("chromium"):
-            return shutil.which("chromium")
-    res = subprocess.run(["apt-get", "install", "-y", "-qq", "chromium"], capture_output=True, text=True, timeout=900)
-    assert shutil.which("chromium"), f"apt-get install chromium failed: {res.stderr[-2000:]}"
+    res = subprocess.run(
+        ["bash", str(REPO / "tests" / "install-chromium.sh")], capture_output=True, text=True, timeout=900
+    )
+    if res.returncode == 77:
+        pytest.skip(f"no chromium: {res.stdout.strip()}")
+    assert res.returncode == 0 and shutil.which("chromium"), f"installing chromium failed: {res.stderr[-2000:]}"
     return shutil.which("chromium")
 
 
