@@ -16,8 +16,8 @@ CORES ?= 2
 setup: $(STAMP)
 
 # pip installs torch (pinned to the CPU wheel by constraints.txt, which every install step takes:
-# pip finds that wheel where the machine keeps it) and uv; uv installs the rest, several times
-# faster than pip (docs/testing.md, "CI"), precompiling every module as pip does.
+# pip finds that wheel where the machine keeps it) and uv; uv installs the rest, precompiling every
+# module as pip does, in less than half pip's time (docs/measurements.md#ci_fresh_clone).
 UV := uv==0.13.9
 UV_INSTALL = uv pip install -q --compile-bytecode -c constraints.txt
 $(STAMP): pyproject.toml constraints.txt

@@ -21,11 +21,12 @@ export DEBIAN_FRONTEND=noninteractive
 if ! command -v slurmctld >/dev/null; then
   command -v apt-get >/dev/null || { echo "slurm-up: Slurm is not installed and there is no apt-get"; exit 77; }
   apt-get update -qq
-  # the daemons, the client and munge, without the optional plugins they recommend (8 packages against 42)
-  apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null
+  # the daemons, the client and munge, without the optional plugins they recommend (8 packages against
+  # 42); another apt-get running (tests/install-chromium.sh, or this script started by another test) is waited for
+  apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null
 fi
 if [[ $WITH_DBD == 1 ]] && ! command -v slurmdbd >/dev/null; then
-  apt-get install -y -qq --no-install-recommends slurmdbd mariadb-server >/dev/null
+  apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends slurmdbd mariadb-server >/dev/null
 fi
 
 # one caller at a time (the suite's pytest-xdist workers may start it together); the daemons it starts
