@@ -347,7 +347,11 @@ def chromium() -> str:
         if found := shutil.which(name):
             return found
     res = subprocess.run(
-        ["bash", str(REPO / "tests" / "install-chromium.sh")], capture_output=True, text=True, timeout=900
+        ["bash", str(REPO / "tests" / "install-chromium.sh")],
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,  # a pytest-xdist worker's stdin is its channel to the controller
+        timeout=900,
     )
     if res.returncode == 77:
         pytest.skip(f"no chromium: {res.stdout.strip()}")
