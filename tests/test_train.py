@@ -1204,6 +1204,39 @@ def test_a_planted_pickle_in_a_resumable_checkpoint_is_refused(policy_dir, featu
     assert not Path(args.out).exists() and not Path(args.metrics).exists()
 
 
+class ByName:
+    """What Python 3.11.0-3.11.4 write for an enum member (``getattr(cls, name)``; other versions
+    write its value), with any class and name: a checkpoint written on such a Python holds
+    ``ByName(ZeroStageEnum, "optimizer_states")``."""
+
+    def __init__(self, cls, name: str):
+        self.cls, self.name = cls, name
+
+    def __reduce__(self):
+        return (getattr, (self.cls, self.name))
+
+
+def test_an_enum_member_pickled_by_name_loads_and_nothing_else_getattr_reaches(tmp_path):
+    """A DeepSpeed file written on Python 3.11.0-3.11.4 (Debian 12's python3 is 3.11.2) names
+    builtins.getattr for its ZeRO stage: it loads, as the member; a getattr of anything else (an
+    attribute of an allowed class is a way to its module's globals, and so to running code) is
+    refused as any other planted global is, naming the file."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    good = tmp_path / "optim_states.pt"
+    torch.save({"zero_stage": ByName(ZeroStageEnum, "optimizer_states"), "step": torch.ones(2)}, good)
+    assert b"getattr" in good.read_bytes()
+    loaded = train_state.load_checkpoint_file(str(good))
+    assert loaded["zero_stage"] is ZeroStageEnum.optimizer_states and loaded["zero_stage"] == 1
+    for cls, name in ((LossScaler, "__init__"), (ZeroStageEnum, "__class__"), (ZeroStageEnum, "nothing")):
+        bad = tmp_path / f"{name}.pt"
+        torch.save({"zero_stage": ByName(cls, name)}, bad)
+        with pytest.raises(train_state.CheckpointFileError) as refused:
+            train_state.load_checkpoint_file(str(bad))
+        assert str(bad) in str(refused.value) and "builtins.getattr" in str(refused.value), refused.value
+
+
 # ------------------------------------------------------------------------------------------
 # Two ranks, and kill -9 then resume (subprocesses: the real CLI)
 # ------------------------------------------------------------------------------------------

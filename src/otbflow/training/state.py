@@ -9,6 +9,7 @@ policy"."""
 from __future__ import annotations
 
 import contextlib
+import enum
 import hashlib
 import json
 import logging
@@ -49,13 +50,23 @@ def checkpoint_types() -> list[type]:
     return [ZeroStageEnum, LossScaler, fragment_address]
 
 
+def enum_member(cls, name: str):
+    """``builtins.getattr`` in a checkpoint's pickle, as Python 3.11.0-3.11.4 pickle an enum member
+    (``getattr(ZeroStageEnum, "optimizer_states")``; other versions pickle its value): the member
+    of a ``checkpoint_types`` enum, and nothing else that getattr could reach (an attribute is a way
+    to any function, and so to running code)."""
+    if isinstance(cls, enum.EnumMeta) and cls in checkpoint_types() and name in cls.__members__:
+        return cls[name]
+    raise pickle.UnpicklingError(f"getattr({cls!r}, {name!r}) is no member of an enum that a checkpoint holds")
+
+
 def load_checkpoint_file(path: str, map_location=None):
-    """``torch.load(weights_only=True)`` of one DeepSpeed file: tensors, plain containers and
-    ``checkpoint_types`` only. Anything else is refused before it is built: a CheckpointFileError
-    that names the file and what its pickle asks for."""
+    """``torch.load(weights_only=True)`` of one DeepSpeed file: tensors, plain containers,
+    ``checkpoint_types`` and their enum members by name (``enum_member``) only. Anything else is
+    refused before it is built: a CheckpointFileError that names the file and what its pickle asks for."""
     allowed = checkpoint_types()
     try:
-        with torch.serialization.safe_globals(allowed):
+        with torch.serialization.safe_globals([*allowed, (enum_member, "builtins.getattr")]):
             return torch.load(path, map_location=map_location, weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
         try:  # read, not run: the globals its pickle names (zip files, which DeepSpeed writes)
@@ -63,6 +74,8 @@ def load_checkpoint_file(path: str, map_location=None):
         except Exception:
             names = re.findall(r"GLOBAL ([\w.]+)", str(e))  # what torch's unpickler stopped at
         names = [n for n in names if n not in {f"{t.__module__}.{t.__qualname__}" for t in allowed}]
+        if "builtins.getattr" in names and "is no member of an enum" not in str(e):
+            names.remove("builtins.getattr")  # an enum member by name, loaded; the file failed otherwise
         if names:
             raise CheckpointFileError(
                 f"{path}: not loaded: its pickle names {', '.join(names)}, which no DeepSpeed checkpoint "
