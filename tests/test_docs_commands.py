@@ -202,6 +202,8 @@ HOW: dict[str, str] = {
     "benchmarks/variance_seeds.py": VARIANCE_SEEDS,
     "python benchmarks/bench_zero3_load.py --hidden 1536 --layers 12": "python benchmarks/bench_zero3_load.py "
     "--hidden 128 --layers 1 --vocab 1000",
+    # docs/testing.md: the interpreters' imports (the loop only, once each)
+    "python benchmarks/bench_interpreter.py --repeats 5": "python benchmarks/bench_interpreter.py --work python --repeats 1",
     "python benchmarks/bench_dry_run.py --iterations 500 --repeats 3": "python benchmarks/bench_dry_run.py "
     "--iterations 3 --repeats 1",
     "python benchmarks/bench_rewards.py --responses 2000 --repeats 3": "python benchmarks/bench_rewards.py "
