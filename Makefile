@@ -49,12 +49,12 @@ run: setup
 	$(VENV)/bin/snakemake --cores $(CORES) $(ARGS) < /dev/null
 	$(VENV)/bin/snakemake --cores $(CORES) $(ARGS) --report results/report.html --report-metadata results/report/metadata.yaml < /dev/null
 
-# One pytest-xdist worker per core, plus one: part of the suite waits (on the local Slurm, on
-# polled subprocesses), and the extra worker runs tests meanwhile (docs/testing.md, "CI").
+# One pytest-xdist worker per core, plus two: part of the suite waits (on the local Slurm, on
+# polled subprocesses), and the extra workers run tests meanwhile (docs/testing.md, "CI").
 # TEST_WORKERS=0 runs the tests in make's own process. Tests that share a module fixture run on one
 # worker (xdist_group); collection order is kept so that the tiny run the workflow tests share
 # starts early.
-TEST_WORKERS ?= $(shell expr $(CORES) + 1)
+TEST_WORKERS ?= $(shell expr $(CORES) + 2)
 # make's own settings stay out of the recipes' environment (given on the command line, make exports
 # them): the jobs a run starts see the same environment however it was started. (After their
 # definitions: unexport makes an undefined variable defined, and empty.)

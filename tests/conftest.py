@@ -30,7 +30,7 @@ SMALL = {
 }
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 # torch threads per stage run in a test: 2 on its own, 1 per pytest-xdist worker (make test runs
-# one worker more than cores; two threads each would oversubscribe them further)
+# two workers more than cores; two threads each would oversubscribe them further)
 os.environ.setdefault("OTBFLOW_THREADS", "1" if os.environ.get("PYTEST_XDIST_WORKER") else "2")
 # Several processes with torch threads share the cores while the suite runs: OpenMP threads that
 # busy-wait after each parallel region (libgomp's default policy) burn the CPU that the other tests
