@@ -50,6 +50,9 @@ def checkpoint_types() -> list[type]:
     return [ZeroStageEnum, LossScaler, fragment_address]
 
 
+NOT_A_MEMBER = "is no member of an enum that a checkpoint holds"
+
+
 def enum_member(cls, name: str):
     """``builtins.getattr`` in a checkpoint's pickle, as Python 3.11.0-3.11.4 pickle an enum member
     (``getattr(ZeroStageEnum, "optimizer_states")``; other versions pickle its value): the member
@@ -57,7 +60,7 @@ def enum_member(cls, name: str):
     to any function, and so to running code)."""
     if isinstance(cls, enum.EnumMeta) and cls in checkpoint_types() and name in cls.__members__:
         return cls[name]
-    raise pickle.UnpicklingError(f"getattr({cls!r}, {name!r}) is no member of an enum that a checkpoint holds")
+    raise pickle.UnpicklingError(f"getattr({cls!r}, {name!r}) {NOT_A_MEMBER}")
 
 
 def load_checkpoint_file(path: str, map_location=None):
@@ -74,7 +77,7 @@ def load_checkpoint_file(path: str, map_location=None):
         except Exception:
             names = re.findall(r"GLOBAL ([\w.]+)", str(e))  # what torch's unpickler stopped at
         names = [n for n in names if n not in {f"{t.__module__}.{t.__qualname__}" for t in allowed}]
-        if "builtins.getattr" in names and "is no member of an enum" not in str(e):
+        if "builtins.getattr" in names and NOT_A_MEMBER not in str(e):
             names.remove("builtins.getattr")  # an enum member by name, loaded; the file failed otherwise
         if names:
             raise CheckpointFileError(
