@@ -4,7 +4,8 @@
 # at the versions of this checkout's .venv (run `make setup` first), from the checkout's root:
 #   bash benchmarks/gpu/bundle.sh .gpu-bundle     # OUTDIR/part1: polars' runtime (~52 MB) alone; part2: the rest (~15 MB)
 #   bash benchmarks/gpu/bundle.sh --list          # the packages it would fetch, one a line; fetches nothing
-# part2 holds snakemake and its plugins' interfaces, deepspeed (built here as a pure-Python wheel),
+# part2 holds snakemake and its plugins' interfaces, deepspeed (built here as a pure-Python wheel, by
+# the venv's Python: its setup imports torch, and a bare interpreter's setuptools may lack bdist_wheel),
 # omegaconf, polars, math-verify, submitit, ... PuLP is left out (16 MB: Snakemake falls back to its
 # greedy scheduler), and so are the dev tools, wandb and the CUDA libraries. The two parts fit a
 # transfer limit of 64 MB each; benchmarks/gpu/check.sh --bundle OUTDIR installs them (docs/environments.md,
@@ -41,7 +42,7 @@ plat=(--only-binary=:all: --python-version 3.12 --implementation cp --platform m
   --platform manylinux1_x86_64)
 for p in "${pkgs[@]}"; do
   python3 -m pip download -q --no-deps "${plat[@]}" -d "$out/part2" "$p" > /dev/null 2>&1 \
-    || python3 -m pip wheel -q --no-deps --no-build-isolation -w "$out/part2" "$p" > /dev/null 2>&1 \
+    || .venv/bin/python -m pip wheel -q --no-deps --no-build-isolation -w "$out/part2" "$p" > /dev/null 2>&1 \
     || echo "no wheel for $p" >&2
 done
 mv "$out"/part2/polars_runtime*.whl "$out/part1/" 2> /dev/null || true
