@@ -12,12 +12,21 @@ policy (the default bootstrap, built once, untimed, and given as ``model.path``)
   policy, prompts, reward, batch sizes and loss, in a venv it sets up), one process with
   ``--cores`` threads.
 
-Per setting: ``wall_s`` (the Snakemake run of ``--iterations`` iterations, from its start to its
-end), ``per_iteration_s`` (wall / iterations) and ``period_s`` (the mean time between consecutive
-train jobs' ends: the steady state, without the first iteration's fill). Per stage, from the
-jobs' own records: ``job_s`` (Snakemake's benchmark file: the whole job), ``work_s`` (the stage's
+A setting may carry its own number of iterations (``--settings grpo_s0_workers:4,grpo_s0:2``: a warm
+setting's steady state needs more than the cold one's; ``--iterations`` for the others).
+
+Per setting: ``wall_s`` (the Snakemake run of its iterations, from its start to its end),
+``per_iteration_s`` (wall / iterations) and ``period_s`` (the mean time between consecutive train
+jobs' ends: the steady state, without the first iteration's fill). Per stage, from the jobs' own
+records: ``job_s`` (Snakemake's benchmark file: the whole job), ``work_s`` (the stage's
 own timer, "<stage> finished in X s": its ``run``, model load included) and ``startup_s`` = job -
-work (interpreter, imports, config; the process's exit). ``chain_s``: the sum over the stages one
+work (interpreter, imports, config; the process's exit); ``timer_s``: the GPU-bound part inside the
+work, from the job's own records -- the rollout's generation and the features' forward pass (from
+their progress lines' final rate: the time from the first batch's start to the last's end) and
+the train job's optimizer steps (``step_time_s`` in its metrics); per job, as ``job_s``, and each
+job's in ``timers_s``; ``outside_timers_s`` per setting
+= ``period_s`` minus the timers of the stages on the chain an iteration waits for: loads, start-up,
+writes and hand-overs. ``chain_s``: the sum over the stages one
 iteration must wait for of their mean job time (s = 0: rollout, features, advantages, train; s >=
 1: features, advantages, train, the rollout being off that path) -- the critical path if every job
 started the moment its inputs existed; ``period_s - chain_s`` is then what scheduling and shared
@@ -67,6 +76,11 @@ WORKERS = {name for name in SETTINGS if name.endswith("_workers")}  # warm worke
 PIPELINED = {"grpo_s1", "otb_s1", "grpo_s1_workers", "otb_s1_workers"}  # the rollout is off the policy chain
 STAGES = ("rollout", "features", "advantages", "train")
 FINISHED = re.compile(r"^(\S+ \S+) otbflow INFO (\S+) finished in ([\d.]+) s$", re.M)
+# the final line of a stage's Progress (otbflow.progress): items done over the rate is its timer
+DONE = {
+    "rollout": re.compile(r"generation \(\d+ per prompt\): (\d+)/\d+ prompts \(100%\), ([\d.e+]+) \S+, done$", re.M),
+    "features": re.compile(r"INFO features: (\d+)/\d+ sequences \(100%\), ([\d.e+]+) sequences/s, done$", re.M),
+}
 
 
 def snakemake_config(overrides: list[str]) -> list[str]:
@@ -112,19 +126,44 @@ def prepare(work: Path, cores: int, n_shards: int, policy: Path | None) -> tuple
     return policy.resolve(), [base / f for f in shard_files(n_shards)]
 
 
+def timer(results: Path, stage: str, k: int, text: str) -> float | None:
+    """The GPU-bound seconds inside a job (the module docstring's ``timer_s``); None where the job has
+    no such record (the advantages, a rollout that generated nothing)."""
+    if stage in DONE:
+        m = DONE[stage].search(text)
+        return int(m.group(1)) / float(m.group(2)) if m else None
+    if stage == "train":
+        import polars as pl
+
+        metrics = results / f"iter_{k}" / "train" / "metrics.parquet"
+        return float(pl.read_parquet(metrics)["step_time_s"].sum()) if metrics.is_file() else None
+    return None
+
+
 def jobs(results: Path) -> list[dict]:
-    """Every stage job of the run: stage, iteration, its end (epoch seconds), job and work seconds."""
+    """Every stage job of the run: stage, iteration, its end (epoch seconds), job, work and timer
+    seconds."""
     out = []
     for stage in STAGES:
         for log in sorted((results / "logs" / stage).glob("*.log")):
-            m = FINISHED.search(log.read_text())
+            text = log.read_text()
+            m = FINISHED.search(text)
             bench = results / "benchmarks" / stage / f"{log.stem}.tsv"
             if not m or not bench.is_file():
                 continue
             job_s = float(bench.read_text().splitlines()[1].split("\t")[0])
             end = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
             k = int(re.match(r"iter_(\d+)", log.stem).group(1))
-            out.append({"stage": stage, "iteration": k, "end": end, "job_s": job_s, "work_s": float(m.group(3))})
+            out.append(
+                {
+                    "stage": stage,
+                    "iteration": k,
+                    "end": end,
+                    "job_s": job_s,
+                    "work_s": float(m.group(3)),
+                    "timer_s": timer(results, stage, k, text),
+                }
+            )
     return out
 
 
@@ -176,7 +215,15 @@ def run_setting(work: Path, name: str, policy: Path, iterations: int, cores: int
         if not mine:
             raise RuntimeError(f"{folder}: no finished {stage} job in the logs")
         job_s, work_s = sum(j["job_s"] for j in mine) / len(mine), sum(j["work_s"] for j in mine) / len(mine)
-        stages[stage] = {"jobs": len(mine), "job_s": job_s, "work_s": work_s, "startup_s": job_s - work_s}
+        timers = [j["timer_s"] for j in mine if j["timer_s"] is not None]
+        stages[stage] = {
+            "jobs": len(mine),
+            "job_s": job_s,
+            "work_s": work_s,
+            "startup_s": job_s - work_s,
+            "timer_s": sum(timers) / len(timers) if timers else 0.0,  # per job, as job_s
+            "timers_s": [j["timer_s"] for j in sorted(mine, key=lambda j: (j["iteration"], j["end"]))],
+        }
     ends = sorted(j["end"] for j in js if j["stage"] == "train")
     periods = [b - a for a, b in zip(ends, ends[1:])]
     period = sum(periods) / len(periods) if periods else wall
@@ -194,6 +241,8 @@ def run_setting(work: Path, name: str, policy: Path, iterations: int, cores: int
         "chain_s": chain,
         "chain_stages": list(on_path),
         "scheduling_and_sharing_s": period - chain,
+        "iterations": iterations,
+        "outside_timers_s": period - sum(stages[s]["timer_s"] for s in on_path),
         "job_seconds_per_iteration": job_seconds,
         "core_floor_s": job_seconds / cores,
         "stages": stages,
@@ -244,7 +293,11 @@ def ratios(result: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated: " + ", ".join(SETTINGS))
+    p.add_argument(
+        "--settings",
+        default=",".join(SETTINGS),
+        help="comma-separated, each NAME or NAME:ITERATIONS; names: " + ", ".join(SETTINGS),
+    )
     p.add_argument("--iterations", type=int, default=4)
     p.add_argument("--cores", type=int, default=os.cpu_count() or 2, help="snakemake --cores, and TRL's threads")
     p.add_argument("--no-trl", action="store_true", help="skip the TRL GRPOTrainer peer")
@@ -267,9 +320,13 @@ def main(argv: list[str] | None = None) -> dict:
     if ns.list_settings:
         print("\n".join(SETTINGS))
         return {"settings": list(SETTINGS)}
-    unknown = [s for s in ns.settings.split(",") if s not in SETTINGS]
+    runs = [(name, n or str(ns.iterations)) for name, _, n in (s.partition(":") for s in ns.settings.split(","))]
+    unknown = [name for name, _ in runs if name not in SETTINGS]
     if unknown:
         p.error(f"unknown settings {', '.join(unknown)}; known: {', '.join(SETTINGS)}")
+    if not all(n.isdigit() and int(n) >= 1 for _, n in runs):
+        p.error(f"--settings {ns.settings}: a setting's iterations (NAME:ITERATIONS) must be a whole number, 1 or more")
+    runs = [(name, int(n)) for name, n in runs]
     sys.path.insert(0, str(REPO / "src"))
     from omegaconf import OmegaConf
 
@@ -301,8 +358,8 @@ def main(argv: list[str] | None = None) -> dict:
         "gpus_per_job": {name: r[name].get("gpu", 0) for name in ("rollout", "features", "advantages", "train")},
         "settings": {},
     }
-    for name in ns.settings.split(","):
-        result["settings"][name] = run_setting(ns.work, name, policy, ns.iterations, ns.cores, cfg.shard.n_shards)
+    for name, iterations in runs:
+        result["settings"][name] = run_setting(ns.work, name, policy, iterations, ns.cores, cfg.shard.n_shards)
         print(json.dumps({name: result["settings"][name]["per_iteration_s"]}), file=sys.stderr)
         if ns.drop_weights:  # the train jobs' folders (policy/, optimizer/) and their checkpoints
             results = ns.work / name / "results"

@@ -5,9 +5,10 @@
 #   decode.json     benchmarks/bench_decode.py: otbflow's decode loops (rollout.hf_decode eager,
 #                   static, compiled) against transformers' sampling (dynamic and static KV cache)
 #                   on the same rows, and a profile of the compiled loop's decode steps
-#   iteration.json  benchmarks/bench_iteration.py: the workflow chain at s = 0 and 1 (grpo_s0,
-#                   grpo_s1), and with workers (grpo_s0_workers, grpo_s1_workers) once the script
-#                   lists them (--list-settings); no TRL
+#   iteration.json  benchmarks/bench_iteration.py: the workflow chain with warm workers and with a
+#                   process per job, at s = 0 then s = 1 (--settings; default grpo_s0_workers:4,
+#                   grpo_s0:2,grpo_s1_workers:4,grpo_s1:2, NAME:ITERATIONS, as far as the budget goes);
+#                   no TRL
 #   mfu.json        benchmarks/bench_train_mfu.py: the train step's tokens/s and MFU, from the
 #                   chain's train jobs (cold) and two more jobs of --warm-steps steps (warm),
 #                   padded and packed (train.packing)
@@ -22,13 +23,15 @@
 #   bash benchmarks/gpu/check.sh --bundle .gpu-bundle --out results/gpu_check
 #   bash benchmarks/gpu/check.sh --device cpu --tiny --out results/gpu_check   # every step, tiny, on CPU
 #                   (the chain at s = 0 as stage jobs and at s = 1 on workers only)
-# Options: --iterations N (2; tiny: 1), --warm-steps N (3; tiny: 2), --budget S, --work DIR (the
-# policy and the runs, kept; default: a new folder under $TMPDIR or /tmp, never under --out, whose
-# files come back from a lent machine). Exit status 1 if a step failed.
+# Options: --settings LIST (above; tiny: grpo_s0,grpo_s1_workers), --iterations N (a setting's without
+# :N; 2, tiny: 1), --warm-steps N (3; tiny: 2), --steps LIST (the steps to run, of policy, decode,
+# gpu_tests, chain, mfu; default all: the others are recorded as skipped), --budget S, --work DIR
+# (the policy and the runs, kept; default: a new folder under $TMPDIR or /tmp, never under --out,
+# whose files come back from a lent machine). Exit status 1 if a step failed.
 set -u
 cd "$(dirname "$0")/../.."
 out=results/gpu_check bundle="" install_only=0 device=cuda tiny=0 iterations="" warm="" budget=480
-work=""
+work="" settings="" steps=policy,decode,gpu_tests,chain,mfu
 command="bash benchmarks/gpu/check.sh $*"
 while [[ $# -gt 0 ]]; do
   case $1 in
@@ -40,6 +43,8 @@ while [[ $# -gt 0 ]]; do
     --iterations) iterations=$2 && shift 2 ;;
     --warm-steps) warm=$2 && shift 2 ;;
     --budget) budget=$2 && shift 2 ;;
+    --settings) settings=$2 && shift 2 ;;
+    --steps) steps=$2 && shift 2 ;;
     --work) work=$2 && shift 2 ;;
     *) echo "check.sh: unknown argument '$1' (see the comment at the top of $0)" >&2 && exit 2 ;;
   esac
@@ -63,34 +68,41 @@ if ((tiny)); then
   shape=(--layers 2 --vocab 4096 --hidden 64)
   decode=(--dtype float32 --prompts 4 --group-size 2 --max-new-tokens 8 --repeats 1 --profile-steps 2)
   configs=(config/examples/gpu_qwen2.5-0.5b.yaml benchmarks/gpu/tiny.yaml)
-  iterations=${iterations:-1} warm=${warm:-2}
+  iterations=${iterations:-1} warm=${warm:-2} settings=${settings:-grpo_s0,grpo_s1_workers}
   export OTBFLOW_THREADS=${OTBFLOW_THREADS:-1}
 else
   shape=() decode=() configs=(config/examples/gpu_qwen2.5-0.5b.yaml) iterations=${iterations:-2} warm=${warm:-3}
+  settings=${settings:-grpo_s0_workers:4,grpo_s0:2,grpo_s1_workers:4,grpo_s1:2}
 fi
 [[ -n $work ]] || work=$(mktemp -d "${TMPDIR:-/tmp}/otbflow-gpu-check.XXXXXX")
 mkdir -p "$out" "$work" || exit
 rm -f "$out"/{decode,iteration,mfu,check}.json
-log=$out/check.log steps=$work/steps.tsv start=$SECONDS failed=0
+log=$out/check.log steps_tsv=$work/steps.tsv start=$SECONDS failed=0
 : > "$log"
-: > "$steps"
+: > "$steps_tsv"
 
 # step NAME LIMIT COMMAND...: run COMMAND for at most LIMIT seconds (and what is left of the budget),
-# its output into check.log, its status into steps.tsv; skipped when no budget is left
+# its output into check.log, its status into steps.tsv; skipped when no budget is left or --steps
+# leaves it out
 step() {
   local name=$1 limit=$2 rc=0 t0=$SECONDS left
   shift 2
+  if [[ ,$steps, != *,$name,* ]]; then
+    printf '%s\tskipped\t0\t%s\n' "$name" "$*" >> "$steps_tsv"
+    echo "== $name: skipped (--steps $steps)" | tee -a "$log"
+    return
+  fi
   left=$((budget - (SECONDS - start)))
   ((limit > left)) && limit=$left
   if ((limit < 10)); then
-    printf '%s\tskipped\t0\t%s\n' "$name" "$*" >> "$steps"
+    printf '%s\tskipped\t0\t%s\n' "$name" "$*" >> "$steps_tsv"
     echo "== $name: skipped, the budget is spent" | tee -a "$log"
     return
   fi
   echo "== $name (at most ${limit} s): $*" | tee -a "$log"
   timeout -k 10 "$limit" "$@" >> "$log" 2>&1 || rc=$?
   ((rc != 0)) && failed=1
-  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" "$*" >> "$steps"
+  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" "$*" >> "$steps_tsv"
   echo "== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$log"
 }
 
@@ -99,23 +111,17 @@ step policy 150 "$PY" benchmarks/make_policy.py --shape qwen2.5-0.5b --out "$pol
 step decode 240 "$PY" benchmarks/bench_decode.py --policy "$policy" --device "$device" "${decode[@]}" \
   --out "$out/decode.json"
 step gpu_tests 60 "$PY" -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_gpu.py
-settings=grpo_s0,grpo_s1
-for s in grpo_s0_workers grpo_s1_workers; do
-  "$PY" benchmarks/bench_iteration.py --list-settings | grep -qx "$s" && settings+=",$s"
-done
-# tiny: each path once, s = 0 as stage jobs and s = 1 on the workers (where the script lists them)
-((tiny)) && settings=grpo_s0,${settings##*,}
 left=$((budget - (SECONDS - start) - 45)) # the MFU after it, from the chain's train jobs at least
 step chain "$left" "$PY" benchmarks/bench_iteration.py --settings "$settings" --iterations "$iterations" --no-trl \
   --configfile "${configs[@]}" --policy "$policy" --work "$work/iteration" --cores "$(nproc)" --drop-weights \
   --out "$out/iteration.json"
 runs=()
-for s in ${settings//,/ }; do runs+=("$work/iteration/$s"); done
+for s in ${settings//,/ }; do runs+=("$work/iteration/${s%%:*}"); done
 ((budget - (SECONDS - start) < 120)) && warm=0 # no time left for the two extra train jobs
 step mfu 180 "$PY" benchmarks/bench_train_mfu.py --runs "${runs[@]}" --warm-steps "$warm" --work "$work/mfu_warm" \
   --out "$out/mfu.json"
 
-"$PY" - "$steps" "$out/check.json" "$command" "$budget" "$((SECONDS - start))" << 'PY'
+"$PY" - "$steps_tsv" "$out/check.json" "$command" "$budget" "$((SECONDS - start))" << 'PY'
 import json, sys
 sys.path.insert(0, "benchmarks")
 from machine import run_record
