@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 import numpy as np
@@ -54,12 +55,29 @@ def wandb_records(run_file: Path) -> list:
     return records
 
 
+def finished_records(run_file: Path) -> list:
+    """The records of a finished W&B run file (its last one the exit record); [] while W&B is
+    still writing it (a record cut short parses as an error)."""
+    from google.protobuf.message import DecodeError
+
+    try:
+        records = wandb_records(run_file)
+    except DecodeError:
+        return []
+    return records if records and records[-1].WhichOneof("record_type") == "exit" else []
+
+
 def wandb_run(results: Path, name: str) -> tuple:
     """The one offline W&B run folder of job ``name`` under ``results``: its run record and its
     history rows (key -> value); every chart's x-axis is the step (define_metric)."""
     folders = [p for p in (results / "wandb").glob("offline-run-*") if p.name.endswith(name.replace("/", "-"))]
     assert len(folders) == 1, folders
-    records = wandb_records(next(folders[0].glob("run-*.wandb")))
+    # W&B's own process writes the file and finishes it after run.finish() returned (which only
+    # informs it): on a loaded machine the file held its header alone at first
+    run_file, deadline = next(folders[0].glob("run-*.wandb")), time.monotonic() + 60
+    while not (records := finished_records(run_file)):
+        assert time.monotonic() < deadline, f"{run_file} holds no exit record after 60 s"
+        time.sleep(0.1)
     run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
     axes = {r.metric.glob_name or r.metric.name: r.metric.step_metric for r in records if r.metric.step_metric}
     assert axes == {"train/*": "progress/step", "evaluate/*": "progress/step"} | dict.fromkeys(AXES, "progress/step")
