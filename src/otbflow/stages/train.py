@@ -111,8 +111,8 @@ def run(cfg: DictConfig, args: Args) -> None:
         prev_meta = check_optimizer_state(args.prev_optimizer, tc, world_size, args.policy)  # before any work
     seed = derive_seed(cfg.seed, "train", args.iteration)
     torch.manual_seed(seed)
-    # the policy's architecture, not its config.json's text: a checkpoint saved in bf16 or by another
-    # transformers version (e.g. the initial policy) names the weights of the same module otherwise
+    # the policy's architecture, not its config.json's text: a folder saved in bf16 or by another
+    # transformers version (the initial policy, often) holds weights for the same module
     layout = {"deepspeed": deepspeed_config(tc, world_size), "policy": resident.architecture(Path(args.policy))}
     engine = resident_engine(layout, prev_meta) if args.prev_optimizer else None
     warm = engine is not None
