@@ -24,13 +24,12 @@ work (interpreter, imports, config; the process's exit); ``timer_s``: the GPU-bo
 work, from the job's own records -- the rollout's generation and the features' forward pass (from
 their progress lines' final rate: the time from the first batch's start to the last's end) and
 the train job's optimizer steps (``step_time_s`` in its metrics); per job, as ``job_s``, and each
-job's in ``timers_s``; ``outside_timers_s`` per setting
-= ``period_s`` minus the timers of the stages on the chain an iteration waits for: loads, start-up,
-writes and hand-overs. ``chain_s``: the sum over the stages one
-iteration must wait for of their mean job time (s = 0: rollout, features, advantages, train; s >=
-1: features, advantages, train, the rollout being off that path) -- the critical path if every job
-started the moment its inputs existed; ``period_s - chain_s`` is then what scheduling and shared
-cores add. ``job_seconds_per_iteration``: the jobs' seconds summed over an iteration;
+job's in ``timers_s``. ``outside_timers_s`` per setting = ``period_s`` minus the timers of the
+stages on the chain an iteration waits for: loads, start-up, writes and hand-overs. ``chain_s``:
+the sum over the stages one iteration must wait for of their mean job time (s = 0: rollout,
+features, advantages, train; s >= 1: features, advantages, train, the rollout being off that path)
+-- the critical path if every job started the moment its inputs existed; ``period_s - chain_s`` is
+then what scheduling and shared cores add. ``job_seconds_per_iteration``: the jobs' seconds summed over an iteration;
 ``core_floor_s`` = that / ``--cores``, the shortest period those jobs allow with every core busy
 (at s = 1 the binding bound on a small machine; it counts a job as one core, true of the default
 ``resources``, one thread per job); ``periods_s``: each time between consecutive train jobs'
@@ -78,8 +77,8 @@ STAGES = ("rollout", "features", "advantages", "train")
 FINISHED = re.compile(r"^(\S+ \S+) otbflow INFO (\S+) finished in ([\d.]+) s$", re.M)
 # the final line of a stage's Progress (otbflow.progress): items done over the rate is its timer
 DONE = {
-    "rollout": re.compile(r"generation \(\d+ per prompt\): (\d+)/\d+ prompts \(100%\), ([\d.e+]+) \S+, done$", re.M),
-    "features": re.compile(r"INFO features: (\d+)/\d+ sequences \(100%\), ([\d.e+]+) sequences/s, done$", re.M),
+    "rollout": re.compile(r"INFO generation \(\d+ per prompt\): (\d+)/\d+ \S+ \(100%\), ([\d.e+]+) \S+, done$", re.M),
+    "features": re.compile(r"INFO features: (\d+)/\d+ \S+ \(100%\), ([\d.e+]+) \S+, done$", re.M),
 }
 
 
