@@ -12,8 +12,10 @@ For Qwen2.5-0.5B-, 7B- and 32B-shaped policies (benchmarks/shapes/), 512 prompts
   for two shapes by ``benchmarks/bench_startup.py`` (its JSON, ``--startup``), extrapolated to the
   large shapes linearly in the bytes each step moves (method below);
 - **work per job**: FLOPs (forward 2 per multiplied weight + 4 n_layer context d_model per token,
-  ``forward_flops``; backward twice the forward) over GPUs x peak x MFU, the MFU a stated range (ASSUMPTIONS): not
-  measured here. The start-up share is start-up / (start-up + work), a range from that of the MFU;
+  ``forward_flops``; backward twice the forward) over GPUs x peak x MFU. The train MFU is the range
+  measured on one H100 at the 0.5B shape (``measured_train_mfu``: the records ``MFU_RECORDS`` of
+  benchmarks/measured/), the rollout and features MFU stated ranges (ASSUMPTIONS), not measured. The
+  start-up share is start-up / (start-up + work), a range from that of the MFU;
 - what grouping, retention and staleness change.
 
     python benchmarks/scale.py                # writes docs/scale.md
@@ -52,14 +54,20 @@ LAYOUT = {
     "qwen2.5-7b": {"rollout_gpus": 1, "features_gpus": 1, "train_gpus": 8, "zero_stage": 1},
     "qwen2.5-32b": {"rollout_gpus": 2, "features_gpus": 1, "train_gpus": 32, "zero_stage": 3},
 }
-# Not measured here: an H100 SXM's dense bf16 peak (NVIDIA's datasheet) and model-FLOPs
-# utilisation ranges: decoding is memory-bound (low), a teacher-forced forward and training are
-# compute-bound. The start-up shares below span these ranges.
+# Not measured here: an H100 SXM's dense bf16 peak (NVIDIA's datasheet) and the rollout and
+# features model-FLOPs utilisation ranges: decoding is memory-bound (low), a teacher-forced forward
+# compute-bound. The train MFU is measured (``measured_train_mfu``). The start-up shares below span
+# these ranges.
 ASSUMPTIONS = {
     "gpu": "H100 SXM",
     "peak_tflops": 989.0,
-    "mfu": {"rollout": (0.05, 0.20), "features": (0.30, 0.50), "train": (0.25, 0.45)},
+    "mfu": {"rollout": (0.05, 0.20), "features": (0.30, 0.50)},
 }
+# The train step's MFU as measured on one H100 (Qwen2.5-0.5B shape, config/examples/gpu_qwen2.5-0.5b.yaml:
+# 512 sequences of ~200 tokens per step, ZeRO-1, bf16): benchmarks/bench_train_mfu.py's steps in
+# these records (docs/measurements.md, the anchors of the same names), 6 x parameters x non-pad
+# tokens / step time / 989 TFLOP/s.
+MFU_RECORDS = ("iteration_h100", "iteration_workers_h100")
 # A GPU vLLM build, cited (not measured here): torch.compile took about 39 s of a cold start of over
 # five minutes (about 142 s reading weights) for an NVFP4 35B MoE model on one DGX Spark, local NVMe.
 CITED_BUILD = {
@@ -228,6 +236,21 @@ def stage_gpus(shape: str) -> dict[str, int]:
     }
 
 
+def measured_train_mfu() -> tuple[float, float]:
+    """(lowest, highest) MFU of the train steps in the records ``MFU_RECORDS`` (every step, the
+    first of a fresh process and the warm worker's alike)."""
+    steps = []
+    for name in MFU_RECORDS:
+        raw = json.loads((REPO / "benchmarks" / "measured" / f"{name}.json").read_text())["raw"]["mfu"]
+        steps += [s["mfu"] for s in raw["cold"] + (raw.get("warm") or [])]
+    return min(steps), max(steps)
+
+
+def mfu_ranges() -> dict[str, tuple[float, float]]:
+    """(low, high) MFU per GPU stage: rollout and features assumed, train measured."""
+    return {**ASSUMPTIONS["mfu"], "train": measured_train_mfu()}
+
+
 def forward_flops(n_params: int, hf: dict, context: float) -> float:
     """Forward FLOPs of one token that attends to ``context`` tokens: 2 per weight it multiplies
     (every parameter but an untied input embedding, a lookup) and, per layer, 2 context d for the
@@ -235,6 +258,13 @@ def forward_flops(n_params: int, hf: dict, context: float) -> float:
     Kaplan et al. 2020 count the logits only)."""
     lookup = 0 if hf.get("tie_word_embeddings") else hf["vocab_size"] * hf["hidden_size"]
     return 2 * (n_params - lookup) + 4 * hf["num_hidden_layers"] * context * hf["hidden_size"]
+
+
+def attention_share(shape: str, context: float) -> float:
+    """The share of attention over the context in a token's forward FLOPs (``forward_flops``)."""
+    hf = shape_config(shape)
+    n = count_parameters(hf)
+    return 1 - forward_flops(n, hf, 0) / forward_flops(n, hf, context)
 
 
 def work_seconds(shape: str, n_params: int) -> dict[str, tuple[float, float]]:
@@ -250,10 +280,8 @@ def work_seconds(shape: str, n_params: int) -> dict[str, tuple[float, float]]:
     flops = {"rollout": decode + prefill, "features": teacher, "train": 3 * teacher}
     gpus = stage_gpus(shape)
     peak = ASSUMPTIONS["peak_tflops"] * 1e12
-    return {
-        s: (f / (gpus[s] * peak * ASSUMPTIONS["mfu"][s][1]), f / (gpus[s] * peak * ASSUMPTIONS["mfu"][s][0]))
-        for s, f in flops.items()
-    }
+    mfu = mfu_ranges()
+    return {s: (f / (gpus[s] * peak * mfu[s][1]), f / (gpus[s] * peak * mfu[s][0])) for s, f in flops.items()}
 
 
 # ------------------------------------------------------------------------------------------
@@ -279,7 +307,8 @@ def render(measured: dict, jobs: dict[str, int]) -> str:
         f"{PROMPT_TOKENS}-token prompts, {ITERATIONS} iterations, {SHARDS} rollout shards, evaluation every "
         f"{EVALUATE_EVERY}th policy, `train.bf16: true`. Disk and jobs come from otbflow's own code (the disk "
         "estimate, Snakemake's plan); start-up was measured on CPU for two small shapes and is extrapolated; "
-        "GPU work is FLOPs over an assumed throughput, not measured (no GPU was available to this measurement).\n"
+        "GPU work is FLOPs over a throughput: the train step's as measured on one H100 at the 0.5B shape, "
+        "the rollout's and the features pass's assumed.\n"
     )
     add("## Jobs\n")
     add(
@@ -386,11 +415,21 @@ def render(measured: dict, jobs: dict[str, int]) -> str:
         "Each figure is one run of the benchmark, not repeated.\n"
     )
     add("## Start-up against work, per iteration\n")
-    mfu = ASSUMPTIONS["mfu"]
+    mfu = mfu_ranges()
+    mid = PROMPT_TOKENS + RESPONSE / 2  # a response token's mean context (work_seconds)
     add(
         f"Work of one job on {ASSUMPTIONS['gpu']}s at {ASSUMPTIONS['peak_tflops']:.0f} TFLOP/s (dense bf16) × MFU: "
         f"rollout {mfu['rollout'][0]}–{mfu['rollout'][1]} (decoding), features {mfu['features'][0]}–"
-        f"{mfu['features'][1]}, train {mfu['train'][0]}–{mfu['train'][1]} (assumed, not measured). GPUs per job: "
+        f"{mfu['features'][1]} (both assumed, not measured), train {span(*mfu['train'], '{:.3f}')} (measured: "
+        "the train step on one H100 at the 0.5B shape, 512 sequences of about 200 tokens, ZeRO-1, bf16, "
+        "from the first step of a fresh process to a warm worker's; "
+        + " and ".join(f"docs/measurements.md#{r}" for r in MFU_RECORDS)
+        + "). That MFU counts 6 · parameters per token, where the FLOPs here add attention over the context "
+        f"(at the 0.5B shape {100 * attention_share('qwen2.5-0.5b', 100):.0f}% of them at the measured steps' "
+        f"mean context of about 100 tokens, {100 * attention_share('qwen2.5-0.5b', mid):.0f}% at this run's "
+        f"{mid:,.0f}): applied to them, the train rows assume attention runs at the rest's MFU. The larger shapes' "
+        "wider matrix products usually run at a higher MFU than this small shape's, so their train rows are "
+        "likely upper bounds. GPUs per job: "
         + "; ".join(
             f"{s}: rollout {lay['rollout_gpus']}, features {lay['features_gpus']}, "
             f"train {lay['train_gpus']} (ZeRO-{lay['zero_stage']})"
