@@ -492,6 +492,145 @@ def test_packed_steps_equal_padded_steps(policy_dir, features_path, tmp_path):
     assert np.isnan(packed_row["mfu"])  # no GPU peak on a CPU
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_packed_aggregations_equal_each_sequence_alone(mode):
+    """Every loss aggregation (MODES) over two micro-batches of unequal token and sequence counts,
+    padded and packed (rows of at most 16 tokens, and one row): the step's loss and gradients equal,
+    within 1e-6 in fp32, the same loss written out by hand over each sequence's log-probs from the
+    model's own forward on that sequence alone (plain_token_stats), with its masked tokens left out
+    of the sums and of T_i."""
+    tok = build_char_tokenizer()
+    model = build_tiny_model(make_cfg("model.arch=llama", "model.n_layer=2").model, tok, seed=3)
+    rng = np.random.default_rng(7)
+    lengths = [(1, 7), (6, 1), (2, 11), (5, 4), (4, 9)]  # a one-token prompt among them
+    seqs = [
+        (rng.integers(3, len(tok), size=p).tolist(), rng.integers(3, len(tok), size=r).tolist()) for p, r in lengths
+    ]
+    adv = [rng.standard_normal(len(r)).tolist() for _, r in seqs]
+    masks = [[1.0] * len(r) for _, r in seqs]
+    masks[2][3:6] = [0.0] * 3  # a sequence partly out of the loss
+    masks[3] = [0.0] * 4  # and one wholly (it counts in no normaliser)
+    tokens, n_seqs, c = int(sum(map(sum, masks))), sum(1 for m in masks if sum(m) > 0), 6.0
+
+    model.zero_grad()
+    per_seq = []
+    for (p, r), a, m in zip(seqs, adv, masks):
+        logp, _ = plain_token_stats(model, p, r)
+        terms = -torch.tensor(a) * logp * torch.tensor(m)
+        per_seq.append((terms.sum(), sum(m)))
+    if mode == "token-mean":
+        expected = sum(t for t, _ in per_seq) / tokens
+    elif mode == "seq-mean-token-sum":
+        expected = sum(t for t, _ in per_seq) / n_seqs
+    elif mode == "seq-mean-token-mean":
+        expected = sum(t / n for t, n in per_seq if n > 0) / n_seqs
+    else:  # seq-mean-token-sum-norm: Dr.GRPO's constant C
+        expected = sum(t for t, _ in per_seq) / (n_seqs * c)
+    expected.backward()
+    ref_grad = {k: q.grad.clone() for k, q in model.named_parameters()}
+
+    for row_tokens in (0, 16, 4096):  # padded, then packed
+        model.zero_grad()
+        total = 0.0
+        for rows in ([0, 1], [2, 3, 4]):
+            batch = logits.pack(
+                [seqs[i][0] for i in rows], [seqs[i][1] for i in rows], tok.pad_token_id, "cpu", row_tokens
+            )
+            flat, _, _ = response_token_stats(
+                model,
+                batch["input_ids"],
+                batch.get("attention_mask"),
+                batch["rows"],
+                batch["pos"],
+                batch["targets"],
+                TEMPERATURE,
+                position_ids=batch.get("position_ids"),
+            )
+            logp = logits.to_padded(flat, batch, len(rows))
+            width = logp.shape[1]
+            a = logits.padded([adv[i] for i in rows], 0.0, width, dtype=torch.float32)
+            m = logits.padded([masks[i] for i in rows], 0.0, width, dtype=torch.float32)
+            loss = aggregate_loss(-a * logp, m, mode, tokens, n_seqs, c)
+            loss.backward()
+            total += float(loss.detach())
+        assert abs(total - float(expected.detach())) <= 1e-6, row_tokens
+        for k, g in ref_grad.items():
+            assert torch.allclose(dict(model.named_parameters())[k].grad, g, atol=1e-6, rtol=0), (row_tokens, k)
+
+
+def test_a_response_after_an_empty_prompt_is_refused():
+    """pack: nothing precedes a sequence's first token, so no forward of it alone scores a response's
+    first token after an empty prompt; both layouts refuse it (before, its position was the previous
+    sequence's last token, packed, or the row's last, padded) and name the sequence. A one-token
+    prompt is scored as the sequence alone (plain_token_stats), packed after another sequence and
+    padded; an empty prompt with an empty response has nothing to score and passes."""
+    tok = build_char_tokenizer()
+    model = build_tiny_model(make_cfg("model.arch=llama").model, tok, seed=3)
+    prompts, responses = [[5, 6, 7], [8]], [[9, 10], [11, 12, 13]]
+    for row_tokens in (0, 64):
+        with pytest.raises(ValueError, match="sequence 1 of the batch .* empty prompt"):
+            logits.pack([prompts[0], []], responses, tok.pad_token_id, "cpu", row_tokens)
+        logits.pack([prompts[0], []], [responses[0], []], tok.pad_token_id, "cpu", row_tokens)
+        batch = logits.pack(prompts, responses, tok.pad_token_id, "cpu", row_tokens)
+        with torch.no_grad():
+            got, _, _ = response_token_stats(
+                model,
+                batch["input_ids"],
+                batch.get("attention_mask"),
+                batch["rows"],
+                batch["pos"],
+                batch["targets"],
+                TEMPERATURE,
+                position_ids=batch.get("position_ids"),
+            )
+            alone = torch.cat([plain_token_stats(model, p, r)[0] for p, r in zip(prompts, responses)])
+        assert torch.allclose(got, alone, atol=1e-6, rtol=0), row_tokens
+
+
+def test_the_reference_policy_is_checked_for_packing(policy_dir, monkeypatch):
+    """load_reference with train.packing: a reference whose forward lets packed sequences see each
+    other (it ignores the position ids) is refused as the policy would be (check_packing); a normal
+    one is loaded, and its packed log-probs equal each sequence's alone (plain_token_stats). Without
+    packing the check is not needed and not made."""
+    from otbflow.training import distributed
+
+    packed_cfg = make_cfg("train.packing=true", "train.kl_coef=0.1").train
+    ref = distributed.load_reference(str(policy_dir), "cpu", packed_cfg, 1)
+    tok = build_char_tokenizer()
+    rng = np.random.default_rng(11)
+    seqs = [
+        (rng.integers(3, len(tok), size=p).tolist(), rng.integers(3, len(tok), size=r).tolist())
+        for p, r in [(3, 5), (1, 6), (4, 2)]
+    ]
+    batch = logits.pack([p for p, _ in seqs], [r for _, r in seqs], tok.pad_token_id, "cpu", 4096)
+    with torch.no_grad():
+        got, _, _ = response_token_stats(
+            ref,
+            batch["input_ids"],
+            None,
+            batch["rows"],
+            batch["pos"],
+            batch["targets"],
+            TEMPERATURE,
+            position_ids=batch["position_ids"],
+        )
+        alone = torch.cat([plain_token_stats(ref, p, r)[0] for p, r in seqs])
+    assert torch.allclose(got, alone, atol=1e-6, rtol=0)
+
+    load = distributed.load_fp32
+
+    def mixing(path):
+        model = load(path)
+        forward = model.base_model.forward
+        monkeypatch.setattr(model.base_model, "forward", lambda *a, position_ids=None, **k: forward(*a, **k))
+        return model
+
+    monkeypatch.setattr(distributed, "load_fp32", mixing)
+    with pytest.raises(ValueError, match="set train.packing false"):
+        distributed.load_reference(str(policy_dir), "cpu", packed_cfg, 1)
+    distributed.load_reference(str(policy_dir), "cpu", make_cfg("train.kl_coef=0.1").train, 1)
+
+
 def test_packing_is_refused_for_a_model_that_mixes_packed_sequences(monkeypatch):
     """check_packing: a forward that ignores the position ids (so packed sequences attend to each
     other) is refused with the option to turn off."""

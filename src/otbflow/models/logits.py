@@ -218,7 +218,19 @@ def pack(
     block-diagonal causal mask). A row shorter than the longest is filled with pad tokens whose
     positions restart too, every longest-sequence length: segments of their own that no sequence
     attends to. Capping the rows keeps the attention's dense mask at rows x row_tokens^2 instead of
-    (all tokens)^2. The two layouts give the same results up to float rounding (``check_packing``)."""
+    (all tokens)^2. The two layouts give the same results up to float rounding (``check_packing``).
+
+    A response after an empty prompt is refused (ValueError): a causal LM predicts each token from
+    the position before it, and nothing precedes a sequence's first token, so no forward of that
+    sequence alone scores it; the position before it would be another sequence's (packed) or the
+    row's last (padded: index -1)."""
+    empty = [i for i, (p, r) in enumerate(zip(prompt_ids, response_ids)) if r and not p]
+    if empty:
+        raise ValueError(
+            f"sequence {empty[0]} of the batch ({len(empty)} in all) has a response after an empty prompt: "
+            "no position of a causal LM predicts a sequence's first token, so its first response token has "
+            "no log-prob; every prompt needs at least one token (e.g. the tokenizer's BOS)"
+        )
     seqs = [p + r for p, r in zip(prompt_ids, response_ids)]
 
     def tensor(values):

@@ -308,13 +308,14 @@ def resident_engine(layout: dict, prev_meta: dict):
 
 def reference(path: str, device, tc: DictConfig, world_size: int):
     """The KL term's reference policy (``load_reference``), kept by a warm worker for the jobs
-    after, as long as its folder holds the same files."""
+    after, as long as its folder holds the same files (and the same checks apply: packing)."""
     digest = resident.files_digest(path, (*resident.WEIGHTS, "config.json"))
+    key = (digest, str(device), tc.zero_stage, tc.bf16, bool(tc.packing))
     held = resident.take("reference")
-    if held is not None and held[0] == (digest, str(device), tc.zero_stage, tc.bf16):
+    if held is not None and held[0] == key:
         return held[1]
     model = load_reference(path, device, tc, world_size)
-    resident.hold("reference", ((digest, str(device), tc.zero_stage, tc.bf16), model))
+    resident.hold("reference", (key, model))
     return model
 
 

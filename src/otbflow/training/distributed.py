@@ -187,7 +187,10 @@ def load_reference(path: str, device, tc: DictConfig, world_size: int):
     """The frozen reference policy of the KL term, in fp32 (whatever train.bf16 says). Whole on
     every rank's device, or under ZeRO-3 partitioned as the policy is (``load_partitioned``) and
     wrapped in a DeepSpeed engine without an optimizer, whose hooks gather each layer for its
-    forward: a whole fp32 copy per GPU would not fit where ZeRO-3 is needed."""
+    forward: a whole fp32 copy per GPU would not fit where ZeRO-3 is needed. Checked as the policy
+    is (``build_engine``): its output head (``check_head_logits``) and, with ``train.packing``, that
+    its forward keeps packed sequences apart (``check_packing``), as it scores the same packed
+    micro-batches."""
     if tc.zero_stage != 3:
         ref = load_fp32(path).to(device)
     else:
@@ -201,6 +204,8 @@ def load_reference(path: str, device, tc: DictConfig, world_size: int):
     for p in ref.parameters():
         p.requires_grad_(False)
     check_head_logits(ref)
+    if tc.packing:
+        check_packing(ref)
     return ref
 
 
