@@ -69,7 +69,6 @@ def chain_outputs(results: Path) -> dict[str, str]:
     return {k: v for k, v in found.items() if "/iter_" in k or k.startswith(("table:iter_", "weights:iter_"))}
 
 
-@pytest.mark.slow
 def client_command(results, code: str) -> list[str]:
     """The rule-side client's command (``python -m otbflow.ops.dispatch``) up to the job's own options."""
     return [sys.executable, "-m", "otbflow.ops.dispatch", "--results", str(results), "--code", code]
@@ -90,6 +89,7 @@ def test_the_start_command_shown_in_the_docs_runs_here():
     assert [c for c, how in HOW.items() if how == WORKERS] == [SHOWN_START]
 
 
+@pytest.mark.slow
 def test_the_tiny_run_on_workers_is_bitwise_the_run_without(tiny_run, tmp_path):
     """The docs' start command (SHOWN_START, in the run's folder) starts one worker of each kind;
     the tiny run's iterations redone (--forcerun rollout: every rollout, features, advantages,
