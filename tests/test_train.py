@@ -794,6 +794,45 @@ def sums(df, col, weights=None):
     return float(sum(np.dot(a, b) for a, b in zip(vals, w)))
 
 
+def test_mfu_counts_the_model_flops_by_hand(policy_dir, features_path, tmp_path, monkeypatch):
+    """The train metrics' mfu against FLOPs counted by hand for the tiny GPT-2 (one layer, d = 32,
+    the char vocabulary V, tied head): body = ln_1 2d + c_attn (d x 3d + 3d) + attn c_proj (d^2 + d)
+    + ln_2 2d + c_fc (d x 4d + 4d) + mlp c_proj (4d x d + d) + ln_f 2d = 12 d^2 + 15 d = 12,768;
+    head = V x d (the tied wte, once); wpe, a lookup, nothing. One step over all rows with the KL
+    term's reference (the same policy): 8 x (body x prompt and response tokens + head x response
+    tokens), over step_time_s and a peak of 1 TFLOP/s (patched in: a CPU has none). Llama (untied,
+    no biases): body = q, k, v, o 4 d^2 + gate, up, down 3 x d x 4d + 2 norms per layer and a final
+    one 3d = 16,480, head V x d; its input embedding, a lookup, nothing."""
+    from otbflow.stages import train as train_stage
+    from otbflow.training import hardware
+
+    V = len(build_char_tokenizer())
+    assert hardware.matmul_parameters(load_model(policy_dir)) == (12_768, 32 * V)
+    llama = build_tiny_model(make_cfg("model.arch=llama").model, build_char_tokenizer(), seed=0)
+    assert hardware.matmul_parameters(llama) == (16_480, 32 * V)
+
+    df = read_table(features_path, schemas.FEATURES)
+    prompt = sum(map(len, df["prompt_ids"].to_list()))
+    response = sum(map(len, df["response_ids"].to_list()))
+    monkeypatch.setattr(train_stage, "device_peak", lambda device: 1.0)
+    rows = {}
+    for name, extra in [("plain", []), ("kl", ["train.kl_coef=0.5"])]:
+        metrics, _ = run_stage(
+            policy_dir,
+            features_path,
+            tmp_path,
+            f"train.mini_batch_size={df.height}",
+            *extra,
+            name=name,
+            **({"reference": str(policy_dir)} if extra else {}),
+        )
+        rows[name] = metrics.row(0, named=True)
+        assert rows[name]["sequences"] == df.height and rows[name]["nonpad_tokens"] == prompt + response
+    for name, per in [("plain", 6), ("kl", 8)]:
+        flops = per * (12_768 * (prompt + response) + 32 * V * response)
+        assert rows[name]["mfu"] == pytest.approx(flops / rows[name]["step_time_s"] / 1e12, rel=1e-12)
+
+
 def test_trm_masks_sequences_but_keeps_the_pre_mask_normaliser(policy_dir, features_path, tmp_path):
     df = read_table(features_path, schemas.FEATURES)
     k2 = float(df["seq_max_k2"].median())

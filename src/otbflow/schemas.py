@@ -354,8 +354,9 @@ TRAIN_METRICS = _table(
         (
             "mfu",
             pl.Float64,
-            "model FLOPs utilisation: 6 x parameters (otbflow.training.hardware.parameter_count) x "
-            "nonpad_tokens / step_time_s / (the GPUs' dense bf16 peak, otbflow.training.hardware.PEAKS); "
+            "model FLOPs utilisation: the step's model FLOPs (otbflow.training.hardware.step_flops: 6 x the "
+            "body's parameters x nonpad_tokens + 6 x the output head's x response tokens, 8 for each with a "
+            "reference policy) / step_time_s / (the GPUs' dense bf16 peak, otbflow.training.hardware.PEAKS); "
             "NaN on CPU or a GPU not in the table",
         ),
     ],

@@ -39,7 +39,7 @@ from otbflow.training.distributed import (
     init_distributed_env,
     load_reference,
 )
-from otbflow.training.hardware import device_peak, mfu, parameter_count
+from otbflow.training.hardware import device_peak, matmul_parameters, mfu, step_flops
 from otbflow.training.state import (
     Checkpoints,
     OptimizerStateError,
@@ -134,7 +134,8 @@ def run(cfg: DictConfig, args: Args) -> None:
     tok = AutoTokenizer.from_pretrained(args.policy, local_files_only=True)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     trainer = Trainer(engine, data, cfg, pad_id, rank, world_size, ref_model)
-    parameters, peak = parameter_count(engine.module.policy), device_peak(engine.device)
+    peak = device_peak(engine.device)
+    counts = matmul_parameters(engine.module.policy), None if ref_model is None else matmul_parameters(ref_model)
 
     plan = mini_batches(n, tc, seed)
     schedule = LRSchedule.from_dict(tc, json.loads(Path(args.prev_state).read_text()) if args.prev_state else None)
@@ -166,7 +167,7 @@ def run(cfg: DictConfig, args: Args) -> None:
         events += [e for e in [schedule.observe(m["mean_response_length"], m["tokens"])] if e]
         skips = skips + 1 if m["skipped"] else 0
         seconds = time.perf_counter() - t0
-        nonpad = m.pop("nonpad_tokens")
+        nonpad, response = m.pop("nonpad_tokens"), m.pop("response_tokens")
         metrics.append(
             {
                 "iteration": args.iteration,
@@ -176,7 +177,7 @@ def run(cfg: DictConfig, args: Args) -> None:
                 "step_time_s": seconds,
                 "nonpad_tokens": nonpad,
                 "tokens_per_s": nonpad / seconds,
-                "mfu": mfu(parameters, nonpad, seconds, peak, world_size),
+                "mfu": mfu(step_flops(counts[0], nonpad, response, counts[1]), seconds, peak, world_size),
             }
         )
         curves.log("train", _curve_values(metrics[-1]), step0 + i, args.iteration, schedule.state.tokens)

@@ -1,6 +1,7 @@
 """What a step's throughput is measured against: the dense bf16 tensor-core peak of a GPU, by the
 name torch gives it (``PEAKS``, each with its source: NVIDIA's datasheets give the figure with 2:4
-sparsity, twice the dense one), and the model FLOPs utilisation of a train step (``mfu``)."""
+sparsity, twice the dense one), the model FLOPs of a train step (``matmul_parameters``,
+``step_flops``) and its model FLOPs utilisation (``mfu``)."""
 
 from __future__ import annotations
 
@@ -37,22 +38,52 @@ def device_peak(device) -> float | None:
     return peak_for(torch.cuda.get_device_name(device))[0]
 
 
-def mfu(parameters: int, tokens: int, seconds: float, peak_tflops: float | None, devices: int = 1) -> float:
-    """Model FLOPs utilisation: 6 x parameters x non-pad tokens / seconds / (the peak x devices).
-    6 x parameters counts each token's forward and backward matrix products once (attention's
-    products over the sequence left out); NaN without a peak."""
+def matmul_parameters(model) -> tuple[int, int]:
+    """(body, head): the parameters of a causal LM that a token's forward multiplies, in the
+    transformer body and in the output head. The head is the output embeddings' weight and bias (a
+    tied head is the input embedding's matrix: counted here, once); the body is every other
+    parameter but the embedding lookups (every ``torch.nn.Embedding``: the input embedding where
+    untied, learned position embeddings). A norm's or a bias's parameters count as weights (a
+    fraction of a percent). A ZeRO-3 partitioned parameter counts by its whole size (``ds_numel``)."""
+    import torch
+
+    size = lambda p: getattr(p, "ds_numel", p.numel())  # noqa: E731
+    head_module = model.get_output_embeddings()
+    head = {id(p): p for p in head_module.parameters()}
+    lookups = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)} - set(head)
+    body = sum(size(p) for p in model.parameters() if id(p) not in head and id(p) not in lookups)
+    return body, sum(size(p) for p in head.values())
+
+
+def step_flops(
+    policy: tuple[int, int], tokens: int, response_tokens: int, reference: tuple[int, int] | None = None
+) -> float:
+    """Model FLOPs of one train step over ``tokens`` non-pad tokens (prompts and responses), of
+    which ``response_tokens`` are response tokens, for a policy of ``policy`` = (body, head)
+    parameters (``matmul_parameters``) and, with a KL term (``train.kl_coef`` > 0), a reference of
+    ``reference`` = (body, head):
+
+    - the policy's forward and backward, 2 + 4 FLOPs per multiplied parameter: the body on every
+      token, the head on the response tokens alone (the prompt tokens' logits are never computed);
+      6 (body x tokens + head x response tokens);
+    - the reference's forward, without gradients: 2 (body x tokens + head x response tokens).
+
+    So 8 per parameter and token with a reference, 6 without, the head on response tokens only.
+    Left out: attention's products over the sequence (4 x layers x context x width per token and
+    forward: ~1% at a context of 100 tokens at the 0.5B shape), elementwise work (softmax, norms'
+    arithmetic, the loss), and the head's forward recomputed in the backward (activation
+    checkpointing, ``response_token_stats``): model FLOPs count what the model needs once, not
+    what the hardware does again (that is hardware FLOPs utilisation)."""
+    body, head = policy
+    flops = 6.0 * (body * tokens + head * response_tokens)
+    if reference is not None:
+        flops += 2.0 * (reference[0] * tokens + reference[1] * response_tokens)
+    return flops
+
+
+def mfu(flops: float, seconds: float, peak_tflops: float | None, devices: int = 1) -> float:
+    """Model FLOPs utilisation: a step's model FLOPs (``step_flops``) / seconds / (the peak x
+    devices); NaN without a peak."""
     if not peak_tflops or seconds <= 0:
         return float("nan")
-    return 6.0 * parameters * tokens / seconds / (peak_tflops * 1e12 * devices)
-
-
-def parameter_count(model) -> int:
-    """The parameters of a causal LM that take part in a token's matrix products: all of them,
-    each counted once (a tied output head is the embedding's matrix), less an untied input
-    embedding (a lookup); a ZeRO-3 partitioned parameter by its whole size (``ds_numel``)."""
-    size = lambda p: getattr(p, "ds_numel", p.numel())  # noqa: E731
-    total = sum(size(p) for p in model.parameters())
-    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if embedding is not None and head is not None and embedding.weight is not head.weight:
-        total -= size(embedding.weight)
-    return total
+    return flops / seconds / (peak_tflops * 1e12 * devices)

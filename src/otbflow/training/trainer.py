@@ -95,6 +95,7 @@ class Trainer:
             "forced_tokens": int(round(sums["forced"])),
             "tokens": global_tokens,
             "nonpad_tokens": sum(len(data["prompt_ids"][i]) + len(data["response_ids"][i]) for i in mini),
+            "response_tokens": sum(len(data["response_ids"][i]) for i in mini),  # the head's, masked ones too
             "sequences": len(mini),
             "mean_response_length": float(np.mean([len(data["response_ids"][i]) for i in mini])),
             **variance_proxies(sums["power"] / len(mini), norm, len(mini)),
