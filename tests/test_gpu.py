@@ -11,31 +11,40 @@ import pytest
 import torch
 from conftest import REPO
 
-from otbflow.engines.hf import RowSampler, _fmix32, gumbel_noise, hf_generate, row_keys
+from otbflow.engines import hf
+from otbflow.engines.hf import RowSampler, gumbel_noise, hf_generate, row_keys
 
 pytestmark = pytest.mark.gpu
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 
-def test_row_hash_is_bitwise_the_same_on_cpu_and_cuda():
-    """The murmur finaliser's int64 products pass 2^63 and wrap: the low 32 bits it keeps are the
-    same on both devices, at the range's extremes too."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.cat(
-        [torch.tensor([0, 1, 2**31 - 1, 2**31, 2**32 - 2, 2**32 - 1]), torch.randint(0, 2**32, (4096,), generator=g)]
-    )
-    assert torch.equal(_fmix32(x), _fmix32(x.cuda()).cpu())
+def test_philox_is_bitwise_the_same_on_cpu_and_cuda():
+    """Random123's known answers for Philox4x32-10 on CUDA, and
+    the noise words of the same rows bitwise those of the CPU, eagerly and compiled (the int64 arithmetic of 16-bit
+    halves never overflows, on either device)."""
+    from test_rollout_features import PHILOX_KAT
+
+    for counter, key, expected in PHILOX_KAT:
+        words = [torch.tensor([w], device="cuda") for w in counter]
+        assert [int(w) for w in hf.philox4x32(*words, key=key)] == list(expected)
+    keys = row_keys(7, range(64), 8, "cpu")
+    positions = torch.arange(len(keys)) * 7
+    cpu = hf.noise_words(keys, positions, hf.token_ids(151_936, "cpu"))
+    args = (keys.cuda(), positions.cuda(), hf.token_ids(151_936, "cuda"))
+    assert torch.equal(hf.noise_words(*args).cpu(), cpu)
+    assert torch.equal(torch.compile(hf.noise_words, dynamic=True)(*args).cpu(), cpu)
 
 
 def test_row_noise_and_tokens_the_same_on_cpu_and_cuda():
-    """The Gumbel noise of the same row keys agrees to a few ulp of 1 in fp64 (log on CUDA and on the
-    CPU need not round alike; measured on an H100: 2.2e-16 at most, relatively 3.5e-12 where the
-    noise is near 0) and RowSampler picks the same tokens from the same fp32 logits, with the
-    same log-probs."""
+    """The Gumbel noise of the same row keys (their words bitwise equal) agrees to a few ulp of 1
+    in fp64 (log on CUDA and on the CPU need not round alike; measured on an H100 with the murmur
+    hash before Philox: 2.2e-16 at most, relatively 3.5e-12 where the noise is near 0) and
+    RowSampler picks the same tokens from the same fp32 logits, with the same log-probs."""
     vocab = 151_936
     keys = row_keys(7, range(8), 4, "cpu")
     for step in (0, 1, 191):
-        cpu, cuda = gumbel_noise(keys, step, vocab), gumbel_noise(keys.cuda(), step, vocab).cpu()
+        at = torch.full_like(keys, step)
+        cpu, cuda = gumbel_noise(keys, at, vocab), gumbel_noise(keys.cuda(), at.cuda(), vocab).cpu()
         torch.testing.assert_close(cuda, cpu, rtol=1e-14, atol=1e-15)
     logits = torch.randn(len(keys), vocab, generator=torch.Generator().manual_seed(1))
     on_cpu, on_cuda = RowSampler(keys, 1.0, 1.0, False), RowSampler(keys.cuda(), 1.0, 1.0, False)
@@ -66,15 +75,13 @@ def test_the_fused_sampler_on_cuda_picks_the_cpu_tokens():
     """rollout.hf_decode 'compiled': the Triton kernels of the fused sampler pick the tokens the
     eager CPU path picks from the same fp32 logits, at the Qwen2.5 vocabulary, with the same
     log-probs to 1e-5."""
-    from otbflow.engines import hf
-
     vocab = 151_936
     keys = row_keys(11, range(64), 8, "cpu")
     for step in (0, 1, 191):
         z = torch.randn(len(keys), vocab, generator=torch.Generator().manual_seed(step))
-        terms = hf.token_terms(vocab, "cuda")
-        token, logprob = hf.fused_step()(z.cuda(), keys.cuda(), torch.tensor(step, device="cuda"), terms)
-        assert torch.equal(token.cpu(), hf.gumbel_argmax(z, keys, step, terms.cpu()))
+        at, tokens = torch.full_like(keys, step), hf.token_ids(vocab, "cpu")
+        token, logprob = hf.fused_step()(z.cuda(), keys.cuda(), at.cuda(), tokens.cuda())
+        assert torch.equal(token.cpu(), hf.gumbel_argmax(z, keys, at, tokens))
         reference = torch.log_softmax(z, -1).gather(-1, token.cpu()[:, None])[:, 0]
         torch.testing.assert_close(logprob.cpu(), reference, rtol=0, atol=1e-5)
 

@@ -62,20 +62,127 @@ def test_samples_are_per_row_independent_of_the_batch(tiny_policy):
     assert len(set(copies)) == len(copies)
 
 
-def test_row_noise_is_finite_at_the_hash_extremes():
-    """u = (h + 0.5) / 2^32 in fp64 stays strictly inside (0, 1) for h = 0 and h = 2^32 - 1, so
-    the Gumbel noise is finite at both ends; in fp32 the top hashes round to u = 1.0 (an infinite
-    noise), which is why the noise is fp64. The hashes of a whole vocabulary stay in [0, 2^32)."""
-    top, bottom = 2**32 - 1, 0
-    noise = hf.gumbel_of_hash(torch.tensor([bottom, top]))
+PHILOX_KAT = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    (
+        (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+        (0xA4093822, 0x299F31D0),
+        (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+    ),
+]
+"""Random123's known answers for Philox4x32-10 (its tests/kat_vectors, the three "philox4x32 10"
+lines): counter, key, output."""
+
+
+def philox_by_hand(counter: tuple[int, ...], key: tuple[int, int]) -> tuple[int, ...]:
+    """Philox4x32-10 on Python ints, as Salmon et al. (2011) define it: ten rounds of two 32x32 ->
+    64-bit products, the key bumped by the Weyl constants between rounds."""
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for r in range(10):
+        if r:
+            k0, k1 = (k0 + 0x9E3779B9) % 2**32, (k1 + 0xBB67AE85) % 2**32
+        p0, p1 = 0xD2511F53 * c0, 0xCD9E8D57 * c2
+        c0, c1, c2, c3 = (p1 >> 32) ^ c1 ^ k0, p1 % 2**32, (p0 >> 32) ^ c3 ^ k1, p0 % 2**32
+    return c0, c1, c2, c3
+
+
+def test_the_noise_is_philox_of_row_key_position_and_token():
+    """The sampler's counter-based noise: Random123's known answers, and each noise word equal to
+    Philox4x32-10 of (the row key's low and high words, the row's position, the token) under the
+    key (0, 0), computed on Python ints, its first two words as 52 bits, for 63-bit keys (the
+    top bit of the high word set) and positions of their own per row."""
+    for counter, key, expected in PHILOX_KAT:
+        assert philox_by_hand(counter, key) == expected
+        assert [int(w) for w in hf.philox4x32(*(torch.tensor([w]) for w in counter), key=key)] == list(expected)
+    keys = torch.cat([hf.row_keys(3, range(4), 2, "cpu"), torch.tensor([2**63 - 1, 2**62 + 5, 0])])
+    assert int(hf.row_keys(3, range(4), 2, "cpu").max()) >= 2**32  # the keys use their high word
+    positions = torch.tensor([0, 1, 2, 3, 191, 4095, 7, 0, 2**31 + 1, 2**32 - 1, 9])
+    tokens = torch.tensor([0, 1, 2, 151_935, 2**32 - 1])
+    words = hf.noise_words(keys, positions, tokens)
+    for i, (k, at) in enumerate(zip(keys.tolist(), positions.tolist())):
+        for j, t in enumerate(tokens.tolist()):
+            w = philox_by_hand((k % 2**32, k >> 32, at, t), (0, 0))
+            assert int(words[i, j]) == (w[0] << 20) | (w[1] >> 12)
+
+
+def test_row_noise_is_finite_at_the_extremes():
+    """u = (n + 0.5) / 2^52 in fp64 is exact and strictly inside (0, 1) for n = 0 and n = 2^52 - 1,
+    so the Gumbel noise is finite at both ends; in fp32 the top words round to u = 1.0 (an
+    infinite noise), which is why the noise is fp64."""
+    top, bottom = 2**52 - 1, 0
+    noise = hf.gumbel_of_words(torch.tensor([bottom, top]))
     assert torch.isfinite(noise).all()
-    u = torch.tensor([bottom, top], dtype=torch.float64).add(0.5).div(2.0**32)
-    assert noise.tolist() == [-math.log(-math.log(x)) for x in u.tolist()]  # the formula, by hand
-    assert 0.0 < u[0] and u[1] < 1.0
-    assert (torch.tensor([top], dtype=torch.float32) + 0.5) / 2.0**32 == 1.0  # fp32 would give -log(-log 1) = inf
-    keys = hf.row_keys(0, range(3), 2, "cpu")
-    h = hf.token_hashes(keys, 191, hf.token_terms(151_936, "cpu"))
-    assert int(h.min()) >= 0 and int(h.max()) < 2**32
+    assert noise.tolist() == [-math.log(-math.log((n + 0.5) / 2**52)) for n in (bottom, top)]  # by hand
+    assert (top + 0.5) / 2**52 < 1.0
+    assert (torch.tensor([top], dtype=torch.float32) + 0.5) / 2.0**52 == 1.0  # fp32: -log(-log 1) = inf
+
+
+def chi_square_p(observed: torch.Tensor, expected: torch.Tensor, dof: int) -> float:
+    """The p-value of Pearson's statistic, chi-square's survival function by the regularised upper
+    incomplete gamma function."""
+    stat = float(((observed - expected) ** 2 / expected).sum())
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2)))
+
+
+@pytest.fixture(scope="module")
+def draws_of_a_vocabulary_of_8():
+    """2^16 rows x 64 positions of Gumbel-max draws from one categorical over 8 tokens, and the
+    noise word of token 0 at each (row, position)."""
+    rows, positions, vocab = 1 << 16, 64, 8
+    logits = torch.log(torch.tensor([0.3, 0.2, 0.15, 0.1, 0.1, 0.08, 0.05, 0.02], dtype=torch.float64))
+    keys = hf.row_keys(0, range(rows), 1, "cpu")
+    tokens, first = torch.empty(rows, positions, dtype=torch.long), torch.empty(rows, positions, dtype=torch.long)
+    for at in range(positions):
+        words = hf.noise_words(keys, torch.full_like(keys, at), hf.token_ids(vocab, "cpu"))
+        tokens[:, at] = (logits + hf.gumbel_of_words(words)).argmax(-1)
+        first[:, at] = words[:, 0]
+    return logits.exp(), tokens, first
+
+
+def test_gumbel_max_draws_the_categorical(draws_of_a_vocabulary_of_8):
+    """4.2 million draws over a vocabulary of 8: the counts fit the categorical (chi-square, 7
+    degrees of freedom, p > 1e-6), overall and at the first and last positions."""
+    p, tokens, _ = draws_of_a_vocabulary_of_8
+    for sample in (tokens.flatten(), tokens[:, 0], tokens[:, -1]):
+        counts = torch.bincount(sample, minlength=8).double()
+        assert chi_square_p(counts, p * len(sample), 7) > 1e-6
+
+
+def test_no_two_rows_share_a_noise_stream(draws_of_a_vocabulary_of_8):
+    """Over 2^16 rows x 64 positions, no (row, position) shares its noise with another: token 0's
+    52-bit noise words are all distinct (with independent words, a coincidence among 4.2 million
+    has odds of 1 in 500; the murmur hash before Philox had 28 rows sharing a stream at shifted
+    steps here). And a row's draws are independent of its next position's and of the next row's
+    (8 x 8 tables, chi-square with 49 degrees of freedom, p > 1e-6)."""
+    p, tokens, first = draws_of_a_vocabulary_of_8
+    assert torch.unique(first.flatten()).numel() == first.numel()
+    expected = torch.outer(p, p)
+    for a, b in ((tokens[:, :-1], tokens[:, 1:]), (tokens[:-1], tokens[1:])):
+        pairs = torch.bincount((a * 8 + b).flatten(), minlength=64).double().view(8, 8)
+        assert chi_square_p(pairs, expected * a.numel(), 49) > 1e-6
+
+
+def test_a_row_keeps_its_own_stream_from_any_starting_position(tiny_policy):
+    """A row that starts its response at position 5 draws at its k-th step the noise of position
+    5 + k, whatever the other rows' positions (a streaming rollout's rows start at other decode
+    steps): the tokens are those of Gumbel-max at that position, and rows of one key at other
+    positions draw other noise."""
+    keys = hf.row_keys(1, range(2), 2, "cpu")
+    starts = torch.tensor([0, 5, 5, 17])
+    logits = torch.randn(3, 4, 50, generator=torch.Generator().manual_seed(0))
+    sampler = hf.RowSampler(keys, 1.0, 1.0, False, positions=starts)
+    for k in range(3):
+        chosen = sampler(None, logits[k]).argmax(-1)
+        for row in range(4):
+            alone = hf.gumbel_argmax(
+                logits[k, row : row + 1], keys[row : row + 1], starts[row : row + 1] + k, hf.token_ids(50, "cpu")
+            )
+            assert int(chosen[row]) == int(alone)
+    same_key = keys[:1].repeat(2)
+    a, b = hf.noise_words(same_key, torch.tensor([5, 6]), hf.token_ids(50, "cpu"))
+    assert not torch.equal(a, b)
 
 
 def assert_samples_as_eager(model, tok, mode: str, **sampling):
@@ -103,14 +210,16 @@ def test_the_static_cache_samples_what_the_dynamic_one_does(arch, cfg):
 def test_the_compiled_decode_loop_on_cpu(qwen2_bpe_policy):
     """rollout.hf_decode 'compiled', here on the CPU (inductor's C++ kernels; on a GPU, Triton's
     and CUDA graphs): the fused sampler picks the Gumbel-max token of the eager noise at every
-    step and batch size (rows dynamic: one compilation), its log-probs those of log_softmax; and a
+    step and batch size (with Philox of wrapped 64-bit products, Inductor's kernels picked other
+    tokens) (rows dynamic: one compilation), its log-probs those of log_softmax; and a
     generate call with the forward compiled samples the eager path's tokens."""
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     keys = hf.row_keys(7, range(6), 4, "cpu")
     for rows, step in [(24, 0), (24, 1), (10, 191)]:
         z = torch.randn(rows, 4099, generator=torch.Generator().manual_seed(step))
-        token, logprob = hf.fused_step()(z, keys[:rows], torch.tensor(step), hf.token_terms(4099, "cpu"))
-        assert torch.equal(token, (z.double() + hf.gumbel_noise(keys[:rows], step, 4099)).argmax(-1))
+        at = torch.arange(rows) + step  # each row at its own position
+        token, logprob = hf.fused_step()(z, keys[:rows], at, hf.token_ids(4099, "cpu"))
+        assert torch.equal(token, (z.double() + hf.gumbel_noise(keys[:rows], at, 4099)).argmax(-1))
         torch.testing.assert_close(
             logprob, torch.log_softmax(z, -1).gather(-1, token[:, None])[:, 0], rtol=0, atol=1e-5
         )

@@ -3,7 +3,8 @@ attention mask (transformers derives the position ids of llama/qwen2/gpt2 from i
 responses per prompt, each ending at its first stop token.
 
 Each row (prompt i, sample j) draws its own noise: ``RowSampler`` picks the next token by
-Gumbel-max with noise hashed from (the call's seed, i, j, step, token), so a row's sample depends
+Gumbel-max with counter-based noise, Philox4x32-10 of (the row's 63-bit key hashed from the call's
+seed, i and j; its response position; the token id), so a row's sample depends
 on neither its batch nor the other rows (duplicated prompts get different samples; another
 ``rollout.batch_size`` the same ones, up to the logits' rounding), and records the log-prob of
 the sampled token under the distribution it was sampled from (the log-prob contract:
@@ -12,9 +13,10 @@ docs/training.md, "Log-probs").
 The decode loop (``rollout.hf_decode``, ``HF_DECODE_MODES``): transformers' ``generate`` with its
 dynamic KV cache ('eager': the bitwise-reproducible CPU path), a static KV cache ('static'), or
 the static cache with the model's forward compiled by torch.compile, which generate runs through
-CUDA graphs, and the sampler compiled into fused kernels ('compiled'); 'auto' picks one by device
-and process (``decode_mode``). A row's sample is the same function of its key in every mode; the
-modes differ only in the logits' rounding."""
+CUDA graphs ('compiled'); 'auto' picks one by device and process (``decode_mode``). The sampler is
+compiled into fused kernels in 'compiled' and in every mode on a GPU (``RowSampler``). A row's
+sample is the same function of its key in every mode; the modes differ only in the logits'
+rounding."""
 
 from __future__ import annotations
 
@@ -35,10 +37,11 @@ from otbflow.seeds import derive_seed
 log = logging.getLogger("otbflow.generate")
 
 _M32 = 0xFFFFFFFF
-_NOISE_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 27}
-"""Rows x vocabulary entries hashed at once on the eager path, by device type: its int64
-temporaries stay near 32 MiB each on a CPU; on a GPU near 1 GiB, so that 512 rows of a
-151,936-token vocabulary take one pass, not a Python loop of chunks."""
+_NOISE_ELEMENTS = {"cpu": 1 << 18, "cuda": 1 << 25}
+"""Rows x vocabulary entries whose noise is drawn at once on the eager path, by device type: on a
+CPU its int64 temporaries (about ten live in a Philox round) stay at 2 MiB each, in the caches
+(64 rows of a 151,936-token vocabulary: 1.2 s in chunks of 2^18, 2.5 s in chunks of 2^22 on a
+2-core Xeon); on a GPU (only where the fused sampler failed to compile) near 256 MiB each."""
 WIDTH_BUCKET = 32
 """'compiled': prompt batches are left-padded to a multiple of this width. generate keeps its static
 cache at the longest length it has met and recompiles the decode step when it grows: in steps of
@@ -62,58 +65,93 @@ def processed_logits(logits: torch.Tensor, temperature: float, top_p: float, min
     return z
 
 
-def _fmix32(h: torch.Tensor) -> torch.Tensor:
-    """murmur3's 32-bit finaliser (a bijection of [0, 2^32)) on int64 values in that range. The
-    products may pass 2^63 and wrap: the low 32 bits kept by the mask are exact under torch's
-    two's-complement wraparound on CPU and CUDA (the tests pin the resulting samples)."""
-    h = h ^ (h >> 16)
-    h = (h * 0x85EBCA6B) & _M32
-    h = h ^ (h >> 13)
-    h = (h * 0xC2B2AE35) & _M32
-    return h ^ (h >> 16)
+PHILOX_M = (0xD2511F53, 0xCD9E8D57)
+"""Philox4x32's two round multipliers (Salmon et al. 2011, "Parallel random numbers: as easy as 1, 2, 3")."""
+PHILOX_W = (0x9E3779B9, 0xBB67AE85)
+"""Philox4x32's key schedule: the Weyl increments added to the two key words after each round."""
+NOISE_KEY = (0, 0)
+"""The Philox key of the sampler's noise; each row's own key is in the counter (``philox_noise``)."""
 
 
-def token_terms(vocab: int, device) -> torch.Tensor:
-    """[vocab] int64: each token id's term of its hash, (id * 0x9E3779B1) mod 2^32. The compiled
-    sampler reads it from memory: written as ``torch.arange(vocab) * 0x9E3779B1`` inside the compiled
-    function, Inductor folds the product into an int32 index expression, which Triton refuses
+def _mulhilo(x: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The high and low 32-bit words of ``x * m`` for int64 ``x`` in [0, 2^32) and a 32-bit
+    constant ``m``, from 16-bit halves so that no intermediate passes 2^50: a wrapped 64-bit
+    product is exact in eager torch, but Inductor's C++ kernels miscompute it (signed overflow is
+    undefined there; Philox4x32-10 of the wrapped products gave other words in 2 of 3 rounds'
+    outputs on torch 2.13)."""
+    mh, ml = m >> 16, m & 0xFFFF
+    xh, xl = x >> 16, x & 0xFFFF
+    low = xl * ml + ((xh * ml + xl * mh) << 16)  # the product's low 50 bits, less xh * mh * 2^32
+    return (xh * mh + (low >> 32)) & _M32, low & _M32
+
+
+def philox4x32(c0, c1, c2, c3, key: tuple[int, int] = NOISE_KEY, rounds: int = 10):
+    """Philox4x32-``rounds`` of the counter (c0, c1, c2, c3), each an int64 tensor (or an int) of
+    32-bit words that broadcast together, under a 2-word ``key``: four int64 tensors of words in
+    [0, 2^32), Random123's ``philox4x32_R``. A bijection of the 128-bit counter for one key, so
+    distinct counters never share an output, in plain int64 arithmetic with masks (no uint32 ops,
+    which CUDA and Inductor lack for some kernels). The key's words are Python ints of the
+    schedule, never tensors."""
+    k0, k1 = key
+    for r in range(rounds):
+        if r:
+            k0, k1 = (k0 + PHILOX_W[0]) & _M32, (k1 + PHILOX_W[1]) & _M32
+        hi0, lo0 = _mulhilo(c0, PHILOX_M[0])
+        hi1, lo1 = _mulhilo(c2, PHILOX_M[1])
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return c0, c1, c2, c3
+
+
+def token_ids(vocab: int, device) -> torch.Tensor:
+    """[vocab] int64 token ids, the last word of the noise's counter. The compiled sampler reads
+    them from memory: an ``arange`` inside the compiled function lets Inductor fold the counter's
+    arithmetic into an int32 index expression, which Triton refuses for constants past 2^31
     ("Scalar 2654435761 is out of range for type int32", on an H100 with torch 2.11)."""
-    return (torch.arange(vocab, device=device, dtype=torch.int64) * 0x9E3779B1) & _M32
+    return torch.arange(vocab, device=device, dtype=torch.int64)
 
 
-def token_hashes(row_keys: torch.Tensor, step, terms: torch.Tensor) -> torch.Tensor:
-    """[rows, vocab] int64 hashes in [0, 2^32), a pure function of (row key, step, token id).
-    ``step``: an int, or an int64 tensor (the compiled sampler's, so that no step recompiles);
-    ``terms``: ``token_terms`` of the vocabulary."""
-    base = _fmix32(_fmix32(row_keys) ^ step)
-    return _fmix32((base[:, None] + terms) & _M32)
+def noise_words(row_keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """[rows, vocab] int64 in [0, 2^52): Philox4x32-10 of the counter (the row key's low and high
+    words, the row's response position, the token id), its first two output words as 52 bits.
+    ``row_keys``: int64 [rows] in [0, 2^63) (``row_keys``); ``positions``: int64 [rows], each row's
+    own position in its response (rows that started at other decode steps keep their own
+    streams); ``tokens``: ``token_ids`` of the vocabulary. Nothing else is mixed in: every
+    (row key, position, token) has its own counter, so two rows share no noise unless their
+    63-bit keys are equal."""
+    w0, w1, _, _ = philox4x32(
+        (row_keys & _M32)[:, None], (row_keys >> 32)[:, None], positions[:, None], tokens[None, :]
+    )
+    return (w0 << 20) | (w1 >> 12)
 
 
-def gumbel_of_hash(h: torch.Tensor) -> torch.Tensor:
-    """Standard Gumbel noise -log(-log u) of 32-bit hashes, u = (h + 0.5) / 2^32 in fp64: strictly
-    inside (0, 1) at both ends of the hash's range (in fp32 (h + 0.5) / 2^32 rounds to 1.0 for the
-    top 2^7 hashes, an infinite noise), so every token's noise is finite."""
-    return -torch.log(-torch.log((h.double() + 0.5) / 2.0**32))
+def gumbel_of_words(n: torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel noise -log(-log u) of 52-bit integers, u = (n + 0.5) / 2^52 in fp64: exact
+    (n + 0.5 needs 53 bits, fp64's precision) and strictly inside (0, 1) at both ends of the
+    range, so every token's noise is finite (in fp32 u would round to 1.0 near the top: an
+    infinite noise)."""
+    return -torch.log(-torch.log((n.double() + 0.5) / 2.0**52))
 
 
-def gumbel_noise(row_keys: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
-    """[rows, vocab] standard Gumbel noise, a pure function of (row key, step, token id): the same
-    on any device, in any batch. ``row_keys``: int64 [rows] in [0, 2^31)."""
-    return gumbel_of_hash(token_hashes(row_keys, step, token_terms(vocab, row_keys.device)))
+def gumbel_noise(row_keys: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, vocab] standard Gumbel noise, a pure function of (row key, position, token id): the
+    same on any device, in any batch (``noise_words``)."""
+    return gumbel_of_words(noise_words(row_keys, positions, token_ids(vocab, row_keys.device)))
 
 
-def gumbel_argmax(z: torch.Tensor, row_keys: torch.Tensor, step, terms: torch.Tensor) -> torch.Tensor:
+def gumbel_argmax(
+    z: torch.Tensor, row_keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor
+) -> torch.Tensor:
     """The Gumbel-max token of each row of fp32 logits ``z`` [rows, vocab] with its own noise:
-    argmax(z + noise) in fp64. Written as one expression so that torch.compile fuses the hashing,
-    the noise and the argmax into one pass over the logits (``fused_step``); eagerly it holds
-    [rows, vocab] int64 temporaries, hence ``RowSampler``'s chunks."""
-    return (z.double() + gumbel_of_hash(token_hashes(row_keys, step, terms))).argmax(dim=-1)
+    argmax(z + noise) in fp64. Written as one expression so that torch.compile fuses the counter's
+    rounds, the noise and the argmax into one pass over the logits (``fused_step``); eagerly it
+    holds [rows, vocab] int64 temporaries, hence ``RowSampler``'s chunks."""
+    return (z.double() + gumbel_of_words(noise_words(row_keys, positions, tokens))).argmax(dim=-1)
 
 
 def _fused_step(
-    z: torch.Tensor, row_keys: torch.Tensor, step: torch.Tensor, terms: torch.Tensor
+    z: torch.Tensor, row_keys: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    token = gumbel_argmax(z, row_keys, step, terms)
+    token = gumbel_argmax(z, row_keys, positions, tokens)
     logprob = z.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)
     return token, logprob
 
@@ -124,7 +162,7 @@ _COMPILED: dict[str, Any] = {}
 def fused_step():
     """``_fused_step`` compiled by torch.compile (once per process; rows dynamic): the token and
     its log-prob, log_softmax's value z_y - logsumexp(z), from fused kernels over the logits;
-    called as ``fused_step()(z, row_keys, step, token_terms(vocab, device))``."""
+    called as ``fused_step()(z, row_keys, positions, token_ids(vocab, device))``."""
     if "step" not in _COMPILED:
         _COMPILED["step"] = torch.compile(_fused_step, dynamic=True, fullgraph=True)
     if _COMPILED["step"] is None:
@@ -143,10 +181,15 @@ class RowSampler:
     """A transformers logits processor that samples every row itself (generate runs with
     ``do_sample=False``, so its argmax takes the one token this marks, ``one_hot_choice``):
     Gumbel-max over ``processed_logits`` with each row's own noise (greedy: the argmax of the
-    logits, at temperature 1). ``logprobs`` collects, per step, the sampled tokens' log-probs under
-    log_softmax(processed logits). ``fused`` ('compiled'): the noise, argmax and log-prob in the
-    compiled kernels of ``fused_step``, every row at once; otherwise eagerly, ``_NOISE_ELEMENTS``
-    at a time (the CPU path: its log-probs are those the fixtures pin)."""
+    logits, at temperature 1). ``positions``: int64 [rows], each row's response position at the
+    first call (default 0: every row starts its response there); it advances by one a call.
+    ``logprobs`` collects, per step, the sampled tokens' log-probs under
+    log_softmax(processed logits). ``fused`` ('compiled', and every decode mode on a GPU): the
+    noise, argmax and log-prob in the compiled kernels of ``fused_step``, every row at once (eagerly
+    a Philox round is some twenty passes over [rows, vocab] int64 tensors: on a GPU, kernel launches
+    and memory traffic that would outlast the decode step); otherwise eagerly, ``_NOISE_ELEMENTS``
+    at a time (the CPU path: its log-probs are those the fixtures pin). Both paths draw the same
+    tokens."""
 
     def __init__(
         self,
@@ -156,40 +199,43 @@ class RowSampler:
         greedy: bool,
         min_p: float = 0.0,
         fused: bool = False,
+        positions: torch.Tensor | None = None,
     ):
         self.row_keys, self.temperature, self.top_p, self.greedy = row_keys, temperature, top_p, greedy
         self.min_p = min_p
+        self.positions = torch.zeros_like(row_keys) if positions is None else positions
         self.fused = fused and _COMPILED.get("step", True) is not None  # not after a failed compilation
         self.logprobs: list[torch.Tensor] = []
-        self.terms: torch.Tensor | None = None  # token_terms of the vocabulary, made at the first step
+        self.tokens: torch.Tensor | None = None  # token_ids of the vocabulary, made at the first step
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        step = len(self.logprobs)
+        positions = self.positions + len(self.logprobs)
         if self.greedy:
             z = scores.float()
             token = z.argmax(dim=-1)
             logprob = torch.log_softmax(z, dim=-1).gather(-1, token[:, None]).squeeze(-1)
         else:
             z = processed_logits(scores, self.temperature, self.top_p, self.min_p)
-            if self.terms is None:
-                self.terms = token_terms(z.shape[-1], z.device)
+            if self.tokens is None:
+                self.tokens = token_ids(z.shape[-1], z.device)
             if self.fused:
-                token, logprob = self._fused(z, step)
+                token, logprob = self._fused(z, positions)
             if not self.fused:
                 token = torch.empty(z.shape[0], dtype=torch.long, device=z.device)
                 rows = max(1, _NOISE_ELEMENTS.get(z.device.type, _NOISE_ELEMENTS["cpu"]) // z.shape[-1])
                 for s in range(0, z.shape[0], rows):
-                    token[s : s + rows] = gumbel_argmax(z[s : s + rows], self.row_keys[s : s + rows], step, self.terms)
+                    token[s : s + rows] = gumbel_argmax(
+                        z[s : s + rows], self.row_keys[s : s + rows], positions[s : s + rows], self.tokens
+                    )
                 logprob = torch.log_softmax(z, dim=-1).gather(-1, token[:, None]).squeeze(-1)
         self.logprobs.append(logprob)
         return one_hot_choice(token, scores.shape[-1])
 
-    def _fused(self, z: torch.Tensor, step: int):
-        """``fused_step`` on this step; where torch.compile fails (no C compiler, no Triton), a
-        warning and the eager path for the rest of the process (the same tokens)."""
+    def _fused(self, z: torch.Tensor, positions: torch.Tensor):
+        """``fused_step`` at these positions; where torch.compile fails (no C compiler, no Triton),
+        a warning and the eager path for the rest of the process (the same tokens)."""
         try:
-            step_t = torch.tensor(step, dtype=torch.int64, device=z.device)
-            return fused_step()(z, self.row_keys, step_t, self.terms)
+            return fused_step()(z, self.row_keys, positions, self.tokens)
         except Exception as e:  # torch.compile's errors have no common base class
             log.warning("the fused sampler did not compile (%s: %s); sampling eagerly", type(e).__name__, e)
             _COMPILED["step"] = None
@@ -231,9 +277,10 @@ def generation_config(mode: str, stops: list[int], pad: int):
 
 
 def row_keys(seed: int, prompt_indices: range, n: int, device) -> torch.Tensor:
-    """The noise key of each row (prompt i, sample j) of a batch, prompt-major as generate expands
-    them: hashed from the call's seed, i and j (never seed + index, whose neighbours collide)."""
-    keys = [derive_seed(seed, "row", i, j) for i in prompt_indices for j in range(n)]
+    """The 63-bit noise key of each row (prompt i, sample j) of a batch, prompt-major as generate
+    expands them: hashed from the call's seed, i and j (never seed + index, whose neighbours
+    collide); two of a million rows share a key with odds of 1 in 10^7 (``derive_seed``)."""
+    keys = [derive_seed(seed, "row", i, j, bits=63) for i in prompt_indices for j in range(n)]
     return torch.tensor(keys, dtype=torch.int64, device=device)
 
 
@@ -279,7 +326,8 @@ def hf_generate(
             input_ids = padded(batch, pad, width, left=True, device=model.device).repeat_interleave(n, dim=0)
             attention = padded([[1] * len(x) for x in batch], 0, width, left=True, device=model.device)
             keys = row_keys(seed, range(start, start + len(batch)), n, model.device)
-            sampler = RowSampler(keys, temperature, top_p, greedy, min_p, fused=mode == "compiled")
+            fused = mode == "compiled" or model.device.type == "cuda"
+            sampler = RowSampler(keys, temperature, top_p, greedy, min_p, fused=fused)
             res = model.generate(
                 input_ids=input_ids,
                 attention_mask=attention.repeat_interleave(n, dim=0),
@@ -358,6 +406,7 @@ class HFBackend:
                 "max_new_tokens": s.max_new_tokens,
                 "greedy": s.greedy,
             },
-            "seeds": "per row: derive_seed(seed, 'row', i, j), Gumbel-max (otbflow.engines.hf.RowSampler)",
+            "seeds": "per row: derive_seed(seed, 'row', i, j, bits=63), Gumbel-max with Philox4x32-10 noise"
+            " (otbflow.engines.hf.RowSampler)",
             "decode": self.decode,
         }
