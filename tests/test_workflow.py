@@ -366,23 +366,26 @@ def test_editing_a_stage_source_reruns_that_stage(run_dir, tmp_path):
 
 
 def test_the_tiny_run_is_bitwise_what_it_was(run_dir):
-    """Every table and policy of the tiny run equals the fingerprints recorded before the
-    refactors that claim no change of behaviour (tests/fingerprint.py; same CPU model, one thread
-    per job). On another CPU model there is nothing to compare with: skipped, saying how to record."""
+    """Every table and policy of the tiny run equals the fingerprints recorded for this machine's
+    key (tests/fingerprint.py: CPU family and model, torch's kernels and version, the jobs'
+    threads), and make run said so as its last line. On a machine of another key there is nothing
+    to compare with: make run said "none recorded", and the test is skipped saying how to record."""
     sys.path.insert(0, str(REPO / "tests"))
-    from fingerprint import cpu_keys, fingerprints, recorded
+    from fingerprint import cpu_key, fingerprints, recorded
 
-    root = REPO / "tests" / "data" / "fingerprints"
-    found_file = recorded("tiny", root)
+    said = (run_dir / "make-run.out").read_text().splitlines()[-1]
+    found_file = recorded("tiny")
     if found_file is None:
+        assert said == f"fingerprints: none recorded for {cpu_key()} (run tiny)"
         pytest.skip(
-            f"no fingerprints for this CPU ({' or '.join(cpu_keys())}): record them on a checkout before a change "
-            f"with python tests/fingerprint.py results > tests/data/fingerprints/{cpu_keys()[0]}/tiny.json"
+            f"no fingerprints for this machine ({cpu_key()}): record them on a checkout before a change with "
+            f"python tests/fingerprint.py results > tests/data/fingerprints/{cpu_key()}/tiny.json"
         )
     want = json.loads(found_file.read_text())["fingerprints"]
     found = fingerprints(run_dir / "results")
     differ = sorted(k for k in set(want) | set(found) if want.get(k) != found.get(k))
     assert not differ, f"{len(differ)} of {len(want)} fingerprints differ: {differ}"
+    assert said == f"{len(want)} of {len(want)} fingerprints equal"
 
 
 def test_execution_only_keys_rerun_nothing(run_dir):
