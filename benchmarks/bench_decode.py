@@ -8,7 +8,7 @@ token, so every row runs every step (``steps`` says how many ran). Paths, each o
 and then the best of ``--repeats``, CUDA synchronised:
 
 - ``otbflow``: ``otbflow.engines.hf.hf_generate``, the rollout's transformers backend (its
-  ``RowSampler``: Gumbel-max with noise hashed per row, step and token; the log-probs recorded),
+  ``RowSampler``: Gumbel-max with Philox noise per row, position and token; the log-probs recorded),
   with ``rollout.hf_decode: eager`` (a dynamic KV cache);
 - ``otbflow_static``, ``otbflow_compiled``: the same with ``hf_decode`` 'static' (a static KV
   cache) and 'compiled' (the static cache, the forward compiled, CUDA graphs on a GPU, the sampler
@@ -35,8 +35,8 @@ name), ``other``; the
 share of each in the kernels' time (on CPU: in the ops' own CPU time), with the host's wall time
 and the kernels launched per step. The goal of the fast-decoding work: the sampler at most 10% of
 a decode step's CUDA time.
-``sampler_alone``: ``RowSampler`` on [rows, vocabulary] fp32 logits, and transformers' softmax +
-multinomial on the same, ms per call.
+``sampler_alone``: ``RowSampler`` on [rows, vocabulary] fp32 logits (fused on a GPU, eager on a CPU,
+as ``hf_generate`` runs it there), and transformers' softmax + multinomial on the same, ms per call.
 
 Prints JSON (and writes it to ``--out``) naming the command, the date, the GPU and the versions::
 
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> dict:
         fn()
         return min(timed(dev, lambda: [fn() for _ in range(calls)])[0] for _ in range(max(1, a.repeats))) / calls
 
-    sampler = RowSampler(keys, 1.0, 1.0, False)
+    sampler = RowSampler(keys, 1.0, 1.0, False, fused=dev.startswith("cuda"))  # as hf_generate samples there
     result["sampler_alone"] = {
         "rows": rows,
         "vocab": vocab,
