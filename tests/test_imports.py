@@ -1,9 +1,11 @@
 """The import graph of otbflow's modules flows one way (stages -> library): no circles, counting
 the imports inside functions too; no stage module imports another; both generation backends
-implement the one interface; a stage's code version covers what it imports and ignores formatting."""
+implement the one interface; a stage's code version covers what it imports and ignores formatting;
+every pytest mark of the suite decorates a test."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import json
 import shutil
@@ -184,3 +186,62 @@ def test_no_two_modules_share_a_name():
     stage and the library code it runs are told apart by their names, as prune and vocab_pruning)."""
     stems = [p.stem for p in PACKAGE.rglob("*.py") if p.stem not in ("__init__", "__main__")]
     assert len(stems) == len(set(stems)), sorted({s for s in stems if stems.count(s) > 1})
+
+
+def _marks_of(node: ast.expr, aliases: set[str]) -> bool:
+    """Whether the decorator ``node`` is a pytest mark: ``pytest.mark.NAME``, called or not, or a
+    module-level name bound to one (``HEADS = pytest.mark.xdist_group("slurm_heads")``)."""
+    while isinstance(node, (ast.Call, ast.Attribute)):
+        if isinstance(node, ast.Attribute) and node.attr == "mark":
+            return isinstance(node.value, ast.Name) and node.value.id == "pytest"
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return isinstance(node, ast.Name) and node.id in aliases
+
+
+def misplaced_marks(source: str) -> list[str]:
+    """The functions of a test module's ``source`` that a pytest mark decorates but that pytest
+    does not collect as tests (a name not starting with 'test'), fixtures aside: a mark there has
+    no effect, so a ``slow`` test behind a helper that a refactor slipped in under its mark runs in
+    every quick run. Each as 'name (line N)'."""
+    tree = ast.parse(source)
+    aliases = {
+        t.id
+        for stmt in tree.body
+        if isinstance(stmt, ast.Assign) and _marks_of(stmt.value, set())
+        for t in stmt.targets
+        if isinstance(t, ast.Name) and t.id != "pytestmark"
+    }
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("test"):
+            continue
+        decorators = [ast.unparse(d) for d in node.decorator_list]
+        if any(d.startswith(("pytest.fixture", "fixture")) for d in decorators):
+            continue
+        if any(_marks_of(d, aliases) for d in node.decorator_list):
+            found.append(f"{node.name} (line {node.lineno})")
+    return found
+
+
+def test_misplaced_marks_on_examples():
+    """The check against hand-written modules: the refactor that lost tests/test_worker.py's slow
+    mark (a helper between the mark and its test), a mark by alias, and the forms that are right."""
+    lost = "import pytest\n@pytest.mark.slow\ndef helper():\n    pass\n\n\ndef test_run():\n    pass\n"
+    assert misplaced_marks(lost) == ["helper (line 3)"]
+    alias = "import pytest\nHEADS = pytest.mark.xdist_group('h')\n@HEADS\ndef heads(): pass\n"
+    assert misplaced_marks(alias) == ["heads (line 4)"]
+    right = (
+        "import pytest\npytestmark = pytest.mark.slow\nHEADS = pytest.mark.xdist_group('h')\n"
+        "@pytest.mark.skipif(True, reason='r')\n@pytest.mark.parametrize('x', [1])\ndef test_a(x): pass\n"
+        "@HEADS\ndef test_b(): pass\n@pytest.fixture\ndef tiny(): pass\n"
+        "@pytest.fixture(scope='module')\n@pytest.mark.usefixtures('tiny')\ndef wide(): pass\n"
+        "class TestC:\n    @pytest.mark.slow\n    def test_d(self): pass\n"
+        "@functools.cache\ndef helper(): pass\n"
+    )
+    assert misplaced_marks(right) == []
+
+
+def test_every_mark_decorates_a_test():
+    """No pytest mark in tests/*.py decorates a function that is not a test (``misplaced_marks``)."""
+    found = {p.name: misplaced_marks(p.read_text()) for p in sorted((REPO / "tests").glob("*.py"))}
+    assert not {k: v for k, v in found.items() if v}, f"pytest marks on functions that are not tests: {found}"
