@@ -165,6 +165,32 @@ def test_code_versions_ignore_formatting_and_follow_expressions(tmp_path):
     assert after == versions(src, stages, tmp_path / "empty2")
 
 
+def test_a_moved_definition_keeps_every_code_version(tmp_path):
+    """A pure move reruns nothing: ``derive_seed`` moved from otbflow/seeds.py to a new module (its
+    imports with it, seeds.py importing it from there) leaves every stage's code version as it was,
+    by hash of what the code does rather than where it lives; the same move with one changed
+    constant moves the versions of the stages that reach it, and only theirs."""
+    from otbflow.pipeline import STAGES
+
+    src = tmp_path / "src"
+    shutil.copytree(PACKAGE, src / "otbflow", ignore=shutil.ignore_patterns("__pycache__"))
+    stages = sorted(STAGES)
+    before = versions(src, stages, tmp_path / "cache0")
+    seeds = src / "otbflow" / "seeds.py"
+    text = seeds.read_text()
+    start = text.index("def derive_seed(")
+    moved = text[start:]
+    assert "\ndef " not in moved[1:] and "import hashlib" in text  # the last definition of the file
+    seeds.write_text(text[:start].replace("import hashlib\n", "from otbflow.keys import derive_seed\n"))
+    (src / "otbflow" / "keys.py").write_text(f'"""Moved here."""\n\nimport hashlib\n\n\n{moved}')
+    assert versions(src, stages, tmp_path / "cache1") == before
+    (src / "otbflow" / "keys.py").write_text(f"import hashlib\n\n\n{moved.replace('[:8]', '[:7]')}")
+    after = versions(src, stages, tmp_path / "cache2")
+    reach = {stage for stage in stages if "otbflow.seeds" in closure(f"otbflow.stages.{stage}")}
+    assert reach and reach != set(stages)
+    assert {stage for stage in stages if after[stage] != before[stage]} == reach
+
+
 def test_planning_imports_no_torch():
     """Every Snakemake start computes every rule's rerun trigger and code version: without
     importing torch (2-3 s on a small machine)."""

@@ -4,9 +4,12 @@ Snakemake cannot see edits inside an installed package, so every rule passes the
 code it runs as a ``params:`` value: a hash over the stage's module and every otbflow module it
 reaches by its imports (at any depth, lazy imports included) or names as ``"otbflow.x"`` (the
 engine registry loads its backends by name), with their parent packages; not the config module
-and the stage table (``WORKFLOW_ONLY``), nor the live curves (``RUN_ONLY``). The hash is over each
-module's syntax tree without docstrings (formatting, comments and docstrings do not rerun a
-finished workflow; a changed expression does). Nothing is imported: the modules are parsed.
+and the stage table (``WORKFLOW_ONLY``), nor the live curves (``RUN_ONLY``). The hash is over what
+the code does: the multiset of the modules' top-level definitions and statements, each as its
+syntax tree without docstrings and without import statements, never a module's name or path
+(``definitions``). Formatting, comments and docstrings do not rerun a finished workflow, nor does
+moving a definition to another module; a changed expression does. Nothing is imported: the modules
+are parsed.
 """
 
 from __future__ import annotations
@@ -84,17 +87,34 @@ def closure(name: str) -> list[str]:
     return sorted(seen)
 
 
-@cache
-def normalized(name: str) -> str:
-    """The module's syntax tree without docstrings (and other bare string statements, such as
-    the docstrings under dataclass fields), as text."""
-    tree = ast.parse(module_file(name).read_text())  # a copy: _tree's is not changed
-    for node in ast.walk(tree):
-        body = getattr(node, "body", None)
+def _bare(node: ast.AST) -> ast.AST:
+    """``node`` without its docstrings (and other bare string statements, such as the docstrings
+    under dataclass fields) and without import statements, at any depth."""
+    for inner in ast.walk(node):
+        body = getattr(inner, "body", None)
         if isinstance(body, list):
-            kept = [s for s in body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
-            node.body = kept or [ast.Pass()]
-    return ast.dump(tree, annotate_fields=False, include_attributes=False)
+            kept = [
+                s
+                for s in body
+                if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))
+                and not isinstance(s, (ast.Import, ast.ImportFrom))
+            ]
+            inner.body = kept or [ast.Pass()]
+    return node
+
+
+@cache
+def definitions(name: str) -> tuple[str, ...]:
+    """Module ``name``'s top-level statements other than imports and docstrings (its functions,
+    classes, constants, registrations), each as the text of its bare syntax tree (``_bare``): what a
+    definition does, not where it lives, so that one moved to another module of the closure hashes
+    the same."""
+    tree = ast.parse(module_file(name).read_text())  # a copy: _tree's is not changed
+    return tuple(
+        ast.dump(s, annotate_fields=False, include_attributes=False)
+        for s in _bare(tree).body
+        if not isinstance(s, ast.Pass)
+    )
 
 
 # Parsing every module a stage reaches was the largest part of each Snakemake start's planning (the
@@ -116,9 +136,9 @@ def code_version(stage: str) -> str:
     before = {str(p): _signature(p) for p in [PACKAGE, *PACKAGE.rglob("*")] if p.is_dir() or p.suffix == ".py"}
     h = hashlib.sha256()
     modules = closure(f"otbflow.stages.{stage}")
-    for mod in modules:
-        h.update(mod.encode())
-        h.update(normalized(mod).encode())
+    for definition in sorted(d for mod in modules for d in definitions(mod)):
+        h.update(definition.encode())
+        h.update(b"\0")
     version = h.hexdigest()[:16]
     files = {str(module_file(m)) for m in modules} | {p for p in before if Path(p).is_dir()}
     versions[stage] = {"version": version, "files": {p: before.get(p, []) for p in sorted(files)}}
