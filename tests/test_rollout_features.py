@@ -457,6 +457,39 @@ def write_prompts(path, lengths):
     return write_parquet(table, path)
 
 
+def test_a_prompt_of_too_many_characters_is_refused_before_it_renders(tiny_policy, tmp_path, cfg, monkeypatch):
+    """Issue 53: through the stage CLIs without model.path a 10 MB prompt passed the shard stage
+    and the rollout tokenised all of it (17-23 s, 4.2 GB) before refusing it on positions. The
+    rollout and the evaluation refuse a prompt of more than 64 characters per position of their
+    policy (the built-in GPT-2's n_positions 128: 8,192) before any tokenizer sees it, naming the
+    prompt and the policy, writing nothing; 8,192 characters pass that check."""
+    from otbflow import engines
+    from otbflow.stages import evaluate, rollout
+
+    def never(*args, **kwargs):
+        raise AssertionError("a prompt was rendered")
+
+    monkeypatch.setattr(engines, "render_prompts", never)
+    prompts = write_prompts(tmp_path / "prompts.parquet", [4, 10_000_000, 8_193])
+    want = (
+        r"prompt 1: 10,000,000 characters, more than 8,192 \(64 per position of the policy's 128, "
+        rf"{tiny_policy}/config.json: n_positions\): no such prompt fits its positions; 2 of 3 prompts are too long"
+    )
+    out = tmp_path / "rollout.parquet"
+    with pytest.raises(ValueError, match=want):
+        rollout.run(cfg, rollout.Args(prompts=str(prompts), policy=str(tiny_policy), out=str(out)))
+    samples, summary = tmp_path / "s.parquet", tmp_path / "m.parquet"
+    args = evaluate.Args(
+        prompts=str(prompts), policy=str(tiny_policy), name="initial", samples=str(samples), summary=str(summary)
+    )
+    with pytest.raises(ValueError, match=want):
+        evaluate.run(cfg, args)
+    assert not out.exists() and not samples.exists() and not summary.exists()
+    engines.check_prompt_chars(
+        read_table(write_prompts(tmp_path / "edge.parquet", [8_192]), schemas.PROMPTS), tiny_policy
+    )
+
+
 def test_a_prompt_longer_than_the_positions_is_refused_before_generation(tiny_policy, tmp_path, cfg):
     """Was: an IndexError in the model's position embedding, mid-generation (203 tokens against 128
     positions). Now the rollout and the evaluation refuse it before the engine starts, naming the

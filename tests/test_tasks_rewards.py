@@ -652,8 +652,8 @@ def test_the_adversarial_payloads_score_by_hand(response, answer, expected):
 def test_a_prompt_far_too_long_for_the_model_is_refused_at_shard_time(tmp_path, tiny_policy):
     """Issue 35: a 10 MB prompt was sharded, then the rollout ran 130 s to 15 GB and died allocating
     184 GB. The shard stage refuses a prompt of more characters than 64 per position of model.path's
-    model (128 positions: 8,192 characters), naming the file, the column and the row; at the bound
-    it passes (the rollout's token check decides whether it fits)."""
+    model, or of the built-in one (128 positions: 8,192 characters), naming the file, the column and
+    the row; at the bound it passes (the rollout's token check decides whether it fits)."""
     rows = [{"prompt": f"What is {i}+{i}?", "answer": str(2 * i)} for i in range(12)]
     rows[3]["prompt"] = "1" * 10_000_000
     pl.DataFrame(rows).write_ndjson(tmp_path / "big.jsonl")
@@ -674,6 +674,14 @@ def test_a_prompt_far_too_long_for_the_model_is_refused_at_shard_time(tmp_path, 
     verl.write_parquet(tmp_path / "verl_big.parquet")
     with pytest.raises(SchemaError, match=r"verl_big.parquet: column 'prompt' row 0: 8,193 characters"):
         shard_dataset(tmp_path, tmp_path / "verl_big.parquet", f"model.path={tiny_policy}")
+    # issue 53: without model.path, the built-in model's positions (model.n_positions) bound it:
+    # 64 x 128 = 8,192 characters, and 64 x 256 = 16,384 with model.n_positions=256
+    for limit, overrides in ((8_192, ()), (16_384, ("model.n_positions=256",))):
+        with pytest.raises(
+            SchemaError, match=rf"big.jsonl: column 'prompt' row 3: 10,000,000 characters, more than {limit:,} "
+        ):
+            shard_dataset(tmp_path, tmp_path / "big.jsonl", *overrides)
+    assert shard_dataset(tmp_path, tmp_path / "edge.jsonl").height == 12
 
 
 # ------------------------------------------------------------------------------------------

@@ -262,8 +262,8 @@ _STAGES = [
         "shard",
         "split the prompts into train shards and an eval set",
         _shard,
-        # a dataset prompt too long for model.path's positions is refused (it changes no output)
-        execution=("model.path",),
+        # a dataset prompt too long for the model's positions is refused (it changes no output)
+        execution=("model.path", "model.n_positions"),
         dag=("shard.n_shards",),
         resources={"mem_mb": 2000, "runtime": 30},
     ),

@@ -4,8 +4,9 @@
 way round; ``open_backend`` builds one by name), prompt rendering (``render_prompts``) and stop
 tokens (``stop_token_ids``), and the checks of a policy folder against its inputs that run before
 any generation: its tokenizer files (``check_policy_folder``, also when the config loads), its
-tokenizer's size (``check_tokenizer``) and its positions against the rendered prompts
-(``check_prompt_lengths``; the shard stage's ``prompt_char_limit``). Chat rendering and stop
+tokenizer's size (``check_tokenizer``) and its positions against the prompts' characters before
+they render (``check_prompt_chars``, in ``render_table``; the shard stage's ``prompt_char_limit``)
+and against the rendered prompts (``check_prompt_lengths``). Chat rendering and stop
 tokens: docs/data.md, "A real model and dataset"."""
 
 from __future__ import annotations
@@ -190,9 +191,10 @@ byte for byte (``otbflow.training.state.save_policy``)."""
 # config.json keys that give a causal LM's positions (transformers' names across architectures).
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
 PROMPT_CHARS_PER_POSITION = 64
-"""The shard stage refuses a prompt of more characters than this many per position of the model
-(``prompt_char_limit``): a prompt that fits the positions averages a few characters a token, and
-one past this bound could never fit; it is stopped before any tokenizer or GPU sees it."""
+"""The shard stage, and the rollout and evaluate jobs before they render, refuse a prompt of more
+characters than this many per position of the model (``prompt_char_limit``): a prompt that fits
+the positions averages a few characters a token, and one past this bound could never fit; it is
+stopped before any tokenizer or GPU sees it."""
 
 
 def model_config(path: str | Path) -> dict[str, Any]:
@@ -250,8 +252,41 @@ def check_tokenizer(tok, path: str | Path) -> None:
 
 
 def prompt_char_limit(positions: int) -> int:
-    """The most characters the shard stage lets a prompt have for a model of ``positions``."""
+    """The most characters a prompt may have for a model of ``positions`` (the shard stage's bound
+    and ``check_prompt_chars``')."""
     return PROMPT_CHARS_PER_POSITION * positions
+
+
+def prompt_chars(messages: str) -> int:
+    """A prompt's characters: those of its messages' contents (``messages``: the prompts table's
+    JSON list of {role, content}), what the chat template renders."""
+    return sum(len(m["content"]) for m in json.loads(messages))
+
+
+def check_prompt_chars(prompts, policy: str | Path) -> None:
+    """Raise ValueError, before any tokenizer sees them, where a prompt of the table ``prompts``
+    (schemas.PROMPTS: its text or its messages' contents) has more characters than
+    ``prompt_char_limit`` of the positions of ``policy``'s config.json, naming the first such
+    prompt, the policy and how many there are: a 10 MB prompt otherwise takes the tokenizer tens
+    of seconds and GBs before ``check_prompt_lengths`` refuses it. Nothing is checked where the
+    config names no positions."""
+    found = model_positions(model_config(policy))
+    if found is None:
+        return
+    positions, name = found
+    limit = prompt_char_limit(positions)
+    texts, messages = prompts["prompt"].to_list(), prompts["messages"].to_list()
+    # messages' contents are never longer than their JSON: parsed only where that is past the bound
+    sizes = [max(len(t), prompt_chars(m) if len(m) > limit else 0) for t, m in zip(texts, messages)]
+    long = [i for i, n in enumerate(sizes) if n > limit]
+    if long:
+        i = long[0]
+        raise ValueError(
+            f"prompt {prompts['prompt_id'][i]}: {sizes[i]:,} characters, more than {limit:,} "
+            f"({PROMPT_CHARS_PER_POSITION} per position of the policy's {positions}, {Path(policy) / 'config.json'}: "
+            f"{name}): no such prompt fits its positions; {len(long)} of {len(sizes)} prompts are too long. "
+            "Drop or shorten those prompts in the dataset"
+        )
 
 
 def check_prompt_lengths(
@@ -319,9 +354,11 @@ def render_prompts(
     return out
 
 
-def render_table(cfg: DictConfig, tok, prompts) -> tuple[list[list[int]], bool]:
+def render_table(cfg: DictConfig, tok, prompts, policy: str | Path) -> tuple[list[list[int]], bool]:
     """Token ids of a prompts table's rows (schemas.PROMPTS: prompt, messages), and whether the
-    chat template rendered them (task.chat resolved for ``tok``)."""
+    chat template rendered them (task.chat resolved for ``tok``, the tokenizer of ``policy``),
+    after ``check_prompt_chars`` against ``policy``."""
+    check_prompt_chars(prompts, policy)
     chat = use_chat(cfg, tok)
     return render_prompts(
         tok, prompts["prompt"].to_list(), prompts["messages"].to_list(), chat, cfg.task.system_prompt

@@ -88,7 +88,7 @@ class GroupSampler:
         far that ran past their deadline (each scored 0)."""
         r = self.cfg.rollout
         # a prompt that cannot be rendered, or is too long for the policy, fails before the engine starts
-        ids, chat = render_table(self.cfg, self.tok, batch)
+        ids, chat = render_table(self.cfg, self.tok, batch, self.policy)
         check_prompt_lengths(ids, batch["prompt_id"].to_list(), r.max_new_tokens, "rollout.max_new_tokens", self.policy)
         if self.backend is None:
             self.backend = open_backend(self.cfg, self.policy)

@@ -22,7 +22,7 @@ import polars as pl
 from omegaconf import DictConfig
 
 from otbflow.algorithms.rewards import last_boxed
-from otbflow.engines import PROMPT_CHARS_PER_POSITION, model_config, model_positions, prompt_char_limit
+from otbflow.engines import PROMPT_CHARS_PER_POSITION, model_config, model_positions, prompt_char_limit, prompt_chars
 from otbflow.io import SchemaError
 from otbflow.registry import Entry, Registry, Requirement
 from otbflow.seeds import derive_seed, task_seed
@@ -290,7 +290,7 @@ def load_dataset_file(
     hold more than ``max_prompt_chars`` characters (None: no limit) fails naming its row."""
     out, fmt = _dataset_rows(path, fmt, prompt_template)
     if max_prompt_chars is not None:
-        sizes = [sum(len(m["content"]) for m in json.loads(s)) for s in out["messages"].to_list()]
+        sizes = [prompt_chars(s) for s in out["messages"].to_list()]
         bad = [i for i, n in enumerate(sizes) if n > max_prompt_chars]
         if bad:
             raise _bad_rows(
@@ -298,7 +298,8 @@ def load_dataset_file(
                 DATASET_FORMATS[fmt].columns[0],
                 bad,
                 f"{sizes[bad[0]]:,} characters, more than {max_prompt_chars:,} ({PROMPT_CHARS_PER_POSITION} per "
-                "position of model.path's model): no such prompt fits its positions",
+                "position of the model: model.path's config.json, or model.n_positions): no such prompt fits "
+                "its positions",
             )
     return out
 
@@ -396,10 +397,11 @@ def synthetic_splits(cfg: DictConfig) -> tuple[pl.DataFrame, pl.DataFrame]:
 
 def max_prompt_chars(cfg: DictConfig) -> int | None:
     """The most characters a dataset prompt may have (``otbflow.engines.prompt_char_limit`` of
-    model.path's positions); None without model.path (a shard stage run alone: the rollout's own
-    token check still applies) or where its config.json names no positions."""
+    model.path's positions, or without model.path of the built-in model's model.n_positions);
+    None where model.path's config.json names no positions. The rollout and evaluate jobs check
+    the same bound against their policy's positions before they render (``check_prompt_chars``)."""
     if cfg.model.path is None:
-        return None
+        return prompt_char_limit(cfg.model.n_positions)
     found = model_positions(model_config(cfg.model.path))
     return None if found is None else prompt_char_limit(found[0])
 

@@ -63,7 +63,7 @@ def run(cfg: DictConfig, args: Args) -> None:
     reward_fn = get_reward(verifier(cfg.task))  # never the shaped training reward
     answers, ids = prompts["answer"].to_list(), prompts["prompt_id"].to_list()
     tok = load_tokenizer(args.policy)
-    prompt_ids, chat = render_table(cfg, tok, prompts)
+    prompt_ids, chat = render_table(cfg, tok, prompts, args.policy)
     check_prompt_lengths(prompt_ids, ids, e.max_new_tokens, "evaluate.max_new_tokens", args.policy)
     backend = open_backend(cfg, args.policy)
     rows, meta = [], {"backend": cfg.rollout.backend, "policy": args.policy}
