@@ -457,6 +457,42 @@ def write_prompts(path, lengths):
     return write_parquet(table, path)
 
 
+def test_non_finite_rollout_logprobs_are_refused_by_the_rollout(tiny_policy, data_dir, tmp_path, cfg):
+    """Issue 53: a policy with NaN weights gave a rollout of all-NaN log-probs that exited 0 (only
+    the advantages stage refused it). The rollout refuses it, naming the policy, and writes nothing;
+    the counts of a hand-made batch (2 of 5 tokens not finite, in 1 of 2 responses)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from otbflow.engines import Sample
+    from otbflow.models.sampling import check_logprobs
+    from otbflow.stages import rollout
+
+    broken = tmp_path / "nan_policy"
+    shutil.copytree(tiny_policy, broken)
+    weights = load_file(broken / "model.safetensors")
+    weights["transformer.ln_f.weight"] = torch.full_like(weights["transformer.ln_f.weight"], float("nan"))
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "rollout.parquet"
+    args = rollout.Args(prompts=str(data_dir / "train" / "shard_0.parquet"), policy=str(broken), out=str(out))
+    with pytest.raises(
+        ValueError, match=rf"policy {broken}: a sampled token's log-prob is nan \(prompt \d+, sample 0, token 0\)"
+    ):
+        rollout.run(cfg, args)
+    assert not out.exists() and not list(tmp_path.glob("rollout*"))
+    samples = [
+        Sample(0, 0, [1], [2, 3], [-0.5, -1.0], "length", ""),
+        Sample(0, 1, [1], [2, 3, 4], [-0.1, float("-inf"), float("nan")], "length", ""),
+    ]
+    with pytest.raises(
+        ValueError,
+        match=r"policy p: a sampled token's log-prob is -inf \(prompt 7, sample 1, token 1\); 2 of 5 tokens in 1 of 2 ",
+    ):
+        check_logprobs(samples, [7], "p")
+    check_logprobs(samples[:1], [7], "p")
+
+
 def test_a_prompt_of_too_many_characters_is_refused_before_it_renders(tiny_policy, tmp_path, cfg, monkeypatch):
     """Issue 53: through the stage CLIs without model.path a 10 MB prompt passed the shard stage
     and the rollout tokenised all of it (17-23 s, 4.2 GB) before refusing it on positions. The

@@ -70,6 +70,24 @@ def rollout_table(
     )
 
 
+def check_logprobs(samples: list[Sample], prompt_ids: list, policy: str | Path) -> None:
+    """Raise ValueError naming ``policy`` where a sampled token's log-prob is not finite (NaN or
+    infinite: a token drawn from a distribution gets a finite one, so the policy's weights or its
+    logits are broken, e.g. NaN weights), with the first such token (its prompt's id from
+    ``prompt_ids``) and how many there are: the advantages stage refused the table only after the
+    rollout had written it and exited 0."""
+    finite = [np.isfinite(np.asarray(s.logprobs, dtype=np.float64)) for s in samples]
+    bad = [k for k, f in enumerate(finite) if not f.all()]
+    if bad:
+        s, i = samples[bad[0]], int(np.argmin(finite[bad[0]]))
+        tokens = sum(int((~finite[k]).sum()) for k in bad)
+        raise ValueError(
+            f"policy {policy}: a sampled token's log-prob is {s.logprobs[i]} (prompt {prompt_ids[s.prompt_index]}, "
+            f"sample {s.sample_idx}, token {i}); {tokens} of {sum(map(len, finite))} tokens in {len(bad)} of "
+            f"{len(samples)} responses are not finite: the policy's weights or logits are broken (NaN or infinite)"
+        )
+
+
 class GroupSampler:
     """The ``rollout.backend`` engine over one policy, opened once (at the first batch, after that
     batch's prompts have rendered) for every batch the job samples, and the task's scorer."""
@@ -96,6 +114,7 @@ class GroupSampler:
             group_size, r.temperature, r.top_p, r.max_new_tokens, greedy=False, seed=seed, min_p=r.min_p
         )
         samples = self.backend.generate(ids, sampling)
+        check_logprobs(samples, batch["prompt_id"].to_list(), self.policy)
         if not self.meta:
             self.meta = {
                 "backend": r.backend,
