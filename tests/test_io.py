@@ -1,5 +1,6 @@
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -206,3 +207,52 @@ def preload_server(env: dict) -> int:
     folder = Path(env["OTBFLOW_PRELOAD_DIR"])
     _wait("the preload server's socket", lambda: next(folder.glob("*.sock"), None), timeout=120)
     return json.loads(next(folder.glob("*.json")).read_text())["pid"]
+
+
+def safetensors_bytes(header: bytes, data: bytes = b"", length: int | None = None) -> bytes:
+    """A safetensors file written by hand: the header's length (8 bytes, little-endian), the
+    header, the data."""
+    return (len(header) if length is None else length).to_bytes(8, "little") + header + data
+
+
+ONE_TENSOR = b'{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}'
+MALFORMED_SAFETENSORS = {
+    "empty": b"",
+    "truncated in its length": b"\x10\x00\x00",
+    "a length past the end": safetensors_bytes(ONE_TENSOR, bytes(8), length=4096),
+    "a length of 2**40": safetensors_bytes(ONE_TENSOR, bytes(8), length=2**40),
+    "a header that is not JSON": safetensors_bytes(b"{not json" + b" " * 47, bytes(8)),
+    "a header that is a JSON list": safetensors_bytes(b"[]", bytes(8)),
+    "an unknown dtype": safetensors_bytes(ONE_TENSOR.replace(b"F32", b"Q99"), bytes(8)),
+    "data cut short": safetensors_bytes(ONE_TENSOR, bytes(4)),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED_SAFETENSORS, ids=lambda c: c.replace(" ", "_"))
+def test_a_malformed_safetensors_file_is_named(tmp_path, tiny_policy, case):
+    """Issue 53: malformed safetensors headers stopped the loaders with safetensors' own error,
+    naming no file. Each hand-made malformed file is named by check_safetensors and by the loaders
+    of a policy (load_policy: features, variance, scaling, the hf rollout; the vLLM backend checks
+    before its engine starts); the well-formed file beside them passes."""
+    from otbflow.engines.vllm import VLLMBackend
+    from otbflow.io import check_safetensors
+    from otbflow.models.policy import load_policy
+
+    good = tmp_path / "good"
+    good.mkdir()
+    (good / "model.safetensors").write_bytes(safetensors_bytes(ONE_TENSOR, bytes(8)))
+    check_safetensors(good)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "model.safetensors").write_bytes(MALFORMED_SAFETENSORS[case])
+    named = rf"{bad}/model.safetensors: not a readable safetensors file \(.+\)"
+    with pytest.raises(ValueError, match=named):
+        check_safetensors(bad)
+    policy = tmp_path / "policy"
+    shutil.copytree(tiny_policy, policy)
+    (policy / "model.safetensors").write_bytes(MALFORMED_SAFETENSORS[case])
+    named = rf"{policy}/model.safetensors: not a readable safetensors file"
+    with pytest.raises(ValueError, match=named):
+        load_policy(policy)
+    with pytest.raises(ValueError, match=named):
+        VLLMBackend(None, str(policy))

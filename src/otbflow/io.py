@@ -14,6 +14,8 @@
 - ``write_errors_named``: a write that failed for a reason of the storage (a full disk, a quota)
   raises ``OSError(errno, strerror, path)``, also where the writer (torch's zip writer,
   safetensors) reported it in other words; ``atomic_file`` and ``atomic_dir`` use it.
+- ``check_safetensors``: every ``*.safetensors`` file of a model folder has a header that reads
+  (its length, its JSON, its tensors covering the file), or the error names the file.
 - ``pyplot`` / ``save_figure``: matplotlib without a display, and PNGs written the same way.
 - ``bind_to_job`` / ``check_job``: a stage process dies with the job that started it, and
   ``atomic_file`` and ``atomic_dir`` publish nothing once that job has ended (it failed: an output
@@ -230,6 +232,23 @@ def read_table(path: str | Path, schema: TableSchema) -> pl.DataFrame:
         raise SchemaError(f"{path}: not a readable Parquet file ({e})") from None
     check_schema(df, schema, str(path))
     return df
+
+
+def check_safetensors(folder: str | Path) -> None:
+    """Raise ValueError naming the file where a ``*.safetensors`` file of the model folder
+    ``folder`` has a header that safetensors cannot read (shorter than its 8-byte length, a length
+    past the file's end, a header that is not JSON or not its layout, an unknown dtype, tensors
+    that do not cover the file): transformers, DeepSpeed's loader and the in-place reload
+    otherwise stop with safetensors' "Error while deserializing header: ..." and no file name.
+    Opens each file's header (a memory map; no tensor is read)."""
+    from safetensors import SafetensorError, safe_open
+
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="numpy"):
+                pass
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
 
 
 @contextlib.contextmanager

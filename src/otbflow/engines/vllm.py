@@ -12,6 +12,7 @@ from typing import Any, Iterable
 from omegaconf import DictConfig
 
 from otbflow.engines import Sample, Sampling, model_config, model_positions, stop_token_ids
+from otbflow.io import check_safetensors
 from otbflow.models.policy import load_tokenizer
 from otbflow.seeds import derive_seed
 
@@ -255,6 +256,7 @@ class VLLMBackend:
 
     def __init__(self, cfg: DictConfig, policy: str):
         self.cfg, self.policy = cfg, policy
+        check_safetensors(policy)  # vLLM's loader would not name a malformed file
         self.stops = stop_token_ids(load_tokenizer(policy), policy)
         self.llm, self.engine = None, None
 

@@ -12,6 +12,7 @@ import torch
 from omegaconf import DictConfig
 
 from otbflow.engines import ARCHITECTURES, VOCABULARY_FILES, check_tokenizer
+from otbflow.io import check_safetensors
 from otbflow.ops import resident
 from otbflow.ops.retention import check_not_pruned
 
@@ -173,6 +174,7 @@ def load_policy(path: str | Path, dtype: str = "float32", cast_to: torch.dtype |
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path}: not an HF model folder (no config.json)")
     check_not_pruned(path)
+    check_safetensors(path)
     if resident.ENABLED:  # a warm worker: the resident module where it fits (otbflow.ops.resident)
         return resident.policy(path, dtype, cast_to, _load_policy)
     return _load_policy(path, dtype, cast_to)

@@ -111,7 +111,10 @@ class RewardModel:
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+        from otbflow.io import check_safetensors  # not at the top: the config check imports this module
+
         check_reward_model(path)
+        check_safetensors(path)
         self.path = Path(path)
         tok = AutoTokenizer.from_pretrained(self.path, local_files_only=True)
         if tok.pad_token_id is None:

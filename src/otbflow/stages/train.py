@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 
 from otbflow import schemas
 from otbflow.algorithms.lr_schedule import LRSchedule
-from otbflow.io import SchemaError, fault_point, write_json, write_parquet
+from otbflow.io import SchemaError, check_safetensors, fault_point, write_json, write_parquet
 from otbflow.models.policy import set_threads
 from otbflow.ops import resident
 from otbflow.ops.dispatch import me
@@ -101,6 +101,8 @@ def run(cfg: DictConfig, args: Args) -> None:
         raise SchemaError(f"{args.advantages}: no rows to train on")
     if tc.kl_coef > 0 and not args.reference:
         raise SchemaError("train.kl_coef > 0 needs --reference, the reference policy (e.g. the initial one)")
+    for folder in (args.policy, *([args.reference] if tc.kl_coef > 0 else [])):
+        check_safetensors(folder)  # a malformed header is named by its file, before any work
     if tc.reset_optimizer and args.prev_optimizer:
         raise OptimizerStateError(
             f"train.reset_optimizer is true but --prev-optimizer {args.prev_optimizer} was given: drop one of them"
