@@ -1556,6 +1556,40 @@ def test_two_ranks_give_the_full_batch_gradient(policy_dir, features_path, tmp_p
         )
 
 
+def test_equal_checkpoint_states_write_equal_bytes(tmp_path):
+    """Issue 53: pickle writes a string object once and refers back to it, so two equal states
+    whose equal strings were one object in one and two in the other (a warm engine's AdamW param
+    groups against a loaded state's) wrote different bytes. Through save_checkpoint_file (training.
+    state.canonical) they write the same bytes, and load back equal; torch.save alone does not."""
+    from collections import OrderedDict
+
+    from otbflow.training.state import load_checkpoint_file, save_checkpoint_file
+
+    exp_avg = torch.arange(6, dtype=torch.float32)
+
+    def state(shared: bool):
+        lr = "lr" if shared else "".join(["l", "r"])  # an equal string, another object
+        group = {lr: 1e-3, "weight_decay": 0.0, "params": [0]}
+        return {
+            "optimizer": {"state": {0: {"step": torch.tensor(2.0), "exp_avg": exp_avg}}, "param_groups": [group]},
+            "lr_key": "lr",
+            "shapes": [OrderedDict([("w", torch.Size([6]))])],
+            "pair": ("a", 1),
+        }
+
+    raw = []
+    for k, shared in enumerate((True, False)):
+        torch.save(state(shared), tmp_path / f"raw{k}.pt")
+        raw.append((tmp_path / f"raw{k}.pt").read_bytes())
+        save_checkpoint_file(state(shared), str(tmp_path / f"{k}.pt"), True)
+    assert raw[0] != raw[1]  # the difference this fixes
+    assert (tmp_path / "0.pt").read_bytes() == (tmp_path / "1.pt").read_bytes()
+    back = load_checkpoint_file(str(tmp_path / "1.pt"))
+    assert torch.equal(back["optimizer"]["state"][0]["exp_avg"], exp_avg) and back["pair"] == ("a", 1)
+    assert back["optimizer"]["param_groups"] == [{"lr": 1e-3, "weight_decay": 0.0, "params": [0]}]
+    assert type(back["shapes"][0]) is OrderedDict and back["shapes"][0]["w"] == torch.Size([6])
+
+
 def test_kill_9_then_rerun_resumes_to_the_same_weights(policy_dir, features_path, tmp_path, monkeypatch):
     """With an optimizer state carried in from a previous job and one written out: the resumed
     job ends with the weights and metrics of an uninterrupted one. No job compiles or loads a
@@ -1616,6 +1650,14 @@ def test_kill_9_then_rerun_resumes_to_the_same_weights(policy_dir, features_path
     assert not (tmp_path / "killed.ckpt").exists()  # removed once the outputs are written
     assert (tmp_path / "killed.opt" / "meta.json").is_file() and not list(tmp_path.glob(".*.partial"))
     assert not (tmp_path / "torch_extensions").exists()
+    # issue 53: the AdamW state the resumed job wrote (its param groups loaded from the checkpoint)
+    # is the uninterrupted one's, byte for byte (training.state.canonical)
+    files = sorted(p.relative_to(tmp_path / "whole.opt") for p in (tmp_path / "whole.opt" / "state").rglob("*.pt"))
+    assert files and files == sorted(
+        p.relative_to(tmp_path / "killed.opt") for p in (tmp_path / "killed.opt" / "state").rglob("*.pt")
+    )
+    for f in files:
+        assert (tmp_path / "whole.opt" / f).read_bytes() == (tmp_path / "killed.opt" / f).read_bytes(), f
 
 
 # ------------------------------------------------------------------------------------------

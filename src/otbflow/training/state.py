@@ -17,7 +17,10 @@ import os
 import pickle
 import re
 import shutil
+import sys
+from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
@@ -92,10 +95,31 @@ def load_checkpoint_file(path: str, map_location=None):
 
 
 def save_checkpoint_file(state, path: str, zipfile_serialization: bool) -> None:
-    """``torch.save`` of one DeepSpeed file through a Python file object: a failed write (a full
-    disk) raises its OSError naming ``path``, where torch's own file writer says "unexpected pos"."""
+    """``torch.save`` of one DeepSpeed file through a Python file object, of the ``canonical``
+    state (equal states write equal bytes): a failed write (a full disk) raises its OSError naming
+    ``path``, where torch's own file writer says "unexpected pos"."""
     with write_errors_named(path), open(path, "wb") as f:
-        torch.save(state, f, _use_new_zipfile_serialization=zipfile_serialization)
+        torch.save(canonical(state), f, _use_new_zipfile_serialization=zipfile_serialization)
+
+
+def canonical(obj: Any, memo: dict[int, Any] | None = None) -> Any:
+    """``obj`` with every string interned and its dicts, OrderedDicts, lists and tuples rebuilt
+    around the same tensors and other objects (a container met twice is rebuilt once). Pickle
+    writes a string object once and refers back to it after, so a state's bytes depended on which
+    of its equal strings were one object: an AdamW state of equal tensors written by a warm
+    engine (its param groups' keys, such as 'lr', the code's own strings) and after a load (new
+    strings from the file) differed in bytes, and a byte digest of the two found a difference."""
+    memo = {} if memo is None else memo
+    if type(obj) is str:
+        return sys.intern(obj)
+    if type(obj) not in (dict, OrderedDict, list, tuple):
+        return obj
+    if id(obj) not in memo:
+        if type(obj) in (dict, OrderedDict):
+            memo[id(obj)] = type(obj)((canonical(k, memo), canonical(v, memo)) for k, v in obj.items())
+        else:
+            memo[id(obj)] = type(obj)(canonical(v, memo) for v in obj)
+    return memo[id(obj)]
 
 
 def guard_checkpoint_io(engine) -> None:
