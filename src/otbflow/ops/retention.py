@@ -104,6 +104,9 @@ OPTIMIZER_META = "meta.json"
 OPTIMIZER_WRITER = "writer.json"
 """In an optimizer folder being written: the process that writes it (host, pid, start, boot,
 heartbeat file), so that a reader elsewhere waits while it lives; removed before ``meta.json``."""
+OPTIMIZER_FAILED = "failed.json"
+"""In the emptied temporary folder of an optimizer state whose write after its job failed (a warm
+train worker's, in the background): the error, for the publish job to name."""
 
 
 def optimizer_partial(folder: str | Path) -> Path:

@@ -10,8 +10,9 @@ the one of the policy the job published (``meta.json``'s policy digest against `
 renames it to ``iter_k/train/optimizer``, the declared output that the next train job and
 retention read: complete before any reader starts.
 
-When the state is lost (the worker died while writing it, or an older state of other weights lies
-there), iteration k's train outputs are removed and the job fails, naming why: the same command
+When the state is lost (the worker died while writing it, its write failed, e.g. on a full disk,
+whose error it names, or an older state of other weights lies there), iteration k's train outputs
+are removed and the job fails, naming why: the same command
 then redoes that update, from the previous iteration's state, which retention keeps until this
 one is published.
 """
@@ -31,7 +32,7 @@ from omegaconf import DictConfig
 from otbflow.io import check_job, read_json
 from otbflow.ops import resident
 from otbflow.ops.resident import WEIGHTS, files_digest
-from otbflow.ops.retention import OPTIMIZER_META, OPTIMIZER_WRITER, optimizer_partial
+from otbflow.ops.retention import OPTIMIZER_FAILED, OPTIMIZER_META, OPTIMIZER_WRITER, optimizer_partial
 
 log = logging.getLogger("otbflow.publish_optimizer")
 
@@ -79,7 +80,11 @@ def run(cfg: DictConfig, args: Args) -> None:
     why = None
     meta_path = Path(args.pending) / OPTIMIZER_META
     if not meta_path.is_file():
-        why = f"{args.pending} holds no finished optimizer state (its writer died before it was complete)"
+        failed = read_json(optimizer_partial(args.pending) / OPTIMIZER_FAILED)
+        if failed is not None:
+            why = f"writing the optimizer state {args.pending} after the train job failed: {failed.get('error')}"
+        else:
+            why = f"{args.pending} holds no finished optimizer state (its writer died before it was complete)"
     else:
         digest = json.loads(meta_path.read_text()).get("policy_sha256")
         if digest != files_digest(args.policy, WEIGHTS):  # train_state.policy_digest

@@ -27,7 +27,13 @@ from omegaconf import DictConfig
 
 from otbflow.io import atomic_dir, check_job, read_json, write_errors_named, write_json
 from otbflow.ops.resident import WEIGHTS, files_digest
-from otbflow.ops.retention import OPTIMIZER_META, OPTIMIZER_WRITER, check_not_pruned, optimizer_partial
+from otbflow.ops.retention import (
+    OPTIMIZER_FAILED,
+    OPTIMIZER_META,
+    OPTIMIZER_WRITER,
+    check_not_pruned,
+    optimizer_partial,
+)
 
 log = logging.getLogger("otbflow.train")
 
@@ -312,7 +318,8 @@ def save_optimizer_state(engine, out: str, meta: dict, rank: int, world_size: in
     temporary sibling folder, then rank 0 adds ``meta.json`` and renames it to ``out``: a killed
     job never leaves a folder that looks finished. Collective: every rank must call it.
     ``writer``: a record of the writing process, kept in the temporary folder while it writes
-    (``retention.OPTIMIZER_WRITER``: a publisher elsewhere waits while it lives)."""
+    (``retention.OPTIMIZER_WRITER``: a publisher elsewhere waits while it lives); given (a write
+    after the job returned), a failure leaves its error there instead (``record_failed_write``)."""
     out_path = Path(out)
     tmp = optimizer_partial(out_path)  # the same name on every rank
 
@@ -323,8 +330,10 @@ def save_optimizer_state(engine, out: str, meta: dict, rank: int, world_size: in
     try:
         with write_errors_named(tmp):
             engine.save_checkpoint(str(tmp), tag=OPTIMIZER_TAG, client_state={}, save_latest=False)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)  # a failed write (a full disk) leaves no partial state
+        if writer is not None and rank == 0:
+            record_failed_write(out_path, e)
         raise
     _barrier(world_size)
     if rank == 0:
@@ -332,13 +341,26 @@ def save_optimizer_state(engine, out: str, meta: dict, rank: int, world_size: in
             (tmp / OPTIMIZER_WRITER).unlink(missing_ok=True)
             write_json(meta, tmp / OPTIMIZER_META)
             check_job(out_path)  # not published once the job that started this process has ended
-        except BaseException:
+        except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
+            if writer is not None:
+                record_failed_write(out_path, e)
             raise
         if out_path.exists():
             shutil.rmtree(out_path)
         os.replace(tmp, out_path)
     _barrier(world_size)
+
+
+def record_failed_write(out: str | Path, error: BaseException) -> None:
+    """The error of a write of the optimizer state ``out`` after its job returned, in its emptied
+    temporary folder (``retention.OPTIMIZER_FAILED``): the publish job names it (a full disk: the
+    errno and the file), where the worker's own log would otherwise be the only one to. Best effort
+    (the disk may still be full: the publish job then says that the writer died)."""
+    with contextlib.suppress(Exception):
+        tmp = optimizer_partial(out)
+        tmp.mkdir(parents=True, exist_ok=True)
+        write_json({"error": f"{type(error).__name__}: {error}"}, tmp / OPTIMIZER_FAILED)
 
 
 def claim_optimizer_write(out: str | Path, writer: dict | None = None) -> None:
