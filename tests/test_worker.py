@@ -1,9 +1,14 @@
 """Warm stage workers (otbflow.ops.worker, otbflow.ops.dispatch): the tiny run handed to workers gives the
 outputs of the run without them, bitwise; a worker killed mid-job, a client killed mid-job, a stale
-registration, a request without the run's secret, a worker of other code; the client's imports."""
+registration, a request without the run's secret, a worker of other code; the client's imports.
+Faults and forgery: a Ctrl-C while a job waits in a worker's queue, a request whose job folder is
+gone, a malformed or replayed request, an I/O error in one job, links planted in ``.workers/``, a
+forged or dead registration, the folder's modes, a full disk under the background AdamW write."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -15,8 +20,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO
-from test_workflow import copy_run, snakemake
+from conftest import REPO, TINY
+from test_train import small_tmpfs_works
+from test_workflow import SNAKEMAKE, copy_run, snakemake
 
 from otbflow.ops import dispatch
 
@@ -44,6 +50,62 @@ def wait_for(predicate, timeout: float, what: str):
             return value
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def features_worker(tmp_path_factory):
+    """One features worker for the tests of requests (no job of theirs needs inputs): its results
+    folder, process and log."""
+    tmp = tmp_path_factory.mktemp("features_worker")
+    results, log = tmp / "results", tmp / "worker.log"
+    proc = start_worker(results, "features", log)
+    try:
+        wait_for(lambda: dispatch.live_workers(results, "features"), 60, "the worker")
+        yield results, proc, log
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def serves_the_next_job(results: Path, kind: str = "features") -> None:
+    """A worker of ``kind`` is registered and runs the next job a client hands it (the stage's
+    --help: a job that needs no inputs), its output copied to the client's."""
+    from otbflow.ops.codeversion import code_version
+
+    stage = dispatch.KINDS[kind][0]
+    out = io.StringIO()
+    assert dispatch.Client(results, stage, code_version(stage), ["--help"]).run(out) == 0, out.getvalue()
+    assert "usage:" in out.getvalue() and f"runs {stage}" in out.getvalue(), out.getvalue()
+
+
+def post(results: Path, argv=("--help",), folder: bool = True, request: dict | None = None) -> dispatch.Client:
+    """A features request queued as a client queues it (signed with the run's secret; ``request``:
+    these bytes instead), with its job folder and this process's heartbeat as the client's unless
+    not ``folder``; nobody waits for the answer."""
+    from otbflow.ops.codeversion import code_version
+
+    client = dispatch.Client(results, "features", code_version("features"), list(argv))
+    if request is None:
+        request = client.request(dispatch.secret(results))
+    client.id, client.job = request["id"], client.base / "jobs" / request["id"]
+    if folder:  # private, as a client makes them
+        client.job.mkdir(mode=0o700)
+        (client.job / "client").touch(mode=0o600)
+    queued = client.base / "queue" / f"{client.id}.json"
+    queued.write_text(json.dumps(request))
+    queued.chmod(0o600)
+    return client
+
+
+def handled(client: dispatch.Client) -> bool:
+    """Whether a worker took the request of ``client`` and is done with it (queued nor claimed)."""
+    queued = (client.base / "queue" / f"{client.id}.json").exists()
+    return not queued and not any(client.base.glob(f"*/running/{client.id}.json"))
+
+
+def ran(log: Path, client: dispatch.Client) -> bool:
+    """Whether the worker whose log is ``log`` started the job of ``client``."""
+    return f"(job {client.id})" in log.read_text()
 
 
 def workers(results: Path, tmp: Path, env: dict | None = None) -> dict[str, subprocess.Popen]:
@@ -147,11 +209,12 @@ def test_without_a_live_worker_the_client_runs_the_stage_itself(tmp_path):
     folder.mkdir(parents=True)
     (folder / "alive").touch()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    key = dispatch.secret(results)
     record = {**dispatch.me(), "pid": int(dead.stdout), "start": 1}
-    (folder / "worker.json").write_text(json.dumps(record))
+    (folder / "worker.json").write_text(json.dumps(dispatch.signed(key, record)))
     rebooted = dispatch.root(results) / "features" / "rebooted"  # this host before a reboot: its heartbeat decides
     rebooted.mkdir()
-    (rebooted / "worker.json").write_text(json.dumps({**dispatch.me(), "boot": "another boot"}))
+    (rebooted / "worker.json").write_text(json.dumps(dispatch.signed(key, {**dispatch.me(), "boot": "another boot"})))
     (rebooted / "alive").touch()
     assert dispatch.live_workers(results, "features") == [rebooted]  # its heartbeat is fresh
     old = time.time() - dispatch.STALE_S - 1
@@ -165,26 +228,235 @@ def test_without_a_live_worker_the_client_runs_the_stage_itself(tmp_path):
     assert res.returncode == 0 and "teacher-forced" in res.stdout
 
 
-def test_a_request_without_the_secret_is_not_run(tmp_path):
+def test_a_request_without_the_secret_is_not_run(features_worker, tmp_path):
     """A request signed with another key is removed unrun; one for another code version is refused
     and its client told so (it then runs the job itself)."""
-    results = tmp_path / "results"
-    proc = start_worker(results, "features", tmp_path / "w.log")
+    results, proc, log = features_worker
+    queue = dispatch.root(results) / "features" / "queue"
+    client = dispatch.Client(results, "features", "x", ["--help"])
+    forged = client.request(b"not the secret")
+    (queue / f"{client.id}.json").write_text(json.dumps(forged))
+    wait_for(lambda: handled(client), 30, "the worker to take the request")
+    assert not ran(log, client) and not client.job.exists()
+    other = dispatch.Client(results, "features", "another code version", ["--help"])
+    with open(tmp_path / "client.log", "w") as out:
+        assert other.run(out) is None
+    assert "code version" in (tmp_path / "client.log").read_text()
+
+
+def test_a_request_whose_job_folder_is_gone_ends_that_request_not_the_worker(features_worker):
+    """A signed request left queued without its job folder (what a client interrupted before the
+    fix left behind) is taken and dropped unrun; the worker lives on and serves the next job."""
+    results, proc, log = features_worker
+    client = post(results, folder=False)
+    wait_for(lambda: handled(client), 30, "the worker to take the request")
+    assert not client.job.exists() and not ran(log, client)
+    assert proc.poll() is None
+    serves_the_next_job(results)
+
+
+def test_malformed_and_replayed_requests_are_refused_and_the_worker_serves_on(features_worker, monkeypatch):
+    """Requests that are not JSON, signed but of another form, or a byte-for-byte copy of a request
+    the worker served (replayed while a job folder and a live client are there for it, and after)
+    are refused unrun; the worker lives on and serves the next job."""
+    results, proc, log = features_worker
+    key = dispatch.secret(results)
+    queue = dispatch.root(results) / "features" / "queue"
+    (queue / "0123456789abcdef0123456789abcdef.json").write_text("{not json")
+    good = post(results, folder=False).request(key)  # a fresh body to spoil (never queued as it is)
+    (queue / f"{good['id']}.json").unlink()
+    for spoiled in ({**good, "argv": 3}, {k: v for k, v in good.items() if k != "client"}, {**good, "id": "../x"}):
+        body = {k: v for k, v in spoiled.items() if k != "mac"}
+        (queue / f"{uuid_hex()}.json").write_text(json.dumps(dispatch.signed(key, body)))
+    wait_for(lambda: not list(queue.glob("*.json")) and not list(queue.parent.glob("*/running/*")), 30, "the refusals")
+    assert proc.poll() is None
+
+    captured = []  # the request as the client queued it
+    write = dispatch.write_json_atomic
+    monkeypatch.setattr(dispatch, "write_json_atomic", lambda p, d: (captured.append(d), write(p, d)))
+    serves_the_next_job(results)
+    monkeypatch.undo()
+    served = captured[0]
+    replay = post(results, request=served)  # its job folder and a live client, as while it waited
+    wait_for(lambda: handled(replay), 30, "the worker to take the replayed request")
+    time.sleep(0.5)
+    assert not (replay.job / "result.json").exists() and log.read_text().count(f"(job {served['id']})") == 1
+    shutil.rmtree(replay.job)
+    replay = post(results, request=served, folder=False)  # after its client ended
+    wait_for(lambda: handled(replay), 30, "the worker to take the replayed request")
+    assert log.read_text().count(f"(job {served['id']})") == 1 and proc.poll() is None
+    serves_the_next_job(results)
+
+
+def uuid_hex() -> str:
+    import uuid
+
+    return uuid.uuid4().hex
+
+
+def test_an_io_error_or_a_planted_link_ends_that_job_not_the_worker(features_worker, tmp_path):
+    """A job whose log cannot be opened (a folder in its place) is answered as failed, naming the
+    error; a job folder that is a link out of the results folder, and a log that is a link to a file
+    outside, get nothing written through them; the worker lives on and serves the next job."""
+    results, proc, log = features_worker
+    client = post(results)
+    (client.job / "log").mkdir()
+    wait_for(lambda: (client.job / "result.json").exists(), 30, "the answer")
+    answer = json.loads((client.job / "result.json").read_text())
+    assert answer["status"] == "failed" and "IsADirectoryError" in answer["error"], answer
+    assert proc.poll() is None
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "client").touch()
+    linked = post(results, folder=False)
+    linked.job.symlink_to(outside)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("mine\n")
+    logged = post(results)
+    (logged.job / "log").symlink_to(victim)
+    for c in (linked, logged):
+        wait_for(lambda c=c: handled(c), 30, "the worker to take the request")
+    wait_for(lambda: (logged.job / "result.json").exists(), 30, "the answer")
+    assert sorted(p.name for p in outside.iterdir()) == ["client"] and victim.read_text() == "mine\n"
+    assert json.loads((logged.job / "result.json").read_text())["status"] == "failed"
+    assert proc.poll() is None
+    linked.job.unlink()  # the planted links, gone with their test
+    shutil.rmtree(logged.job)
+    shutil.rmtree(client.job)
+    serves_the_next_job(results)
+
+
+def test_the_workers_folder_is_private_to_the_runs_user(features_worker, tmp_path):
+    """Every folder and file under ``.workers/`` (a client's queued request, job folder and
+    heartbeat; a worker's registration, heartbeat and ledger; the job's log and answer) is neither
+    writable by the group nor open to others; a ``.workers/`` left 0755 (by an earlier version) is
+    made private when a worker starts."""
+    import threading
+
+    from otbflow.ops.codeversion import code_version
+
+    results, proc, log = features_worker
+
+    def modes(root: Path) -> dict[Path, int]:
+        found = {}
+        for path in [root, *root.rglob("*")]:
+            with contextlib.suppress(FileNotFoundError):
+                found[path] = os.lstat(path).st_mode
+        return found
+
+    unserved = tmp_path / "unserved"  # a run whose worker never claims: the request stays queued a while
+    dispatch.secret(unserved, create=True)
+    client = dispatch.Client(unserved, "features", code_version("features"), ["--help"])
+    waiting = threading.Thread(target=client.attempt, args=(dispatch.secret(unserved), io.StringIO(), 3.0))
+    waiting.start()
+    queued = client.base / "queue" / f"{client.id}.json"
+    wait_for(queued.exists, 30, "the request queued")
+    seen = modes(dispatch.root(unserved))
+    waiting.join()
+    assert not queued.exists() and not client.job.exists()  # withdrawn when it gave up
+
+    job = post(results)  # a job folder of the test's own: the worker's log and answer in it
+    wait_for(lambda: (job.job / "result.json").exists(), 30, "the answer")
+    seen.update(modes(dispatch.root(results)))
+    wanted = {
+        "a request": queued,
+        "a client's job folder": client.job,
+        "its heartbeat": client.job / "client",
+        "a job's log": job.job / "log",
+        "its answer": job.job / "result.json",
+    }
+    for what, path in wanted.items():
+        assert path in seen, what
+    for what, pattern in {"registration": "*/worker.json", "heartbeat": "*/alive", "ledger": "served/*"}.items():
+        assert any(p.match(f"*/features/{pattern}") for p in seen), what
+    for path, mode in seen.items():
+        assert not mode & 0o027, f"{path}: {mode & 0o777:o}"
+
+    old = tmp_path / "old"
+    (old / dispatch.FOLDER).mkdir(parents=True)
+    os.chmod(old / dispatch.FOLDER, 0o755)
+    proc2 = start_worker(old, "features", tmp_path / "w.log")
     try:
-        wait_for(lambda: dispatch.live_workers(results, "features"), 60, "the worker")
-        queue = dispatch.root(results) / "features" / "queue"
-        client = dispatch.Client(results, "features", "x", ["--help"])
-        forged = client.request(b"not the secret")
-        (queue / f"{client.id}.json").write_text(json.dumps(forged))
-        wait_for(lambda: "refused, not run" in (tmp_path / "w.log").read_text(), 30, "the refusal")
-        assert not (queue / f"{client.id}.json").exists() and not client.job.exists()
-        other = dispatch.Client(results, "features", "another code version", ["--help"])
-        with open(tmp_path / "client.log", "w") as out:
-            assert other.run(out) is None
-        assert "code version" in (tmp_path / "client.log").read_text()
+        wait_for(lambda: dispatch.live_workers(old, "features"), 60, "the worker")
+        assert not os.stat(old / dispatch.FOLDER).st_mode & 0o077
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
+        proc2.send_signal(signal.SIGTERM)
+        proc2.wait(timeout=30)
+
+
+def test_forged_and_dead_registrations(features_worker, tmp_path):
+    """A registration not signed with the run's secret, of a live process with a fresh heartbeat,
+    is no worker: a client runs its job itself at once, not after the claim window. A signed one of
+    a dead process on this host is removed by the live worker of its kind."""
+    results, proc, log = features_worker
+    forged_run = tmp_path / "forged"
+    dispatch.secret(forged_run, create=True)
+    folder = dispatch.root(forged_run) / "features" / "forged"
+    folder.mkdir(parents=True)
+    (folder / "worker.json").write_text(json.dumps({**dispatch.me(), "kind": "features"}))
+    (folder / "alive").touch()
+    start = time.time()
+    res = subprocess.run([*client_command(forged_run, "x"), "features", "--help"], capture_output=True, text=True)
+    assert res.returncode == 0 and "teacher-forced" in res.stdout and time.time() - start < 20
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone = dispatch.root(results) / "features" / "gone"
+    gone.mkdir()
+    record = {**dispatch.me(), "pid": int(dead.stdout), "start": 1}
+    (gone / "worker.json").write_text(json.dumps(dispatch.signed(dispatch.secret(results), record)))
+    (gone / "alive").touch()
+    wait_for(lambda: not gone.exists(), 30, "the dead registration to be swept")
+    assert proc.poll() is None
+
+
+def test_the_sweep_waits_out_a_shared_filesystems_attribute_cache(tmp_path):
+    """A registration of another host is swept only once its heartbeat kept one modification time
+    for SWEEP_S by the sweeper's own clock (an old time read once may be a cached attribute, or a
+    clock of another node); a heartbeat that moves starts the wait again; a fresh one is never swept."""
+    results = tmp_path / "results"
+    key = dispatch.secret(results, create=True)
+    base = dispatch.kind_dir(results, "train")
+    old = time.time() - 3600
+    for name in ("elsewhere", "fresh"):
+        (base / name).mkdir()
+        record = {**dispatch.me(), "host": f"{name}.example"}
+        (base / name / "worker.json").write_text(json.dumps(dispatch.signed(key, record)))
+        (base / name / "alive").touch()
+    os.utime(base / "elsewhere" / "alive", (old, old))
+    sweeper = dispatch.Sweeper(base, key)
+    assert sweeper.sweep(now=0.0) == [] and sweeper.sweep(now=dispatch.SWEEP_S - 1) == []
+    os.utime(base / "elsewhere" / "alive", (old + 1, old + 1))  # it beat (late, or seen late)
+    assert sweeper.sweep(now=dispatch.SWEEP_S + 1) == []
+    assert sweeper.sweep(now=2 * dispatch.SWEEP_S) == []
+    assert sweeper.sweep(now=2 * dispatch.SWEEP_S + 2) == [base / "elsewhere"]
+    assert sorted(p.name for p in base.iterdir()) == ["fresh", "jobs", "queue", "served"]
+
+
+def test_a_ctrl_c_while_a_job_waits_in_a_workers_queue(tiny_run, tmp_path):
+    """One generation worker, two rollout shards (one job runs on the worker, the other's request
+    waits in its queue) and a Ctrl-C (SIGINT to Snakemake's process group): the clients withdraw
+    their requests, and the worker lives on and serves the next job."""
+    work = copy_run(tiny_run, tmp_path / "run")
+    results = work / "results"
+    worker = start_worker(results, "generate", tmp_path / "w.log")
+    try:
+        wait_for(lambda: dispatch.live_workers(results, "generate"), 60, "the worker")
+        base = dispatch.root(results) / "generate"
+        cmd = [SNAKEMAKE, "-s", str(REPO / "Snakefile"), "--directory", str(work), "--cores", "2"]
+        cmd += ["--configfile", str(TINY), "--forcerun", "rollout", "--until", "rollout"]
+        with open(tmp_path / "snakemake.log", "w") as out:
+            run = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        waiting = lambda: list(base.glob("queue/*.json")) and list(base.glob("*/running/*.json"))  # noqa: E731
+        wait_for(waiting, 120, "one job on the worker and one waiting in its queue")
+        os.killpg(run.pid, signal.SIGINT)
+        assert run.wait(timeout=120) != 0
+        wait_for(lambda: not list(base.glob("queue/*")) and not list(base.glob("*/running/*")), 60, "an empty queue")
+        assert worker.poll() is None, (tmp_path / "w.log").read_text()[-3000:]
+        serves_the_next_job(results, "generate")
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(timeout=30)
 
 
 @pytest.mark.slow
@@ -288,6 +560,42 @@ def test_a_publish_job_run_outside_the_worker_waits_for_its_background_write(tin
     finally:
         worker.send_signal(signal.SIGTERM)
         worker.wait(timeout=60)
+
+
+@pytest.mark.skipif(not small_tmpfs_works(), reason="needs unshare -rm to mount a small tmpfs (user namespaces)")
+def test_a_full_disk_under_the_background_write_is_named_in_the_publish_jobs_log(tiny_run, tmp_path):
+    """A train worker whose AdamW state goes to a full disk (a 32 KiB tmpfs, mounted for the
+    worker alone): the train job returns its policy, the background write fails, and the publish
+    job (on the worker, as the rule's client hands it) fails naming errno 28 and a path on that
+    disk in its own log (the client's output), not a writer that died."""
+    from otbflow.ops.codeversion import code_version
+
+    results, registry, full = tiny_run / "results", tmp_path / "registry", tmp_path / "full"
+    full.mkdir()
+    command = [sys.executable, "-m", "otbflow", "worker", "train", "--results", str(registry)]
+    script = 'mount -t tmpfs -o size=32k tmpfs "$0" && exec "$@"'
+    with open(tmp_path / "w.log", "w") as log:
+        worker = subprocess.Popen(["unshare", "-rm", "sh", "-c", script, str(full), *command], stdout=log, stderr=log)
+    try:
+        wait_for(lambda: dispatch.live_workers(registry, "train"), 60, "the worker")
+        out = tmp_path / "job"
+        args = train_args(results, out)
+        args[args.index("--optimizer") + 1] = str(full / "optimizer.pending")
+        train = [*client_command(registry, code_version("train")), "train", *args, "--optimizer-async"]
+        res = subprocess.run(train, cwd=tiny_run, capture_output=True, text=True)
+        assert res.returncode == 0 and "runs train" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
+        publish = [*client_command(registry, code_version("publish_optimizer")), "publish-optimizer"]
+        publish += ["--config", str(results / "config.yaml"), "--pending", str(full / "optimizer.pending")]
+        publish += ["--out", str(full / "optimizer"), "--policy", str(out / "policy"), "--train-outputs"]
+        publish += [str(out / "policy")]
+        res = subprocess.run(publish, cwd=tiny_run, capture_output=True, text=True)
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(timeout=60)
+    assert res.returncode != 0 and "runs publish_optimizer" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
+    error = re.search(r"\[Errno 28\] No space left on device: '([^']+)'", res.stdout)
+    assert error and Path(error.group(1)).is_relative_to(full), res.stdout[-3000:]
+    assert "writer died" not in res.stdout
 
 
 def rss_kib(pid: int) -> int:

@@ -10,26 +10,35 @@ the ``launcher`` of several processes where it has them: the same command, the s
 client imports no torch and no otbflow module but this one.
 
 The transport is the results folder itself (a shared filesystem reaches every node of a cluster,
-and no port is opened): everything lives under ``<results>/.workers/``:
+and no port is opened): everything lives under ``<results>/.workers/``, a folder of the run's user
+alone (folders 0700, files 0600; ``private_dir``), whose writes never follow a link
+(``write_json_atomic``, ``open_log``):
 
 - ``secret``: the run's key (created by the first worker, readable by its owner only); every request
-  carries an HMAC-SHA256 of its body with it, and a worker runs no request without a valid one;
-- ``<kind>/<worker>/worker.json``: a worker's record (host, pid, start, boot, Slurm job, the stages
-  it runs and their code versions), its heartbeat ``alive`` (touched every ``HEARTBEAT_S``);
+  and every registration carries an HMAC-SHA256 of its body with it, and a worker runs no request,
+  a client trusts no registration, without a valid one;
+- ``<kind>/<worker>/worker.json``: a worker's signed record (host, pid, start, boot, Slurm job, the
+  stages it runs and their code versions), its heartbeat ``alive`` (touched every ``HEARTBEAT_S``);
 - ``<kind>/queue/<job>.json``: a request waiting; a worker claims it by renaming it into its own
   ``<worker>/running/`` (one rename wins);
 - ``<kind>/jobs/<job>/``: the job's ``log`` (the client copies it to its own output, the rule's
-  log), the client's heartbeat ``client`` and the worker's answer ``result.json`` (written last).
+  log), the client's heartbeat ``client`` and the worker's answer ``result.json`` (written last);
+  the client removes it, and withdraws its request, when it ends;
+- ``<kind>/served/<job>``: the ledger of the requests the kind's workers took (one file made
+  exclusively per job: a replayed request finds its id there and is refused).
 
 Liveness: a record whose heartbeat is older than ``STALE_S`` is gone (a host rebooted, a worker
 killed by ``kill -9``); on the client's own host its pid and start time decide at once. A client
 whose claimed job's worker goes stale withdraws the job and runs it itself; a worker whose client
 is gone (the rule's job was killed) abandons the job and publishes nothing (``otbflow.io.check_job``).
-Which stages a kind runs: ``KINDS``. Docs: docs/workers.md.
+A request is served only while its client waits for it (its job folder, its client live) and only
+once (the ledger); the registrations of dead workers are removed (``Sweeper``). Which stages a kind
+runs: ``KINDS``. Docs: docs/workers.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -38,6 +47,7 @@ import secrets
 import shlex
 import shutil
 import socket
+import stat
 import sys
 import time
 import uuid
@@ -66,6 +76,12 @@ WAIT_POLL_S = 2.0
 """How often a client that must wait for a worker (Slurm workers) looks for one."""
 TRIES = 3
 """Workers a job is handed to, one after another, when each dies under it (Slurm workers)."""
+SWEEP_S = 300.0
+"""A registration of another host whose heartbeat kept one modification time this long, by the
+sweeping worker's own clock, is removed (``Sweeper``): far longer than a shared filesystem caches a
+file's attributes (NFS: 60 s at most by default), so a live worker elsewhere is never swept."""
+REQUEST_MAX_BYTES = 1 << 20
+"""A request file larger than this is malformed (refused unread)."""
 
 
 class DispatchError(RuntimeError):
@@ -81,12 +97,36 @@ def root(results: str | Path) -> Path:
     return Path(results).resolve() / FOLDER
 
 
+def private_dir(path: Path) -> Path:
+    """``path``, a folder of this user's alone (mode 0700), made where absent (its parent must
+    exist). A link or another user's folder there is refused (DispatchError): what a process writes
+    under ``.workers/`` stays in the results folder, and no one else reads a request or a log."""
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise DispatchError(f"{path}: not a folder of this user's (a link, a file or another user's folder)")
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)  # made by an older version, or under another umask
+    return path
+
+
+def kind_dir(results: str | Path, kind: str) -> Path:
+    """``<results>/.workers/<kind>/`` with its ``queue``, ``jobs`` and ``served`` folders, private."""
+    Path(results).resolve().mkdir(parents=True, exist_ok=True)
+    base = private_dir(private_dir(root(results)) / kind)
+    for name in ("queue", "jobs", "served"):
+        private_dir(base / name)
+    return base
+
+
 def secret(results: str | Path, create: bool = False) -> bytes | None:
     """The run's key: ``<results>/.workers/secret`` (32 random bytes, hex, mode 0600). ``create``:
     made when absent (workers do; clients only read it). None when absent."""
     path = root(results) / "secret"
     if create and not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
+        Path(results).resolve().mkdir(parents=True, exist_ok=True)
+        private_dir(path.parent)
         tmp = path.with_name(f".secret.{os.getpid()}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -98,11 +138,11 @@ def secret(results: str | Path, create: bool = False) -> bytes | None:
         finally:
             tmp.unlink(missing_ok=True)
     try:
-        st = path.stat()
+        st = os.lstat(path)
     except FileNotFoundError:
         return None
-    if st.st_mode & 0o077:
-        raise DispatchError(f"{path}: readable by others (mode {st.st_mode & 0o777:o}); it must be 0600")
+    if st.st_mode & 0o077 or not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+        raise DispatchError(f"{path}: not a file of this user's alone (mode {st.st_mode & 0o777:o}); it must be 0600")
     return path.read_text().strip().encode()
 
 
@@ -114,18 +154,70 @@ def canonical(body: dict) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
-def verify(key: bytes, request: dict) -> dict:
-    """The request's body when its signature is the key's, else DispatchError."""
-    body = {k: v for k, v in request.items() if k != "mac"}
-    if not hmac.compare_digest(str(request.get("mac", "")), sign(key, body)):
-        raise DispatchError("the request's signature does not match the run's secret")
+def signed(key: bytes, body: dict) -> dict:
+    return {**body, "mac": sign(key, body)}
+
+
+def verify(key: bytes, record: dict) -> dict:
+    """The body of a request or registration when its signature is the key's, else DispatchError."""
+    if not isinstance(record, dict):
+        raise DispatchError("not a JSON object")
+    body = {k: v for k, v in record.items() if k != "mac"}
+    if not hmac.compare_digest(str(record.get("mac", "")), sign(key, body)):
+        raise DispatchError("its signature does not match the run's secret")
     return body
 
 
+def open_folder(path: Path) -> int:
+    """A descriptor of the folder ``path``, opened without following a link there (OSError else)."""
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+
+
 def write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
+    """``data`` as the file ``path`` (mode 0600) in one rename, never through a link: neither the
+    file nor its folder may be one (the folders above are ``private_dir``s)."""
+    folder = open_folder(path.parent)
+    tmp = f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=folder)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f)
+            os.replace(tmp, path.name, src_dir_fd=folder, dst_dir_fd=folder)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=folder)
+            raise
+    finally:
+        os.close(folder)
+
+
+def open_log(path: Path):
+    """The job log ``path`` opened to append (made 0600), never through a link (OSError else)."""
+    folder = open_folder(path.parent)
+    try:
+        fd = os.open(path.name, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600, dir_fd=folder)
+    finally:
+        os.close(folder)
+    return os.fdopen(fd, "a")
+
+
+def read_record(path: Path) -> dict:
+    """A request or registration file (JSON, at most REQUEST_MAX_BYTES), not through a link."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(REQUEST_MAX_BYTES + 1)
+    if len(data) > REQUEST_MAX_BYTES:
+        raise DispatchError(f"larger than {REQUEST_MAX_BYTES} bytes")
+    return json.loads(data)
+
+
+def touch(path: Path) -> None:
+    """Make the heartbeat ``path`` (0600) or renew its modification time, never through a link."""
+    try:
+        os.utime(path, follow_symlinks=False)
+    except FileNotFoundError:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
 
 
 def boot_id() -> str:
@@ -150,36 +242,109 @@ def me() -> dict:
     return {"host": socket.gethostname(), "pid": os.getpid(), "start": process_start(os.getpid()), "boot": boot_id()}
 
 
+def here(record: dict) -> bool:
+    """Whether the process of ``record`` (``me()``'s keys) ran on this host since its last boot."""
+    return record.get("host") == socket.gethostname() and record.get("boot") == boot_id()
+
+
+def modified(path: Path) -> float | None:
+    """The modification time of the file ``path`` (None: none there), read from a descriptor of
+    it: opening a file on a shared filesystem (NFS) fetches its attributes anew (close-to-open),
+    where a plain stat may answer from a cache up to a minute old."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        return os.fstat(fd).st_mtime
+    finally:
+        os.close(fd)
+
+
 def alive(record: dict, heartbeat: Path, by_pid_here: bool = False) -> bool:
     """Whether the process of ``record`` (``me()``'s keys) runs: on this host and boot by its pid
     and start; elsewhere by its heartbeat file being fresher than ``STALE_S``. A process found here
     must also have a fresh heartbeat (one that stopped beating is hung), but with ``by_pid_here``:
     a slow process on a loaded machine is still waited for."""
-    if record.get("host") == socket.gethostname() and record.get("boot") == boot_id():
+    if here(record):
         if process_start(int(record["pid"])) != record.get("start"):
             return False
         if by_pid_here:
             return True
+    beat = modified(heartbeat)
+    return beat is not None and time.time() - beat < STALE_S
+
+
+def registration(folder: Path, key: bytes) -> dict | None:
+    """The record of the worker registered in ``folder`` when it is signed with ``key`` (None: no
+    record, or one unsigned, forged or half-removed)."""
     try:
-        return time.time() - heartbeat.stat().st_mtime < STALE_S
-    except FileNotFoundError:
-        return False
+        return verify(key, read_record(folder / "worker.json"))
+    except (OSError, ValueError, DispatchError):
+        return None
 
 
-def worker_alive(folder: Path) -> bool:
-    """Whether the worker registered in ``folder`` runs (a folder it removed when it ended: no)."""
-    try:
-        info = json.loads((folder / "worker.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return alive(info, folder / "alive")
+def worker_alive(folder: Path, key: bytes) -> bool:
+    """Whether the worker registered in ``folder`` runs (a folder it removed when it ended, or a
+    registration not signed with the run's key: no)."""
+    info = registration(folder, key)
+    return info is not None and alive(info, folder / "alive")
 
 
-def live_workers(results: str | Path, kind: str) -> list[Path]:
-    """The folders of the live workers of ``kind`` (stale registrations ignored)."""
-    return [
-        record.parent for record in sorted((root(results) / kind).glob("*/worker.json")) if worker_alive(record.parent)
-    ]
+def live_workers(results: str | Path, kind: str, key: bytes | None = None) -> list[Path]:
+    """The folders of the live workers of ``kind`` (stale and unsigned registrations ignored);
+    ``key``: the run's secret (read when not given; none: no worker)."""
+    key = key or secret(results)
+    if key is None:
+        return []
+    found = sorted((root(results) / kind).glob("*/worker.json"))
+    return [record.parent for record in found if worker_alive(record.parent, key)]
+
+
+class Sweeper:
+    """Removes the registrations of a kind's dead workers (run by its workers while idle). One on
+    this host whose process is gone goes at once; one of another host (or one unsigned) once its
+    heartbeat file kept one modification time for ``SWEEP_S`` by this process's own clock and is
+    stale: never from one look at a clock of another node, or at attributes a shared filesystem
+    cached."""
+
+    SKIP = ("queue", "jobs", "served")
+
+    def __init__(self, base: Path, key: bytes, own: Path | None = None):
+        self.base, self.key, self.own = base, key, own
+        self.seen: dict[str, tuple[float | None, float]] = {}  # folder -> (heartbeat mtime, since when)
+
+    def sweep(self, now: float | None = None) -> list[Path]:
+        """Remove what is dead now; the folders removed. ``now``: this process's monotonic clock."""
+        now = time.monotonic() if now is None else now
+        removed, present = [], set()
+        for folder in sorted(self.base.iterdir()):
+            if folder.name in self.SKIP or folder == self.own:
+                continue
+            present.add(folder.name)
+            if self.dead(folder, now):
+                if folder.is_symlink() or not folder.is_dir():
+                    folder.unlink(missing_ok=True)
+                else:
+                    shutil.rmtree(folder, ignore_errors=True)
+                self.seen.pop(folder.name, None)
+                removed.append(folder)
+        self.seen = {name: seen for name, seen in self.seen.items() if name in present}
+        return removed
+
+    def dead(self, folder: Path, now: float) -> bool:
+        info = registration(folder, self.key)
+        if info is not None and here(info):
+            return process_start(int(info["pid"])) != info.get("start")
+        beat = modified(folder / "alive")
+        if beat is not None and time.time() - beat < STALE_S:
+            self.seen.pop(folder.name, None)
+            return False
+        mtime, since = self.seen.get(folder.name, (None, None))
+        if since is None or mtime != beat:
+            self.seen[folder.name] = (beat, now)
+            return False
+        return now - since >= SWEEP_S
 
 
 # ------------------------------------------------------------------------------------------
@@ -214,15 +379,13 @@ class Client:
             "client": me(),
             "created": time.time(),
         }
-        return {**body, "mac": sign(key, body)}
+        return signed(key, body)
 
     def run(self, out=sys.stdout) -> int | None:
         """The job's exit code once a worker ran it; None where no worker did (none is live, none
         claimed it in ``CLAIM_S``, its worker went stale or refused it): the caller runs it itself."""
-        if not live_workers(self.results, self.kind):
-            return None
         key = secret(self.results)
-        if key is None:
+        if key is None or not live_workers(self.results, self.kind, key):
             return None
         outcome, value = self.attempt(key, out, claim_s=CLAIM_S)
         if outcome == "done":
@@ -238,7 +401,7 @@ class Client:
         deadline, said, tries = time.time() + wait_s, False, 0
         while True:
             key = secret(self.results)
-            if key is None or not live_workers(self.results, self.kind):
+            if key is None or not live_workers(self.results, self.kind, key):
                 if time.time() > deadline:
                     print(
                         f"otbflow dispatch: no {self.kind} worker started in {wait_s / 60:.0f} min "
@@ -267,12 +430,14 @@ class Client:
         """Post the request and follow it: ("done", exit code) once its worker answered, else
         (why, a sentence): "refused" (another code version), "unclaimed" (no worker took it in
         ``claim_s``, or before ``deadline``) or "gone" (its worker died); the request is withdrawn
-        then (a worker checks it before it publishes) and the job's folder removed."""
-        self.job.mkdir(parents=True)
+        then (a worker checks it before it publishes) and the job's folder removed. However it
+        ends (an answer, an interruption, an error), the request is withdrawn and the folder removed:
+        no request of a client that is gone stays queued."""
+        kind_dir(self.results, self.kind)
+        self.job.mkdir(mode=0o700)
         heartbeat = self.job / "client"
-        heartbeat.touch()
+        touch(heartbeat)
         queued = self.base / "queue" / f"{self.id}.json"
-        queued.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(queued, self.request(key))
         log = self.job / "log"
         offset, started, beat, worker = 0, time.time(), 0.0, None
@@ -280,7 +445,7 @@ class Client:
             while True:
                 now = time.time()
                 if now - beat >= HEARTBEAT_S:
-                    os.utime(heartbeat)
+                    touch(heartbeat)
                     beat = now
                 offset = copy_new(log, offset, out)
                 result = self.job / "result.json"
@@ -297,12 +462,15 @@ class Client:
                     )
                     if worker is None and late and self.withdraw(queued):
                         return "unclaimed", "no worker took the job in time"
-                elif not worker_alive(worker.parents[1]):
+                elif not worker_alive(worker.parents[1], key):
                     # the worker answers before it removes the request: without an answer it is gone
                     if self.withdraw(worker) or not result.exists():
                         return "gone", f"the worker {worker.parents[1].name} is gone"
                 time.sleep(POLL_S)
         finally:
+            self.withdraw(queued)
+            for claimed in self.base.glob(f"*/running/{self.id}.json"):
+                self.withdraw(claimed)  # the worker abandons it
             out.flush()
             shutil.rmtree(self.job, ignore_errors=True)
 
@@ -358,6 +526,24 @@ def die_with_parent() -> None:
         pass
 
 
+@contextlib.contextmanager
+def exit_on_signals():
+    """SIGTERM and SIGHUP (Snakemake stopping its jobs, a closed terminal) end the client as SIGINT
+    does, through its ``finally`` (the request withdrawn), with the signal's exit status; the
+    default handlers again after it (the stage's CLI, exec'd, sets its own)."""
+    import signal
+
+    def leave(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    saved = {sig: signal.signal(sig, leave) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
 OPTIONS = ("--results", "--code", "--wait-min", "--threads", "--tasks", "--cpus-per-task")
 
 
@@ -378,9 +564,10 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     if stage in KIND_OF and "results" in opts:
         client = Client(opts["results"], stage, opts.get("code", ""), rest, threads=opts.get("threads"), tasks=tasks)
-        if "wait-min" in opts:
-            return client.run_on_worker(float(opts["wait-min"]) * 60)
-        code = client.run()
+        with exit_on_signals():
+            if "wait-min" in opts:
+                return client.run_on_worker(float(opts["wait-min"]) * 60)
+            code = client.run()
         if code is not None:
             return code
     sys.stdout.flush()

@@ -7,14 +7,19 @@ code, the same arguments, the same thread count): the outputs are the same. A tr
 several processes (``--tasks N``, for train jobs of N DeepSpeed ranks) is N such processes started
 by the train jobs' launcher: rank 0 serves, and hands each train job to the others (``Ranks``).
 
-What a worker checks before it runs a request: its signature (the run's secret), that its stage is
-one of the worker's kind, that the rule expects the code version the worker has loaded (else it
-refuses and the client runs the job itself), that a train job has as many processes as the worker
-has ranks, and the stage's own arguments and inputs, as every
-job does. While a job runs, a thread keeps the worker's heartbeat and watches the client: a client
-that is gone (its rule's job was killed) or withdrew the job makes the worker abandon it, and
-nothing is published after that (``otbflow.io.check_job``); the resident state of a job that
-failed or was abandoned is dropped. Docs: docs/workers.md.
+What a worker checks before it runs a request: its signature (the run's secret) and form, that no
+worker of its kind took that request before (the ledger ``served/``: a replayed copy is refused),
+that its client still waits for it (its job folder, a real folder, and its client live), that its
+stage is one of the worker's kind, that the rule expects the code version the worker has loaded
+(else it refuses and the client runs the job itself), that a train job has as many processes as
+the worker has ranks, and the stage's own arguments and inputs, as every job does. Nothing a
+request holds ends the worker: a request it cannot serve, or an I/O error of one job (its log, its
+answer), ends that job and the worker takes the next. While a job runs, a thread keeps the
+worker's heartbeat and watches the client: a client that is gone (its rule's job was killed) or
+withdrew the job makes the worker abandon it, and nothing is published after that
+(``otbflow.io.check_job``); the resident state of a job that failed or was abandoned is dropped.
+While idle, it removes the registrations of dead workers of its kind (``Worker.tidy``). Docs:
+docs/workers.md.
 """
 
 from __future__ import annotations
@@ -79,6 +84,9 @@ class Worker:
         self.me = dispatch.me()
         self.id = f"{self.me['host']}-{self.me['pid']}-{self.me['start']}"
         self.folder = self.base / self.id
+        self.sweeper = dispatch.Sweeper(self.base, self.key, own=self.folder)
+        self.swept_at = 0.0
+        self.ledger_gone: dict[str, float] = {}  # served ids whose job folder is gone -> since (own clock)
         self.codes = {stage: code_version(stage) for stage in dispatch.KINDS[kind]}
         self.job: dict | None = None
         self.abandoned: str | None = None
@@ -93,9 +101,9 @@ class Worker:
     # --- registration and heartbeat ---------------------------------------------------------
 
     def register(self) -> None:
-        (self.folder / "running").mkdir(parents=True, exist_ok=True)
-        (self.base / "queue").mkdir(parents=True, exist_ok=True)
-        (self.folder / "alive").touch()
+        dispatch.kind_dir(self.results, self.kind)
+        dispatch.private_dir(dispatch.private_dir(self.folder) / "running")
+        dispatch.touch(self.folder / "alive")
         resident.HEARTBEAT = str(self.folder / "alive")
         record = {
             **self.me,
@@ -106,7 +114,8 @@ class Worker:
             "slurm_job": os.environ.get("SLURM_JOB_ID"),
             "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         }
-        dispatch.write_json_atomic(self.folder / "worker.json", record)
+        dispatch.write_json_atomic(self.folder / "worker.json", dispatch.signed(self.key, record))
+        self.tidy()
         log.info("worker %s (%s: %s) serves %s", self.id, self.kind, ", ".join(dispatch.KINDS[self.kind]), self.results)
 
     def unregister(self) -> None:
@@ -115,8 +124,8 @@ class Worker:
     def heartbeat(self) -> None:
         """Touch ``alive`` every HEARTBEAT_S; abandon the job whose client is gone or withdrew it."""
         while not self.stop.wait(dispatch.HEARTBEAT_S):
-            with contextlib.suppress(FileNotFoundError):
-                os.utime(self.folder / "alive")
+            with contextlib.suppress(OSError):
+                dispatch.touch(self.folder / "alive")
             with self.lock:
                 job = self.job
                 if job is not None and self.abandoned is None and (reason := self.unwanted(job)):
@@ -128,17 +137,41 @@ class Worker:
         """Why ``job`` is no longer wanted (its client is gone, it withdrew it), or None."""
         if not (self.folder / "running" / f"{job['id']}.json").exists():
             return "its client withdrew it"
+        if not (self.base / "jobs" / job["id"]).is_dir():
+            return "its client withdrew it (its job folder is gone)"
         if not dispatch.alive(job["client"], self.base / "jobs" / job["id"] / "client"):
             return "its client is gone (the rule's job was killed)"
         return None
+
+    def tidy(self) -> None:
+        """Sweep the kind's dead registrations (``dispatch.Sweeper``) and forget the served ids whose
+        job folder has been gone for ``SWEEP_S`` by this worker's clock (a copy of such a request
+        finds no folder, and is refused for that); every ``TIDY_S`` at most."""
+        now = time.monotonic()
+        if now - self.swept_at < TIDY_S:
+            return
+        self.swept_at = now
+        try:
+            for folder in self.sweeper.sweep(now):
+                log.info("removed the registration of a dead worker: %s", folder.name)
+            served = {p.name for p in (self.base / "served").iterdir()}
+            jobs = {p.name for p in (self.base / "jobs").iterdir()}
+            self.ledger_gone = {i: self.ledger_gone.get(i, now) for i in served - jobs}
+            for job_id, since in self.ledger_gone.items():
+                if now - since >= dispatch.SWEEP_S:
+                    (self.base / "served" / job_id).unlink(missing_ok=True)
+        except OSError as e:  # a shared filesystem's hiccup: the next round tries again
+            log.warning("the sweep of %s failed: %s", self.base, e)
 
     # --- the loop -------------------------------------------------------------------------------
 
     def claim(self) -> Path | None:
         """The oldest queued request, renamed into this worker's ``running/`` (one claimer wins)."""
-        queue = self.base / "queue"
-        waiting = sorted(queue.glob("*.json"), key=lambda p: p.stat().st_mtime if p.exists() else 0)
-        for path in waiting:
+        waiting = []
+        for path in (self.base / "queue").glob("*.json"):
+            with contextlib.suppress(OSError):  # withdrawn meanwhile
+                waiting.append((path.lstat().st_mtime, path))
+        for _, path in sorted(waiting):
             mine = self.folder / "running" / path.name
             try:
                 os.rename(path, mine)
@@ -159,6 +192,7 @@ class Worker:
                     break
                 mine = self.claim()
                 if mine is None:
+                    self.tidy()
                     if self.idle_exit_s and time.time() - idle_since > self.idle_exit_s:
                         log.info("idle for %.0f s: the worker ends", self.idle_exit_s)
                         break
@@ -175,19 +209,48 @@ class Worker:
                 self.ranks.stop()  # the other ranks end too (once this one answered its last client)
 
     def handle(self, mine: Path) -> None:
+        """Serve the claimed request ``mine``, or refuse it; nothing it holds ends the worker (a
+        job's failure is its answer; an error of the request, logged, ends it unanswered)."""
         try:
-            body = dispatch.verify(self.key, json.loads(mine.read_text()))
-            if not re.fullmatch(r"[0-9a-f]{32}", str(body.get("id"))):
-                raise dispatch.DispatchError(f"malformed job id {body.get('id')!r}")
-        except (OSError, ValueError, dispatch.DispatchError) as e:
-            log.error("%s: refused, not run: %s", mine.name, e)  # not signed with the run's secret
+            body = self.admit(mine)
+            if body is not None:
+                job_dir = self.base / "jobs" / body["id"]
+                answer = self.refusal(body) or self.execute(body, job_dir)
+                try:
+                    dispatch.write_json_atomic(job_dir / "result.json", answer)
+                except OSError as e:  # its client withdrew it meanwhile (an abandoned job), a full disk
+                    log.warning("job %s: no answer written: %s", body["id"], e)
+        except Exception as e:  # never the worker's end: the next request is served
+            log.exception("%s: dropped: %s", mine.name, e)
+        finally:
             mine.unlink(missing_ok=True)
-            return
+
+    def admit(self, mine: Path) -> dict | None:
+        """The body of the request ``mine`` when it may be served; None (the reason logged) for one
+        not signed with the run's secret or malformed, one served before (a replayed copy), one
+        whose client no longer waits for it (its job folder gone, or a link; its client gone)."""
+        try:
+            body = dispatch.verify(self.key, dispatch.read_record(mine))
+            malformed(body)
+        except (OSError, ValueError, dispatch.DispatchError) as e:
+            log.error("%s: refused, not run: %s", mine.name, e)
+            return None
+        try:  # the ledger: one file per id, made exclusively, whichever worker of the kind claims it
+            os.close(os.open(self.base / "served" / body["id"], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        except FileExistsError:
+            log.error("%s: refused, not run: served before (a replayed request)", mine.name)
+            return None
         job_dir = self.base / "jobs" / body["id"]
-        answer = self.refusal(body) or self.execute(body, job_dir)
-        if job_dir.is_dir():
-            dispatch.write_json_atomic(job_dir / "result.json", answer)
-        mine.unlink(missing_ok=True)
+        try:
+            os.close(dispatch.open_folder(job_dir))
+        except OSError as e:
+            why = "its job folder is gone (its client withdrew it)" if isinstance(e, FileNotFoundError) else e
+            log.error("%s: refused, not run: %s", mine.name, why)
+            return None
+        if not dispatch.alive(body["client"], job_dir / "client"):
+            log.error("%s: refused, not run: its client is gone", mine.name)
+            return None
+        return body
 
     def refusal(self, body: dict) -> dict | None:
         stage = body["stage"]
@@ -243,6 +306,27 @@ class Worker:
         else:
             log.info("job %s (%s) done", body["id"], body["stage"])
         return {"status": status, "exit": code if status != "abandoned" else 1, "error": error}
+
+
+TIDY_S = 5.0
+"""How often an idle worker sweeps dead registrations and the ledger (``Worker.tidy``)."""
+
+REQUEST_FIELDS = {"id": str, "stage": str, "code": str, "argv": list, "cwd": str, "threads": str, "client": dict}
+"""The fields every request has, and their types (``dispatch.Client.request``)."""
+
+
+def malformed(body: dict) -> None:
+    """DispatchError when ``body`` lacks a field of a request or holds one of another form."""
+    for name, kind in REQUEST_FIELDS.items():
+        if not isinstance(body.get(name), kind):
+            raise dispatch.DispatchError(f"malformed request: {name} is {body.get(name)!r}")
+    if not re.fullmatch(r"[0-9a-f]{32}", body["id"]):
+        raise dispatch.DispatchError(f"malformed job id {body['id']!r}")
+    if not all(isinstance(a, str) for a in body["argv"]) or not isinstance(body.get("tasks", 1), int):
+        raise dispatch.DispatchError("malformed request: its arguments are not strings, or its tasks not a number")
+    for name in ("host", "pid", "start", "boot"):
+        if name not in body["client"]:
+            raise dispatch.DispatchError(f"malformed request: its client has no {name}")
 
 
 ALL_RANKS = ("train",)
@@ -338,7 +422,7 @@ def run_job(run_stage, body: dict, log_path: Path, who: str) -> tuple[str, int, 
     code, error = 1, ""
     cwd = os.getcwd()
     try:
-        with open(log_path, "a") as stream, OUTPUT.to(stream):
+        with dispatch.open_log(log_path) as stream, OUTPUT.to(stream):
             try:
                 os.chdir(body["cwd"])
                 with environment(env):
@@ -353,6 +437,9 @@ def run_job(run_stage, body: dict, log_path: Path, who: str) -> tuple[str, int, 
             except Exception as e:  # the job failed: its traceback into its log, the worker goes on
                 traceback.print_exc()
                 error = f"{type(e).__name__}: {e}"
+    except OSError as e:  # its log (a folder gone, a link, a full disk): the job ends, the worker goes on
+        log.error("job %s: its log %s: %s", body["id"], log_path, e)
+        code, error = 1, f"{type(e).__name__}: {e}"
     finally:
         os.chdir(cwd)
     return ("ok" if code == 0 and not error else "failed"), code, error
