@@ -160,7 +160,7 @@ def test_the_cpu_kv_cache_is_what_the_batch_needs():
     assert vllm_engine._kv_fits(None, None) and not vllm_engine._kv_fits(None, 2**19)
 
 
-def test_a_cpu_engine_that_cannot_start_says_how_its_cache_was_sized(monkeypatch, qwen2_bpe_policy):
+def test_a_cpu_engine_that_cannot_start_says_how_its_cache_was_sized(monkeypatch, tiny_policy):
     """vLLM's refusal (a stand-in vllm module whose LLM raises the CPU worker's error) comes back
     naming the KV cache asked for, how it was chosen and the key that sets it."""
     import sys
@@ -172,12 +172,12 @@ def test_a_cpu_engine_that_cannot_start_says_how_its_cache_was_sized(monkeypatch
     monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=refuse))
     monkeypatch.setitem(sys.modules, "vllm.platforms", SimpleNamespace(current_platform=cpu))
     cfg = load_config(None, ["rollout.backend=vllm"])
-    backend = vllm_engine.VLLMBackend(cfg, str(qwen2_bpe_policy))
+    backend = vllm_engine.VLLMBackend(cfg, str(tiny_policy))
     with pytest.raises(RuntimeError) as e:
         backend._engine(Sampling(n=4, seed=1), 8, 40)
     bytes_ = backend.engine["kv_cache_memory_bytes"]
     assert bytes_ == vllm_engine.cpu_kv_cache_bytes(
-        json.loads((qwen2_bpe_policy / "config.json").read_text()), 8, 40, "float32"
+        json.loads((tiny_policy / "config.json").read_text()), 8, 40, "float32"
     )
     assert f"{bytes_ / 2**30:.3f} GiB sized from the batch (8 rows of 40 tokens" in str(e.value)
     assert "set rollout.kv_cache_gib" in str(e.value) and "Available memory on node 0" in str(e.value)
