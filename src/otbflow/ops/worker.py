@@ -308,7 +308,7 @@ class Worker:
         return {"status": status, "exit": code if status != "abandoned" else 1, "error": error}
 
 
-TIDY_S = 5.0
+TIDY_S = 2.0
 """How often an idle worker sweeps dead registrations and the ledger (``Worker.tidy``)."""
 
 REQUEST_FIELDS = {"id": str, "stage": str, "code": str, "argv": list, "cwd": str, "threads": str, "client": dict}
