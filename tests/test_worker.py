@@ -265,7 +265,9 @@ def test_malformed_and_replayed_requests_are_refused_and_the_worker_serves_on(fe
     (queue / "0123456789abcdef0123456789abcdef.json").write_text("{not json")
     good = post(results, folder=False).request(key)  # a fresh body to spoil (never queued as it is)
     (queue / f"{good['id']}.json").unlink()
-    for spoiled in ({**good, "argv": 3}, {k: v for k, v in good.items() if k != "client"}, {**good, "id": "../x"}):
+    spoils = [{**good, "argv": 3}, {k: v for k, v in good.items() if k != "client"}, {**good, "id": "../x"}]
+    spoils.append({**good, "client": {**good["client"], "pid": str(good["client"]["pid"])}})
+    for spoiled in spoils:
         body = {k: v for k, v in spoiled.items() if k != "mac"}
         (queue / f"{uuid_hex()}.json").write_text(json.dumps(dispatch.signed(key, body)))
     wait_for(lambda: not list(queue.glob("*.json")) and not list(queue.parent.glob("*/running/*")), 30, "the refusals")

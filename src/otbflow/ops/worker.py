@@ -128,7 +128,12 @@ class Worker:
                 dispatch.touch(self.folder / "alive")
             with self.lock:
                 job = self.job
-                if job is not None and self.abandoned is None and (reason := self.unwanted(job)):
+                try:
+                    reason = self.unwanted(job) if job is not None and self.abandoned is None else None
+                except OSError as e:  # a shared filesystem's hiccup: the next beat looks again
+                    log.warning("job %s: its client could not be checked: %s", job["id"], e)
+                    reason = None
+                if reason:
                     self.abandoned = reason
                     log.warning("job %s abandoned: %s", job["id"], reason)
                     raise_in(self.main_thread, JobAbandoned)
@@ -324,9 +329,10 @@ def malformed(body: dict) -> None:
         raise dispatch.DispatchError(f"malformed job id {body['id']!r}")
     if not all(isinstance(a, str) for a in body["argv"]) or not isinstance(body.get("tasks", 1), int):
         raise dispatch.DispatchError("malformed request: its arguments are not strings, or its tasks not a number")
-    for name in ("host", "pid", "start", "boot"):
-        if name not in body["client"]:
-            raise dispatch.DispatchError(f"malformed request: its client has no {name}")
+    client = body["client"]
+    forms = {"host": (str,), "pid": (int,), "start": (int, type(None)), "boot": (str,)}
+    if not all(isinstance(client.get(name, ...), form) for name, form in forms.items()):
+        raise dispatch.DispatchError(f"malformed request: its client is {client!r}")
 
 
 ALL_RANKS = ("train",)
