@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
+import pytest
 from conftest import REPO
 
 MEASURED = REPO / "benchmarks" / "measured"
@@ -65,3 +67,120 @@ def test_the_h100_train_job_loads_no_reference():
     assert "kl_coef" not in example.get("train", {}) and default["train"]["kl_coef"] == 0
     notes = record("iteration_h100")["notes"]
     assert "loads of the policy and the reference" not in notes and "loads none" in notes
+
+
+def per_seed(rec: dict, what: str) -> list[list[float]]:
+    """A record's figure of per-seed values: runs separated by '/', values by ','."""
+    return [[float(v.replace("−", "-")) for v in part.split(",")] for part in figure(rec, what).split("/")]
+
+
+def close(quoted: str, values: list[float], tol: float) -> bool:
+    """A quoted 'm [lo, hi]' (signs as − or +) against the t-interval of ``values``; ``tol`` covers
+    the per-seed values' rounding."""
+    numbers = [float(x.replace("−", "-").replace("+", "")) for x in re.findall(r"[−+]?\d+\.\d+", quoted)]
+    return all(abs(a - b) <= tol for a, b in zip(numbers, t_interval(values), strict=True))
+
+
+def table_rows(heading_text: str) -> dict[str, list[str]]:
+    """The rows of the first Markdown table after ``heading_text`` in docs/results.md, by their
+    first cell (backticks dropped)."""
+    text = (REPO / "docs" / "results.md").read_text()
+    rest = text[text.index(heading_text) :]
+    rows = {}
+    for line in rest.splitlines():
+        if line.startswith("|"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            rows[cells[0].strip("`").split(" ")[0].strip("`")] = cells[1:]
+        elif rows:
+            break
+    return rows
+
+
+RUNS = ["grpo", "drgrpo", "otb", "opo", "asym_reinforce"]
+F = "final avg@4, seeds 0, 1, 2"
+
+
+@pytest.mark.parametrize(
+    ("name", "heading", "runs", "pairs"),
+    [
+        (
+            "experiment_stability",
+            "max length ratio (per seed) | max grad norm | late trend |",
+            RUNS,
+            {},
+        ),
+        (
+            "experiment_stability_seeds_systems",
+            "rollout–trainer k3 | tokens generated | responses generated |",
+            ["grpo", "dvp", "dapo", "cosine"],
+            ("| a − grpo | final avg@4 | lowest", ["dvp", "dapo", "cosine"]),
+        ),
+        (
+            "experiment_stability_budgets",
+            "max grad norm (non-finite steps) |",
+            ["grpo", "dapo", "cosine"],
+            ("| a − grpo | final avg@4 (each at its own budget)", ["dapo", "cosine"]),
+        ),
+    ],
+)
+def test_the_stability_tables_recompute_from_their_records(name, heading, runs, pairs):
+    """Each run's per-seed final avg@4 in docs/results.md is its record's, and its mean
+    [t-interval] is theirs by hand; each 'a − grpo' final avg@4 pair is the per-seed differences'."""
+    rec = record(name)
+    rows = table_rows(heading)
+    values = {run: per_seed(rec, f"{run}: {F}")[0] for run in runs}
+    for run in runs:
+        per, quoted = rows[run][0], rows[run][1]
+        assert [float(v) for v in per.split(",")] == values[run], run
+        assert close(quoted.replace("*", ""), values[run], 0.0015), (run, quoted)
+    if pairs:
+        paired = table_rows(pairs[0])
+        for a in pairs[1]:
+            diffs = [x - y for x, y in zip(values[a], values["grpo"], strict=True)]
+            assert close(paired[a][0].split("(")[0], diffs, 0.0015), (a, paired[a][0])
+            ahead = sum(d > 0 for d in diffs)
+            assert f"{ahead} of 3" in paired[a][0], a
+
+
+def test_the_first_stability_run_pairs_from_its_pairs_values():
+    """The probe's paired differences in prose (the rerun) are the records' per-seed columns; the
+    first run's are its pairs' own recovered values, whose intervals include 0 where pairing the
+    sorted columns would not (OTB − Dr.GRPO)."""
+    text = " ".join((REPO / "docs" / "results.md").read_text().split())
+    rec = record("experiment_stability")
+    v = {run: per_seed(rec, f"{run}: {F}")[0] for run in RUNS}
+    for a, b, quoted in [
+        ("asym_reinforce", "drgrpo", "+0.100 [+0.027, +0.174]"),
+        ("otb", "drgrpo", "+0.043 [−0.036, +0.122]"),
+        ("opo", "drgrpo", "+0.039 [−0.099, +0.177]"),
+        ("otb", "grpo", "+0.008 [−0.231, +0.246]"),
+    ]:
+        assert quoted in text and close(quoted, [x - y for x, y in zip(v[a], v[b], strict=True)], 0.0015)
+    first = dict(
+        zip(
+            ["grpo", "drgrpo", "otb", "opo", "asym_reinforce"],
+            per_seed(rec, next(w for w, _ in rec["figures"] if w.startswith("the probe's first run"))),
+        )
+    )
+    rows = table_rows("| run | final avg@4, the 3 seeds' values in ascending order |")
+    for run, values in first.items():
+        assert values == sorted(values) and close(rows[run][1], values, 0.0015), run
+    pair_values = per_seed(
+        rec, next(w for w, _ in rec["figures"] if w.startswith("the first run: final avg@4 differences"))
+    )
+    quoted = [
+        "+0.105 [−0.055, +0.265]",
+        "+0.036 [−0.007, +0.079]",
+        "+0.043 [−0.100, +0.186]",
+        "−0.018 [−0.067, +0.031]",
+    ]
+    for values, q in zip(pair_values, quoted, strict=True):
+        assert q in text and close(q, values, 0.0015), q
+    _, lo, hi = t_interval([x - y for x, y in zip(first["otb"], first["drgrpo"], strict=True)])
+    assert lo > 0 and "[+0.021, +0.051]" in text and f"[+{lo:.3f}, +{hi:.3f}]" == "[+0.021, +0.051]"
+
+
+def test_no_unrecomputable_equal_budget_interval():
+    """The equal-budget DAPO − GRPO interval's per-seed values were not kept: it is not quoted."""
+    text = (REPO / "docs" / "results.md").read_text()
+    assert "+0.099" not in text and "[−0.030, +0.228]" not in text
