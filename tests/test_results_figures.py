@@ -184,3 +184,17 @@ def test_no_unrecomputable_equal_budget_interval():
     """The equal-budget DAPO − GRPO interval's per-seed values were not kept: it is not quoted."""
     text = (REPO / "docs" / "results.md").read_text()
     assert "+0.099" not in text and "[−0.030, +0.228]" not in text
+
+
+def test_the_length_ratio_pairs_recompute_from_their_record():
+    """'max length ratio' a − grpo in the seeds' systems table: the per-seed ratios' differences
+    (kept at 2 decimals, hence the tolerance) and the per-seed ratios the run table quotes."""
+    rec = record("experiment_stability_seeds_systems")
+    what = "max eval length ratio to the initial policy, seeds 0, 1, 2: grpo / dvp / dapo / cosine"
+    ratios = dict(zip(["grpo", "dvp", "dapo", "cosine"], per_seed(rec, what), strict=True))
+    rows = table_rows("rollout–trainer k3 | tokens generated | responses generated |")
+    for run, values in ratios.items():
+        assert rows[run][3] == f"{max(values):.2f} ({', '.join(f'{v:.2f}' for v in values)})", run
+    paired = table_rows("| a − grpo | final avg@4 | lowest")
+    for a in ("dvp", "dapo", "cosine"):
+        assert close(paired[a][2], [x - y for x, y in zip(ratios[a], ratios["grpo"], strict=True)], 0.015), a
