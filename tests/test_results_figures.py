@@ -198,3 +198,25 @@ def test_the_length_ratio_pairs_recompute_from_their_record():
     paired = table_rows("| a − grpo | final avg@4 | lowest")
     for a in ("dvp", "dapo", "cosine"):
         assert close(paired[a][2], [x - y for x, y in zip(ratios[a], ratios["grpo"], strict=True)], 0.015), a
+
+
+def test_the_h100_workers_figures_are_their_raw_record():
+    """The other ranges of iteration_workers_h100 that its raw JSON holds: the periods, the warm
+    timers of iterations 2–3, the ratio of the steady periods and the seconds outside the timers."""
+    rec = record("iteration_workers_h100")
+    raw = rec["raw"]
+    warm = raw["iteration_workers"]["settings"]["grpo_s0_workers"]
+    cold = raw["iteration_process_per_job"]["settings"]["grpo_s0"]
+
+    def span(values: list[float], unit: str = " s") -> str:
+        lo, hi = f"{min(values):.1f}", f"{max(values):.1f}"
+        return f"{lo}{unit}" if lo == hi else f"{lo}–{hi}{unit}"
+
+    assert figure(rec, "warm workers: seconds per iteration, steady (3 periods)") == span(warm["periods_s"])
+    assert figure(rec, "process per job: seconds per iteration, steady (one period)") == span(cold["periods_s"])
+    assert figure(rec, "warm workers over a process per job, steady") == f"{warm['period_s'] / cold['period_s']:.2f}×"
+    assert figure(rec, "warm workers: the same") == f"{warm['outside_timers_s']:.1f} s"
+    timers = {stage: warm["stages"][stage]["timers_s"][2:] for stage in ("rollout", "features", "train")}
+    assert figure(rec, "warm workers, iterations 2–3: generation") == span(timers["rollout"])
+    assert figure(rec, "warm workers, iterations 2–3: the features' forward pass") == span(timers["features"])
+    assert figure(rec, "warm workers, iterations 2–3: the optimizer step") == span(timers["train"])
