@@ -244,3 +244,64 @@ def test_the_front_page_keeps_config_text_inert():
     rendered = jinja2.Environment().from_string("{% raw %}" + out + "{% endraw %}").render()
     html = publish_parts(rendered, writer_name="html")["html_body"]
     assert "7 * 7" in html and "49" not in html and "root:" not in html and ".. include::" in html
+
+
+@pytest.mark.parametrize("last_tokens", [154_600, 2_480_000, 61_000_000])
+def test_the_learning_curve_reads_at_the_front_pages_width(last_tokens):
+    """The learning curve (accuracy.png) at the default run's 154,600 tokens (make run,
+    docs/results.md) and at runs 16 and 400 times longer: its tick labels, measured by matplotlib's
+    own text extents at the saved 110 dpi, do not overlap on any axis and stay inside the figure;
+    the token axis reads with an SI suffix ('150k', not '150000'); and shown 512 px wide (the front
+    page's column in a 1400 px window, test_workflow's browser test) its tick labels are at least
+    10 px tall. Unstacked, as the report drew it before, the token labels at 154,600 overlapped."""
+    import numpy as np
+
+    from otbflow.io import pyplot
+
+    steps = np.linspace(0, last_tokens, 5).round()
+    progress = pl.DataFrame(
+        {
+            "iteration": [-1, 0, 1, 2, 3],
+            "tokens_generated": steps.astype(int),
+            "greedy_accuracy": [0.625, 0.688, 0.703, 0.766, 0.812],
+            "sampled_accuracy": [0.367, 0.469, 0.598, 0.621, 0.660],
+            "k": [4] * 5,
+        }
+    )
+
+    def labels(fig):
+        fig.set_dpi(110)
+        fig.tight_layout()
+        renderer = fig.canvas.get_renderer()
+        out = []
+        for ax in fig.axes:
+            for axis in (ax.xaxis, ax.yaxis):
+                lo, hi = sorted(axis.get_view_interval())
+                ticks = [(t.label1.get_text(), t.label1.get_window_extent(renderer)) for t in axis.get_major_ticks()]
+                ticks = [
+                    (text, box) for (text, box), v in zip(ticks, axis.get_majorticklocs()) if lo <= v <= hi and text
+                ]
+                out.append((axis.axis_name, ticks))
+        return out, renderer
+
+    def overlaps(ticks) -> list[tuple[str, str]]:
+        return [(a, b) for (a, ba), (b, bb) in zip(ticks, ticks[1:]) if ba.overlaps(bb)]
+
+    fig = report._figure(report.accuracy_panels(progress), stacked=True)
+    axes, _ = labels(fig)
+    width_px, height_px = fig.get_size_inches() * 110
+    for name, ticks in axes:
+        assert len(ticks) >= 3 and not overlaps(ticks), (name, [t for t, _ in ticks])
+        for text, box in ticks:
+            assert box.x0 >= 0 and box.x1 <= width_px and box.y0 >= 0 and box.y1 <= height_px, text
+            assert box.height * 512 / width_px >= 10, (text, box.height, width_px)
+    tokens = [t for t, _ in axes[2][1]]
+    assert all(t == "0" or t[-1] in "kM" for t in tokens), tokens
+    pyplot().close(fig)
+    if last_tokens == 154_600:  # the layout before: side by side, 5 x 3.6 in each, plain labels
+        plt = pyplot()
+        old, ax = plt.subplots(1, 1, figsize=(5, 3.6))
+        ax.plot(progress["tokens_generated"].to_numpy(), progress["sampled_accuracy"].to_numpy())
+        (_, ticks), _ = labels(old)[0]  # its x axis
+        assert overlaps(ticks), [t for t, _ in ticks]
+        plt.close(old)

@@ -265,11 +265,13 @@ def test_html_report(run_dir):
     assert "accuracy.png" in html and "Held-out accuracy" in html
 
 
-def test_the_report_opens_on_what_the_run_did(run_dir):
+def test_the_report_opens_on_what_the_run_did(run_dir, tmp_path):
     """results/report.html (make run) opened in a headless browser lands on the front page, not
     on the workflow's graph: what the run did, the initial and final accuracy as progress.parquet
     has them, the tokens as rollouts.parquet sums them, the disk as disk.json has it, the learning
-    curve (the accuracy plot's PNG), the run's settings and sizes; the graph is a menu entry away."""
+    curve (the accuracy plot's PNG), the run's settings and sizes; the graph is a menu entry away. In
+    a 1400 px window the curve is shown at 85% of its own width or more (it was 47%, two panels
+    side by side squeezed into the 512 px column)."""
     from conftest import rendered_dom
 
     from otbflow.ops.disk import gib
@@ -290,6 +292,41 @@ def test_the_report_opens_on_what_the_run_did(run_dir):
     assert "otb advantages, ppo_clip loss" in landing  # the run's settings
     assert re.search(r"Iterations</li><li[^>]*>2<", landing)  # its sizes (--report-metadata)
     assert '<div id="rulegraph"' not in dom  # the workflow's graph is not drawn until asked for
+    shown, natural = curve_width_at_1400px(r / "report.html", tmp_path)
+    png = (r / "report/accuracy.png").read_bytes()
+    assert natural == int.from_bytes(png[16:20], "big")  # the PNG header's width: the curve itself
+    # the column is 512 px at 1400 px (test_bootstrap_evaluate_report sizes the labels for it):
+    # shown at 85% of its pixels or more, its 10-point labels at 110 dpi are 13 px tall or more
+    assert 480 <= shown <= 1400 and shown >= 0.85 * natural, (shown, natural)
+
+
+def curve_width_at_1400px(html: Path, tmp_path: Path) -> tuple[float, int]:
+    """The front page's learning curve in headless Chromium in a 1400 x 1000 px window: the width
+    it is shown at (CSS px, its bounding box) and its own width (px), written into the DOM by a
+    script added to a copy of the report."""
+    from conftest import chromium
+
+    page = html.read_text(errors="ignore")
+    probe = (
+        "<script>setInterval(() => { const img = [...document.images].find(i => "
+        "i.src.startsWith('data:image/png')); if (img && img.getBoundingClientRect().width > 0) "
+        "document.body.setAttribute('data-curve', img.getBoundingClientRect().width + ' ' + img.naturalWidth); }"
+        ", 100);</script>"
+    )
+    end = page.rindex("</body>")
+    copy = tmp_path / "report_probe.html"
+    copy.write_text(page[:end] + probe + page[end:])
+    res = subprocess.run(
+        [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=20000"]
+        + ["--window-size=1400,1000", "--dump-dom", copy.resolve().as_uri()],
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=300,
+    )
+    found = re.search(r'data-curve="([\d.]+) (\d+)"', res.stdout)
+    assert found, res.stderr[-3000:]
+    return float(found[1]), int(found[2])
 
 
 def test_nothing_to_do_after_a_complete_run(run_dir):

@@ -191,18 +191,54 @@ def _plot_mismatch(path: Path, features: pl.DataFrame, table: pl.DataFrame) -> N
     save_figure(fig, path)
 
 
-def _plot(path: Path, panels: list[tuple[str, str, list[tuple[str, np.ndarray, np.ndarray]]]]) -> None:
+TOKENS = "rollout tokens generated"  # the x label of a panel against tokens: its ticks read 40k, 1.2M
+PANEL_INCHES = (5.0, 3.2)  # one panel; 550 px wide at save_figure's 110 dpi, about the front page's 512 px column
+
+
+def _figure(panels: list[tuple[str, str, list[tuple[str, np.ndarray, np.ndarray]]]], stacked: bool = False):
+    """The panels side by side, or one above the other (``stacked``: each as wide as the figure,
+    for a page that shows it in a narrow column); an axis of tokens (x label ``TOKENS``) ticked
+    with an SI suffix (40k, 1.2M) at most 6 times, an axis of iterations at integers."""
+    from matplotlib.ticker import EngFormatter, MaxNLocator
+
     plt = pyplot()
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
-    for ax, (xlabel, ylabel, series) in zip(axes[0], panels):
+    rows, cols = (len(panels), 1) if stacked else (1, len(panels))
+    fig, axes = plt.subplots(rows, cols, figsize=(PANEL_INCHES[0] * cols, PANEL_INCHES[1] * rows), squeeze=False)
+    for ax, (xlabel, ylabel, series) in zip(axes.flat, panels):
         for label, x, y in series:
             ax.plot(x, y, marker="o", markersize=3, label=label)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
+        if xlabel == TOKENS:
+            ax.xaxis.set_major_locator(MaxNLocator(nbins=6, steps=[1, 2, 2.5, 5, 10], min_n_ticks=3))
+            ax.xaxis.set_major_formatter(EngFormatter(sep=""))
+        else:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if len(series) > 1:
             ax.legend()
-    save_figure(fig, path)
+    return fig
+
+
+def _plot(
+    path: Path, panels: list[tuple[str, str, list[tuple[str, np.ndarray, np.ndarray]]]], stacked: bool = False
+) -> None:
+    save_figure(_figure(panels, stacked), path)
+
+
+def accuracy_panels(progress: pl.DataFrame) -> list[tuple[str, str, list[tuple[str, np.ndarray, np.ndarray]]]]:
+    """The learning curve's panels: held-out accuracy (greedy, avg@k) against the policy (0 the
+    initial one, k + 1 after iteration k) and against the rollout tokens generated."""
+    it = progress["iteration"].to_numpy() + 1  # policy index: 0 = initial, k+1 = after iteration k
+    tok = progress["tokens_generated"].to_numpy()
+    acc = [
+        ("greedy", progress["greedy_accuracy"].to_numpy()),
+        (f"avg@{int(progress['k'][0])}", progress["sampled_accuracy"].to_numpy()),
+    ]
+    return [
+        ("policy (iterations trained)", "held-out accuracy", [(n, it, y) for n, y in acc]),
+        (TOKENS, "held-out accuracy", [(n, tok, y) for n, y in acc]),
+    ]
 
 
 # The jobs of iteration k, by their Snakemake benchmark files under results/benchmarks/
@@ -359,19 +395,8 @@ def run(cfg: DictConfig, args: Args) -> None:
         )
     _plot_mismatch(out / "mismatch.png", features, mismatch)
 
-    it = progress["iteration"].to_numpy() + 1  # policy index: 0 = initial, k+1 = after iteration k
-    tok = progress["tokens_generated"].to_numpy()
-    acc = [
-        ("greedy", progress["greedy_accuracy"].to_numpy()),
-        (f"avg@{int(progress['k'][0])}", progress["sampled_accuracy"].to_numpy()),
-    ]
-    _plot(
-        out / "accuracy.png",
-        [
-            ("policy (iterations trained)", "held-out accuracy", [(n, it, y) for n, y in acc]),
-            ("rollout tokens generated", "held-out accuracy", [(n, tok, y) for n, y in acc]),
-        ],
-    )
+    # stacked: the front page shows it in its text column (512 px wide in a 1400 px window)
+    _plot(out / "accuracy.png", accuracy_panels(progress), stacked=True)
     rolled, generated = per_iteration["iteration"].to_numpy(), per_iteration["tokens_generated"].to_numpy()
     rewards = [("reward", per_iteration["mean_reward"].to_numpy())]
     if not per_iteration["mean_reward"].equals(per_iteration["mean_verifiable_reward"]):  # shaped: both
@@ -380,7 +405,7 @@ def run(cfg: DictConfig, args: Args) -> None:
         out / "reward.png",
         [
             ("iteration", "mean rollout reward", [(n, rolled, y) for n, y in rewards]),
-            ("rollout tokens generated", "mean rollout reward", [(n, generated, y) for n, y in rewards]),
+            (TOKENS, "mean rollout reward", [(n, generated, y) for n, y in rewards]),
         ],
     )
     _plot(
