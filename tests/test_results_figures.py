@@ -220,3 +220,25 @@ def test_the_h100_workers_figures_are_their_raw_record():
     assert figure(rec, "warm workers, iterations 2–3: generation") == span(timers["rollout"])
     assert figure(rec, "warm workers, iterations 2–3: the features' forward pass") == span(timers["features"])
     assert figure(rec, "warm workers, iterations 2–3: the optimizer step") == span(timers["train"])
+
+
+def test_the_default_runs_curves_and_gains_are_their_record():
+    """docs/results.md's table of the default run per seed (avg@4 and greedy, three decimals) and
+    its gains over the seeds (mean [95% t-interval], by hand) come from the kept progress tables
+    of default_run_curves; the machine key the page names is the record's."""
+    rec = record("default_run_curves")
+    text = (REPO / "docs" / "results.md").read_text()
+    key = re.search(r"fingerprint key (\S+) ", rec["machine"]).group(1)
+    assert f"`{key}`" in text.replace("\n", "")
+    gains = {"sampled_accuracy": [], "greedy_accuracy": []}
+    for seed, run in rec["raw"].items():
+        assert run["policy"] == ["initial", "iter_0", "iter_1", "iter_2", "iter_3"]
+        avg, greedy = run["sampled_accuracy"], run["greedy_accuracy"]
+        row = f"| {' → '.join(f'{v:.3f}' for v in avg)} | {greedy[0]:.3f} → {greedy[-1]:.3f} |"
+        assert row in text, (seed, row)
+        for column, values in (("sampled_accuracy", avg), ("greedy_accuracy", greedy)):
+            gains[column].append(values[-1] - values[0])
+    said = re.search(r"avg@4 gained (\S+ \[\S+ \S+\]) and greedy (\S+ \[\S+ \S+\])", " ".join(text.split()))
+    for column, quoted in zip(("sampled_accuracy", "greedy_accuracy"), said.groups()):
+        mean, lo, hi = t_interval(gains[column])
+        assert quoted == f"+{mean:.3f} [{lo:+.3f}, {hi:+.3f}]", (column, quoted)

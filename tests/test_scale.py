@@ -63,7 +63,7 @@ def test_forward_flops_match_torch_flop_counter(name):
 
 def test_train_mfu_is_the_measured_range():
     """The train MFU of docs/scale.md is the measured one (docs/measurements.md: 6.5–8.7% in
-    iteration_h100, 5.6–8.1% and a warm step's 11.6% in iteration_workers_h100), not an assumption."""
+    iteration_h100, 5.6–8.0% and a warm step's 11.6% in iteration_workers_h100), not an assumption."""
     lo, hi = scale.measured_train_mfu()
     assert (round(lo, 3), round(hi, 3)) == (0.056, 0.116)
     assert scale.mfu_ranges()["train"] == (lo, hi)
