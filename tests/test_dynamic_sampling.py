@@ -20,7 +20,9 @@ def test_verifiers():
     """Verifiers only these tests know (the rollout stage runs in-process), removed afterwards so
     that the registry the config's choices come from is the package's again: the untrained tiny
     policy writes random characters, so a length rule gives mixed groups and 'never' none."""
-    register("length_mod5")(lambda text, answer: float(len(text) % 5 == 0))
+    # 2 of 5 lengths score 1: the first round leaves some group uniform, the shard's 16 prompts give
+    # at least 4 informative groups (with the Philox sampler; "0 of 5" gave 3 of 16)
+    register("length_mod5")(lambda text, answer: float(len(text) % 5 in (0, 1)))
     register("never")(lambda text, answer: 0.0)
     register("times_out_mod3")(times_out_mod3)
     yield
