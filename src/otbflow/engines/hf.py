@@ -14,7 +14,8 @@ The decode loop (``rollout.hf_decode``, ``HF_DECODE_MODES``): transformers' ``ge
 dynamic KV cache ('eager': the bitwise-reproducible CPU path), a static KV cache ('static'), or
 the static cache with the model's forward compiled by torch.compile, which generate runs through
 CUDA graphs ('compiled'); 'auto' picks one by device and process (``decode_mode``). The sampler is
-compiled into fused kernels in 'compiled' and in every mode on a GPU (``RowSampler``). A row's
+compiled into fused kernels in 'compiled', in every mode on a GPU and for large vocabularies
+(``RowSampler``, ``FUSED_VOCAB``). A row's
 sample is the same function of its key in every mode; the modes differ only in the logits'
 rounding."""
 
@@ -42,6 +43,12 @@ _NOISE_ELEMENTS = {"cpu": 1 << 18, "cuda": 1 << 25}
 CPU its int64 temporaries (about ten live in a Philox round) stay at 2 MiB each, in the caches
 (64 rows of a 151,936-token vocabulary: 1.2 s in chunks of 2^18, 2.5 s in chunks of 2^22 on a
 2-core Xeon); on a GPU (only where the fused sampler failed to compile) near 256 MiB each."""
+FUSED_VOCAB = 16_384
+"""From this vocabulary size on, the sampler is fused (compiled) on a CPU too, in every decode mode:
+eagerly, a Philox round is some twenty passes over [rows, vocabulary] int64 tensors, and with a
+GPT-2-sized vocabulary (50,257) they outlast the forward pass (benchmarks/bench_rollout.py,
+docs/measurements.md#hf_philox_sampling_cost). Below it (the built-in policy's 76 tokens, the
+tests' tokenizers) the eager sampler costs less than a compilation."""
 WIDTH_BUCKET = 32
 """'compiled': prompt batches are left-padded to a multiple of this width. generate keeps its static
 cache at the longest length it has met and recompiles the decode step when it grows: in steps of
@@ -184,12 +191,12 @@ class RowSampler:
     logits, at temperature 1). ``positions``: int64 [rows], each row's response position at the
     first call (default 0: every row starts its response there); it advances by one a call.
     ``logprobs`` collects, per step, the sampled tokens' log-probs under
-    log_softmax(processed logits). ``fused`` ('compiled', and every decode mode on a GPU): the
-    noise, argmax and log-prob in the compiled kernels of ``fused_step``, every row at once (eagerly
-    a Philox round is some twenty passes over [rows, vocab] int64 tensors: on a GPU, kernel launches
-    and memory traffic that would outlast the decode step); otherwise eagerly, ``_NOISE_ELEMENTS``
-    at a time (the CPU path: its log-probs are those the fixtures pin). Both paths draw the same
-    tokens."""
+    log_softmax(processed logits). ``fused`` ('compiled', every decode mode on a GPU, and a
+    vocabulary of ``FUSED_VOCAB`` or more on a CPU): the noise, argmax and log-prob in the compiled
+    kernels of ``fused_step``, every row at once (eagerly a Philox round is some twenty passes over
+    [rows, vocab] int64 tensors: on a GPU, kernel launches and memory traffic that would outlast the
+    decode step); otherwise eagerly, ``_NOISE_ELEMENTS`` at a time (the tiny policies' path: their
+    log-probs are those the fixtures pin). Both paths draw the same tokens."""
 
     def __init__(
         self,
@@ -326,7 +333,11 @@ def hf_generate(
             input_ids = padded(batch, pad, width, left=True, device=model.device).repeat_interleave(n, dim=0)
             attention = padded([[1] * len(x) for x in batch], 0, width, left=True, device=model.device)
             keys = row_keys(seed, range(start, start + len(batch)), n, model.device)
-            fused = mode == "compiled" or model.device.type == "cuda"
+            fused = (
+                mode == "compiled"
+                or model.device.type == "cuda"
+                or getattr(model.config, "vocab_size", 0) >= FUSED_VOCAB
+            )
             sampler = RowSampler(keys, temperature, top_p, greedy, min_p, fused=fused)
             res = model.generate(
                 input_ids=input_ids,
