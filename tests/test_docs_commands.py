@@ -225,13 +225,14 @@ HOW: dict[str, str] = {
     # the lint CI runs (.ci/run); Snakemake's own lint runs here
     "make lint": CI,
     "snakemake --lint": AS_SHOWN,
-    # the recorded fingerprints are of the default run, for one machine key: here the check runs on
-    # the sandbox's own (tiny) run against its key's tiny fingerprints (exit 1 where they differ;
-    # "none recorded" where this machine has none), then against the run's own, recorded first
+    # the recorded fingerprints are of the default run, for one machine key: here the sandbox's
+    # (tiny) run, with other commands' outputs beside it, is checked against its own, recorded
+    # first, and the command as shown names this key's file or says none is recorded (it then
+    # differs from the tiny run: its exit is not the point; test_workflow checks the tiny run's own)
     "python tests/fingerprint.py results --recorded default": (
-        "python tests/fingerprint.py results --recorded tiny && "
         "mkdir -p results/scratch && python tests/fingerprint.py results > results/scratch/fp.json && "
-        "python tests/fingerprint.py results --check results/scratch/fp.json"
+        "python tests/fingerprint.py results --check results/scratch/fp.json && "
+        "python tests/fingerprint.py results --recorded default | grep -E '^fingerprints: (none recorded for|tests/data/)'"
     ),
     ".venv/bin/python benchmarks/variance_seeds.py --seeds 0 1 2 3 4": VARIANCE_SEEDS,
     # docs/testing.md: a record written from a benchmark's JSON (a 20-iteration plan), then measured again
