@@ -40,9 +40,8 @@ log = logging.getLogger("otbflow.generate")
 _M32 = 0xFFFFFFFF
 _NOISE_ELEMENTS = {"cpu": 1 << 18, "cuda": 1 << 25}
 """Rows x vocabulary entries whose noise is drawn at once on the eager path, by device type: on a
-CPU its int64 temporaries (about ten live in a Philox round) stay at 2 MiB each, in the caches
-(64 rows of a 151,936-token vocabulary: 1.2 s in chunks of 2^18, 2.5 s in chunks of 2^22 on a
-2-core Xeon); on a GPU (only where the fused sampler failed to compile) near 256 MiB each."""
+CPU its int64 temporaries (about ten live in a Philox round) stay at 2 MiB each, inside the CPU's
+caches; on a GPU (only where the fused sampler failed to compile) near 256 MiB each."""
 FUSED_VOCAB = 16_384
 """From this vocabulary size on, the sampler is fused (compiled) on a CPU too, in every decode mode:
 eagerly, a Philox round is some twenty passes over [rows, vocabulary] int64 tensors, and with a
@@ -77,15 +76,15 @@ PHILOX_M = (0xD2511F53, 0xCD9E8D57)
 PHILOX_W = (0x9E3779B9, 0xBB67AE85)
 """Philox4x32's key schedule: the Weyl increments added to the two key words after each round."""
 NOISE_KEY = (0, 0)
-"""The Philox key of the sampler's noise; each row's own key is in the counter (``philox_noise``)."""
+"""The Philox key of the sampler's noise; each row's own key is in the counter (``noise_words``)."""
 
 
 def _mulhilo(x: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The high and low 32-bit words of ``x * m`` for int64 ``x`` in [0, 2^32) and a 32-bit
     constant ``m``, from 16-bit halves so that no intermediate passes 2^50: a wrapped 64-bit
     product is exact in eager torch, but Inductor's C++ kernels miscompute it (signed overflow is
-    undefined there; Philox4x32-10 of the wrapped products gave other words in 2 of 3 rounds'
-    outputs on torch 2.13)."""
+    undefined there; on torch 2.13 Philox of the wrapped products gave other words than eager
+    torch from its third round on)."""
     mh, ml = m >> 16, m & 0xFFFF
     xh, xl = x >> 16, x & 0xFFFF
     low = xl * ml + ((xh * ml + xl * mh) << 16)  # the product's low 50 bits, less xh * mh * 2^32
@@ -111,9 +110,9 @@ def philox4x32(c0, c1, c2, c3, key: tuple[int, int] = NOISE_KEY, rounds: int = 1
 
 def token_ids(vocab: int, device) -> torch.Tensor:
     """[vocab] int64 token ids, the last word of the noise's counter. The compiled sampler reads
-    them from memory: an ``arange`` inside the compiled function lets Inductor fold the counter's
-    arithmetic into an int32 index expression, which Triton refuses for constants past 2^31
-    ("Scalar 2654435761 is out of range for type int32", on an H100 with torch 2.11)."""
+    them from memory: an ``arange`` inside the compiled function lets Inductor fold arithmetic on
+    it into an int32 index expression, which Triton refuses for constants past 2^31 (the hash before
+    Philox met "Scalar 2654435761 is out of range for type int32" on an H100 with torch 2.11)."""
     return torch.arange(vocab, device=device, dtype=torch.int64)
 
 
