@@ -89,17 +89,19 @@ def closure(name: str) -> list[str]:
 
 def _bare(node: ast.AST) -> ast.AST:
     """``node`` without its docstrings (and other bare string statements, such as the docstrings
-    under dataclass fields) and without import statements, at any depth."""
+    under dataclass fields) and without import statements, at any depth: in every list of
+    statements (a body, an ``else`` or a ``finally``)."""
     for inner in ast.walk(node):
-        body = getattr(inner, "body", None)
-        if isinstance(body, list):
-            kept = [
-                s
-                for s in body
-                if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))
-                and not isinstance(s, (ast.Import, ast.ImportFrom))
-            ]
-            inner.body = kept or [ast.Pass()]
+        for field in ("body", "orelse", "finalbody"):
+            statements = getattr(inner, field, None)
+            if isinstance(statements, list) and all(isinstance(s, ast.stmt) for s in statements):
+                kept = [
+                    s
+                    for s in statements
+                    if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))
+                    and not isinstance(s, (ast.Import, ast.ImportFrom))
+                ]
+                setattr(inner, field, kept or ([ast.Pass()] if field == "body" else []))
     return node
 
 
