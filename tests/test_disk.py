@@ -8,7 +8,7 @@ from conftest import REPO, TINY
 
 from otbflow.config import DEFAULT_CONFIG, load_config
 from otbflow.ops.disk import built_model_config, count_parameters, estimate
-from otbflow.ops.retention import decision
+from otbflow.runtime.retention import decision
 
 SHAPES = REPO / "benchmarks" / "shapes"
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from conftest import REPO
 
-from otbflow.ops.codeversion import RUN_ONLY, WORKFLOW_ONLY, closure, direct_imports
 from otbflow.pipeline import STAGES
+from otbflow.runtime.codeversion import RUN_ONLY, WORKFLOW_ONLY, closure, direct_imports
 
 PACKAGE = REPO / "src" / "otbflow"
 
@@ -124,17 +124,17 @@ def test_code_versions_cover_what_each_stage_imports():
 
 
 def test_the_live_curves_are_in_no_code_version():
-    """otbflow.ops.tracking changes how a job reports, never what it writes: no stage's code version
+    """otbflow.runtime.tracking changes how a job reports, never what it writes: no stage's code version
     hashes it (editing it reruns nothing), and it imports no otbflow module that one would have to."""
-    assert direct_imports("otbflow.ops.tracking") == {"otbflow", "otbflow.ops"}  # its parent packages only
+    assert direct_imports("otbflow.runtime.tracking") == {"otbflow", "otbflow.runtime"}  # its parent packages only
     for stage in ("train", "evaluate"):
-        assert "otbflow.ops.tracking" in direct_imports(f"otbflow.stages.{stage}")
-        assert "otbflow.ops.tracking" not in closure(f"otbflow.stages.{stage}")
+        assert "otbflow.runtime.tracking" in direct_imports(f"otbflow.stages.{stage}")
+        assert "otbflow.runtime.tracking" not in closure(f"otbflow.stages.{stage}")
 
 
 def versions(src, stages: list[str], cache: Path) -> dict[str, str]:
     """The stages' code versions as a new process computes them (with its versions cache in ``cache``)."""
-    code = f"from otbflow.ops.codeversion import code_version; print(' '.join(code_version(s) for s in {stages!r}))"
+    code = f"from otbflow.runtime.codeversion import code_version; print(' '.join(code_version(s) for s in {stages!r}))"
     env = {"PYTHONPATH": str(src), "XDG_CACHE_HOME": str(cache)}
     out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True).stdout
     return dict(zip(stages, out.split()))
@@ -196,7 +196,7 @@ def test_planning_imports_no_torch():
     importing torch (2-3 s on a small machine)."""
     code = (
         "import sys\n"
-        "from otbflow.ops.codeversion import code_version\n"
+        "from otbflow.runtime.codeversion import code_version\n"
         "from otbflow.config import DEFAULT_CONFIG, load_config\n"
         "from otbflow.pipeline import STAGES, trigger\n"
         "cfg = load_config(DEFAULT_CONFIG)\n"

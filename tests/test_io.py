@@ -112,7 +112,7 @@ def test_progress_logs_about_every_tenth_and_the_end(caplog):
 
 def _processes_under(pid: int) -> list[tuple[int, list[str]]]:
     """(pid, argv) of every descendant of ``pid``."""
-    from otbflow.ops.head import process_stat
+    from otbflow.runtime.process import process_stat
 
     parents = {}
     for entry in Path("/proc").iterdir():
@@ -130,7 +130,7 @@ def _processes_under(pid: int) -> list[tuple[int, list[str]]]:
 
 
 def _gone(pid: int) -> bool:
-    from otbflow.ops.head import process_stat
+    from otbflow.runtime.process import process_stat
 
     stat = process_stat(pid)
     return stat is None or stat[0] in "ZX"

@@ -1,4 +1,4 @@
-"""The live curves (otbflow.ops.tracking): the train and evaluate stages' TensorBoard event files, read
+"""The live curves (otbflow.runtime.tracking): the train and evaluate stages' TensorBoard event files, read
 back with TensorBoard's own reader, and their offline W&B runs, read back from the run files."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from conftest import tiny_config
 
 from otbflow import schemas
 from otbflow.io import read_table, write_json
-from otbflow.ops.tracking import AXES, EventFile, masked_crc32c
+from otbflow.runtime.tracking import AXES, EventFile, masked_crc32c
 from otbflow.stages import advantages, evaluate, train
 
 TRAIN = ["train.mini_batch_size=4", "train.micro_batch_size=4", "train.checkpoint_every=1"]

@@ -294,7 +294,7 @@ def test_the_vllm_backend_reads_what_the_table_declares(vllm_rollout):
 
 CALLS = """
 import json, sys
-from otbflow.ops import resident
+from otbflow.runtime import resident
 from otbflow.config import load_config
 from otbflow.engines import Sampling
 from otbflow.engines.vllm import VLLMBackend
@@ -475,7 +475,7 @@ def test_vllm_min_p_logprobs_match_the_pruning_trainer(vllm_calls, qwen2_bpe_pol
 @pytest.mark.vllm
 @pytest.mark.xdist_group("vllm")
 def test_a_reloaded_engine_samples_what_a_new_engine_of_the_weights_samples(vllm_calls):
-    """A warm worker's vLLM engine (otbflow.ops.resident) takes a job's new weights through vLLM's
+    """A warm worker's vLLM engine (otbflow.runtime.resident) takes a job's new weights through vLLM's
     reload_weights and a prefix-cache reset, on the real vLLM (CPU): the engine built on the tiny
     policy P0 (the vllm_calls fixture), reloaded with perturbed weights P1 and then with P0 again,
     samples exactly what it sampled new (same prompts, seed and settings), for the prompts it served

@@ -25,6 +25,7 @@ from test_train import small_tmpfs_works
 from test_workflow import SNAKEMAKE, copy_run, snakemake
 
 from otbflow.ops import dispatch
+from otbflow.runtime import process
 
 sys.path.insert(0, str(REPO / "tests"))
 from fingerprint import fingerprints  # noqa: E402
@@ -70,7 +71,7 @@ def features_worker(tmp_path_factory):
 def serves_the_next_job(results: Path, kind: str = "features") -> None:
     """A worker of ``kind`` is registered and runs the next job a client hands it (the stage's
     --help: a job that needs no inputs), its output copied to the client's."""
-    from otbflow.ops.codeversion import code_version
+    from otbflow.runtime.codeversion import code_version
 
     stage = dispatch.KINDS[kind][0]
     out = io.StringIO()
@@ -82,7 +83,7 @@ def post(results: Path, argv=("--help",), folder: bool = True, request: dict | N
     """A features request queued as a client queues it (signed with the run's secret; ``request``:
     these bytes instead), with its job folder and this process's heartbeat as the client's unless
     not ``folder``; nobody waits for the answer."""
-    from otbflow.ops.codeversion import code_version
+    from otbflow.runtime.codeversion import code_version
 
     client = dispatch.Client(results, "features", code_version("features"), list(argv))
     if request is None:
@@ -210,14 +211,14 @@ def test_without_a_live_worker_the_client_runs_the_stage_itself(tmp_path):
     (folder / "alive").touch()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     key = dispatch.secret(results)
-    record = {**dispatch.me(), "pid": int(dead.stdout), "start": 1}
+    record = {**process.me(), "pid": int(dead.stdout), "start": 1}
     (folder / "worker.json").write_text(json.dumps(dispatch.signed(key, record)))
     rebooted = dispatch.root(results) / "features" / "rebooted"  # this host before a reboot: its heartbeat decides
     rebooted.mkdir()
-    (rebooted / "worker.json").write_text(json.dumps(dispatch.signed(key, {**dispatch.me(), "boot": "another boot"})))
+    (rebooted / "worker.json").write_text(json.dumps(dispatch.signed(key, {**process.me(), "boot": "another boot"})))
     (rebooted / "alive").touch()
     assert dispatch.live_workers(results, "features") == [rebooted]  # its heartbeat is fresh
-    old = time.time() - dispatch.STALE_S - 1
+    old = time.time() - process.STALE_S - 1
     os.utime(rebooted / "alive", (old, old))
     assert dispatch.live_workers(results, "features") == []
     res = subprocess.run(
@@ -336,7 +337,7 @@ def test_the_workers_folder_is_private_to_the_runs_user(features_worker, tmp_pat
     made private by the next client."""
     import threading
 
-    from otbflow.ops.codeversion import code_version
+    from otbflow.runtime.codeversion import code_version
 
     results, proc, log = features_worker
 
@@ -387,7 +388,7 @@ def test_forged_and_dead_registrations(features_worker, tmp_path):
     dispatch.secret(forged_run, create=True)
     folder = dispatch.root(forged_run) / "features" / "forged"
     folder.mkdir(parents=True)
-    (folder / "worker.json").write_text(json.dumps({**dispatch.me(), "kind": "features"}))
+    (folder / "worker.json").write_text(json.dumps({**process.me(), "kind": "features"}))
     (folder / "alive").touch()
     start = time.time()
     res = subprocess.run([*client_command(forged_run, "x"), "features", "--help"], capture_output=True, text=True)
@@ -396,7 +397,7 @@ def test_forged_and_dead_registrations(features_worker, tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     gone = dispatch.root(results) / "features" / "gone"
     gone.mkdir()
-    record = {**dispatch.me(), "pid": int(dead.stdout), "start": 1}
+    record = {**process.me(), "pid": int(dead.stdout), "start": 1}
     (gone / "worker.json").write_text(json.dumps(dispatch.signed(dispatch.secret(results), record)))
     (gone / "alive").touch()
     wait_for(lambda: not gone.exists(), 30, "the dead registration to be swept")
@@ -413,7 +414,7 @@ def test_the_sweep_waits_out_a_shared_filesystems_attribute_cache(tmp_path):
     old = time.time() - 3600
     for name in ("elsewhere", "fresh"):
         (base / name).mkdir()
-        record = {**dispatch.me(), "host": f"{name}.example"}
+        record = {**process.me(), "host": f"{name}.example"}
         (base / name / "worker.json").write_text(json.dumps(dispatch.signed(key, record)))
         (base / name / "alive").touch()
     os.utime(base / "elsewhere" / "alive", (old, old))
@@ -498,7 +499,7 @@ def train_args(results: Path, out: Path, iteration: int = 0, prev: Path | None =
 def test_a_client_killed_mid_job_gets_nothing_written(tiny_run, tmp_path):
     """A train job whose client (the rule's job) is killed while the worker trains: the worker
     abandons it and writes none of its outputs; it stays registered and runs the next request."""
-    from otbflow.ops.codeversion import code_version
+    from otbflow.runtime.codeversion import code_version
 
     results = tiny_run / "results"  # the inputs; the worker registers elsewhere (the shared run stays as it is)
     registry = tmp_path / "registry"
@@ -528,7 +529,7 @@ def test_a_publish_job_run_outside_the_worker_waits_for_its_background_write(tin
     late (OTBFLOW_FAULT=train:writing-optimizer:pause), then its publish job run in a process of its
     own at once (as a client does when no worker claims it): the publisher finds the worker's
     record, waits for the write and publishes the state of the job's policy."""
-    from otbflow.ops.codeversion import code_version
+    from otbflow.runtime.codeversion import code_version
     from otbflow.training.state import policy_digest
 
     results = tiny_run / "results"
@@ -561,7 +562,7 @@ def test_a_full_disk_under_the_background_write_is_named_in_the_publish_jobs_log
     worker alone): the train job returns its policy, the background write fails, and the publish
     job (on the worker, as the rule's client hands it) fails naming errno 28 and a path on that
     disk in its own log (the client's output), not a writer that died."""
-    from otbflow.ops.codeversion import code_version
+    from otbflow.runtime.codeversion import code_version
 
     results, registry, full = tiny_run / "results", tmp_path / "registry", tmp_path / "full"
     full.mkdir()
@@ -606,7 +607,7 @@ def test_a_workers_memory_stays_flat_over_50_iterations(tiny_run, tmp_path):
     was saved in bf16 by another transformers version (as a downloaded checkpoint does; the train
     jobs write their own values): the second job goes on with the worker's engine all the same,
     and writes bitwise what it writes in a process of its own."""
-    from otbflow.ops.codeversion import code_version
+    from otbflow.runtime.codeversion import code_version
 
     results = tiny_run / "results"  # the inputs; the workers register elsewhere (the shared run stays as it is)
     registry = tmp_path / "registry"
@@ -725,7 +726,7 @@ def launch_train(registry: Path, cwd: Path, out: Path, iteration: int, prev: Pat
     """A train job of two processes and its publish job, as the rules start them (the client,
     ``python -m otbflow.ops.dispatch``), on the tiny run's iteration-0 advantages; returns the train
     client's output."""
-    from otbflow.ops.codeversion import code_version
+    from otbflow.runtime.codeversion import code_version
 
     results = cwd / "results"
     args = train_args(results, out, iteration, prev)
@@ -824,7 +825,7 @@ def test_a_train_worker_of_two_ranks(tiny_run, two_rank_update, tmp_path):
         launch_train(registry, cwd, tmp_path / "warm1", 1, tmp_path / "warm0", log)
         # a job that fails on every rank: its client is told so (not "gone", not rerun), and the
         # worker ends once it has answered
-        from otbflow.ops.codeversion import code_version
+        from otbflow.runtime.codeversion import code_version
 
         bad = train_args(cwd / "results", tmp_path / "bad")
         bad[bad.index("--advantages") + 1] = str(tmp_path / "missing.parquet")

@@ -14,7 +14,7 @@ from shlex import quote
 import yaml
 
 import otbflow
-from otbflow.ops.codeversion import code_version
+from otbflow.runtime.codeversion import code_version
 from otbflow.config import DEFAULT_CONFIG, load_config, to_yaml
 from otbflow.studies.experiment_config import check_experiment, shared_config
 from otbflow.io import write_text_if_changed

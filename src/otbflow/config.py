@@ -636,7 +636,7 @@ class WandbConfig:
 
 @dataclass
 class TrackingConfig:
-    """Live curves of the train and evaluate jobs, written as they go (otbflow.ops.tracking): how a
+    """Live curves of the train and evaluate jobs, written as they go (otbflow.runtime.tracking): how a
     job reports, never what it writes, so changing them reruns nothing."""
 
     tensorboard: bool = True

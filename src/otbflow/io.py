@@ -335,7 +335,7 @@ def bind_to_job(parent: int) -> None:
     import signal
 
     import otbflow
-    from otbflow.ops.head import process_stat
+    from otbflow.runtime.process import process_stat
 
     if process_stat(os.getpid()) is None:  # no /proc: not Linux
         return
@@ -362,7 +362,7 @@ def check_job(path: str | Path) -> None:
     """Raise JobGoneError (naming ``path``) when the job that started this process has ended
     (``bind_to_job``), or the client a worker runs it for is gone (``WANTED``); nothing when it
     runs, or when the process is not bound."""
-    from otbflow.ops.head import process_stat
+    from otbflow.runtime.process import process_stat
 
     for wanted in WANTED:
         if reason := wanted():

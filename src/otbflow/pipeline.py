@@ -15,7 +15,7 @@ It also holds the defaults of its jobs' resources (``resources``; the config's
 ``resources.<stage>`` overrides them key by key), and its flags are its module's ``Args``
 (``Stage.flags``). The CLI (``otbflow <stage>``), each rule's command, flags, log, threads,
 resources and ``cmd``/``cfg``/``code`` params (workflow/rules/common.smk) and the code versions
-(``otbflow.ops.codeversion``: the stage module and everything it imports) come from here, and
+(``otbflow.runtime.codeversion``: the stage module and everything it imports) come from here, and
 tests/test_stage_keys.py runs every stage with a config that records each key read and checks
 it against this table. Importing this module imports no torch (the Snakefile imports it).
 """
@@ -129,7 +129,7 @@ def rollout_is_keys(cfg: DictConfig) -> list[str]:
     return ["train.rollout_is", *ROLLOUT_IS_LEVELS.option_keys(cfg.train.rollout_is)]
 
 
-# The live curves of a job (otbflow.ops.tracking): how it reports, never what it writes.
+# The live curves of a job (otbflow.runtime.tracking): how it reports, never what it writes.
 TRACKING = ("tracking.tensorboard", "tracking.wandb")
 # How prompts are rendered for the policy (the chat template).
 RENDERING = ["task.chat", "task.system_prompt"]
@@ -227,7 +227,7 @@ def _report(cfg: DictConfig) -> list[str]:
 
 
 def _prune(cfg: DictConfig) -> list[str]:
-    # what iteration k keeps is decided by the workflow (otbflow.ops.retention.decision), passed as
+    # what iteration k keeps is decided by the workflow (otbflow.runtime.retention.decision), passed as
     # flags and the rule's per-job rerun trigger: a longer run reruns only the jobs whose decision changed
     return []
 
@@ -318,7 +318,7 @@ _STAGES = [
         "prune",
         "apply the retention policy to an iteration's train outputs (delete the weights not kept)",
         _prune,
-        # what each iteration keeps (otbflow.ops.retention.decision: its --keep-* flags), and who reads them first
+        # what each iteration keeps (otbflow.runtime.retention.decision: its --keep-* flags), and who reads them first
         dag=(
             "retention.policy_every",
             "retention.optimizer",

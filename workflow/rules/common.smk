@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from snakemake.utils import validate
 
 import otbflow
-from otbflow.ops.codeversion import code_version
+from otbflow.runtime.codeversion import code_version
 from otbflow.ops.dispatch import KIND_OF
 from otbflow.ops.workerjobs import STAGE_OF_KIND, Supervisor, WorkerJob, sbatch_options, site_settings
 from otbflow.ops.workerjobs import script as worker_script
@@ -26,7 +26,7 @@ from otbflow.config import (
 from otbflow.ops.head import guard as guard_head
 from otbflow.ops.jobgroups import size_group_jobs
 from otbflow.io import write_text_if_changed
-from otbflow.ops.retention import decision as retention_decision, pruned_inputs, refusal as retention_refusal
+from otbflow.runtime.retention import decision as retention_decision, pruned_inputs, refusal as retention_refusal
 from snakemake.exceptions import WorkflowError
 
 # Snakemake's `config` holds what --configfile/--config gave (`--config 'rollout={group_size: 8}'`,
@@ -354,7 +354,7 @@ def own_optimizer_state(wildcards):
     return [] if CFG.train.reset_optimizer else [f"{R}/iter_{wildcards.k}/train/optimizer"]
 
 
-# Iterations whose train outputs the retention policy prunes (otbflow.ops.retention): one local
+# Iterations whose train outputs the retention policy prunes (otbflow.runtime.retention): one local
 # `prune` job each, once every job that reads them is done.
 PRUNED_ITERATIONS = [
     k

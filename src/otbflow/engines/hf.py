@@ -31,8 +31,8 @@ from otbflow.algorithms.vocab_pruning import outside
 from otbflow.engines import Sample, Sampling, stop_token_ids, truncate_at_stop
 from otbflow.models.logits import padded
 from otbflow.models.policy import load_policy
-from otbflow.ops import resident
 from otbflow.progress import Progress
+from otbflow.runtime import resident
 from otbflow.seeds import derive_seed
 
 log = logging.getLogger("otbflow.generate")
@@ -251,7 +251,7 @@ class RowSampler:
 
 def decode_mode(mode: str, device) -> str:
     """``rollout.hf_decode`` on ``device``. 'auto': 'eager' on a CPU (the bitwise fingerprints);
-    on a GPU 'compiled' in a warm worker (``otbflow.ops.resident``: its compilation is paid once, the
+    on a GPU 'compiled' in a warm worker (``otbflow.runtime.resident``: its compilation is paid once, the
     compiled code serves every later job) and 'static' in a process that runs one job (which would
     pay the compilation every time)."""
     if mode != "auto":

@@ -204,7 +204,7 @@ def resident_engine(kwargs: dict[str, Any]):
     in place (``vllm_worker.ReloadExtension.reload_policy``: vLLM's ``reload_weights`` from the
     folder) and its prefix cache is reset; the engine then samples what a new engine of those
     weights would (tests/test_vllm.py)."""
-    from otbflow.ops import resident
+    from otbflow.runtime import resident
 
     held = resident.take("vllm")
     if held is None:
@@ -229,7 +229,7 @@ def resident_engine(kwargs: dict[str, Any]):
 
 def hold_engine(kwargs: dict[str, Any], llm) -> None:
     """Keep a new engine for the jobs after this one (a warm worker only)."""
-    from otbflow.ops import resident
+    from otbflow.runtime import resident
 
     if resident.ENABLED:
         path = Path(kwargs["model"])

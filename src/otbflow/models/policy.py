@@ -13,8 +13,8 @@ from omegaconf import DictConfig
 
 from otbflow.engines import ARCHITECTURES, VOCABULARY_FILES, check_tokenizer
 from otbflow.io import check_safetensors
-from otbflow.ops import resident
-from otbflow.ops.retention import check_not_pruned
+from otbflow.runtime import resident
+from otbflow.runtime.retention import check_not_pruned
 
 CHARS = "0123456789+-*/=;#:. abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ\n"
 SPECIAL = ["<pad>", "<eos>", "<unk>"]
@@ -175,7 +175,7 @@ def load_policy(path: str | Path, dtype: str = "float32", cast_to: torch.dtype |
         raise FileNotFoundError(f"{path}: not an HF model folder (no config.json)")
     check_not_pruned(path)
     check_safetensors(path)
-    if resident.ENABLED:  # a warm worker: the resident module where it fits (otbflow.ops.resident)
+    if resident.ENABLED:  # a warm worker: the resident module where it fits (otbflow.runtime.resident)
         return resident.policy(path, dtype, cast_to, _load_policy)
     return _load_policy(path, dtype, cast_to)
 

@@ -1,5 +1,5 @@
 """``otbflow disk``: the disk a run will take, from the model's HF config, the run's size and the
-retention policy (``otbflow.ops.retention``), before it runs; and what a results folder holds.
+retention policy (``otbflow.runtime.retention``), before it runs; and what a results folder holds.
 
 Sizes per iteration, by what the stages write:
 - policy: every parameter in fp32 (the train stage saves the fp32 master weights, whatever
@@ -24,7 +24,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from otbflow import schemas
-from otbflow.ops.retention import PRUNED, decision
+from otbflow.runtime.retention import PRUNED, decision
 
 _WIDTH = {"Int64": 8, "Int32": 4, "Float32": 4, "Float64": 8}
 DATA_TABLES = (schemas.ROLLOUTS, schemas.FEATURES, schemas.ADVANTAGES)

@@ -46,12 +46,13 @@ import os
 import secrets
 import shlex
 import shutil
-import socket
 import stat
 import sys
 import time
 import uuid
 from pathlib import Path
+
+from otbflow.runtime.process import HEARTBEAT_S, STALE_S, alive, die_with_parent, here, me, modified, process_start
 
 KINDS = {
     "generate": ("rollout", "evaluate", "variance_pool"),
@@ -64,10 +65,6 @@ writes after the job returned)."""
 
 KIND_OF = {stage: kind for kind, stages in KINDS.items() for stage in stages}
 FOLDER = ".workers"
-HEARTBEAT_S = 1.0
-"""How often a worker touches its heartbeat, and a client its own."""
-STALE_S = 10.0
-"""A heartbeat older than this is a gone process (a worker, or a client on another host)."""
 POLL_S = 0.05
 """How often a waiting client and an idle worker look at the folder."""
 CLAIM_S = 30.0
@@ -218,61 +215,6 @@ def touch(path: Path) -> None:
         os.utime(path, follow_symlinks=False)
     except FileNotFoundError:
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
-
-
-def boot_id() -> str:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
-
-
-def process_start(pid: int) -> int | None:
-    """The start of process ``pid`` in clock ticks after boot (/proc), None when there is none."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = text[text.rindex(")") + 2 :].split()
-    return None if fields[0] in "ZX" else int(fields[19])
-
-
-def me() -> dict:
-    """This process: host, pid, start, boot (what tells it gone)."""
-    return {"host": socket.gethostname(), "pid": os.getpid(), "start": process_start(os.getpid()), "boot": boot_id()}
-
-
-def here(record: dict) -> bool:
-    """Whether the process of ``record`` (``me()``'s keys) ran on this host since its last boot."""
-    return record.get("host") == socket.gethostname() and record.get("boot") == boot_id()
-
-
-def modified(path: Path) -> float | None:
-    """The modification time of the file ``path`` (None: none there), read from a descriptor of
-    it: opening a file on a shared filesystem (NFS) fetches its attributes anew (close-to-open),
-    where a plain stat may answer from a cache up to a minute old."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    try:
-        return os.fstat(fd).st_mtime
-    finally:
-        os.close(fd)
-
-
-def alive(record: dict, heartbeat: Path, by_pid_here: bool = False) -> bool:
-    """Whether the process of ``record`` (``me()``'s keys) runs: on this host and boot by its pid
-    and start; elsewhere by its heartbeat file being fresher than ``STALE_S``. A process found here
-    must also have a fresh heartbeat (one that stopped beating is hung), but with ``by_pid_here``:
-    a slow process on a loaded machine is still waited for."""
-    if here(record):
-        if process_start(int(record["pid"])) != record.get("start"):
-            return False
-        if by_pid_here:
-            return True
-    beat = modified(heartbeat)
-    return beat is not None and time.time() - beat < STALE_S
 
 
 def registration(folder: Path, key: bytes) -> dict | None:
@@ -511,19 +453,6 @@ def launcher(tasks: int, cpus_per_task: int, python: str = sys.executable) -> li
     torchrun = f"{shlex.quote(python)} -m torch.distributed.run --standalone --nproc_per_node={tasks} --no-python"
     script = f'if [ -n "${{SLURM_JOB_ID:-}}" ]; then exec {srun} "$@"; else exec {torchrun} "$@"; fi'
     return ["bash", "-c", script, "launch"]
-
-
-def die_with_parent() -> None:
-    """On Linux, have the kernel end this client with the job's shell (``prctl(PR_SET_PDEATHSIG)``),
-    so that a worker sees a killed job's client gone; kept across the ``execv`` of the fallback,
-    which the stage's CLI sets again."""
-    import ctypes
-    import signal
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 @contextlib.contextmanager

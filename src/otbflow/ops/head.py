@@ -33,7 +33,8 @@ the Snakefile when it is parsed) lets the same command continue instead:
   markers to the head, ``keep_incomplete_markers``), and a cancelled train job resumes from its
   checkpoint, where one that ran to its end would start over.
 
-No torch, no otbflow imports: the Snakefile imports this when it is parsed.
+No torch, and no otbflow module but the standard-library ``otbflow.runtime.process``: the Snakefile
+imports this when it is parsed.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
+
+from otbflow.runtime.process import boot_id, process_stat
 
 MARK = "OTBFLOW_HEAD"  # environment variable: the id of the head that started a process
 HEAD_JOB = "OTBFLOW_HEAD_JOB_ID"  # the head job's Slurm id (otbflow submit drops SLURM_* for Snakemake)
@@ -84,23 +87,6 @@ class Head:
     def describe(self) -> str:
         job = f", Slurm job {self.slurm_job}" if self.slurm_job else ""
         return f"pid {self.pid} on {self.host}{job}, started {self.started}"
-
-
-def boot_id() -> str:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
-
-
-def process_stat(pid: int) -> tuple[str, int, int] | None:
-    """(state, parent pid, start in clock ticks after boot) of a process; None when there is none."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = text[text.rindex(")") + 2 :].split()  # after "pid (comm) ": fields 3, 4, ...
-    return fields[0], int(fields[1]), int(fields[19])
 
 
 def this_process(jobname_prefix: str | None = None, argv: list[str] | None = None, workdir: str = "") -> Head:

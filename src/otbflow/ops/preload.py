@@ -194,7 +194,7 @@ def run(argv: list[str]) -> int | None:
     if conn is None:
         return None
     import otbflow
-    from otbflow.ops.dispatch import die_with_parent
+    from otbflow.runtime.process import die_with_parent
 
     die_with_parent()  # the job's shell killed: this client with it, and the server kills the child
     request = {
@@ -419,7 +419,7 @@ def child(request: dict, fds: list[int], keep: list) -> None:
     import traceback
 
     import otbflow
-    from otbflow.ops.dispatch import die_with_parent
+    from otbflow.runtime.process import die_with_parent
 
     CHILD = True
     code = 1

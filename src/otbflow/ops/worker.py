@@ -1,7 +1,7 @@
 """A warm worker: ``otbflow worker KIND --results DIR`` runs the stage jobs of one kind (``generate``:
 rollout, evaluate and the variance pool; ``features``; ``train``) that the rules of the run in
 ``DIR`` hand it (``otbflow.ops.dispatch``), one after another, in this one process, keeping what the
-next job needs (``otbflow.ops.resident``): the imports, the policy, the DeepSpeed engine and its AdamW
+next job needs (``otbflow.runtime.resident``): the imports, the policy, the DeepSpeed engine and its AdamW
 state. A job runs exactly as ``otbflow STAGE ...`` would run it in its own process (the same
 code, the same arguments, the same thread count): the outputs are the same. A train worker of
 several processes (``--tasks N``, for train jobs of N DeepSpeed ranks) is N such processes started
@@ -39,7 +39,8 @@ import time
 import traceback
 from pathlib import Path
 
-from otbflow.ops import dispatch, resident
+from otbflow.ops import dispatch
+from otbflow.runtime import process, resident
 
 log = logging.getLogger("otbflow.ops.worker")
 
@@ -75,13 +76,13 @@ class Worker:
         ``ranks``: the other ranks of a worker of several processes (this one is rank 0)."""
         if kind not in dispatch.KINDS:
             raise ValueError(f"unknown worker kind {kind!r}: one of {', '.join(dispatch.KINDS)}")
-        from otbflow.ops.codeversion import code_version
+        from otbflow.runtime.codeversion import code_version
 
         self.kind, self.results, self.run_stage = kind, Path(results).resolve(), run_stage
         self.idle_exit_s, self.max_jobs, self.retire_after_s = idle_exit_s, max_jobs, retire_after_s
         self.key = dispatch.secret(self.results, create=True)
         self.base = dispatch.root(self.results) / kind
-        self.me = dispatch.me()
+        self.me = process.me()
         self.id = f"{self.me['host']}-{self.me['pid']}-{self.me['start']}"
         self.folder = self.base / self.id
         self.sweeper = dispatch.Sweeper(self.base, self.key, own=self.folder)
@@ -123,7 +124,7 @@ class Worker:
 
     def heartbeat(self) -> None:
         """Touch ``alive`` every HEARTBEAT_S; abandon the job whose client is gone or withdrew it."""
-        while not self.stop.wait(dispatch.HEARTBEAT_S):
+        while not self.stop.wait(process.HEARTBEAT_S):
             with contextlib.suppress(OSError):
                 dispatch.touch(self.folder / "alive")
             with self.lock:
@@ -144,7 +145,7 @@ class Worker:
             return "its client withdrew it"
         if not (self.base / "jobs" / job["id"]).is_dir():
             return "its client withdrew it (its job folder is gone)"
-        if not dispatch.alive(job["client"], self.base / "jobs" / job["id"] / "client"):
+        if not process.alive(job["client"], self.base / "jobs" / job["id"] / "client"):
             return "its client is gone (the rule's job was killed)"
         return None
 
@@ -252,7 +253,7 @@ class Worker:
             why = "its job folder is gone (its client withdrew it)" if isinstance(e, FileNotFoundError) else e
             log.error("%s: refused, not run: %s", mine.name, why)
             return None
-        if not dispatch.alive(body["client"], job_dir / "client"):
+        if not process.alive(body["client"], job_dir / "client"):
             log.error("%s: refused, not run: its client is gone", mine.name)
             return None
         return body

@@ -7,7 +7,7 @@ Parquet) and a one-row summary: greedy accuracy, avg@k (mean reward over k sampl
 so the same policy always gets the same samples. Each response is scored with the verifiable
 reward under the reward's deadline, as the rollout scores it (a call past it scores 0; the samples'
 metadata counts them: ``reward_timeouts``). The summary is also a point of the live curves
-(``otbflow.ops.tracking``), at the optimizer steps and tokens that made the policy (``--train-state``).
+(``otbflow.runtime.tracking``), at the optimizer steps and tokens that made the policy (``--train-state``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from otbflow.algorithms.shaping import verifier
 from otbflow.engines import Sampling, check_prompt_lengths, open_backend, prompt_metadata, render_table
 from otbflow.io import read_table, write_parquet
 from otbflow.models.policy import load_tokenizer, set_threads
-from otbflow.ops.tracking import open_curves
+from otbflow.runtime.tracking import open_curves
 from otbflow.seeds import derive_seed
 
 log = logging.getLogger("otbflow.evaluate")

@@ -1,6 +1,6 @@
-"""Prune: apply the retention policy to iteration k's train outputs (``otbflow.ops.retention``).
+"""Prune: apply the retention policy to iteration k's train outputs (``otbflow.runtime.retention``).
 
-The workflow decides what iteration k keeps (``otbflow.ops.retention.decision``: the rule's
+The workflow decides what iteration k keeps (``otbflow.runtime.retention.decision``: the rule's
 ``--keep-*`` flags, also its rerun trigger) and runs this (a local job of the head process, no
 queueing) once every job that reads the
 policy or the AdamW state iteration k trained is done: the next iteration's features and train,
@@ -18,7 +18,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from otbflow.io import write_json
-from otbflow.ops.retention import optimizer_state, policy_weights, prune_folder, pruned_record
+from otbflow.runtime.retention import optimizer_state, policy_weights, prune_folder, pruned_record
 
 log = logging.getLogger("otbflow.prune")
 
@@ -34,9 +34,9 @@ class Args:
     optimizer: str = ""
     """iter_k/train/optimizer (none with train.reset_optimizer)."""
     keep_policy: bool = False
-    """Keep the policy's weights (the workflow passes otbflow.ops.retention.decision's)."""
+    """Keep the policy's weights (the workflow passes otbflow.runtime.retention.decision's)."""
     keep_optimizer: bool = False
-    """Keep the optimizer state (the workflow passes otbflow.ops.retention.decision's)."""
+    """Keep the optimizer state (the workflow passes otbflow.runtime.retention.decision's)."""
 
 
 def run(cfg: DictConfig, args: Args) -> None:

@@ -30,9 +30,9 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from otbflow.io import check_job, read_json
-from otbflow.ops import resident
-from otbflow.ops.resident import WEIGHTS, files_digest
-from otbflow.ops.retention import OPTIMIZER_FAILED, OPTIMIZER_META, OPTIMIZER_WRITER, optimizer_partial
+from otbflow.runtime import resident
+from otbflow.runtime.resident import WEIGHTS, files_digest
+from otbflow.runtime.retention import OPTIMIZER_FAILED, OPTIMIZER_META, OPTIMIZER_WRITER, optimizer_partial
 
 log = logging.getLogger("otbflow.publish_optimizer")
 
@@ -59,7 +59,7 @@ class Args:
 def writer_alive(pending: str | Path) -> bool:
     """Whether a process is writing ``pending`` now (its OPTIMIZER_WRITER record): on this host
     while its process runs, elsewhere while its heartbeat is fresh."""
-    from otbflow.ops.dispatch import alive, me
+    from otbflow.runtime.process import alive, me
 
     record = optimizer_partial(pending) / OPTIMIZER_WRITER
     if (info := read_json(record)) is None:

@@ -4,7 +4,7 @@
 mini-batch (``otbflow.training.trainer.Trainer``; losses and their aggregation in ``otbflow.algorithms.losses``), an LR
 schedule and an AdamW state carried from iteration to iteration, resumable checkpoints within the
 job (``otbflow.training.state``); writes the next policy (an HF folder) and one metrics row per step,
-each step also a point of the live curves (``otbflow.ops.tracking``).
+each step also a point of the live curves (``otbflow.runtime.tracking``).
 Formulas, options, metrics, checkpoints and launchers: docs/training.md.
 """
 
@@ -27,9 +27,9 @@ from otbflow import schemas
 from otbflow.algorithms.lr_schedule import LRSchedule
 from otbflow.io import SchemaError, check_safetensors, fault_point, write_json, write_parquet
 from otbflow.models.policy import set_threads
-from otbflow.ops import resident
-from otbflow.ops.dispatch import me
-from otbflow.ops.tracking import Curves, open_curves
+from otbflow.runtime import resident
+from otbflow.runtime.process import me
+from otbflow.runtime.tracking import Curves, open_curves
 from otbflow.seeds import derive_seed
 from otbflow.training.distributed import (
     _destroy_process_group,
@@ -287,7 +287,7 @@ def _write_optimizer_state(engine, out: str, meta: dict, writer: dict, rank: int
 
 @dataclass
 class Resident:
-    """A warm worker's DeepSpeed engine after a job (``otbflow.ops.resident``): its layout, the
+    """A warm worker's DeepSpeed engine after a job (``otbflow.runtime.resident``): its layout, the
     fingerprint of the job that left it and the digest of the policy that job wrote."""
 
     engine: object

@@ -26,8 +26,8 @@ import torch
 from omegaconf import DictConfig
 
 from otbflow.io import atomic_dir, check_job, read_json, write_errors_named, write_json
-from otbflow.ops.resident import WEIGHTS, files_digest
-from otbflow.ops.retention import (
+from otbflow.runtime.resident import WEIGHTS, files_digest
+from otbflow.runtime.retention import (
     OPTIMIZER_FAILED,
     OPTIMIZER_META,
     OPTIMIZER_WRITER,
@@ -199,8 +199,8 @@ def fingerprint(cfg: DictConfig, args, world_size: int) -> str:
     """What a checkpoint belongs to (``args``: the train stage's Args): the inputs (advantages
     bytes, policy, previous schedule state, previous optimizer state), the config, the code and
     the number of ranks."""
-    from otbflow.ops.codeversion import code_version
     from otbflow.pipeline import trigger
+    from otbflow.runtime.codeversion import code_version
 
     h = hashlib.sha256()
     with open(args.advantages, "rb") as f:

@@ -28,10 +28,10 @@ PACKAGE = Path(__file__).resolve().parents[1]
 # trigger, not through its code: a new bound, help text or declared key reruns nothing, and a
 # registry they import for its names (the allowed values of an option) is hashed where a stage
 # imports it to run its code.
-WORKFLOW_ONLY = {"otbflow.config", "otbflow.pipeline", "otbflow.ops.codeversion"}
+WORKFLOW_ONLY = {"otbflow.config", "otbflow.pipeline", "otbflow.runtime.codeversion"}
 # Neither hashed nor followed either: code that changes how a job reports, never what it writes
 # (the live curves, which import no other otbflow module), so that editing it reruns nothing.
-RUN_ONLY = {"otbflow.ops.tracking"}
+RUN_ONLY = {"otbflow.runtime.tracking"}
 _NAMED = re.compile(r"^(otbflow(?:\.\w+)+)(?::\w+)?$")
 
 

@@ -16,7 +16,7 @@ trained on so far). None of this is a Snakemake output: a failed job leaves its 
 last point, and nothing reads them. docs/training.md, "Live curves".
 
 This module imports no other otbflow module, and no code version hashes it
-(``otbflow.ops.codeversion.RUN_ONLY``): it changes how a job reports, never what it writes. The event
+(``otbflow.runtime.codeversion.RUN_ONLY``): it changes how a job reports, never what it writes. The event
 files are written here (the TFRecord framing and the three protobuf messages TensorBoard reads),
 so a job imports nothing for them and needs no tensorboard package in its environment (the vLLM
 one); wandb is imported only by a job that logs to it.

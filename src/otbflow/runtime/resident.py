@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from otbflow.engines import TOKENIZER_FILES
 
-log = logging.getLogger("otbflow.ops.resident")
+log = logging.getLogger("otbflow.runtime.resident")
 
 ENABLED = False
 """True in a worker (``enable``): the stages keep what the next job needs."""
