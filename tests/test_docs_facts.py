@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import REPO
@@ -133,3 +134,32 @@ def test_the_readme_places_every_module():
     assert len(modules) >= 30
     missing = [str(p.relative_to(package)) for p in modules if f"`{p.name}`" not in section]
     assert not missing, f"README, 'Where to change what', does not place {missing}"
+
+
+ARROW = re.compile(r"\b(\w+)(?: \([^)]*\))?\s*─►\s*(\w+)")
+
+
+def test_the_readme_stage_diagram_is_the_workflow(tmp_path):
+    """The README's stage diagram names every stage of the stage table that has a rule of the
+    run's workflow, and no other; each arrow it draws from one stage to another ("rollout ─►
+    features") is an edge of the rule graph that the real Snakemake plans for the tiny config."""
+    from otbflow.pipeline import STAGES
+
+    text = (REPO / "README.md").read_text().split("## The stages", 1)[1]
+    diagram = text.split("```", 2)[1]
+    words = set(re.findall(r"\b[a-z_]+\b", diagram))
+    stages = {name for name, stage in STAGES.items() if stage.rule}
+    assert words & set(STAGES) == stages, (
+        f"drawn but no rule: {words & set(STAGES) - stages}; rules not drawn: {stages - words}"
+    )
+    drawn = {(a, b) for a, b in ARROW.findall(diagram) if a in STAGES and b in STAGES}
+    assert {("rollout", "features"), ("advantages", "train"), ("evaluate", "report")} <= drawn
+    snakemake = str(Path(sys.executable).with_name("snakemake"))
+    cmd = [snakemake, "-s", str(REPO / "Snakefile"), "--directory", str(tmp_path), "--cores", "1"]
+    cmd += ["--configfile", str(REPO / "config" / "tiny.yaml"), "-n", "--rulegraph"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, stdin=subprocess.DEVNULL).stdout
+    label = dict(re.findall(r'^\s*(\d+)\[label = "(\w+)"', out, flags=re.M))
+    edges = {(label[a], label[b]) for a, b in re.findall(r"^\s*(\d+) -> (\d+)", out, flags=re.M)}
+    planned = set(label.values())
+    missing = {(a, b) for a, b in drawn if a in planned and b in planned} - edges
+    assert not missing, f"the README draws {missing}, which the workflow's rule graph does not have"

@@ -1,5 +1,6 @@
-"""The import graph of otbflow's modules flows one way (stages -> library): no circles, counting
-the imports inside functions too; no stage module imports another; both generation backends
+"""The import graph of otbflow's modules flows one way (stages -> library): the rooms stand on the
+floors of tests/layers.py and import only downward, counting the imports inside functions too; no
+circles; no stage module imports another; both generation backends
 implement the one interface; a stage's code version covers what it imports and ignores formatting;
 every pytest mark of the suite decorates a test."""
 
@@ -13,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import layers
 from conftest import REPO
 
 from otbflow.pipeline import STAGES
@@ -50,6 +52,54 @@ def test_no_import_circle():
     for module in sorted(graph):
         if module not in state:
             visit(module, [])
+
+
+def test_every_room_stands_on_one_floor_and_imports_only_downward():
+    """Each folder and root module of the package is a room of ``layers.LAYERS``, once; every import
+    of one room by another (deferred ones too) points to a lower floor; no circle of rooms."""
+    rooms = {layers.room(m) for m in module_names()}
+    placed = [r for floor in layers.LAYERS for r in floor]
+    assert len(placed) == len(set(placed)), "a room on two floors"
+    assert set(placed) == rooms, (
+        f"not on a floor: {sorted(rooms - set(placed))}; no such room: {sorted(set(placed) - rooms)}"
+    )
+    up = layers.upward(REPO)
+    assert not up, "imports that do not point down a floor:\n" + "\n".join(
+        f"{a} -> {b}: {w}" for (a, b), w in up.items()
+    )
+    assert layers.circles(REPO) == []
+
+
+def test_the_layer_reading_on_a_built_package(tmp_path):
+    """The reading against a package written here, whose arrows are known by construction: a
+    top-level import, a deferred one inside a function, a relative one, "from package import
+    module", and the parent-package import Python runs first (no arrow)."""
+    src = tmp_path / "src" / "otbflow"
+    files = {
+        "__init__.py": "",
+        "seeds.py": "import os\n",
+        "io.py": "from otbflow import seeds\n",
+        "runtime/__init__.py": "",
+        "runtime/process.py": "import otbflow.runtime\n\ndef f():\n    from otbflow.io import x\n",
+        "models/__init__.py": "",
+        "models/policy.py": "from ..runtime import process\nfrom otbflow.engines.hf import y\n",
+        "engines/__init__.py": "",
+        "engines/hf.py": "from otbflow.models import policy\n",
+    }
+    for name, text in files.items():
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        (src / name).write_text(text)
+    drawn = {pair: len(where) for pair, where in layers.arrows(tmp_path).items()}
+    assert drawn == {
+        ("io", "seeds"): 1,
+        ("runtime", "io"): 1,
+        ("models", "runtime"): 1,
+        ("models", "engines"): 1,
+        ("engines", "models"): 1,
+    }
+    assert set(layers.upward(tmp_path)) == {("runtime", "io"), ("models", "engines")}
+    assert layers.circles(tmp_path) == [["engines", "models"]]
+    assert layers.arrows(tmp_path)[("runtime", "io")] == ["runtime/process.py:4"]
 
 
 def test_no_stage_imports_another_stage():
