@@ -337,7 +337,7 @@ def vllm_calls(qwen2_bpe_policy, data_dir, tmp_path_factory):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from otbflow.engines import TOKENIZER_FILES
+    from otbflow.runtime.policy_folder import TOKENIZER_FILES
 
     python = vllm_python()
     tok = load_tokenizer(qwen2_bpe_policy)

@@ -37,9 +37,10 @@ from otbflow.algorithms.rollout_is import ROLLOUT_IS_LEVELS, weighting_levels
 from otbflow.algorithms.shaping import SHAPED_REWARDS
 
 # The registries that own the choice lists (none of them imports torch, nor this module).
-from otbflow.engines import ARCHITECTURES, BACKENDS, HF_DECODE_MODES, TOKENIZERS, chat_setting, check_policy_folder
+from otbflow.engines import ARCHITECTURES, BACKENDS, HF_DECODE_MODES, TOKENIZERS, chat_setting
 from otbflow.models.tasks import DATASET_FORMATS, TASKS
 from otbflow.registry import Registry
+from otbflow.runtime.policy_folder import check_policy_folder
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "config" / "config.yaml"
 

@@ -2,12 +2,11 @@
 (one generated response), ``Sampling`` (what to generate), ``Backend`` (implemented by
 ``otbflow.engines.hf`` and ``otbflow.engines.vllm``, which depend on this module, never the other
 way round; ``open_backend`` builds one by name), prompt rendering (``render_prompts``) and stop
-tokens (``stop_token_ids``), and the checks of a policy folder against its inputs that run before
-any generation: its tokenizer files (``check_policy_folder``, also when the config loads), its
-tokenizer's size (``check_tokenizer``) and its positions against the prompts' characters before
-they render (``check_prompt_chars``, in ``render_table``; the shard stage's ``prompt_char_limit``)
-and against the rendered prompts (``check_prompt_lengths``). Chat rendering and stop
-tokens: docs/data.md, "A real model and dataset"."""
+tokens (``stop_token_ids``), and the checks of a policy's positions against the prompts'
+characters before they render (``check_prompt_chars``, in ``render_table``; the shard stage's
+``prompt_char_limit``) and against the rendered prompts (``check_prompt_lengths``). What a policy
+folder holds and the checks of it before any job reads it: ``otbflow.runtime.policy_folder``. Chat
+rendering and stop tokens: docs/data.md, "A real model and dataset"."""
 
 from __future__ import annotations
 
@@ -20,6 +19,7 @@ from typing import Any, Protocol
 from omegaconf import DictConfig
 
 from otbflow.registry import Entry, Registry, Requirement
+from otbflow.runtime.policy_folder import model_config, model_positions
 
 
 @dataclass(frozen=True)
@@ -173,82 +173,11 @@ def truncate_at_stop(tokens: list[int], stops: set[int] | list[int]) -> tuple[in
     return len(tokens), "length"
 
 
-# A tokenizer's vocabulary is in one of these (a fast tokenizer, a slow BPE's vocab.json with its
-# merges, SentencePiece, WordPiece); a folder with none, or with tokenizer_config.json alone, gives
-# AutoTokenizer an empty tokenizer of length 1, with which generation fails deep in the model.
-VOCABULARY_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "vocab.txt", "spiece.model")
-TOKENIZER_FILES = (
-    *VOCABULARY_FILES,
-    "merges.txt",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-)
-"""Every file of a tokenizer that transformers saves or reads: a trained policy gets its input's,
-byte for byte (``otbflow.training.state.save_policy``)."""
-# config.json keys that give a causal LM's positions (transformers' names across architectures).
-POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
 PROMPT_CHARS_PER_POSITION = 64
 """The shard stage, and the rollout and evaluate jobs before they render, refuse a prompt of more
 characters than this many per position of the model (``prompt_char_limit``): a prompt that fits
 the positions averages a few characters a token, and one past this bound could never fit; it is
 stopped before any tokenizer or GPU sees it."""
-
-
-def model_config(path: str | Path) -> dict[str, Any]:
-    """The config.json of the HF model folder ``path``; ValueError naming the folder where it is
-    no folder, has no config.json or one that is not a JSON object."""
-    path = Path(path)
-    if not path.is_dir():
-        raise ValueError(f"{path}: no such folder (a local HF causal-LM folder is needed)")
-    file = path / "config.json"
-    if not file.is_file():
-        raise ValueError(f"{path}: no config.json, not an HF model folder")
-    try:
-        config = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{file}: not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{file}: not a JSON object")
-    return config
-
-
-def model_positions(config: dict[str, Any]) -> tuple[int, str] | None:
-    """(the positions a causal LM reads, prompt and response together, the config.json key that
-    says so), or None where its config names none (``POSITION_KEYS``)."""
-    for key in POSITION_KEYS:
-        value = config.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value, key
-    return None
-
-
-def check_policy_folder(path: str | Path) -> None:
-    """Raise ValueError naming ``path`` unless it is an HF model folder (config.json) with a
-    tokenizer's vocabulary beside it (``VOCABULARY_FILES``). Reads config.json and file names
-    only (no torch, no weights): the config check runs it on model.path before any job."""
-    model_config(path)
-    if not any((Path(path) / f).is_file() for f in VOCABULARY_FILES):
-        raise ValueError(
-            f"{path}: no tokenizer files (one of {', '.join(VOCABULARY_FILES)}): the policy's tokenizer "
-            "renders the prompts and decodes the responses (copy it beside the weights)"
-        )
-
-
-def check_tokenizer(tok, path: str | Path) -> None:
-    """Raise ValueError unless the tokenizer loaded from ``path`` has at least half as many tokens
-    as the model's embedding has rows (config.json's vocab_size; checkpoints pad the embedding by
-    a few hundred rows at most): fewer is a wrong or broken tokenizer, e.g. the empty one that
-    AutoTokenizer builds from a folder without its vocabulary files."""
-    vocab = model_config(path).get("vocab_size") if (Path(path) / "config.json").is_file() else None
-    if isinstance(vocab, int) and vocab > 0 and 2 * len(tok) < vocab:
-        raise ValueError(
-            f"{path}: its tokenizer has {len(tok)} tokens for an embedding of {vocab} (config.json vocab_size): "
-            "not this model's tokenizer, or a folder without its vocabulary files "
-            f"({', '.join(VOCABULARY_FILES)})"
-        )
 
 
 def prompt_char_limit(positions: int) -> int:

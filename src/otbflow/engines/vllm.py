@@ -11,9 +11,10 @@ from typing import Any, Iterable
 
 from omegaconf import DictConfig
 
-from otbflow.engines import Sample, Sampling, model_config, model_positions, stop_token_ids
+from otbflow.engines import Sample, Sampling, stop_token_ids
 from otbflow.io import check_safetensors
 from otbflow.models.policy import load_tokenizer
+from otbflow.runtime.policy_folder import architecture, model_config, model_positions, tokenizer_digest, weights_digest
 from otbflow.seeds import derive_seed
 
 log = logging.getLogger("otbflow.vllm")
@@ -212,11 +213,11 @@ def resident_engine(kwargs: dict[str, Any]):
     path = Path(kwargs["model"])
     kv = held["kv_cache_memory_bytes"]
     fits = held["key"] == _engine_key(kwargs) and _kv_fits(kv, kwargs.get("kv_cache_memory_bytes"))
-    fits = fits and held["architecture"] == resident.architecture(path)
-    if not fits or held["tokenizer"] != resident.files_digest(path, resident.TOKENIZER):
+    fits = fits and held["architecture"] == architecture(path)
+    if not fits or held["tokenizer"] != tokenizer_digest(path):
         resident.drop("vllm")  # its memory goes before a new engine's comes
         return None
-    weights = resident.files_digest(path, resident.WEIGHTS)
+    weights = weights_digest(path)
     if weights != held["weights"]:
         held["llm"].collective_rpc("reload_policy", args=(str(path),))
         held["llm"].reset_prefix_cache()
@@ -238,9 +239,9 @@ def hold_engine(kwargs: dict[str, Any], llm) -> None:
             {
                 "key": _engine_key(kwargs),
                 "kv_cache_memory_bytes": kwargs.get("kv_cache_memory_bytes"),
-                "architecture": resident.architecture(path),
-                "tokenizer": resident.files_digest(path, resident.TOKENIZER),
-                "weights": resident.files_digest(path, resident.WEIGHTS),
+                "architecture": architecture(path),
+                "tokenizer": tokenizer_digest(path),
+                "weights": weights_digest(path),
                 "llm": llm,
             },
         )

@@ -11,10 +11,10 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from otbflow.engines import ARCHITECTURES, VOCABULARY_FILES, check_tokenizer
+from otbflow.engines import ARCHITECTURES
 from otbflow.io import check_safetensors
 from otbflow.runtime import resident
-from otbflow.runtime.retention import check_not_pruned
+from otbflow.runtime.policy_folder import VOCABULARY_FILES, check_not_pruned, check_tokenizer
 
 CHARS = "0123456789+-*/=;#:. abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ\n"
 SPECIAL = ["<pad>", "<eos>", "<unk>"]

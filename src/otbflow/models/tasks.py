@@ -22,9 +22,10 @@ import polars as pl
 from omegaconf import DictConfig
 
 from otbflow.algorithms.rewards import last_boxed
-from otbflow.engines import PROMPT_CHARS_PER_POSITION, model_config, model_positions, prompt_char_limit, prompt_chars
+from otbflow.engines import PROMPT_CHARS_PER_POSITION, prompt_char_limit, prompt_chars
 from otbflow.io import SchemaError
 from otbflow.registry import Entry, Registry, Requirement
+from otbflow.runtime.policy_folder import model_config, model_positions
 from otbflow.seeds import derive_seed, task_seed
 
 

@@ -2,9 +2,10 @@
 
 - ``policy``: the policies loaded by ``otbflow.models.policy.load_policy`` (generation and the features
   pass), one per (dtype, precision). A job whose policy folder holds the same weights (by the
-  digest of its weight files, never by its path) gets the resident module as it is; one with other
-  weights of the same architecture has them copied into the resident module in place, from the
-  job's own input folder; another architecture or tokenizer is loaded anew.
+  digest of its weight files, never by its path: ``otbflow.runtime.policy_folder``) gets the
+  resident module as it is; one with other weights of the same architecture has them copied into
+  the resident module in place, from the job's own input folder; another architecture or
+  tokenizer is loaded anew.
 - ``hold`` / ``take`` / ``drop``: named objects a stage keeps for the next job (the train stage's
   DeepSpeed engine with its AdamW state, the KL reference), each with the facts the next job must
   match to use it; ``drop`` forgets them (a failed or abandoned job: its state is not trusted).
@@ -16,8 +17,6 @@ of the job's input folder would (tests/test_worker.py compares the outputs bitwi
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import threading
@@ -25,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from otbflow.engines import TOKENIZER_FILES
+from otbflow.runtime.policy_folder import architecture, tokenizer_digest, weights_digest
 
 log = logging.getLogger("otbflow.runtime.resident")
 
@@ -91,41 +90,14 @@ def join_writes() -> None:
             thread.join()
 
 
-def files_digest(folder: str | Path, suffixes: tuple[str, ...]) -> str:
-    """sha256 over the names and bytes of ``folder``'s files with these suffixes, in name order."""
-    h = hashlib.sha256()
-    for path in sorted(p for p in Path(folder).iterdir() if p.suffix in suffixes or p.name in suffixes):
-        h.update(path.name.encode())
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 24), b""):
-                h.update(chunk)
-    return h.hexdigest()
-
-
-WEIGHTS = (".safetensors", ".bin")
-TOKENIZER = TOKENIZER_FILES
-
-
 @dataclass
 class Policy:
     model: Any
     tok: Any
     architecture: str
-    """``architecture`` of the folder it was loaded from."""
+    """``policy_folder.architecture`` of the folder it was loaded from."""
     tokenizer: str
     weights: str
-
-
-VOLATILE = ("dtype", "torch_dtype", "transformers_version", "_name_or_path")
-"""config.json keys that say how a folder was saved, not what it holds: another value does not
-make another architecture (each load states its own dtype; the stop tokens are read per job)."""
-
-
-def architecture(path: Path) -> str:
-    """The folder's config.json without ``VOLATILE`` keys, canonical: what a resident module or
-    engine must match to take the folder's weights."""
-    config = json.loads((Path(path) / "config.json").read_text())
-    return json.dumps({k: v for k, v in config.items() if k not in VOLATILE}, sort_keys=True)
 
 
 def policy(path: str | Path, dtype: str, cast_to, load: Callable) -> tuple[Any, Any]:
@@ -134,9 +106,9 @@ def policy(path: str | Path, dtype: str, cast_to, load: Callable) -> tuple[Any, 
     path = Path(path)
     key = f"policy:{dtype}:{cast_to}"
     held: Policy | None = _held.get(key)
-    architecture_, tokenizer = architecture(path), files_digest(path, TOKENIZER)
+    architecture_, tokenizer = architecture(path), tokenizer_digest(path)
     if held is not None and held.architecture == architecture_ and held.tokenizer == tokenizer:
-        weights = files_digest(path, WEIGHTS)
+        weights = weights_digest(path)
         if weights != held.weights:
             load_weights_in_place(held.model, path)
             held.weights = weights
@@ -149,7 +121,7 @@ def policy(path: str | Path, dtype: str, cast_to, load: Callable) -> tuple[Any, 
         return held.model, held.tok
     model, tok = load(path, dtype, cast_to)
     if ENABLED:
-        _held[key] = Policy(model, tok, architecture_, tokenizer, files_digest(path, WEIGHTS))
+        _held[key] = Policy(model, tok, architecture_, tokenizer, weights_digest(path))
     return model, tok
 
 

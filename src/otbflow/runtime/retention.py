@@ -8,10 +8,10 @@ of fp32 master weights and moments per iteration). The ``prune`` stage of iterat
 Snakemake runs once every job that reads these outputs is done (and their completion recorded),
 deletes the heavy files of those not kept: the weights of a policy, the ``state/`` of an optimizer.
 The folder stays, with its small files, Snakemake's timestamp and ``PRUNED.json`` (what was
-deleted, why): Snakemake still sees a complete, unchanged output, so a plain rerun redoes
-nothing, while a job that would read pruned weights is refused before any job runs
-(``pruned_inputs``), and a stage run by hand on a pruned folder stops with the reason
-(``check_not_pruned``).
+deleted, why; ``otbflow.runtime.policy_folder``, with the weight files a policy folder holds):
+Snakemake still sees a complete, unchanged output, so a plain rerun redoes nothing, while a job
+that would read pruned weights is refused before any job runs (``pruned_inputs``), and a stage run
+by hand on a pruned folder stops with the reason (``policy_folder.check_not_pruned``).
 
 Kept: the policy after every ``retention.policy_every``-th update, the last
 ``rollout.staleness + 1`` policies (what iteration ``iterations`` would start from and sample
@@ -29,9 +29,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-PRUNED = "PRUNED.json"
-# Files of an HF policy folder that hold weights; the rest (config, tokenizer) is small and kept.
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+from otbflow.runtime.policy_folder import PRUNED, pruned_record
 
 
 @dataclass(frozen=True)
@@ -55,23 +53,6 @@ def kept_policies(cfg: DictConfig) -> list[int]:
     return [k for k in range(cfg.iterations) if decision(cfg, k).policy]
 
 
-def pruned_record(folder: str | Path) -> dict | None:
-    """The PRUNED.json of a pruned folder, None for a complete one."""
-    p = Path(folder) / PRUNED
-    return json.loads(p.read_text()) if p.is_file() else None
-
-
-def check_not_pruned(folder: str | Path) -> None:
-    """Stop with the reason where a stage would read a folder whose heavy files retention deleted."""
-    record = pruned_record(folder)
-    if record is not None:
-        raise FileNotFoundError(
-            f"{folder}: the retention policy deleted its {record['what']} ({record['reason']}; see "
-            f"{Path(folder) / PRUNED}). Rerun the train job that made it (snakemake --forcerun), or keep such "
-            "outputs with retention.policy_every / retention.optimizer before a change that reads them."
-        )
-
-
 def _size(path: Path) -> int:
     return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
@@ -93,10 +74,6 @@ def prune_folder(folder: str | Path, what: str, reason: str, heavy: list[Path]) 
     for p in heavy:
         shutil.rmtree(p) if p.is_dir() else p.unlink()
     return sum(r["bytes"] for r in removed)
-
-
-def policy_weights(folder: str | Path) -> list[Path]:
-    return sorted(p for p in Path(folder).iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
 
 
 OPTIMIZER_META = "meta.json"

@@ -18,7 +18,8 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from otbflow.io import write_json
-from otbflow.runtime.retention import optimizer_state, policy_weights, prune_folder, pruned_record
+from otbflow.runtime.policy_folder import policy_weights, pruned_record
+from otbflow.runtime.retention import optimizer_state, prune_folder
 
 log = logging.getLogger("otbflow.prune")
 

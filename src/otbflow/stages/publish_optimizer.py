@@ -31,7 +31,7 @@ from omegaconf import DictConfig
 
 from otbflow.io import check_job, read_json
 from otbflow.runtime import resident
-from otbflow.runtime.resident import WEIGHTS, files_digest
+from otbflow.runtime.policy_folder import weights_digest
 from otbflow.runtime.retention import OPTIMIZER_FAILED, OPTIMIZER_META, OPTIMIZER_WRITER, optimizer_partial
 
 log = logging.getLogger("otbflow.publish_optimizer")
@@ -87,7 +87,7 @@ def run(cfg: DictConfig, args: Args) -> None:
             why = f"{args.pending} holds no finished optimizer state (its writer died before it was complete)"
     else:
         digest = json.loads(meta_path.read_text()).get("policy_sha256")
-        if digest != files_digest(args.policy, WEIGHTS):  # train_state.policy_digest
+        if digest != weights_digest(args.policy):
             why = f"{args.pending} is the optimizer state of other weights than {args.policy}"
     if why is not None:
         check_job(args.out)

@@ -27,7 +27,7 @@ from otbflow import schemas
 from otbflow.algorithms.lr_schedule import LRSchedule
 from otbflow.io import SchemaError, check_safetensors, fault_point, write_json, write_parquet
 from otbflow.models.policy import set_threads
-from otbflow.runtime import resident
+from otbflow.runtime import policy_folder, resident
 from otbflow.runtime.process import me
 from otbflow.runtime.tracking import Curves, open_curves
 from otbflow.seeds import derive_seed
@@ -49,7 +49,6 @@ from otbflow.training.state import (
     full_fp32_state_dict,
     load_optimizer_state,
     optimizer_layout,
-    policy_digest,
     save_optimizer_state,
     save_policy,
 )
@@ -115,7 +114,7 @@ def run(cfg: DictConfig, args: Args) -> None:
     torch.manual_seed(seed)
     # the policy's architecture, not its config.json's text: a folder saved in bf16 or by another
     # transformers version (the initial policy, often) holds weights for the same module
-    layout = {"deepspeed": deepspeed_config(tc, world_size), "policy": resident.architecture(Path(args.policy))}
+    layout = {"deepspeed": deepspeed_config(tc, world_size), "policy": policy_folder.architecture(Path(args.policy))}
     engine = resident_engine(layout, prev_meta) if args.prev_optimizer else None
     warm = engine is not None
     if not warm:
@@ -228,7 +227,7 @@ def run(cfg: DictConfig, args: Args) -> None:
         import deepspeed
 
         # every rank holds the digest: a warm worker's ranks decide alike whether their engine goes on
-        digest = broadcast_text(policy_digest(args.out) if rank == 0 else "", engine.device)
+        digest = broadcast_text(policy_folder.weights_digest(args.out) if rank == 0 else "", engine.device)
         meta = {
             **optimizer_layout(tc, world_size),
             "deepspeed": deepspeed.__version__,
@@ -312,7 +311,7 @@ def resident_engine(layout: dict, prev_meta: dict):
 def reference(path: str, device, tc: DictConfig, world_size: int):
     """The KL term's reference policy (``load_reference``), kept by a warm worker for the jobs
     after, as long as its folder holds the same files (and the same checks apply: packing)."""
-    digest = resident.files_digest(path, (*resident.WEIGHTS, "config.json"))
+    digest = policy_folder.model_digest(path)
     key = (digest, str(device), tc.zero_stage, tc.bf16, bool(tc.packing))
     held = resident.take("reference")
     if held is not None and held[0] == key:

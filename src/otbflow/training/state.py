@@ -26,12 +26,11 @@ import torch
 from omegaconf import DictConfig
 
 from otbflow.io import atomic_dir, check_job, read_json, write_errors_named, write_json
-from otbflow.runtime.resident import WEIGHTS, files_digest
+from otbflow.runtime.policy_folder import TOKENIZER_FILES, check_not_pruned, weights_digest
 from otbflow.runtime.retention import (
     OPTIMIZER_FAILED,
     OPTIMIZER_META,
     OPTIMIZER_WRITER,
-    check_not_pruned,
     optimizer_partial,
 )
 
@@ -177,8 +176,6 @@ def save_policy(engine, state: dict[str, torch.Tensor], policy_dir: str, out: st
     """The next policy's HF folder: the trained weights (fp32) and config, and the tokenizer of
     ``policy_dir`` copied byte for byte (not saved anew: one tokenizer file for the whole run, which
     a warm worker's resident engine can recognise by its digest)."""
-    from otbflow.engines import TOKENIZER_FILES
-
     policy = engine.module.policy
     with atomic_dir(out) as tmp:  # a failed write (a full disk) raises its OSError naming ``out``
         policy.save_pretrained(tmp, state_dict=state)
@@ -239,12 +236,6 @@ class OptimizerStateError(ValueError):
     """A stored optimizer state that this job cannot load."""
 
 
-def policy_digest(policy_dir: str | Path) -> str:
-    """sha256 of an HF folder's weight files (names and bytes): which policy an optimizer state
-    belongs to."""
-    return files_digest(policy_dir, WEIGHTS)
-
-
 def optimizer_layout(tc: DictConfig, world_size: int) -> dict:
     """What DeepSpeed needs to be equal to load a (ZeRO-partitioned) optimizer state."""
     return {"world_size": world_size, "zero_stage": int(tc.zero_stage), "bf16": bool(tc.bf16)}
@@ -275,7 +266,7 @@ def check_optimizer_state(folder: str, tc: DictConfig, world_size: int, policy_d
             f"train.zero_stage, train.bf16 and resources.train.tasks as they were, or set "
             f"train.reset_optimizer=true to start this iteration with a fresh AdamW."
         )
-    digest = policy_digest(policy_dir)
+    digest = weights_digest(policy_dir)
     if meta.get("policy_sha256") != digest:
         raise OptimizerStateError(
             f"{path}: the optimizer state belongs to another policy than --policy {policy_dir} (weights digest "

@@ -1,0 +1,166 @@
+"""A policy folder (an HF causal-LM folder: config.json, weights, tokenizer files) and what every
+reader asks of it, in one place: which of its files hold weights (``WEIGHTS``, ``WEIGHT_SUFFIXES``,
+``policy_weights``) and which a tokenizer (``VOCABULARY_FILES``, ``TOKENIZER_FILES``), its config
+(``model_config``), positions (``model_positions``) and architecture (``architecture``), the digests
+that say whether two folders hold the same weights, tokenizer or model (``weights_digest``,
+``tokenizer_digest``, ``model_digest``), the checks before any job reads one
+(``check_policy_folder``, ``check_tokenizer``) and the marker of a folder whose heavy files the
+retention policy deleted (``PRUNED``, ``pruned_record``, ``check_not_pruned``;
+``otbflow.runtime.retention``).
+
+Reads file names, JSON and bytes only: importing it imports no torch and no other otbflow module
+(the Snakefile's retention check and the config check import it)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+WEIGHTS = (".safetensors", ".bin")
+"""The weight files transformers loads a policy from (safetensors, or PyTorch's .bin): what
+``weights_digest`` and ``model_digest`` read."""
+WEIGHT_SUFFIXES = (*WEIGHTS, ".pt", ".pth", ".gguf")
+"""Every file of a policy folder that holds weights, those loaded and others a folder may bring;
+the rest (config, tokenizer) is small: what the retention policy deletes (``policy_weights``)."""
+
+# A tokenizer's vocabulary is in one of these (a fast tokenizer, a slow BPE's vocab.json with its
+# merges, SentencePiece, WordPiece); a folder with none, or with tokenizer_config.json alone, gives
+# AutoTokenizer an empty tokenizer of length 1, with which generation fails deep in the model.
+VOCABULARY_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "vocab.txt", "spiece.model")
+TOKENIZER_FILES = (
+    *VOCABULARY_FILES,
+    "merges.txt",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+"""Every file of a tokenizer that transformers saves or reads: a trained policy gets its input's,
+byte for byte (``otbflow.training.state.save_policy``)."""
+# config.json keys that give a causal LM's positions (transformers' names across architectures).
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
+
+
+def model_config(path: str | Path) -> dict[str, Any]:
+    """The config.json of the HF model folder ``path``; ValueError naming the folder where it is
+    no folder, has no config.json or one that is not a JSON object."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"{path}: no such folder (a local HF causal-LM folder is needed)")
+    file = path / "config.json"
+    if not file.is_file():
+        raise ValueError(f"{path}: no config.json, not an HF model folder")
+    try:
+        config = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file}: not a JSON object")
+    return config
+
+
+def model_positions(config: dict[str, Any]) -> tuple[int, str] | None:
+    """(the positions a causal LM reads, prompt and response together, the config.json key that
+    says so), or None where its config names none (``POSITION_KEYS``)."""
+    for key in POSITION_KEYS:
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value, key
+    return None
+
+
+VOLATILE = ("dtype", "torch_dtype", "transformers_version", "_name_or_path")
+"""config.json keys that say how a folder was saved, not what it holds: another value does not
+make another architecture (each load states its own dtype; the stop tokens are read per job)."""
+
+
+def architecture(path: Path) -> str:
+    """The folder's config.json without ``VOLATILE`` keys, canonical: what a resident module or
+    engine must match to take the folder's weights."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    return json.dumps({k: v for k, v in config.items() if k not in VOLATILE}, sort_keys=True)
+
+
+def check_policy_folder(path: str | Path) -> None:
+    """Raise ValueError naming ``path`` unless it is an HF model folder (config.json) with a
+    tokenizer's vocabulary beside it (``VOCABULARY_FILES``). Reads config.json and file names
+    only (no torch, no weights): the config check runs it on model.path before any job."""
+    model_config(path)
+    if not any((Path(path) / f).is_file() for f in VOCABULARY_FILES):
+        raise ValueError(
+            f"{path}: no tokenizer files (one of {', '.join(VOCABULARY_FILES)}): the policy's tokenizer "
+            "renders the prompts and decodes the responses (copy it beside the weights)"
+        )
+
+
+def check_tokenizer(tok, path: str | Path) -> None:
+    """Raise ValueError unless the tokenizer loaded from ``path`` has at least half as many tokens
+    as the model's embedding has rows (config.json's vocab_size; checkpoints pad the embedding by
+    a few hundred rows at most): fewer is a wrong or broken tokenizer, e.g. the empty one that
+    AutoTokenizer builds from a folder without its vocabulary files."""
+    vocab = model_config(path).get("vocab_size") if (Path(path) / "config.json").is_file() else None
+    if isinstance(vocab, int) and vocab > 0 and 2 * len(tok) < vocab:
+        raise ValueError(
+            f"{path}: its tokenizer has {len(tok)} tokens for an embedding of {vocab} (config.json vocab_size): "
+            "not this model's tokenizer, or a folder without its vocabulary files "
+            f"({', '.join(VOCABULARY_FILES)})"
+        )
+
+
+def files_digest(folder: str | Path, suffixes: tuple[str, ...]) -> str:
+    """sha256 over the names and bytes of ``folder``'s files with these suffixes, in name order."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in Path(folder).iterdir() if p.suffix in suffixes or p.name in suffixes):
+        h.update(path.name.encode())
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 24), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def weights_digest(policy_dir: str | Path) -> str:
+    """sha256 of an HF folder's weight files (``WEIGHTS``: names and bytes): which policy an
+    optimizer state belongs to (its meta.json's policy_sha256), which weights a warm worker's
+    resident module or engine holds."""
+    return files_digest(policy_dir, WEIGHTS)
+
+
+def tokenizer_digest(folder: str | Path) -> str:
+    """sha256 of an HF folder's tokenizer files (``TOKENIZER_FILES``): what a warm worker's
+    resident module or engine must match to take the folder's weights."""
+    return files_digest(folder, TOKENIZER_FILES)
+
+
+def model_digest(folder: str | Path) -> str:
+    """sha256 of an HF folder's weight files and config.json: the model it holds (the KL
+    reference a warm train worker keeps for the jobs after)."""
+    return files_digest(folder, (*WEIGHTS, "config.json"))
+
+
+def policy_weights(folder: str | Path) -> list[Path]:
+    return sorted(p for p in Path(folder).iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
+
+
+PRUNED = "PRUNED.json"
+"""In a policy or optimizer folder whose heavy files the retention policy deleted: what was
+deleted and why (``otbflow.runtime.retention.prune_folder``)."""
+
+
+def pruned_record(folder: str | Path) -> dict | None:
+    """The PRUNED.json of a pruned folder, None for a complete one."""
+    p = Path(folder) / PRUNED
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+def check_not_pruned(folder: str | Path) -> None:
+    """Stop with the reason where a stage would read a folder whose heavy files retention deleted."""
+    record = pruned_record(folder)
+    if record is not None:
+        raise FileNotFoundError(
+            f"{folder}: the retention policy deleted its {record['what']} ({record['reason']}; see "
+            f"{Path(folder) / PRUNED}). Rerun the train job that made it (snakemake --forcerun), or keep such "
+            "outputs with retention.policy_every / retention.optimizer before a change that reads them."
+        )
