@@ -274,7 +274,7 @@ def test_the_report_opens_on_what_the_run_did(run_dir, tmp_path):
     side by side squeezed into the 512 px column)."""
     from conftest import rendered_dom
 
-    from otbflow.ops.disk import gib
+    from otbflow.runtime.usage import gib
 
     r = run_dir / "results"
     dom = rendered_dom(r / "report.html")

@@ -14,7 +14,7 @@ rule report:
         mismatch=f"{R}/report/mismatch.parquet",
         # per iteration: tokens generated (dropped groups' included), rewards, dynamic sampling
         rollout_summary=f"{R}/report/rollouts.parquet",
-        # bytes under results/ after the retention policy (otbflow.ops.disk.used)
+        # bytes under results/ after the retention policy (otbflow.runtime.usage.used)
         disk=f"{R}/report/disk.json",
         # the HTML report's landing page: the Snakefile's report description and --report-metadata
         front=f"{R}/report/front.rst",

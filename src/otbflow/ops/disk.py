@@ -1,5 +1,6 @@
 """``otbflow disk``: the disk a run will take, from the model's HF config, the run's size and the
-retention policy (``otbflow.runtime.retention``), before it runs; and what a results folder holds.
+retention policy (``otbflow.runtime.retention``), before it runs; and what a results folder holds
+(``otbflow.runtime.usage``).
 
 Sizes per iteration, by what the stages write:
 - policy: every parameter in fp32 (the train stage saves the fp32 master weights, whatever
@@ -18,13 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from pathlib import Path
 
 from omegaconf import DictConfig
 
 from otbflow import schemas
-from otbflow.runtime.retention import PRUNED, decision
+from otbflow.runtime.retention import decision
+from otbflow.runtime.usage import gib, used
 
 _WIDTH = {"Int64": 8, "Int32": 4, "Float32": 4, "Float64": 8}
 DATA_TABLES = (schemas.ROLLOUTS, schemas.FEATURES, schemas.ADVANTAGES)
@@ -113,27 +114,6 @@ def estimate(cfg: DictConfig, n_params: int, response_tokens: float | None = Non
     }
 
 
-def used(results_dir: str | Path) -> dict:
-    """Bytes under a results folder: in all, per iteration folder, the train outputs' (policies
-    and optimizer states), and those the retention policy deleted (their PRUNED.json records)."""
-    root = Path(results_dir)
-    out = {"total": 0, "train_outputs": 0, "pruned": 0, "iterations": {}}
-    for f in root.rglob("*"):
-        if not f.is_file():
-            continue
-        if f.name == PRUNED:
-            out["pruned"] += sum(r["bytes"] for r in json.loads(f.read_text())["removed"])
-        size = f.stat().st_size
-        out["total"] += size
-        parts = f.relative_to(root).parts
-        if len(parts) > 1 and re.fullmatch(r"iter_\d+", parts[0]):
-            out["iterations"][parts[0]] = out["iterations"].get(parts[0], 0) + size
-            if len(parts) > 2 and parts[1] == "train" and parts[2] in ("policy", "optimizer"):
-                out["train_outputs"] += size
-    out["iterations"] = dict(sorted(out["iterations"].items(), key=lambda kv: int(kv[0].split("_")[1])))
-    return out
-
-
 def spans(ks: list[int]) -> str:
     """[0, 1, 2, 5] -> '0-2, 5'."""
     out: list[list[int]] = []
@@ -143,13 +123,6 @@ def spans(ks: list[int]) -> str:
         else:
             out.append([k, k])
     return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in out) or "none"
-
-
-def gib(b: float) -> str:
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)):
-        if b >= scale:
-            return f"{b / scale:.3g} {unit}"
-    return f"{b / 2**20:.3g} MiB"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

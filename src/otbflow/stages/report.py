@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 
 from otbflow import schemas
 from otbflow.io import pyplot, read_metadata, read_table, save_figure, write_json, write_parquet, write_text
-from otbflow.ops import disk
+from otbflow.runtime import usage
 
 log = logging.getLogger("otbflow.report")
 PLOTS = ("accuracy", "reward", "grad_norm", "response_length", "mismatch")
@@ -313,8 +313,8 @@ def front_page(cfg: DictConfig, progress: pl.DataFrame, per_iteration: pl.DataFr
         f"- Rollout tokens generated: {int(per_iteration['tokens'].sum()):,} "
         f"({int(per_iteration['responses'].sum()):,} responses).",
         f"- Seconds per iteration: {pace}, the sum of each iteration's job wall times.",
-        f"- Disk: {disk.gib(use['total'])} under the results folder, {disk.gib(use['train_outputs'])} of it "
-        f"policies and optimizer states; {disk.gib(use['pruned'])} deleted by the retention policy.",
+        f"- Disk: {usage.gib(use['total'])} under the results folder, {usage.gib(use['train_outputs'])} of it "
+        f"policies and optimizer states; {usage.gib(use['pruned'])} deleted by the retention policy.",
         "",
         "Learning curve (held-out accuracy against the policy and against the tokens generated):",
         "",
@@ -432,14 +432,14 @@ def run(cfg: DictConfig, args: Args) -> None:
         ],
     )
     # the disk the run takes now, after the retention policy (report/ is in the results folder)
-    use = disk.used(out.parent)
+    use = usage.used(out.parent)
     write_json(use, out / "disk.json")
     log.info(
         "disk: %s under %s, of which %s policies and optimizer states; %s deleted by the retention policy",
-        disk.gib(use["total"]),
+        usage.gib(use["total"]),
         out.parent,
-        disk.gib(use["train_outputs"]),
-        disk.gib(use["pruned"]),
+        usage.gib(use["train_outputs"]),
+        usage.gib(use["pruned"]),
     )
     seconds = job_seconds(out.parent, per_iteration.height)
     front = front_page(cfg, progress, per_iteration, use, seconds, (out / "accuracy.png").read_bytes())
