@@ -205,7 +205,7 @@ def test_bad_experiment_stops_the_workflow_before_any_job(tmp_path):
 
 
 def test_tokens_to_target_interpolates_the_first_crossing():
-    from otbflow.stages.experiment import tokens_to_target
+    from otbflow.studies.experiment_stats import tokens_to_target
 
     tokens = np.array([0.0, 100.0, 300.0, 600.0])
     assert tokens_to_target(tokens, np.array([0.2, 0.4, 0.8, 0.5]), 0.6) == pytest.approx(200.0)  # halfway 100..300
@@ -295,7 +295,7 @@ def test_per_seed_table_on_hand_made_curves():
     tokens and 0.9 at 400 tokens, at 100 + (0.12 / 0.3) x 300 = 220 tokens; r between 0.4 at 100
     and 0.8 at 300: 100 + (0.32 / 0.4) x 200 = 260 tokens. At target 0.85, r (at most 0.8) is
     censored and s crosses at 100 + (0.25 / 0.3) x 300 = 350."""
-    from otbflow.stages.experiment import per_seed_table
+    from otbflow.studies.experiment_stats import per_seed_table
 
     curves = pl.DataFrame(
         [
@@ -349,7 +349,7 @@ def test_late_gain_with_evaluations_every_other_iteration():
     """evaluate.every = 2 over 6 iterations: the initial policy (iteration -1), then iterations 1, 3
     and 5. The gain over the last 2 iterations is from iteration 3 (0.6) to 5 (0.65); over the last
     3 or 4, from iteration 1 (0.5): the last evaluation at least that many iterations before."""
-    from otbflow.stages.experiment import per_seed_table
+    from otbflow.studies.experiment_stats import per_seed_table
 
     curves = pl.DataFrame(
         [
@@ -412,7 +412,7 @@ def test_paired_table_on_hand_made_seeds():
     never did within its 500 tokens, b did at 400); 2 undecided (a reached it at 300 tokens, b
     never did but ran only 250); 3 a (0 tokens: the initial policy was there, b at 100); 4 neither;
     5 undecided (both at 0)."""
-    from otbflow.stages.experiment import paired_table
+    from otbflow.studies.experiment_stats import paired_table
 
     per_seed = _per_seed(
         [
@@ -447,7 +447,7 @@ def test_paired_table_compares_at_an_equal_budget_without_interpolating():
     8,192 (its 3rd evaluation missing on purpose): the largest budget both were evaluated at is
     4,096, where a - b is +0.10 and +0.06 (mean 0.08, s = 0.02828, t_{0.975,1} = 12.706:
     0.08 +- 0.2541). b's value at a's last budget (6,144) is never interpolated."""
-    from otbflow.stages.experiment import paired_table
+    from otbflow.studies.experiment_stats import paired_table
 
     curves = _curves(
         [
@@ -477,7 +477,7 @@ def test_summary_reports_censored_tokens_to_target_and_the_late_trend():
     NaN, not a mean over the 2. Late gains +0.01, 0, -0.005, +0.005, 0 (mean 0.002, s = 0.00570,
     t_{0.975,4} = 2.776: 0.002 +- 0.00708) lie inside +-0.02: a plateau; +0.04, 0.0, +0.08, -0.02,
     +0.05 hold 0 but reach past the margin: unresolved."""
-    from otbflow.stages.experiment import summary_table
+    from otbflow.studies.experiment_stats import summary_table
 
     def seeds(run, ttt, late):
         return [
@@ -555,7 +555,8 @@ def test_budgets_are_what_the_members_generated(tmp_path):
     arithmetic gave both 512 and 1,024 and compared them at 1,024 as if equal. With DAPO's seed 0
     at 512, 2,000 and seed 1 at 512, 2,200 they meet at 512 only. The per-seed and summary tables
     carry the responses the reports counted."""
-    from otbflow.stages.experiment import collect, paired_table, per_seed_table, summary_table
+    from otbflow.stages.experiment import collect
+    from otbflow.studies.experiment_stats import paired_table, per_seed_table, summary_table
 
     exp = {
         "experiment": "probe",
@@ -588,7 +589,8 @@ def test_skipped_steps_are_counted_beside_a_finite_max_grad_norm(tmp_path):
     """A seed whose steps read grad norms 0.4, NaN (skipped: non-finite), 0.9, NaN: the max over the
     finite steps is 0.9 and 2 steps are counted non-finite (polars' max skips NaN, so a max alone
     showed 0.9 and nothing else); a seed with every step finite counts 0; the summary adds them."""
-    from otbflow.stages.experiment import collect, per_seed_table, summary_table
+    from otbflow.stages.experiment import collect
+    from otbflow.studies.experiment_stats import per_seed_table, summary_table
 
     nan = float("nan")
     exp = {"seeds": [0, 1], "runs": {"lr_high": {}}, "analysis": {"confidence": 0.95, "target": 0.9}}
