@@ -348,19 +348,17 @@ def metadata(cfg: DictConfig) -> str:
     return yaml.safe_dump({k: int(v) for k, v in facts.items()}, sort_keys=False)
 
 
-def run(cfg: DictConfig, args: Args) -> None:
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    per_iteration = rollout_table(args.rollouts)
-    progress = progress_table(args.summaries, per_iteration)
-    metrics = (
-        pl.concat([read_table(p, schemas.TRAIN_METRICS) for p in args.metrics])
+def read_metrics(paths: list[str]) -> pl.DataFrame:
+    """The train steps of every iteration, in order, numbered by ``global_step``."""
+    return (
+        pl.concat([read_table(p, schemas.TRAIN_METRICS) for p in paths])
         .sort("iteration", "step")
         .with_columns(pl.int_range(pl.len(), dtype=pl.Int64).alias("global_step"))
     )
-    comparison = pl.concat([read_table(p, schemas.COMPARISON) for p in args.comparisons])
-    write_parquet(progress, out / "progress.parquet")
-    write_parquet(per_iteration, out / "rollouts.parquet")
+
+
+def log_rollouts(per_iteration: pl.DataFrame) -> None:
+    """What dynamic sampling dropped, and the reward calls that ran past their deadline."""
     if dropped := int(per_iteration["groups_dropped"].sum()):
         log.info(
             "dynamic sampling: %d groups dropped, %d kept over %d iterations; %d shard jobs fell short",
@@ -374,13 +372,15 @@ def run(cfg: DictConfig, args: Args) -> None:
             "%d rollout reward calls ran past the reward's deadline and scored 0 (rollouts.parquet: reward_timeouts)",
             timeouts,
         )
-    write_parquet(metrics.select(list(schemas.METRICS.columns)), out / "metrics.parquet")
-    write_parquet(comparison, out / "comparison.parquet")
+
+
+def write_mismatch(cfg: DictConfig, feature_files: list[str], out: Path) -> None:
+    """mismatch.parquet and mismatch.png from the features' per-token mismatch columns."""
     tc = cfg.train
     threshold = tc.rollout_is_threshold if tc.rollout_is != "none" else None  # read only where it is used
     cols = ["iteration", "behaviour_iteration", "log_ratio", "k3", "seq_max_k2", "seq_mean_k3", "log_ppl_abs_diff"]
     cols += ["is_weights"] if threshold is not None else []  # written by features with train.rollout_is
-    features = pl.concat([read_table(p, schemas.FEATURES).select(cols) for p in args.features])
+    features = pl.concat([read_table(p, schemas.FEATURES).select(cols) for p in feature_files])
     mismatch = mismatch_table(features, cfg.mismatch.max_k2, cfg.mismatch.mean_k3, threshold)
     write_parquet(mismatch, out / "mismatch.parquet")
     for row in mismatch.filter(pl.col("lag") > 0).iter_rows(named=True):
@@ -395,6 +395,9 @@ def run(cfg: DictConfig, args: Args) -> None:
         )
     _plot_mismatch(out / "mismatch.png", features, mismatch)
 
+
+def plot_curves(out: Path, progress: pl.DataFrame, per_iteration: pl.DataFrame, metrics: pl.DataFrame) -> None:
+    """accuracy.png, reward.png, grad_norm.png and response_length.png."""
     # stacked: the front page shows it in its text column (512 px wide in a 1400 px window)
     _plot(out / "accuracy.png", accuracy_panels(progress), stacked=True)
     rolled, generated = per_iteration["iteration"].to_numpy(), per_iteration["tokens_generated"].to_numpy()
@@ -431,7 +434,11 @@ def run(cfg: DictConfig, args: Args) -> None:
             ),
         ],
     )
-    # the disk the run takes now, after the retention policy (report/ is in the results folder)
+
+
+def write_disk(out: Path) -> dict:
+    """disk.json: the disk the run takes now, after the retention policy (report/ is in the results
+    folder: what the report wrote before counts)."""
     use = usage.used(out.parent)
     write_json(use, out / "disk.json")
     log.info(
@@ -441,10 +448,10 @@ def run(cfg: DictConfig, args: Args) -> None:
         usage.gib(use["train_outputs"]),
         usage.gib(use["pruned"]),
     )
-    seconds = job_seconds(out.parent, per_iteration.height)
-    front = front_page(cfg, progress, per_iteration, use, seconds, (out / "accuracy.png").read_bytes())
-    write_text(front, out / "front.rst")
-    write_text(metadata(cfg), out / "metadata.yaml")
+    return use
+
+
+def log_accuracy(progress: pl.DataFrame) -> None:
     first, last = progress.row(0, named=True), progress.row(-1, named=True)
     log.info(
         "accuracy (avg@k) %.3f -> %.3f, greedy %.3f -> %.3f over %d iterations, %d tokens generated",
@@ -455,3 +462,25 @@ def run(cfg: DictConfig, args: Args) -> None:
         last["iteration"] + 1,
         last["tokens_generated"],
     )
+
+
+def run(cfg: DictConfig, args: Args) -> None:
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    per_iteration = rollout_table(args.rollouts)
+    progress = progress_table(args.summaries, per_iteration)
+    metrics = read_metrics(args.metrics)
+    comparison = pl.concat([read_table(p, schemas.COMPARISON) for p in args.comparisons])
+    write_parquet(progress, out / "progress.parquet")
+    write_parquet(per_iteration, out / "rollouts.parquet")
+    log_rollouts(per_iteration)
+    write_parquet(metrics.select(list(schemas.METRICS.columns)), out / "metrics.parquet")
+    write_parquet(comparison, out / "comparison.parquet")
+    write_mismatch(cfg, args.features, out)
+    plot_curves(out, progress, per_iteration, metrics)
+    use = write_disk(out)  # after every other output but the front page's: they count in the disk
+    seconds = job_seconds(out.parent, per_iteration.height)
+    front = front_page(cfg, progress, per_iteration, use, seconds, (out / "accuracy.png").read_bytes())
+    write_text(front, out / "front.rst")
+    write_text(metadata(cfg), out / "metadata.yaml")
+    log_accuracy(progress)
