@@ -1,8 +1,8 @@
-"""A killed head is continued by the same command (otbflow.ops.head): who holds a folder, when that
-holder is gone, the jobs it left stopped (local processes by their mark, Slurm jobs by the
-incomplete markers and by name) before anything is redone, and the tiny workflow continued after
-``kill -9`` of Snakemake to the policy of an uninterrupted run. The Slurm side runs on the local
-cluster in tests/test_slurm_integration.py."""
+"""A killed head is continued by the same command (otbflow.ops.guard, .head, .results_lock): who
+holds a folder, when that holder is gone, the jobs it left stopped (local processes by their mark,
+Slurm jobs by the incomplete markers and by name: otbflow.ops.slurm) before anything is redone, and
+the tiny workflow continued after ``kill -9`` of Snakemake to the policy of an uninterrupted run.
+The Slurm side runs on the local cluster in tests/test_slurm_integration.py."""
 
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ import pytest
 from conftest import REPO, make_sandbox, sandbox_env
 
 from otbflow.ops import head as H
+from otbflow.ops import results_lock, slurm
+from otbflow.runtime.process import process_stat
 
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
 
@@ -43,9 +45,9 @@ def me() -> H.Head:
 def test_this_process_is_alive_and_a_reaped_one_is_gone():
     assert H.is_gone(me(), me()) is False
     proc = subprocess.Popen(["sleep", "0"])
-    stat = H.process_stat(proc.pid)
+    stat = process_stat(proc.pid)
     child = replace(me(), id="child", pid=proc.pid, start=stat[2] if stat else 0)
-    wait_for(lambda: (H.process_stat(proc.pid) or "Z")[0] == "Z", what="the child to exit")
+    wait_for(lambda: (process_stat(proc.pid) or "Z")[0] == "Z", what="the child to exit")
     assert H.is_gone(child, me()) is True  # a zombie (killed, not yet reaped) is gone
     proc.wait()
     assert H.is_gone(child, me()) is True
@@ -79,7 +81,7 @@ def test_the_incomplete_markers_give_the_slurm_ids(tmp_path):
         parts = ["@" + p for p in parts[:-1]] + parts[-1:]
         (root.joinpath(*parts)).parent.mkdir(parents=True, exist_ok=True)
         root.joinpath(*parts).write_text(json.dumps({"external_jobid": job}))
-    assert H.incomplete_jobs(tmp_path / ".snakemake") == {
+    assert slurm.incomplete_jobs(tmp_path / ".snakemake") == {
         "results/a.parquet": "7",
         "results/b.parquet": "8_1",
         long_name: "9",
@@ -87,8 +89,9 @@ def test_the_incomplete_markers_give_the_slurm_ids(tmp_path):
 
 
 def test_the_job_name_prefix_is_one_per_results_folder(tmp_path):
-    a = H.jobname_prefix(tmp_path / "results")
-    assert a == H.jobname_prefix(tmp_path / "x" / ".." / "results") and a != H.jobname_prefix(tmp_path / "other")
+    a = slurm.jobname_prefix(tmp_path / "results")
+    assert a == slurm.jobname_prefix(tmp_path / "x" / ".." / "results")
+    assert a != slurm.jobname_prefix(tmp_path / "other")
     assert a.startswith("otbflow-") and len(a) <= 50
 
 
@@ -190,17 +193,17 @@ def test_the_results_folder_has_one_head(tmp_path, fake_slurm):
     """The lock in the results folder: taken when free, refused while its holder runs or cannot
     be asked (naming it and the folder, writing nothing), taken over from a gone holder, freed
     only by its holder."""
-    lock = H.ResultsLock(tmp_path / "results")
+    lock = results_lock.ResultsLock(tmp_path / "results")
     mine = replace(me(), workdir=str(tmp_path / "a"))
     assert lock.acquire(mine, print) is None and lock.holder() == mine
     assert lock.acquire(mine, print) is None  # its own: held already
     held = lock.path.read_text()
     other = replace(me(), id="other", workdir=str(tmp_path / "b"))
-    with pytest.raises(H.FolderHeld) as refused:  # a live head of this host (this process)
+    with pytest.raises(results_lock.FolderHeld) as refused:  # a live head of this host (this process)
         lock.acquire(other, print)
     assert f"{lock.folder} is held by the head pid {os.getpid()} on {mine.host}" in str(refused.value)
     assert f"from the working folder {tmp_path / 'a'}, which runs" in str(refused.value)
-    assert lock.path.read_text() == held and sorted(p.name for p in lock.folder.iterdir()) == [H.LOCK]
+    assert lock.path.read_text() == held and sorted(p.name for p in lock.folder.iterdir()) == [results_lock.LOCK]
     lock.release(other)  # not its holder: nothing happens
     assert lock.path.read_text() == held
     lock.release(mine)
@@ -209,13 +212,13 @@ def test_the_results_folder_has_one_head(tmp_path, fake_slurm):
     # a head on another host: asked of Slurm; without a Slurm job it cannot be asked (counts as alive)
     elsewhere = replace(me(), id="elsewhere", host="elsewhere", slurm_job=None)
     lock.acquire(elsewhere, print)
-    with pytest.raises(H.FolderHeld, match="may still run"):
+    with pytest.raises(results_lock.FolderHeld, match="may still run"):
         lock.acquire(mine, print)
     lock.path.unlink()
     head_job = replace(elsewhere, id="head-job", slurm_job="100")
     lock.acquire(head_job, print)
     fake_slurm("100|100|RUNNING|otbflow-head")
-    with pytest.raises(H.FolderHeld, match="Slurm job 100"):
+    with pytest.raises(results_lock.FolderHeld, match="Slurm job 100"):
         lock.acquire(mine, print)
     # the head job requeued (the same Slurm job id, maybe on another host): its dead run is taken over
     lines = []
@@ -223,19 +226,19 @@ def test_the_results_folder_has_one_head(tmp_path, fake_slurm):
     assert lock.holder().id == "requeued" and any("is gone" in line for line in lines), lines
     # a dead process of this host (a reaped pid) is gone too
     proc = subprocess.Popen(["sleep", "0"])
-    stat = H.process_stat(proc.pid)
+    stat = process_stat(proc.pid)
     proc.wait()
     lock.path.unlink()
     dead = replace(me(), id="dead", pid=proc.pid, start=stat[2] if stat else 0)
     lock.acquire(dead, print)
     assert lock.acquire(mine, print) == dead and lock.holder() == mine
-    assert sorted(p.name for p in lock.folder.iterdir()) == [H.LOCK]
+    assert sorted(p.name for p in lock.folder.iterdir()) == [results_lock.LOCK]
 
 
 # --- a Snakefile with the guard: kill -9 of Snakemake, then the same command ---
 
 TOY = """
-from otbflow.ops.head import guard
+from otbflow.ops.guard import guard
 
 guard(workflow, "results")
 
@@ -306,7 +309,7 @@ def test_a_live_snakemake_keeps_the_folder(tmp_path):
     first's record, its lock nor its jobs are touched."""
     (tmp_path / "Snakefile").write_text(TOY)
     first = toy(tmp_path, sleep=15, background=True)
-    lock = H.ResultsLock(tmp_path / "results")
+    lock = results_lock.ResultsLock(tmp_path / "results")
     try:
         wait_for(lambda: len(markers(tmp_path)) == 2, what="both jobs to start")
         held = lock.path.read_text()
@@ -327,7 +330,7 @@ def test_a_live_snakemake_keeps_the_folder(tmp_path):
 SHARED_TOY = """
 import os
 
-from otbflow.ops.head import guard
+from otbflow.ops.guard import guard
 
 R = os.environ["TOY_RESULTS"]
 guard(workflow, R)
@@ -358,7 +361,7 @@ def test_two_working_folders_share_one_results_folder(tmp_path):
         work.mkdir()
         (work / "Snakefile").write_text(SHARED_TOY)
     env = {"TOY_RESULTS": str(results)}
-    lock = H.ResultsLock(results)
+    lock = results_lock.ResultsLock(results)
     first = toy(a, sleep=60, background=True, env=env)
     try:
         wait_for(lambda: len(markers(a)) == 2, what="both jobs of the first head to start")

@@ -29,6 +29,7 @@ from conftest import REPO, TINY, make_sandbox, sandbox_env
 from otbflow import schemas
 from otbflow.io import read_metadata, read_table
 from otbflow.ops import head as H
+from otbflow.ops import slurm
 
 # one worker for the module (its Slurm run is a module fixture); the tiny run it copies is shared across workers
 # The tests that share slurm_run's sandbox run on one pytest-xdist worker ("slurm"); those with a
@@ -114,8 +115,8 @@ def head_log(work: Path, job_id: str) -> str:
     import submitit
 
     def ended() -> str | None:
-        state = H.slurm_state(job_id)
-        return None if state in H.QUEUED else state or "gone"
+        state = slurm.slurm_state(job_id)
+        return None if state in slurm.QUEUED else state or "gone"
 
     state = wait_for(ended, 1800, f"the head job {job_id}")
     job = submitit.SlurmJob(folder=work / "logs" / "submit" / "%j", job_id=job_id)
@@ -299,12 +300,12 @@ def test_grouped_iterations_submit_one_job_per_update(slurm_run):
     chain |= {"results/iter_0/advantages/advantages.parquet", "results/iter_0/train/policy"}
 
     def marked() -> dict[str, str] | None:
-        found = H.incomplete_jobs(work / ".snakemake")
+        found = slurm.incomplete_jobs(work / ".snakemake")
         return found if chain <= set(found) else None
 
     markers = wait_for(marked, 600, "the group job's incomplete markers", every=0.5)
     (group,) = {markers[p] for p in chain}  # one Slurm job holds the whole chain
-    assert group in H.queued_jobs(set(), {H.jobname_prefix(work / "results")})  # found by its name too
+    assert group in slurm.queued_jobs(set(), {slurm.jobname_prefix(work / "results")})  # found by its name too
     request = subprocess.run(["scontrol", "show", "job", group], capture_output=True, text=True).stdout
     for field in ("TimeLimit=01:20:00", "NumTasks=2", "CPUs/Task=1", "MinMemoryNode=3000M"):
         assert field in request, f"{field} not in the group job's request:\n{request}"
@@ -403,17 +404,17 @@ def test_a_killed_head_job_is_continued_by_the_same_command(train_1_again):
     wait_for(lambda: (work / "results/logs/train/iter_1.log").is_file(), 600, "the train job")
     (record,) = (work / ".snakemake" / H.RECORDS).glob("*.json")
     dead = H.Head(**json.loads(record.read_text()))
-    assert dead.slurm_job == first and dead.jobname_prefix == H.jobname_prefix(work / "results")
+    assert dead.slurm_job == first and dead.jobname_prefix == slurm.jobname_prefix(work / "results")
     subprocess.run(["scancel", "--full", "--signal=KILL", first], check=True)
-    wait_for(lambda: H.slurm_state(first) not in H.RUNNING, 120, "the killed head job to end")
-    (orphan,) = H.queued_jobs(set(), {dead.jobname_prefix})  # the train job, named with the folder's prefix
-    assert orphan in H.incomplete_jobs(work / ".snakemake").values()  # its marker keeps its Slurm id
+    wait_for(lambda: slurm.slurm_state(first) not in slurm.RUNNING, 120, "the killed head job to end")
+    (orphan,) = slurm.queued_jobs(set(), {dead.jobname_prefix})  # the train job, named with the folder's prefix
+    assert orphan in slurm.incomplete_jobs(work / ".snakemake").values()  # its marker keeps its Slurm id
     subprocess.run(["scontrol", "suspend", orphan], check=True)
     killed_at = time.perf_counter() - start
 
     _, log = submit(work, AGAIN)
     assert f"the head pid {dead.pid} on {dead.host}, Slurm job {first}" in log and "is gone" in log, log[-3000:]
-    assert f"cancelling the Slurm jobs {orphan}" in log and H.slurm_state(orphan) == "CANCELLED", log[-3000:]
+    assert f"cancelling the Slurm jobs {orphan}" in log and slurm.slurm_state(orphan) == "CANCELLED", log[-3000:]
     assert "rule train" in log  # redone, never adopted
     assert policy_digest(work / "results/iter_1/train/policy") == want
     print(f"head killed after {killed_at:.0f} s; continued in {time.perf_counter() - start - killed_at:.0f} s")
@@ -434,7 +435,7 @@ def test_a_head_job_requeues_itself_before_its_time_limit(train_1_again):
     out = sh(work, AGAIN.replace("--configfile my.yaml", "--configfile my.yaml --time 2 --requeue-before 30"))
     job = re.search(r"submitted the head job (\d+)", out).group(1)
     wait_for(lambda: (work / "results/logs/train/iter_1.log").is_file(), 600, "the train job")
-    (train,) = wait_for(lambda: H.queued_jobs(set(), {H.jobname_prefix(work / "results")}), 60, "its Slurm id")
+    (train,) = wait_for(lambda: slurm.queued_jobs(set(), {slurm.jobname_prefix(work / "results")}), 60, "its Slurm id")
     subprocess.run(["scontrol", "suspend", train], check=True)
 
     log = head_log(work, job)
@@ -450,10 +451,10 @@ def test_a_head_job_requeues_itself_before_its_time_limit(train_1_again):
 
 def worker_jobs(work: Path) -> dict[str, list[str]]:
     """{kind: ids} of the folder's worker jobs queued or running."""
-    prefix = H.jobname_prefix(work / "results") + "_worker-"
+    prefix = slurm.jobname_prefix(work / "results") + "_worker-"
     out: dict[str, list[str]] = {}
-    for job_id, state, name in H.squeue("%i|%T|%j"):
-        if name.startswith(prefix) and state in H.QUEUED:
+    for job_id, state, name in slurm.squeue("%i|%T|%j"):
+        if name.startswith(prefix) and state in slurm.QUEUED:
             out.setdefault(name.removeprefix(prefix), []).append(job_id)
     return out
 

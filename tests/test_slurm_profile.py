@@ -181,13 +181,13 @@ def test_a_worker_job_is_sized_from_its_stage_and_the_profiles_rule_settings(tmp
     import shlex
     from types import SimpleNamespace
 
-    from otbflow.ops import head, workerjobs
+    from otbflow.ops import slurm, workerjobs
 
     res = SimpleNamespace(gpu=2, cpus_per_gpu=8, threads=1, mem_mb=64000)
     site = {"slurm_partition": "gpu", "gpu_model": "a100", "slurm_extra": "'--exclusive'"}
     opts = workerjobs.sbatch_options("/r", "train", res, site, 60, Path("/r/logs/workers"))
     assert opts == [
-        f"--job-name={head.jobname_prefix('/r')}_worker-train",
+        f"--job-name={slurm.jobname_prefix('/r')}_worker-train",
         "--output=/r/logs/workers/train-%j.log",
         "--time=60",
         "--mem=64000M",

@@ -23,7 +23,7 @@ from otbflow.config import (
     to_yaml,
     validate_workflow,
 )
-from otbflow.ops.head import guard as guard_head
+from otbflow.ops.guard import guard as guard_head
 from otbflow.ops.jobgroups import size_group_jobs
 from otbflow.io import write_text_if_changed
 from otbflow.runtime.retention import decision as retention_decision, pruned_inputs, refusal as retention_refusal
@@ -41,7 +41,7 @@ R = CFG.results_dir
 # One head per results folder, which it holds while it runs (R/.otbflow-head.json). A killed run
 # (kill -9, node failure, its head job requeued) is continued by the same command: once its head
 # is gone, its jobs are stopped, its locks removed and its incomplete outputs redone
-# (otbflow.ops.head). Dry runs change nothing. The config's input paths are given for the Slurm
+# (otbflow.ops.guard). Dry runs change nothing. The config's input paths are given for the Slurm
 # executor's check (its sbatch --wrap reads $ and backticks in a job's command line as syntax).
 guard_head(
     workflow,

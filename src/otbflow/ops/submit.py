@@ -28,8 +28,9 @@ import sys
 import time
 from pathlib import Path
 
-from otbflow.ops.head import HEAD_JOB, process_stat
+from otbflow.ops.head import HEAD_JOB
 from otbflow.ops.jobgroups import ITERATION_GROUPS, groups_args
+from otbflow.runtime.process import process_stat
 
 REPO = Path(__file__).resolve().parents[3]
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))

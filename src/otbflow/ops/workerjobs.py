@@ -7,10 +7,11 @@ input, no file to plant), checks them every ``EVERY_S`` with ``squeue`` and subm
 each that left the queue (time limit, preemption, a node lost, ``scancel``), and cancels them when
 Snakemake returns (``onsuccess``/``onerror``). A worker job is named ``<the folder's job-name
 prefix>_worker-<kind>``, so that a new head cancels a killed head's workers as it cancels its stage
-jobs (``otbflow.ops.head``). Each is sized from ``resources`` of its stage (rollout's for the generation
-workers; GPUs, CPUs, memory) with the site's partition, account, GPU model and extra flags of
-that rule in the profile (default-resources, set-resources). No torch, no otbflow imports but
-``head`` (the Snakefile imports this when it is parsed).
+jobs (``otbflow.ops.head``, by name: ``otbflow.ops.slurm``). Each is sized from ``resources`` of
+its stage (rollout's for the generation workers; GPUs, CPUs, memory) with the site's partition,
+account, GPU model and extra flags of that rule in the profile (default-resources, set-resources).
+No torch, no otbflow imports but ``otbflow.ops.slurm`` (the Snakefile imports this when it is
+parsed).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from otbflow.ops.head import QUEUED, HeadError, jobname_prefix, squeue
+from otbflow.ops.slurm import QUEUED, HeadError, jobname_prefix, squeue
 
 EVERY_S = 15.0
 """How often the head looks at its worker jobs."""
