@@ -111,7 +111,7 @@ def prompts_for(n: int) -> list[str]:
 
 def prompt_ids_for(policy: str, n: int) -> list[list[int]]:
     """The prompts rendered for ``policy``'s tokenizer as the rollout renders them (task.chat auto)."""
-    from otbflow.engines import render_prompts, use_chat
+    from otbflow.engines.prompts import render_prompts, use_chat
     from otbflow.models.policy import load_tokenizer
 
     tok = load_tokenizer(policy)

@@ -13,7 +13,7 @@ constant, weight decay 0, grad-norm clip 1.0, fp32. This module runs the same wo
   ``num_iterations`` 1. As gradient_accumulation_steps (4) is no multiple of the 32 micro-steps
   per generation, TRL computes the old log-probs once per generation (a no-grad forward over the
   2,048 sequences), as otbflow's features stage does: steps 2-8 are off the sampling policy.
-- the prompts otbflow's iteration k samples: ``otbflow.models.sampling.select_prompts``'s window of
+- the prompts otbflow's iteration k samples: ``otbflow.engines.sampling.select_prompts``'s window of
   ceil(256 / n_shards) consecutive rows of each shard (``iteration_prompts``), in a dataset TRL
   reads in order (``shuffle_dataset=False``), iteration after iteration;
 - the reward is otbflow's own function (``otbflow.algorithms.rewards``, which imports only the standard
@@ -136,7 +136,7 @@ def run_trl(policy: Path, shards: list[Path], iterations: int, threads: int, ven
 def iteration_prompts(shards: list[list[dict]], iteration: int, prompts_per_iteration: int) -> list[dict]:
     """The rows otbflow's rollout jobs of ``iteration`` sample, shard after shard: each shard's
     window of ceil(prompts_per_iteration / n_shards) consecutive rows, cycling
-    (otbflow.stages.rollout and otbflow.models.sampling.select_prompts, restated here: that module
+    (otbflow.stages.rollout and otbflow.engines.sampling.select_prompts, restated here: that module
     imports torch, polars and omegaconf)."""
     per_shard = math.ceil(prompts_per_iteration / len(shards))
     rows = []

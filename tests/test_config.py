@@ -455,7 +455,7 @@ def test_a_choice_registered_later_is_checked_by_what_it_declares():
     rerun trigger, and the config checks its requirement without knowing it by name."""
     from otbflow import engines
     from otbflow.algorithms import estimators, losses, lr_schedule, rewards, rollout_is, shaping
-    from otbflow.models import tasks
+    from otbflow.models import architectures, tasks
     from otbflow.registry import Registry, Requirement
 
     for registry in (
@@ -467,8 +467,8 @@ def test_a_choice_registered_later_is_checked_by_what_it_declares():
         shaping.SHAPED_REWARDS,
         rollout_is.ROLLOUT_IS_LEVELS,
         engines.BACKENDS,
-        engines.ARCHITECTURES,
-        engines.TOKENIZERS,
+        architectures.ARCHITECTURES,
+        architectures.TOKENIZERS,
         tasks.TASKS,
         tasks.DATASET_FORMATS,
     ):
@@ -527,11 +527,11 @@ def test_a_shaped_reward_registered_later_is_a_task_reward():
 def _registries():
     from otbflow import engines
     from otbflow.algorithms import losses, rollout_is
-    from otbflow.models import tasks
+    from otbflow.models import architectures, tasks
 
     return {
-        "model.arch": engines.ARCHITECTURES,
-        "model.tokenizer": engines.TOKENIZERS,
+        "model.arch": architectures.ARCHITECTURES,
+        "model.tokenizer": architectures.TOKENIZERS,
         "task.name": tasks.TASKS,
         "task.format": tasks.DATASET_FORMATS,
         "rollout.backend": engines.BACKENDS,

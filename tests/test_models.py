@@ -10,8 +10,9 @@ import pytest
 import torch
 from conftest import tiny_config
 
-from otbflow.engines import render_prompts, stop_token_ids, truncate_at_stop, use_chat
+from otbflow.engines import stop_token_ids, truncate_at_stop
 from otbflow.engines.hf import hf_generate
+from otbflow.engines.prompts import render_prompts, use_chat
 from otbflow.io import read_metadata
 from otbflow.models.logits import sequence_token_stats
 from otbflow.models.policy import build_char_tokenizer, build_tiny_model, build_tokenizer, load_policy

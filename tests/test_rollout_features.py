@@ -466,7 +466,7 @@ def test_non_finite_rollout_logprobs_are_refused_by_the_rollout(tiny_policy, dat
     from safetensors.torch import load_file, save_file
 
     from otbflow.engines import Sample
-    from otbflow.models.sampling import check_logprobs
+    from otbflow.engines.sampling import check_logprobs
     from otbflow.stages import rollout
 
     broken = tmp_path / "nan_policy"
@@ -499,13 +499,13 @@ def test_a_prompt_of_too_many_characters_is_refused_before_it_renders(tiny_polic
     rollout and the evaluation refuse a prompt of more than 64 characters per position of their
     policy (the built-in GPT-2's n_positions 128: 8,192) before any tokenizer sees it, naming the
     prompt and the policy, writing nothing; 8,192 characters pass that check."""
-    from otbflow import engines
+    from otbflow.engines import prompts as rendering
     from otbflow.stages import evaluate, rollout
 
     def never(*args, **kwargs):
         raise AssertionError("a prompt was rendered")
 
-    monkeypatch.setattr(engines, "render_prompts", never)
+    monkeypatch.setattr(rendering, "render_prompts", never)
     prompts = write_prompts(tmp_path / "prompts.parquet", [4, 10_000_000, 8_193])
     want = (
         r"prompt 1: 10,000,000 characters, more than 8,192 \(64 per position of the policy's 128, "
@@ -521,7 +521,7 @@ def test_a_prompt_of_too_many_characters_is_refused_before_it_renders(tiny_polic
     with pytest.raises(ValueError, match=want):
         evaluate.run(cfg, args)
     assert not out.exists() and not samples.exists() and not summary.exists()
-    engines.check_prompt_chars(
+    rendering.check_prompt_chars(
         read_table(write_prompts(tmp_path / "edge.parquet", [8_192]), schemas.PROMPTS), tiny_policy
     )
 
@@ -530,7 +530,7 @@ def test_a_prompt_longer_than_the_positions_is_refused_before_generation(tiny_po
     """Was: an IndexError in the model's position embedding, mid-generation (203 tokens against 128
     positions). Now the rollout and the evaluation refuse it before the engine starts, naming the
     prompt, its length and the policy's positions; a prompt that just fits is no concern."""
-    from otbflow.engines import check_prompt_lengths
+    from otbflow.engines.prompts import check_prompt_lengths
     from otbflow.stages import evaluate, rollout
 
     assert (cfg.model.n_positions, cfg.rollout.max_new_tokens, cfg.evaluate.max_new_tokens) == (128, 24, 24)

@@ -18,11 +18,12 @@ from keyreads import check
 from otbflow import schemas
 from otbflow.algorithms.shaping import Scorer
 from otbflow.config import load_config
-from otbflow.engines import Sampling, render_prompts
+from otbflow.engines import Sampling
 from otbflow.engines import vllm as vllm_engine
+from otbflow.engines.prompts import render_prompts
+from otbflow.engines.sampling import rollout_table
 from otbflow.io import check_schema, read_metadata, read_table
 from otbflow.models.policy import load_tokenizer
-from otbflow.models.sampling import rollout_table
 from otbflow.stages import features
 
 DATA = Path(__file__).parent / "data" / "vllm_request_outputs.json"

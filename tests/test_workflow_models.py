@@ -68,8 +68,8 @@ def vllm_run(tmp_path_factory):
 
 
 def test_vllm_workflow_end_to_end(vllm_run):
-    from otbflow.engines import render_prompts
     from otbflow.engines.hf import hf_generate
+    from otbflow.engines.prompts import render_prompts
     from otbflow.models.policy import load_policy
 
     work, res = vllm_run

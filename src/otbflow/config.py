@@ -37,8 +37,9 @@ from otbflow.algorithms.rollout_is import ROLLOUT_IS_LEVELS, weighting_levels
 from otbflow.algorithms.shaping import SHAPED_REWARDS
 
 # The registries that own the choice lists (none of them imports torch, nor this module).
-from otbflow.engines import ARCHITECTURES, BACKENDS, HF_DECODE_MODES, TOKENIZERS, chat_setting
-from otbflow.models.tasks import DATASET_FORMATS, TASKS
+from otbflow.engines import BACKENDS, HF_DECODE_MODES
+from otbflow.models.architectures import ARCHITECTURES, TOKENIZERS
+from otbflow.models.tasks import DATASET_FORMATS, TASKS, chat_setting
 from otbflow.registry import Registry
 from otbflow.runtime.policy_folder import check_policy_folder
 

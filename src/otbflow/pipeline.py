@@ -36,7 +36,8 @@ from otbflow.algorithms.lr_schedule import SCHEDULES
 from otbflow.algorithms.rollout_is import ROLLOUT_IS_LEVELS
 from otbflow.algorithms.shaping import shaping_keys, verifier_keys
 from otbflow.config import ConfigError, section_digest
-from otbflow.engines import ARCHITECTURES, BACKENDS, TOKENIZERS
+from otbflow.engines import BACKENDS
+from otbflow.models.architectures import ARCHITECTURES, TOKENIZERS
 from otbflow.models.tasks import TASKS
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from otbflow.engines import ARCHITECTURES
 from otbflow.io import check_safetensors
+from otbflow.models.architectures import ARCHITECTURES
 from otbflow.runtime import resident
 from otbflow.runtime.policy_folder import VOCABULARY_FILES, check_not_pruned, check_tokenizer
 

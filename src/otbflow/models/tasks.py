@@ -1,5 +1,7 @@
 """Prompt sources: the built-in synthetic arithmetic task and local datasets in the layouts
-users already have (``task.format``: prompt/answer, verl's RL Parquet, HF GSM8K, MATH).
+users already have (``task.format``: prompt/answer, verl's RL Parquet, HF GSM8K, MATH), the
+bound on a prompt's characters by the model's positions (``prompt_char_limit``) and ``task.chat``
+(``chat_setting``).
 
 The synthetic task is multi-step addition/subtraction with a scratchpad, so response length
 grows with the number of operands::
@@ -22,7 +24,6 @@ import polars as pl
 from omegaconf import DictConfig
 
 from otbflow.algorithms.rewards import last_boxed
-from otbflow.engines import PROMPT_CHARS_PER_POSITION, prompt_char_limit, prompt_chars
 from otbflow.io import SchemaError
 from otbflow.registry import Entry, Registry, Requirement
 from otbflow.runtime.policy_folder import model_config, model_positions
@@ -276,6 +277,31 @@ def user_message(prompt: str) -> str:
     return json.dumps([{"role": "user", "content": prompt}], ensure_ascii=False)
 
 
+def chat_setting(cfg: DictConfig) -> str:
+    """task.chat as 'auto' | 'true' | 'false' (YAML's true/false arrive as 'True'/'False'): whether
+    the prompts render through the policy's chat template (``otbflow.engines.prompts.use_chat``)."""
+    return str(cfg.task.chat).lower()
+
+
+PROMPT_CHARS_PER_POSITION = 64
+"""The shard stage, and the rollout and evaluate jobs before they render, refuse a prompt of more
+characters than this many per position of the model (``prompt_char_limit``): a prompt that fits
+the positions averages a few characters a token, and one past this bound could never fit; it is
+stopped before any tokenizer or GPU sees it."""
+
+
+def prompt_char_limit(positions: int) -> int:
+    """The most characters a prompt may have for a model of ``positions`` (the shard stage's bound
+    and ``otbflow.engines.prompts.check_prompt_chars``')."""
+    return PROMPT_CHARS_PER_POSITION * positions
+
+
+def prompt_chars(messages: str) -> int:
+    """A prompt's characters: those of its messages' contents (``messages``: the prompts table's
+    JSON list of {role, content}), what the chat template renders."""
+    return sum(len(m["content"]) for m in json.loads(messages))
+
+
 DATASET_COLUMNS = {"prompt": pl.String, "messages": pl.String, "answer": pl.String, "data_source": pl.String}
 
 
@@ -397,10 +423,10 @@ def synthetic_splits(cfg: DictConfig) -> tuple[pl.DataFrame, pl.DataFrame]:
 
 
 def max_prompt_chars(cfg: DictConfig) -> int | None:
-    """The most characters a dataset prompt may have (``otbflow.engines.prompt_char_limit`` of
-    model.path's positions, or without model.path of the built-in model's model.n_positions);
-    None where model.path's config.json names no positions. The rollout and evaluate jobs check
-    the same bound against their policy's positions before they render (``check_prompt_chars``)."""
+    """The most characters a dataset prompt may have (``prompt_char_limit`` of model.path's
+    positions, or without model.path of the built-in model's model.n_positions); None where
+    model.path's config.json names no positions. The rollout and evaluate jobs check the same bound
+    against their policy's positions before they render (``otbflow.engines.prompts.check_prompt_chars``)."""
     if cfg.model.path is None:
         return prompt_char_limit(cfg.model.n_positions)
     found = model_positions(model_config(cfg.model.path))

@@ -59,7 +59,7 @@ READY_S = 60.0
 PRELOADED = ("torch", "transformers", "deepspeed", "vllm.entrypoints.llm", "otbflow.cli")
 """What a server imports before it serves, where its environment has it (DeepSpeed in .venv, vLLM
 in .venv-vllm, whose import is much of a small vLLM job's start-up), and every stage's module, the
-modeling module of every architecture of otbflow.engines.ARCHITECTURES, and matplotlib's pyplot on
+modeling module of every architecture of otbflow.models.architectures.ARCHITECTURES, and matplotlib's pyplot on
 the backend the stages that plot use (``otbflow.io.pyplot``; its import is much of a small plotting
 job's start-up)."""
 PER_JOB_ENV = ("OTBFLOW_", "SNAKEMAKE", "PYTEST_", "PWD", "OLDPWD", "SHLVL", "_", "PATH", "PYTHONPATH")
@@ -359,7 +359,7 @@ def preload() -> None:
             importlib.import_module(name)
         except ImportError:  # not in this environment (DeepSpeed in vLLM's, vLLM in .venv)
             pass
-    from otbflow.engines import ARCHITECTURES
+    from otbflow.models.architectures import ARCHITECTURES
     from otbflow.pipeline import STAGES
 
     for stage in STAGES.values():

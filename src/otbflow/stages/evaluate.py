@@ -24,7 +24,8 @@ from otbflow import schemas
 from otbflow.algorithms.lr_schedule import ScheduleState
 from otbflow.algorithms.rewards import get_reward, reward_timeouts
 from otbflow.algorithms.shaping import verifier
-from otbflow.engines import Sampling, check_prompt_lengths, open_backend, prompt_metadata, render_table
+from otbflow.engines import Sampling, open_backend
+from otbflow.engines.prompts import check_prompt_lengths, prompt_metadata, render_table
 from otbflow.io import read_table, write_parquet
 from otbflow.models.policy import load_tokenizer, set_threads
 from otbflow.runtime.tracking import open_curves

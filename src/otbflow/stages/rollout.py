@@ -1,7 +1,7 @@
 """Rollout: ``rollout.group_size`` responses to each of the iteration's prompts of one shard,
-sampled by the current policy and scored (``otbflow.models.sampling``; backends in ``otbflow.engines``).
+sampled by the current policy and scored (``otbflow.engines.sampling``; backends in ``otbflow.engines``).
 With ``rollout.filter_groups`` (DAPO's dynamic sampling) the job samples further rounds of prompts
-until it holds its share of informative groups (``otbflow.models.sampling.sample_informative_groups``).
+until it holds its share of informative groups (``otbflow.engines.sampling.sample_informative_groups``).
 The metadata's ``reward_timeouts`` counts the reward calls (of every round) that ran past their
 deadline and scored 0; the job's log warns where there are any."""
 
@@ -15,9 +15,9 @@ from typing import Optional
 from omegaconf import DictConfig
 
 from otbflow import schemas
+from otbflow.engines.sampling import GroupSampler, sample_informative_groups, select_prompts
 from otbflow.io import read_table, write_parquet
 from otbflow.models.policy import set_threads
-from otbflow.models.sampling import GroupSampler, sample_informative_groups, select_prompts
 from otbflow.seeds import derive_seed
 
 log = logging.getLogger("otbflow.rollout")

@@ -1,6 +1,6 @@
 """Variance pool: ``variance.pool_size`` responses to each of the first ``variance.pool_prompts``
 prompts of a shard, sampled by the initial policy with the rollout's sampling options
-(``otbflow.models.sampling``): the population the variance study (``otbflow variance``) draws groups from."""
+(``otbflow.engines.sampling``): the population the variance study (``otbflow variance``) draws groups from."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from otbflow import schemas
+from otbflow.engines.sampling import sample_groups, select_prompts
 from otbflow.io import read_table, write_parquet
 from otbflow.models.policy import set_threads
-from otbflow.models.sampling import sample_groups, select_prompts
 from otbflow.seeds import derive_seed
 
 log = logging.getLogger("otbflow.variance_pool")

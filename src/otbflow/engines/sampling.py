@@ -1,7 +1,7 @@
 """Sampling groups of responses from a policy and scoring them: the rollout stage and the
 variance study's pool both call ``sample_groups``.
 
-Prompts are rendered by ``otbflow.engines.render_table`` (the chat template with ``task.chat``)
+Prompts are rendered by ``otbflow.engines.prompts.render_table`` (the chat template with ``task.chat``)
 and generated from by the ``rollout.backend`` engine (``otbflow.engines``: which log-probs each
 backend returns). The table keeps the raw prompt and the rendered token ids; the metadata
 records the backend, the sampling arguments, the chat template's use, the system prompt and the
@@ -20,7 +20,8 @@ from omegaconf import DictConfig
 
 from otbflow import schemas
 from otbflow.algorithms.shaping import Scorer
-from otbflow.engines import Sample, Sampling, check_prompt_lengths, open_backend, prompt_metadata, render_table
+from otbflow.engines import Sample, Sampling, open_backend
+from otbflow.engines.prompts import check_prompt_lengths, prompt_metadata, render_table
 from otbflow.models.policy import load_tokenizer
 from otbflow.seeds import derive_seed
 
