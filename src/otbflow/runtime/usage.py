@@ -1,6 +1,6 @@
 """What a results folder holds on disk (``used``: in all, per iteration folder, the train outputs',
 and what the retention policy deleted, from the ``PRUNED.json`` records of
-``otbflow.runtime.retention``) and a byte count as people read it (``gib``). Read by the report
+``otbflow.runtime.policy_folder``) and a byte count as people read it (``gib``). Read by the report
 stage (``report/disk.json``) and by ``otbflow disk --results`` (``otbflow.ops.disk``)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import json
 import re
 from pathlib import Path
 
-from otbflow.runtime.retention import PRUNED
+from otbflow.runtime.policy_folder import PRUNED
 
 
 def used(results_dir: str | Path) -> dict:
