@@ -61,7 +61,8 @@ KINDS = {
 }
 """Worker kinds and the stages each runs (one generation engine serves rollouts, evaluations and the
 variance pool; the features pass; the train update, and the publication of the AdamW state it
-writes after the job returned)."""
+writes after the job returned). The first stage of a kind is the one whose resources size its
+Slurm worker jobs (``otbflow.ops.workerjobs.STAGE_OF_KIND``)."""
 
 KIND_OF = {stage: kind for kind, stages in KINDS.items() for stage in stages}
 FOLDER = ".workers"

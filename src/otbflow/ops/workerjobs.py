@@ -10,8 +10,8 @@ prefix>_worker-<kind>``, so that a new head cancels a killed head's workers as i
 jobs (``otbflow.ops.head``, by name: ``otbflow.ops.slurm``). Each is sized from ``resources`` of
 its stage (rollout's for the generation workers; GPUs, CPUs, memory) with the site's partition,
 account, GPU model and extra flags of that rule in the profile (default-resources, set-resources).
-No torch, no otbflow imports but ``otbflow.ops.slurm`` (the Snakefile imports this when it is
-parsed).
+No torch, no otbflow imports but ``otbflow.ops.slurm`` and ``otbflow.ops.dispatch``'s table of
+worker kinds (the Snakefile imports this when it is parsed).
 """
 
 from __future__ import annotations
@@ -23,12 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from otbflow.ops.dispatch import KINDS
 from otbflow.ops.slurm import QUEUED, HeadError, jobname_prefix, squeue
 
 EVERY_S = 15.0
 """How often the head looks at its worker jobs."""
-STAGE_OF_KIND = {"generate": "rollout", "features": "features", "train": "train"}
-"""The stage whose resources size a kind's worker job (generation workers: the rollout's)."""
+STAGE_OF_KIND = {kind: stages[0] for kind, stages in KINDS.items()}
+"""The stage whose resources size a kind's worker job, the first it runs (``dispatch.KINDS``;
+generation workers: the rollout's)."""
 SITE_KEYS = ("slurm_partition", "slurm_account", "gpu_model", "gres", "constraint", "qos", "slurm_extra")
 """The profile's per-rule Slurm settings a worker job takes from its stage's rule."""
 
