@@ -193,9 +193,9 @@ def main(argv: list[str] | None = None) -> dict:
     from machine import run_record
     from transformers import GenerationConfig
 
+    from otbflow.algorithms.tensors import padded
     from otbflow.engines import stop_token_ids
     from otbflow.engines.hf import RowSampler, hf_generate, row_keys
-    from otbflow.models.logits import padded
     from otbflow.models.policy import load_policy, set_threads
 
     set_threads()  # OTBFLOW_THREADS, as the stages: on a shared CPU more threads than free cores spin

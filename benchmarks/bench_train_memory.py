@@ -3,7 +3,7 @@
 The model is Qwen2-0.5B-shaped where the memory goes: vocabulary 151,936, hidden 896, tied
 embeddings, GQA 14/2 heads, MLP 4864, on a 2-layer body (random weights). The micro-batch is 4
 sequences of a 16-token prompt and a 512-token response (2,048 response tokens). One micro-step
-is the train stage's forward (``otbflow.models.logits.ResponseLogprobs``: the body once, then log pi and
+is the train stage's forward (``otbflow.training.logprobs.ResponseLogprobs``: the body once, then log pi and
 the entropy per response token), the PPO-clip token-mean loss at ratio 1 with random advantages
 and entropy_coef = 0, and the backward into the parameters' gradients.
 
@@ -56,7 +56,8 @@ def worker(
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from otbflow.algorithms.losses import ppo_clip_loss
-    from otbflow.models.logits import ResponseLogprobs, pack
+    from otbflow.models.logits import pack
+    from otbflow.training.logprobs import ResponseLogprobs
 
     torch.manual_seed(0)
     config = Qwen2Config(

@@ -12,8 +12,9 @@ import torch
 from otbflow import schemas
 from otbflow.io import read_table
 from otbflow.models import logits
-from otbflow.models.logits import ResponseLogprobs, check_head_logits, logit_transform, pack, sequence_token_stats
+from otbflow.models.logits import check_head_logits, logit_transform, pack, sequence_token_stats
 from otbflow.models.policy import build_char_tokenizer, cast_parameters, load_policy
+from otbflow.training.logprobs import ResponseLogprobs
 
 TEMPERATURE = 0.7
 

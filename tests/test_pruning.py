@@ -21,8 +21,9 @@ from otbflow.config import ConfigError
 from otbflow.engines import vllm as vllm_engine
 from otbflow.engines.hf import processed_logits
 from otbflow.io import read_metadata, read_table
-from otbflow.models.logits import logit_stats, sequence_token_stats, streamed_token_stats, token_stats
+from otbflow.models.logits import sequence_token_stats, streamed_token_stats, token_stats
 from otbflow.models.policy import load_policy
+from otbflow.training.logprobs import logit_stats
 
 # Five logits at temperature 2: z = [2, 1, 0, -3, -5]. rho = e^-2.5 keeps z >= 2 - 2.5 = -0.5,
 # the safe set {0, 1, 2}. On the logits before the temperature the rule would keep {0, 1}

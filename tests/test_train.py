@@ -26,15 +26,16 @@ from otbflow.algorithms.losses import (
     trm_keep,
 )
 from otbflow.algorithms.rollout_is import rollout_is_weights
+from otbflow.algorithms.tensors import padded
 from otbflow.config import ConfigError, load_config
 from otbflow.io import SchemaError, read_table, write_parquet
 from otbflow.models import logits
-from otbflow.models.logits import policy_logprobs, response_token_stats
 from otbflow.models.policy import build_char_tokenizer, build_tiny_model
 from otbflow.stages import features
 from otbflow.stages.train import Args, run
 from otbflow.training import state as train_state
 from otbflow.training.distributed import init_distributed_env
+from otbflow.training.logprobs import policy_logprobs, response_token_stats, to_padded
 from otbflow.training.state import OptimizerStateError
 
 MODEL = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.n_positions=64"]
@@ -546,10 +547,10 @@ def test_packed_aggregations_equal_each_sequence_alone(mode):
                 TEMPERATURE,
                 position_ids=batch.get("position_ids"),
             )
-            logp = logits.to_padded(flat, batch, len(rows))
+            logp = to_padded(flat, batch, len(rows))
             width = logp.shape[1]
-            a = logits.padded([adv[i] for i in rows], 0.0, width, dtype=torch.float32)
-            m = logits.padded([masks[i] for i in rows], 0.0, width, dtype=torch.float32)
+            a = padded([adv[i] for i in rows], 0.0, width, dtype=torch.float32)
+            m = padded([masks[i] for i in rows], 0.0, width, dtype=torch.float32)
             loss = aggregate_loss(-a * logp, m, mode, tokens, n_seqs, c)
             loss.backward()
             total += float(loss.detach())

@@ -8,7 +8,7 @@ import torch
 
 from otbflow import schemas
 from otbflow.algorithms.rollout_is import rollout_is_weights
-from otbflow.models.logits import padded
+from otbflow.algorithms.tensors import padded
 
 
 def mismatch_columns(df: pl.DataFrame) -> pl.DataFrame:

@@ -1,6 +1,6 @@
 """Dynamic vocabulary pruning (DVP, ``rollout.min_p``; algorithms.md §5, arXiv 2512.23087): the one
 place of the safe-set rule, read by the transformers engine's sampling (``engines.hf``) and by the
-trainer's statistics (``otbflow.models.logits``: features and train).
+trainer's statistics (``otbflow.models.logits``: features; ``otbflow.training.logprobs``: train).
 
 With z = logits / temperature and m = max z, the safe set of a context is
 V_S = {v : pi_v >= rho * max_u pi_u} = {v : z_v >= m + log rho}. Sampling draws from pi restricted

@@ -27,9 +27,9 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from otbflow.algorithms.tensors import padded
 from otbflow.algorithms.vocab_pruning import outside
 from otbflow.engines import Sample, Sampling, stop_token_ids, truncate_at_stop
-from otbflow.models.logits import padded
 from otbflow.models.policy import load_policy
 from otbflow.progress import Progress
 from otbflow.runtime import resident

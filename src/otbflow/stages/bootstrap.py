@@ -15,11 +15,11 @@ import torch
 from omegaconf import DictConfig
 
 from otbflow.algorithms.rewards import arithmetic_reward
+from otbflow.algorithms.tensors import padded
 from otbflow.engines import stops_of
 from otbflow.engines.hf import hf_generate
 from otbflow.engines.prompts import render_prompts, use_chat
 from otbflow.io import atomic_dir, write_parquet
-from otbflow.models.logits import padded
 from otbflow.models.policy import build_tiny_model, build_tokenizer, encode, set_threads
 from otbflow.models.tasks import TASKS, arithmetic_problem, arithmetic_prompts, arithmetic_solution, synthetic_splits
 from otbflow.seeds import derive_seed

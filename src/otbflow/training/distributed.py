@@ -10,7 +10,8 @@ import subprocess
 import torch
 from omegaconf import DictConfig
 
-from otbflow.models.logits import ResponseLogprobs, check_head_logits, check_packing
+from otbflow.models.logits import check_head_logits, check_packing
+from otbflow.training.logprobs import ResponseLogprobs
 
 log = logging.getLogger(__name__)
 

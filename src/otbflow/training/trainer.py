@@ -14,10 +14,12 @@ from omegaconf import DictConfig
 from otbflow import schemas
 from otbflow.algorithms.estimators import total_power, variance_proxies
 from otbflow.algorithms.losses import aggregate_loss, loss_scale, low_var_kl, policy_token_loss, trm_keep
+from otbflow.algorithms.tensors import padded
 from otbflow.algorithms.vocab_pruning import PRUNING_STATS
 from otbflow.io import check_finite, read_table
-from otbflow.models.logits import pack, padded, response_token_stats, to_padded
+from otbflow.models.logits import pack
 from otbflow.training.distributed import all_reduce, grads_finite, param_grad_norm
+from otbflow.training.logprobs import response_token_stats, to_padded
 
 SUMS = ("loss", "clipped", "entropy", "k3", "kl_ref", "is_w", "power", "bad", *PRUNING_STATS)
 
