@@ -9,7 +9,8 @@ three classes:
 - ``execution``: keys the stage reads that change how it runs, never what it writes (threads,
   memory, the interpreter): changing them reruns nothing.
 - ``dag``: keys that shape the workflow (which jobs exist, which files they read) rather than
-  what one job computes; the Snakefile reads them.
+  what one job computes; the Snakefile reads them (tests/test_pipeline.py changes each and
+  compares the rules' jobs in the DAG Snakemake builds).
 
 It also holds the defaults of its jobs' resources (``resources``; the config's
 ``resources.<stage>`` overrides them key by key), and its flags are its module's ``Args``
@@ -52,7 +53,9 @@ class Stage:
     execution: tuple[str, ...] = ()
     """Config keys read that change how the stage runs, not what it writes."""
     dag: tuple[str, ...] = ()
-    """Config keys that shape the workflow around the stage (jobs, inputs)."""
+    """Config keys that shape the workflow around the stage: which jobs its rule has, the files
+    each reads and writes, its environment (tests/test_pipeline.py checks them against the DAG
+    Snakemake builds)."""
     engine: bool = False
     """Runs the generation engine (rollout.backend): the rollout.python interpreter, its
     environment, and the engine's run-only keys among its execution keys."""
@@ -265,7 +268,7 @@ _STAGES = [
         _shard,
         # a dataset prompt too long for the model's positions is refused (it changes no output)
         execution=("model.path", "model.n_positions"),
-        dag=("shard.n_shards",),
+        dag=("shard.n_shards", "task.path", "task.eval_path"),  # a dataset task's files are its inputs
         resources={"mem_mb": 2000, "runtime": 30},
     ),
     Stage(
@@ -281,15 +284,16 @@ _STAGES = [
         "score the rollouts with a learned reward model (task.reward_model) and add it to the reward",
         _score,
         execution=("task.reward_model.batch_size",),
-        dag=("iterations", "shard.n_shards"),
+        dag=("iterations", "shard.n_shards", "task.reward_model.path"),  # its rule exists with a reward model
         resources={**GPU_JOB, "threads": 1, "runtime": 60},
     ),
     Stage(
         "features",
         "teacher-forced forward pass: log-probs, entropy, sum pi^2, proxy energy, mismatch",
         _features,
-        # with a reward model it reads the score stage's table instead of the rollout's
-        dag=("iterations", "shard.n_shards", "task.reward_model.path"),
+        # with a reward model it reads the score stage's table instead of the rollout's; iteration 0
+        # reads the initial policy (model.path, else the bootstrap's)
+        dag=("iterations", "shard.n_shards", "task.reward_model.path", "model.path"),
         resources={**GPU_JOB, "threads": 1, "runtime": 60},
     ),
     Stage(
@@ -304,7 +308,8 @@ _STAGES = [
         "DeepSpeed policy update producing the next policy",
         _train,
         execution=("train.checkpoint_every", *TRACKING),
-        dag=("iterations", "train.reset_optimizer", "train.kl_coef"),
+        # iteration 0 and the KL term's reference read the initial policy (model.path, else the bootstrap's)
+        dag=("iterations", "train.reset_optimizer", "train.kl_coef", "model.path"),
         # tasks > 1: DeepSpeed ranks (srun in a Slurm job, torchrun elsewhere); with GPUs one per GPU
         resources={**GPU_JOB, "runtime": 120, "tasks": 1, "nodes": 1, "cpus_per_task": 1},
     ),
@@ -312,7 +317,7 @@ _STAGES = [
         "publish_optimizer",
         "wait for the AdamW state a train job wrote (a warm worker: in the background) and publish it",
         _publish_optimizer,
-        dag=("train.reset_optimizer",),
+        dag=("iterations", "train.reset_optimizer"),
         resources={},
     ),
     Stage(
@@ -344,7 +349,17 @@ _STAGES = [
         "report",
         "collect metrics of all iterations and plot them",
         _report,
-        dag=("iterations", "evaluate.every", "shard.n_shards", "task.reward_model.path"),
+        # it waits for the prune jobs (the retention policy's, otbflow.runtime.retention.decision)
+        dag=(
+            "iterations",
+            "evaluate.every",
+            "shard.n_shards",
+            "task.reward_model.path",
+            "retention.policy_every",
+            "retention.optimizer",
+            "rollout.staleness",
+            "train.reset_optimizer",
+        ),
         resources={"mem_mb": 2000, "runtime": 15},
     ),
     Stage(
