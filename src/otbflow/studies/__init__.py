@@ -1,2 +1,2 @@
-"""Studies over runs: the offline variance study, the length-scaling fit, experiment files and
-the small-sample statistics of their reports."""
+"""Studies over runs: the offline variance study, the length-scaling fit, experiment files, the
+statistics of their reports (experiment_stats) and the small-sample intervals they use (stats)."""
