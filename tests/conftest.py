@@ -77,7 +77,7 @@ SANDBOX_ENTRIES = (
 
 @pytest.fixture(autouse=True)
 def clean_env():
-    """A train stage run in the test's process (tests/test_train.py, tests/test_stage_keys.py) sets
+    """A train stage run in the test's process (tests/test_train*.py, tests/test_stage_keys.py) sets
     RANK, MASTER_PORT... in os.environ and keeps its rendezvous port open: every test starts
     without them and leaves none behind, so that the jobs a later test starts (a workflow's train
     job) do not inherit a port that is taken. Also ignores a Slurm job the tests may run in."""
@@ -282,7 +282,7 @@ LONG_FIRST = (
     "tests/test_vllm.py",
     "tests/test_worker.py",
     "tests/test_workflow.py",
-    "tests/test_train.py",
+    "tests/test_train",  # test_train.py and test_train_*.py
 )
 
 

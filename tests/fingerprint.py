@@ -120,7 +120,7 @@ ADDED = {
     ),
     # reward calls past the reward's deadline (issue 35; 0 in the fixtures)
     "reward_timeouts": ("report/rollouts.parquet",),
-    # the train step's throughput (issue 36): tests/test_train.py::test_packed_steps_equal_padded_steps;
+    # the train step's throughput (issue 36): tests/test_train_logprobs.py::test_packed_steps_equal_padded_steps;
     # tokens_per_s is a wall-time figure, mfu NaN on CPU
     **dict.fromkeys(
         ("nonpad_tokens", "tokens_per_s", "mfu"),

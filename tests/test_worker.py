@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, TINY
-from test_train import small_tmpfs_works
+from test_train_robustness import small_tmpfs_works
 from test_workflow import SNAKEMAKE, copy_run, snakemake
 
 from otbflow.ops import dispatch

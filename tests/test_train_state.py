@@ -1,0 +1,324 @@
+"""What the train stage carries from one iteration to the next (otbflow.training.state): the LR
+schedule's state, the optimizer state that chains jobs into one AdamW and is refused where it
+does not fit, the checkpoint fingerprint, a results folder's DeepSpeed files read as data (a
+planted pickle is refused, not run), and checkpoint files whose bytes follow their content."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import train_helpers
+from train_helpers import load_model, make_cfg, random_advantages, run_stage, write_advantages
+
+from otbflow.models.policy import build_char_tokenizer
+from otbflow.stages.train import Args, run
+from otbflow.training import state as train_state
+from otbflow.training.distributed import init_distributed_env
+from otbflow.training.state import OptimizerStateError
+
+# the module-scoped fixtures of train_helpers: this file's own policy and features
+policy_dir = train_helpers.policy_dir
+features_path = train_helpers.features_path
+
+
+# ------------------------------------------------------------------------------------------
+# LR schedule across iterations
+# ------------------------------------------------------------------------------------------
+
+
+def test_schedule_state_survives_iterations(policy_dir, features_path, tmp_path):
+    """Warm-up over 6 steps spans two iterations of 2 steps: the second resumes at step 2."""
+    overrides = ("train.mini_batch_size=4", "train.micro_batch_size=2", "train.lr_warmup_steps=6")
+    m0, a0 = run_stage(policy_dir, features_path, tmp_path, *overrides, name="it0", state=str(tmp_path / "s0.json"))
+    m1, _ = run_stage(
+        policy_dir,
+        features_path,
+        tmp_path,
+        *overrides,
+        name="it1",
+        prev_state=str(tmp_path / "s0.json"),
+        state=str(tmp_path / "s1.json"),
+        iteration=1,
+    )
+    lrs = m0["lr"].to_list() + m1["lr"].to_list()
+    assert lrs == pytest.approx([1e-2 * k / 6 for k in (1, 2, 3, 4)])
+    import json
+
+    state = json.loads((tmp_path / "s1.json").read_text())
+    assert state["step"] == 4 and len(state["lengths"]) == 4
+
+
+# ------------------------------------------------------------------------------------------
+# The optimizer across iterations
+# ------------------------------------------------------------------------------------------
+
+
+def one_engine_reference(cfg, policy_dir, tables: list[Path]) -> dict[str, torch.Tensor]:
+    """One DeepSpeed engine (one AdamW) stepping over the mini-batches of every table in turn,
+    iteration k's in the train stage's seeded order: the weights one uninterrupted run ends with."""
+    from otbflow.seeds import derive_seed
+    from otbflow.training.distributed import build_engine
+    from otbflow.training.state import full_fp32_state_dict
+    from otbflow.training.trainer import Trainer, load_rows, mini_batches
+
+    init_distributed_env()
+    engine = build_engine(str(policy_dir), cfg.train, 1)
+    pad_id = build_char_tokenizer().pad_token_id
+    for k, table in enumerate(tables):
+        data = load_rows(str(table), cfg)
+        trainer = Trainer(engine, data, cfg, pad_id)
+        for mini in mini_batches(len(data["response_ids"]), cfg.train, derive_seed(cfg.seed, "train", k)):
+            trainer.step(mini, cfg.train.lr)
+    return full_fp32_state_dict(engine, keep=True)
+
+
+@pytest.mark.parametrize("layout", ["zero0_fp32", "zero1_bf16", "zero3_bf16"])
+def test_chained_jobs_continue_one_optimizer(policy_dir, features_path, tmp_path, layout):
+    """Two train jobs chained through the stored optimizer state end with the weights of one
+    engine that steps over both tables: bitwise (fp32, and bf16 with ZeRO-1 and ZeRO-3 on CPU; ZeRO-3
+    also runs the chunked head under its parameter gathering). With train.reset_optimizer the
+    second job starts a fresh AdamW and ends elsewhere."""
+    overrides = ["train.mini_batch_size=4", "train.micro_batch_size=2", "train.lr=1e-3"]
+    if layout != "zero0_fp32":
+        overrides += [f"train.zero_stage={layout[4]}", "train.bf16=true", "train.logprob_chunk_size=7"]
+    cfg = make_cfg(*overrides)
+    tables = [tmp_path / "adv0.parquet", tmp_path / "adv1.parquet"]
+    for seed, table in enumerate(tables, start=1):
+        write_advantages(features_path, table, random_advantages(features_path, seed=seed))
+
+    def job(k, policy, **kwargs):
+        args = Args(
+            advantages=str(tables[k]),
+            policy=str(policy),
+            out=str(tmp_path / f"p{k}"),
+            metrics=str(tmp_path / f"m{k}.parquet"),
+            checkpoint_dir=str(tmp_path / f"ck{k}"),
+            iteration=k,
+            state=str(tmp_path / f"s{k}.json"),
+            **kwargs,
+        )
+        run(cfg if "prev_optimizer" in kwargs or k == 0 else make_cfg(*overrides, "train.reset_optimizer=true"), args)
+        return load_model(args.out).state_dict()
+
+    job(0, policy_dir, optimizer=str(tmp_path / "opt0"))
+    meta = __import__("json").loads((tmp_path / "opt0" / "meta.json").read_text())
+    assert meta["optimizer_steps"] == 2 and meta["zero_stage"] == cfg.train.zero_stage
+    chained = job(1, tmp_path / "p0", prev_optimizer=str(tmp_path / "opt0"), prev_state=str(tmp_path / "s0.json"))
+    reference = one_engine_reference(cfg, policy_dir, tables)
+    for name, value in reference.items():
+        assert torch.equal(chained[name], value), name
+    fresh = job(1, tmp_path / "p0", prev_state=str(tmp_path / "s0.json"))  # train.reset_optimizer=true
+    assert max(float((fresh[n] - reference[n]).abs().max()) for n in reference) > 1e-4
+
+
+def test_a_stored_optimizer_state_that_does_not_fit_is_refused(policy_dir, features_path, tmp_path):
+    """Another ZeRO stage or bf16 setting, another policy, a folder without meta.json (an unfinished
+    write), or reset_optimizer with a state: a clear error before any training, no outputs."""
+    import shutil
+
+    m, first = run_stage(
+        policy_dir, features_path, tmp_path, "train.mini_batch_size=8", name="first", optimizer=str(tmp_path / "opt")
+    )
+    opt = str(tmp_path / "opt")
+    cases = [
+        (
+            ("train.zero_stage=1",),
+            first.out,
+            opt,
+            r"saved by 1 rank\(s\), ZeRO stage 0, bf16 off; this job runs 1 "
+            r"rank\(s\), ZeRO stage 1, bf16 off.*train.reset_optimizer=true",
+        ),
+        (("train.zero_stage=1", "train.bf16=true"), first.out, opt, "ZeRO stage 1, bf16 on"),
+        ((), policy_dir, opt, "belongs to another policy than --policy"),
+        (("train.reset_optimizer=true",), first.out, opt, "drop one of them"),
+    ]
+    shutil.copytree(opt, tmp_path / "half")
+    (tmp_path / "half" / "meta.json").unlink()
+    cases.append(((), first.out, str(tmp_path / "half"), "not a finished optimizer state"))
+    for overrides, policy, prev, message in cases:
+        with pytest.raises(OptimizerStateError, match=message):
+            run_stage(
+                policy,
+                features_path,
+                tmp_path,
+                "train.mini_batch_size=8",
+                *overrides,
+                name="second",
+                prev_optimizer=prev,
+                optimizer=str(tmp_path / "opt2"),
+            )
+        assert not (tmp_path / "second").exists() and not (tmp_path / "opt2").exists()
+        assert not (tmp_path / "second.ckpt").exists()  # refused before any work
+
+
+def test_the_checkpoint_fingerprint_covers_the_optimizer_input(policy_dir, features_path, tmp_path):
+    from otbflow.training.state import fingerprint
+
+    write_advantages(features_path, tmp_path / "adv.parquet", random_advantages(features_path))
+    cfg = make_cfg()
+    prints = []
+    for name, content in (("a", '{"job_fingerprint": "1"}'), ("b", '{"job_fingerprint": "2"}')):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "meta.json").write_text(content)
+        prints.append(
+            fingerprint(
+                cfg,
+                Args(
+                    advantages=str(tmp_path / "adv.parquet"),
+                    policy=str(policy_dir),
+                    out="o",
+                    metrics="m",
+                    prev_optimizer=str(tmp_path / name),
+                ),
+                1,
+            )
+        )
+    prints.append(
+        fingerprint(
+            cfg, Args(advantages=str(tmp_path / "adv.parquet"), policy=str(policy_dir), out="o", metrics="m"), 1
+        )
+    )
+    assert len(set(prints)) == 3
+
+
+# ------------------------------------------------------------------------------------------
+# A results folder holds data, never code: a planted pickle is refused, not run
+# ------------------------------------------------------------------------------------------
+
+
+class Planted:
+    """What someone who can write a shared results folder could put in a DeepSpeed file: a pickle
+    that runs a shell command when it is loaded (here, one that creates ``marker``)."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch '{self.marker}'",))
+
+
+def plant(path: Path, marker: Path) -> None:
+    """Replace a file that DeepSpeed wrote with a torch.save'd checkpoint that holds a Planted."""
+    assert path.is_file(), sorted(p.name for p in path.parent.iterdir())
+    torch.save({"module": Planted(marker), "optimizer_state_dict": {}}, path)
+
+
+SHARDS = ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+
+
+@pytest.mark.parametrize("name", SHARDS)
+def test_a_planted_pickle_in_an_optimizer_state_is_refused(policy_dir, features_path, tmp_path, name):
+    """A file of the stored optimizer state replaced (meta.json untouched: the layout and the
+    policy digest still match): the next job refuses it, naming the file, and the pickle never
+    runs; no output appears."""
+    overrides = ("train.mini_batch_size=8", "train.zero_stage=1")
+    _, first = run_stage(policy_dir, features_path, tmp_path, *overrides, name="first", optimizer=str(tmp_path / "opt"))
+    target, marker = tmp_path / "opt" / "state" / name, tmp_path / "marker"
+    plant(target, marker)
+    with pytest.raises(Exception) as refused:
+        run_stage(
+            first.out,
+            features_path,
+            tmp_path,
+            *overrides,
+            name="second",
+            prev_optimizer=str(tmp_path / "opt"),
+            optimizer=str(tmp_path / "opt2"),
+        )
+    assert not marker.exists(), "the planted pickle ran"
+    assert isinstance(refused.value, train_state.CheckpointFileError), refused.value
+    assert str(target) in str(refused.value) and "posix.system" in str(refused.value)
+    assert not any((tmp_path / n).exists() for n in ("second", "second.parquet", "opt2", ".opt2.partial"))
+
+
+@pytest.mark.parametrize("name", SHARDS)
+def test_a_planted_pickle_in_a_resumable_checkpoint_is_refused(policy_dir, features_path, tmp_path, monkeypatch, name):
+    """A file of the resumable checkpoint that a failed job left (its fingerprint matches the
+    rerun's) replaced: the rerun refuses it, naming the file, the pickle never runs and no
+    output appears."""
+    overrides = ("train.mini_batch_size=4", "train.micro_batch_size=2", "train.zero_stage=1")
+    overrides += ("train.checkpoint_every=1",)
+    with monkeypatch.context() as m:
+        m.setattr(train_state.Checkpoints, "finish", lambda self: None)  # kept, as a failed job keeps them
+        _, args = run_stage(policy_dir, features_path, tmp_path, *overrides, name="job")
+    for out in (args.out, args.metrics):  # Snakemake deletes a failed job's outputs
+        __import__("shutil").rmtree(out) if Path(out).is_dir() else Path(out).unlink()
+    ckpt = Path(args.checkpoint_dir)
+    target, marker = ckpt / (ckpt / "latest").read_text().strip() / name, tmp_path / "marker"
+    plant(target, marker)
+    with pytest.raises(Exception) as refused:
+        run_stage(policy_dir, features_path, tmp_path, *overrides, name="job")
+    assert not marker.exists(), "the planted pickle ran"
+    assert isinstance(refused.value, train_state.CheckpointFileError), refused.value
+    assert str(target) in str(refused.value) and "posix.system" in str(refused.value)
+    assert not Path(args.out).exists() and not Path(args.metrics).exists()
+
+
+class ByName:
+    """What Python 3.11.0-3.11.4 write for an enum member (``getattr(cls, name)``; other versions
+    write its value), with any class and name: a checkpoint written on such a Python holds
+    ``ByName(ZeroStageEnum, "optimizer_states")``."""
+
+    def __init__(self, cls, name: str):
+        self.cls, self.name = cls, name
+
+    def __reduce__(self):
+        return (getattr, (self.cls, self.name))
+
+
+def test_an_enum_member_pickled_by_name_loads_and_nothing_else_getattr_reaches(tmp_path):
+    """A DeepSpeed file written on Python 3.11.0-3.11.4 (Debian 12's python3 is 3.11.2) names
+    builtins.getattr for its ZeRO stage: it loads, as the member; a getattr of anything else (an
+    attribute of an allowed class is a way to its module's globals, and so to running code) is
+    refused as any other planted global is, naming the file."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    good = tmp_path / "optim_states.pt"
+    torch.save({"zero_stage": ByName(ZeroStageEnum, "optimizer_states"), "step": torch.ones(2)}, good)
+    assert b"getattr" in good.read_bytes()
+    loaded = train_state.load_checkpoint_file(str(good))
+    assert loaded["zero_stage"] is ZeroStageEnum.optimizer_states and loaded["zero_stage"] == 1
+    for cls, name in ((LossScaler, "__init__"), (ZeroStageEnum, "__class__"), (ZeroStageEnum, "nothing")):
+        bad = tmp_path / f"{name}.pt"
+        torch.save({"zero_stage": ByName(cls, name)}, bad)
+        with pytest.raises(train_state.CheckpointFileError) as refused:
+            train_state.load_checkpoint_file(str(bad))
+        assert str(bad) in str(refused.value) and "builtins.getattr" in str(refused.value), refused.value
+
+
+def test_equal_checkpoint_states_write_equal_bytes(tmp_path):
+    """Issue 53: pickle writes a string object once and refers back to it, so two equal states
+    whose equal strings were one object in one and two in the other (a warm engine's AdamW param
+    groups against a loaded state's) wrote different bytes. Through save_checkpoint_file (training.
+    state.canonical) they write the same bytes, and load back equal; torch.save alone does not."""
+    from collections import OrderedDict
+
+    from otbflow.training.state import load_checkpoint_file, save_checkpoint_file
+
+    exp_avg = torch.arange(6, dtype=torch.float32)
+
+    def state(shared: bool):
+        lr = "lr" if shared else "".join(["l", "r"])  # an equal string, another object
+        group = {lr: 1e-3, "weight_decay": 0.0, "params": [0]}
+        return {
+            "optimizer": {"state": {0: {"step": torch.tensor(2.0), "exp_avg": exp_avg}}, "param_groups": [group]},
+            "lr_key": "lr",
+            "shapes": [OrderedDict([("w", torch.Size([6]))])],
+            "pair": ("a", 1),
+        }
+
+    raw = []
+    for k, shared in enumerate((True, False)):
+        torch.save(state(shared), tmp_path / f"raw{k}.pt")
+        raw.append((tmp_path / f"raw{k}.pt").read_bytes())
+        save_checkpoint_file(state(shared), str(tmp_path / f"{k}.pt"), True)
+    assert raw[0] != raw[1]  # the difference this fixes
+    assert (tmp_path / "0.pt").read_bytes() == (tmp_path / "1.pt").read_bytes()
+    back = load_checkpoint_file(str(tmp_path / "1.pt"))
+    assert torch.equal(back["optimizer"]["state"][0]["exp_avg"], exp_avg) and back["pair"] == ("a", 1)
+    assert back["optimizer"]["param_groups"] == [{"lr": 1e-3, "weight_decay": 0.0, "params": [0]}]
+    assert type(back["shapes"][0]) is OrderedDict and back["shapes"][0]["w"] == torch.Size([6])
