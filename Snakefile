@@ -2,7 +2,7 @@
 # table (src/otbflow/pipeline.py; `otbflow <stage> --help`). Each stage's rule is in
 # workflow/rules/<stage>.smk: its inputs and outputs, named as its CLI's flags; the rest (log,
 # resources, the command) comes from the stage's entry through workflow/rules/common.smk.
-# Config: config/config.yaml, validated against the schema in src/otbflow/config.py
+# Config: config/config.yaml, validated against the schema in src/otbflow/config/sections.py
 # (workflow/schemas/config.schema.json is generated from it). Override any key with
 # `--config 'section={key: value}'`, or layer a partial YAML with `--configfile FILE`.
 from snakemake.utils import min_version

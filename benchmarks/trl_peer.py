@@ -81,7 +81,7 @@ GRPO_SETTINGS = {
     "clip_ratio_c": 3.0,  # train.clip_ratio_c: dual clip for A < 0
     "seed": 0,
 }
-"""otbflow's defaults (config/config.yaml, src/otbflow/config.py) that the TRL run takes over."""
+"""otbflow's defaults (config/config.yaml, src/otbflow/config/sections.py) that the TRL run takes over."""
 
 
 def requirements() -> list[str]:
