@@ -76,6 +76,12 @@ def direct_imports(name: str, named: bool = True) -> frozenset[str]:
     return frozenset(m for m in found if m.split(".")[0] == "otbflow" and module_file(m) is not None)
 
 
+def _outside(module: str) -> bool:
+    """Whether ``module`` is one of WORKFLOW_ONLY and RUN_ONLY, or a module of such a package (the
+    config package's sections, loading, rules)."""
+    return any(module == m or module.startswith(m + ".") for m in WORKFLOW_ONLY | RUN_ONLY)
+
+
 def closure(name: str) -> list[str]:
     """Module ``name`` and every otbflow module it reaches, sorted."""
     seen, todo = set(), [name]
@@ -83,7 +89,7 @@ def closure(name: str) -> list[str]:
         mod = todo.pop()
         if mod not in seen:
             seen.add(mod)
-            todo += sorted(direct_imports(mod) - seen - WORKFLOW_ONLY - RUN_ONLY)
+            todo += sorted(m for m in direct_imports(mod) - seen if not _outside(m))
     return sorted(seen)
 
 
