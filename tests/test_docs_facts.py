@@ -126,14 +126,23 @@ def test_named_sections_exist():
     assert not missing, f"sections named that do not exist: {missing}"
 
 
-def test_the_readme_places_every_module():
-    """The README's code map names every module of the package (the stages as stages/)."""
+def test_the_readme_places_every_module_on_its_floor():
+    """The README's code map is the house: its rows are the floors of tests/layers.py, top to
+    bottom, and each module of the package (the stages as stages/) is named in its floor's row."""
+    import layers
+
     package = REPO / "src" / "otbflow"
     section = (REPO / "README.md").read_text().split("## Where to change what", 1)[1].split("\n## ", 1)[0]
-    modules = [p for p in package.rglob("*.py") if p.stem not in ("__init__", "__main__") and p.parent.name != "stages"]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| ---")][1:]
+    assert len(rows) == len(layers.LAYERS)
+    modules = [p for p in package.rglob("*.py") if p.stem != "__init__" and p.parent.name != "stages"]
     assert len(modules) >= 30
-    missing = [str(p.relative_to(package)) for p in modules if f"`{p.name}`" not in section]
-    assert not missing, f"README, 'Where to change what', does not place {missing}"
+    misplaced = []
+    for path in modules:
+        name = ".".join(path.relative_to(package.parent).with_suffix("").parts)
+        if f"`{path.name}`" not in rows[layers.FLOOR[layers.room(name)]]:
+            misplaced.append(str(path.relative_to(package)))
+    assert not misplaced, f"README, 'Where to change what', does not place {misplaced} on their floor's row"
 
 
 ARROW = re.compile(r"\b(\w+)(?: \([^)]*\))?\s*─►\s*(\w+)")

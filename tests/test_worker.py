@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO / "tests"))
 from fingerprint import fingerprints  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("tiny_run")
-KINDS = ("generate", "features", "train")
+KINDS = tuple(dispatch.KINDS)  # every worker kind
 
 
 def start_worker(results: Path, kind: str, log: Path, env: dict | None = None) -> subprocess.Popen:

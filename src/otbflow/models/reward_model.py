@@ -14,10 +14,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from otbflow.runtime.policy_folder import VOCABULARY_FILES
+
 log = logging.getLogger("otbflow.models.reward_model")
 
-# Files of which a loadable tokenizer has at least one (fast, slow BPE, SentencePiece).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 # A tokenizer's model_max_length above this is HF's "unknown" (VERY_LARGE_INTEGER), not a limit.
 UNSET_MAX_LENGTH = 10**9
 
@@ -61,9 +61,9 @@ def check_reward_model(path: str | Path) -> None:
             f"reward model {path}: config.json has {n} labels; a reward model gives one scalar score "
             f"(num_labels = 1, one entry in id2label)"
         )
-    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+    if not any((path / f).is_file() for f in VOCABULARY_FILES):
         raise ValueError(
-            f"reward model {path}: no tokenizer files (one of {', '.join(TOKENIZER_FILES)}); the reward "
+            f"reward model {path}: no tokenizer files (one of {', '.join(VOCABULARY_FILES)}); the reward "
             "model's own tokenizer renders and encodes what it scores"
         )
 
