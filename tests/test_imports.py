@@ -321,3 +321,14 @@ def test_every_mark_decorates_a_test():
     """No pytest mark in tests/*.py decorates a function that is not a test (``misplaced_marks``)."""
     found = {p.name: misplaced_marks(p.read_text()) for p in sorted((REPO / "tests").glob("*.py"))}
     assert not {k: v for k, v in found.items() if v}, f"pytest marks on functions that are not tests: {found}"
+
+
+def test_no_module_is_over_700_lines_without_saying_why():
+    """A module over 700 lines is two modules glued, unless its docstring says in one line why it
+    is not ("Longer than 700 lines ...": the schema catalog)."""
+    long = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        if len(text.splitlines()) > 700 and "Longer than 700 lines" not in (ast.get_docstring(ast.parse(text)) or ""):
+            long[str(path.relative_to(PACKAGE))] = len(text.splitlines())
+    assert not long, f"modules over 700 lines, no reason given: {long}"
