@@ -86,6 +86,8 @@ HOW: dict[str, str] = {
     'make test PYTEST_ARGS="-k config"': 'make test TEST_WORKERS=0 PYTEST_ARGS="tests/test_docs_commands.py '
     '-k shown_commands_parse -p no:cacheprovider"',
     "snakemake --cores 2": DRY,  # what make run runs
+    # Where to change what: the structure read from the imports
+    "python tests/layers.py": AS_SHOWN,
     "make run ARGS=\"--config 'advantages={estimator: grpo}'\"": f"make run ARGS=\"{TINY} --config 'advantages={{estimator: grpo}}' -n\"",
     # Configuration
     "snakemake --cores 2 --config 'advantages={estimator: grpo, std_normalize: false}'": DRY,
