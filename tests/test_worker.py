@@ -158,7 +158,7 @@ def test_the_tiny_run_on_workers_is_bitwise_the_run_without(tiny_run, tmp_path):
     the tiny run's iterations redone (--forcerun rollout: every rollout, features, advantages,
     train and evaluation job) give every table and policy of the run without workers, bitwise; the
     train worker went on with its engine (iteration 1 read no optimizer state), the features worker
-    with its resident module; the jobs' logs hold the stage's own lines; a rerun plans nothing; the
+    with its resident module and ran the advantages jobs too; the jobs' logs hold the stage's own lines; a rerun plans nothing; the
     workers end once idle and leave no registration behind."""
     work = copy_run(tiny_run, tmp_path / "run")
     results = work / "results"
@@ -186,6 +186,7 @@ def test_the_tiny_run_on_workers_is_bitwise_the_run_without(tiny_run, tmp_path):
     text = log.read_text()
     assert text.count(f"idle for {IDLE_EXIT_S} s: the worker ends") == len(KINDS), text[-3000:]
     assert text.count("runs train") == 2 and "AdamW resumes from the resident engine" in text
+    assert text.count("runs advantages") == 2  # in the features worker: no interpreter of its own
     assert "resident policy" in (results / "logs/features/iter_1_shard_0.log").read_text()
     train_1 = (results / "logs/train/iter_1.log").read_text()
     assert "runs train" in train_1 and "train finished in" in train_1

@@ -546,7 +546,8 @@ class WorkersConfig:
     """Generation workers (rollout, evaluate, the variance pool) with ``slurm``: one per shard
     generates every shard at once. 0: those stages stay Slurm stage jobs."""
     features: int = opt(1, ge=0, le=10_000)
-    """Features workers with ``slurm`` (0: the features stage stays Slurm stage jobs)."""
+    """Features workers with ``slurm``, which run the advantages jobs too (0: both stages stay Slurm
+    stage jobs)."""
     train: int = opt(1, ge=0, le=1)
     """Train workers with ``slurm``: 0 or 1 (one update at a time). A train stage of several
     processes (resources.train.tasks > 1) gets a worker of as many ranks: one Slurm job of that

@@ -56,13 +56,15 @@ from otbflow.runtime.process import HEARTBEAT_S, STALE_S, alive, die_with_parent
 
 KINDS = {
     "generate": ("rollout", "evaluate", "variance_pool"),
-    "features": ("features",),
+    "features": ("features", "advantages"),
     "train": ("train", "publish_optimizer"),
 }
 """Worker kinds and the stages each runs (one generation engine serves rollouts, evaluations and the
-variance pool; the features pass; the train update, and the publication of the AdamW state it
-writes after the job returned). The first stage of a kind is the one whose resources size its
-Slurm worker jobs (``otbflow.ops.workerjobs.STAGE_OF_KIND``)."""
+variance pool; the features pass, and the advantages job, which reads what it wrote and would
+otherwise start an interpreter of its own on the chain between features and train; the train
+update, and the publication of the AdamW state it writes after the job returned). The first stage
+of a kind is the one whose resources size its Slurm worker jobs
+(``otbflow.ops.workerjobs.STAGE_OF_KIND``)."""
 
 KIND_OF = {stage: kind for kind, stages in KINDS.items() for stage in stages}
 FOLDER = ".workers"
