@@ -158,8 +158,8 @@ def test_the_tiny_run_on_workers_is_bitwise_the_run_without(tiny_run, tmp_path):
     the tiny run's iterations redone (--forcerun rollout: every rollout, features, advantages,
     train and evaluation job) give every table and policy of the run without workers, bitwise; the
     train worker went on with its engine (iteration 1 read no optimizer state), the features worker
-    with its resident module and ran the advantages jobs too; the jobs' logs hold the stage's own lines; a rerun plans nothing; the
-    workers end once idle and leave no registration behind."""
+    with its resident module and ran the advantages jobs too; the jobs' logs hold the stage's own
+    lines; a rerun plans nothing; the workers end once idle and leave no registration behind."""
     work = copy_run(tiny_run, tmp_path / "run")
     results = work / "results"
     want = chain_outputs(tiny_run / "results")
