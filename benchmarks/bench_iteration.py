@@ -70,6 +70,20 @@ SETTINGS = {
     "otb_s0": [],
     "otb_s1": ["rollout.staleness=1", "train.rollout_is=token"],
 }
+# A setting that learns from any policy, a random one included: the digit_share reward (the share of
+# a response's characters that are digits) differs between a random policy's responses where the
+# task's verifier gives 0 to all of them, so the advantages are not 0 and the weights change every
+# iteration; at the issue's CPU size: 4 prompts x 2 responses x 8 tokens, one shard, one step.
+SETTINGS["grpo_s0_shaped"] = [
+    "advantages.estimator=grpo",
+    "task.reward=digit_share",
+    "rollout.prompts_per_iteration=4",
+    "rollout.group_size=2",
+    "rollout.max_new_tokens=8",
+    "shard.n_shards=1",
+    "train.mini_batch_size=8",
+    "train.micro_batch_size=8",
+]
 SETTINGS |= {f"{name}_workers": overrides for name, overrides in SETTINGS.items()}
 WORKERS = {name for name in SETTINGS if name.endswith("_workers")}  # warm workers serve the stages
 PIPELINED = {"grpo_s1", "otb_s1", "grpo_s1_workers", "otb_s1_workers"}  # the rollout is off the policy chain
@@ -200,7 +214,10 @@ def stop_workers(procs: list[subprocess.Popen]) -> None:
 def run_setting(work: Path, name: str, policy: Path, iterations: int, cores: int, n_shards: int) -> dict:
     folder = work / name
     shutil.rmtree(folder, ignore_errors=True)
-    overrides = [f"model.path={policy}", f"iterations={iterations}", *SETTINGS[name]]
+    given = [o.split("=", 1)[1] for o in SETTINGS[name] if o.startswith("shard.n_shards=")]
+    n_shards = int(given[-1]) if given else n_shards  # a setting's own shards (the shaped ones: one)
+    # every policy kept (the prune jobs, off the chain, delete none), so that consecutive ones compare
+    overrides = [f"model.path={policy}", f"iterations={iterations}", "retention.policy_every=0", *SETTINGS[name]]
     smk(folder, overrides, shard_files(n_shards), cores)
     procs, workers_s = start_workers(folder / "results", n_shards) if name in WORKERS else ([], 0.0)
     try:
@@ -246,7 +263,58 @@ def run_setting(work: Path, name: str, policy: Path, iterations: int, cores: int
         "core_floor_s": job_seconds / cores,
         "stages": stages,
         "startup_s_per_iteration": sum(stages[s]["startup_s"] * stages[s]["jobs"] for s in STAGES) / iterations,
+        "learning": learning(folder / "results", iterations, policy),
     }
+
+
+def weight_changes(before: Path, after: Path) -> dict:
+    """How many of the weight elements of the policy folder ``after`` differ from ``before``'s
+    (the tensors both hold, by name): as written (both cast to ``after``'s dtype) and cast to bf16,
+    with the bytes a bf16 element delta would move (2 a changed element, indices not counted)."""
+    import torch
+    from safetensors import safe_open
+
+    def tensors(folder: Path) -> dict:
+        found = {}
+        for file in sorted(folder.glob("*.safetensors")):
+            with safe_open(file, "pt") as f:
+                found |= {name: (file, name) for name in f.keys()}
+        return found
+
+    def read(where) -> torch.Tensor:
+        with safe_open(where[0], "pt") as f:
+            return f.get_tensor(where[1])
+
+    old, new = tensors(before), tensors(after)
+    elements = changed = changed_bf16 = 0
+    for name in sorted(old.keys() & new.keys()):
+        a, b = read(old[name]), read(new[name])
+        elements += b.numel()
+        changed += int((a.to(b.dtype) != b).sum())
+        changed_bf16 += int((a.to(torch.bfloat16) != b.to(torch.bfloat16)).sum())
+    return {
+        "elements": elements,
+        "changed_share": changed / elements if elements else None,
+        "changed_bf16_share": changed_bf16 / elements if elements else None,
+        "bf16_delta_bytes": 2 * changed_bf16,
+    }
+
+
+def learning(results: Path, iterations: int, initial: Path) -> dict:
+    """Whether the setting's weights changed, per iteration: the share of responses with a non-zero
+    advantage (iteration k's advantages.parquet) and the policy iteration k wrote against the one it
+    started from (``weight_changes``). A period measured while ``weights_changed`` is false is no
+    iteration's cost: the warm jobs found their weights already resident."""
+    import polars as pl
+
+    rows, before = [], initial
+    for k in range(iterations):
+        adv = pl.read_parquet(results / f"iter_{k}/advantages/advantages.parquet", columns=["advantages"])
+        nonzero = adv.select(pl.col("advantages").list.eval(pl.element() != 0).list.any().mean()).item()
+        after = results / f"iter_{k}/train/policy"
+        rows.append({"iteration": k, "nonzero_advantage_share": nonzero, **weight_changes(before, after)})
+        before = after
+    return {"per_iteration": rows, "weights_changed": all((r["changed_share"] or 0) > 0 for r in rows)}
 
 
 def ratios(result: dict) -> dict:

@@ -62,8 +62,14 @@ def test_rewards_registry():
     assert arithmetic_reward("7+3=10;10-5=5;#5", "5") == 1.0
     assert arithmetic_reward("7+3=10;10-5=5;#6", "5") == 0.0
     assert arithmetic_reward("no answer", "5") == 0.0
-    with pytest.raises(ValueError, match="registered: arithmetic, math"):
+    with pytest.raises(ValueError, match="registered: arithmetic, digit_share, math"):
         get_reward("nope")
+
+
+def test_the_digit_share_reward_counts_digits_whatever_the_answer():
+    share = get_reward("digit_share")
+    assert share("a1b2", "7") == 0.5 and share("12#3", "nope") == 0.75
+    assert share("", "1") == 0.0 and share("no digits", "1") == 0.0
 
 
 @pytest.mark.parametrize(

@@ -53,6 +53,15 @@ def arithmetic_reward(response: str, answer: str) -> float:
     return float(response.rsplit("#", 1)[1].strip() == answer.strip())
 
 
+@register("digit_share")
+def digit_share_reward(response: str, answer: str) -> float:
+    """The share of the response's characters that are digits, whatever the answer: a shaped reward
+    for benchmarks (benchmarks/bench_iteration.py's shaped settings), under which a random policy's
+    responses already differ, so that its advantages are not all 0 and its weights change every
+    iteration. It teaches nothing about the task."""
+    return sum(c.isdigit() for c in response) / len(response) if response else 0.0
+
+
 # Every pattern below is read in time linear in the text (the responses are the policy's, up to
 # rollout.max_new_tokens tokens of anything): none has two quantifiers that can share a character,
 # so a failed match never backtracks over what it read; a number reads one way only.
