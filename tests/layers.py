@@ -16,6 +16,7 @@ and the largest source files.
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import sys
 from collections import defaultdict
@@ -60,9 +61,11 @@ def room(module: str) -> str:
     return parts[1] if len(parts) > 1 else "otbflow"
 
 
-def imports(repo: Path) -> list[tuple[str, str, int]]:
+@functools.cache
+def imports(repo: Path) -> tuple[tuple[str, str, int], ...]:
     """(importer, imported, line) for every import of an otbflow module by another, at any depth of
-    the importer's syntax tree, less the parent packages that Python runs first."""
+    the importer's syntax tree, less the parent packages that Python runs first; read once per
+    folder (arrows, upward arrows, circles and floors all draw on it)."""
     mods = modules(repo)
     found = []
     for name, path in mods.items():
@@ -83,7 +86,7 @@ def imports(repo: Path) -> list[tuple[str, str, int]]:
             for target in targets:
                 if target in mods and target != name and not (target in parents and isinstance(node, ast.Import)):
                     found.append((name, target, node.lineno))
-    return sorted(set(found))
+    return tuple(sorted(set(found)))
 
 
 def arrows(repo: Path) -> dict[tuple[str, str], list[str]]:
