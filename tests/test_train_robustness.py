@@ -204,6 +204,42 @@ def test_kill_9_then_rerun_resumes_to_the_same_weights(policy_dir, features_path
         assert (tmp_path / "whole.opt" / f).read_bytes() == (tmp_path / "killed.opt" / f).read_bytes(), f
 
 
+def test_latest_is_never_rewritten_in_place(policy_dir, features_path, tmp_path, monkeypatch):
+    """The file ``latest`` that names the checkpoint to resume from is only ever replaced by a
+    rename: DeepSpeed's own writer truncates it in place, and a job killed between its truncation
+    and its write left it empty and the previous checkpoint unreachable (the kill -9 test above
+    then trained from step 0: CI, 2026-11-28). Every open of a file named ``latest`` is recorded."""
+    import builtins
+
+    opened, real_open = [], builtins.open
+
+    def recording_open(file, mode="r", *a, **k):
+        if Path(str(file)).name == "latest":
+            opened.append(mode)
+        return real_open(file, mode, *a, **k)
+
+    renamed, real_replace = [], os.replace
+
+    def recording_replace(src, dst, *a, **k):
+        if Path(str(dst)).name == "latest":
+            renamed.append(Path(str(dst)).read_text() if Path(str(dst)).exists() else "")
+        return real_replace(src, dst, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", recording_open)
+    monkeypatch.setattr(os, "replace", recording_replace)
+    run_stage(
+        policy_dir,
+        features_path,
+        tmp_path,
+        "train.mini_batch_size=2",
+        "train.micro_batch_size=1",
+        "train.checkpoint_every=1",
+    )
+    assert not [m for m in opened if set(m) & set("wax+")], opened
+    # 8 rows in mini-batches of 2: 4 steps, a checkpoint after each but the last
+    assert renamed == ["", "step_000001", "step_000002"]
+
+
 # ------------------------------------------------------------------------------------------
 # A full disk (a small tmpfs in a user and mount namespace: the real ENOSPC)
 # ------------------------------------------------------------------------------------------

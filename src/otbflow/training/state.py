@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from otbflow.io import atomic_dir, check_job, read_json, write_errors_named, write_json
+from otbflow.io import atomic_dir, check_job, read_json, write_errors_named, write_json, write_text
 from otbflow.runtime.policy_folder import TOKENIZER_FILES, check_not_pruned, weights_digest
 from otbflow.runtime.retention import (
     OPTIMIZER_FAILED,
@@ -370,7 +370,7 @@ class Checkpoints:
     """DeepSpeed checkpoints of one train job in ``folder``, which is not a declared output
     (Snakemake deletes the outputs of a failed job; this survives it). The folder holds one
     fingerprint: a checkpoint of other inputs or config is wiped, never resumed. Only the latest
-    complete checkpoint is kept (DeepSpeed's ``latest`` names it only once it is written)."""
+    complete checkpoint is kept; ``latest`` names it only once it is written, and is replaced in one rename."""
 
     def __init__(self, folder: str, fp: str, every: int, rank: int, world_size: int):
         self.folder, self.fp, self.every, self.rank, self.world_size = Path(folder), fp, every, rank, world_size
@@ -386,7 +386,7 @@ class Checkpoints:
             if self.rank == 0 and self.every:
                 shutil.rmtree(self.folder, ignore_errors=True)
                 self.folder.mkdir(parents=True)
-                stamp.write_text(self.fp)
+                write_text(self.fp, stamp)
             _barrier(self.world_size)
             return None
         try:
@@ -413,10 +413,15 @@ class Checkpoints:
         tag = f"step_{steps_done:06d}"
         try:
             with write_errors_named(self.folder):
-                engine.save_checkpoint(str(self.folder), tag=tag, client_state=client, save_latest=True)
+                engine.save_checkpoint(str(self.folder), tag=tag, client_state=client, save_latest=False)
         except BaseException:
             shutil.rmtree(self.folder / tag, ignore_errors=True)
             raise
+        _barrier(self.world_size)
+        if self.rank == 0:
+            # DeepSpeed's own ``latest`` is opened for writing in place: a job killed between the
+            # truncation and the write left it empty, and the previous checkpoint unreachable
+            write_text(tag, self.folder / "latest")
         _barrier(self.world_size)
         if self.rank == 0:
             for old in self.folder.glob("step_*"):
