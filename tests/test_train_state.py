@@ -75,15 +75,23 @@ def one_engine_reference(cfg, policy_dir, tables: list[Path]) -> dict[str, torch
     return full_fp32_state_dict(engine, keep=True)
 
 
-@pytest.mark.parametrize("layout", ["zero0_fp32", "zero1_bf16", "zero3_bf16"])
+@pytest.mark.parametrize(
+    "layout", ["zero0_fp32", "zero1_bf16", "zero3_bf16", "zero1_bf16_published", "zero3_bf16_published"]
+)
 def test_chained_jobs_continue_one_optimizer(policy_dir, features_path, tmp_path, layout):
     """Two train jobs chained through the stored optimizer state end with the weights of one
     engine that steps over both tables: bitwise (fp32, and bf16 with ZeRO-1 and ZeRO-3 on CPU; ZeRO-3
     also runs the chunked head under its parameter gathering). With train.reset_optimizer the
-    second job starts a fresh AdamW and ends elsewhere."""
+    second job starts a fresh AdamW and ends elsewhere.
+
+    ``_published``: model.dtype bfloat16 too, so the policy between the jobs is published in bf16
+    (``published_dtype``); the second job's fp32 master weights come from the optimizer state alone,
+    and it ends with the one engine's weights cast to bf16, bitwise."""
     overrides = ["train.mini_batch_size=4", "train.micro_batch_size=2", "train.lr=1e-3"]
     if layout != "zero0_fp32":
         overrides += [f"train.zero_stage={layout[4]}", "train.bf16=true", "train.logprob_chunk_size=7"]
+    if layout.endswith("_published"):
+        overrides += ["model.dtype=bfloat16"]
     cfg = make_cfg(*overrides)
     tables = [tmp_path / "adv0.parquet", tmp_path / "adv1.parquet"]
     for seed, table in enumerate(tables, start=1):
@@ -106,6 +114,14 @@ def test_chained_jobs_continue_one_optimizer(policy_dir, features_path, tmp_path
     job(0, policy_dir, optimizer=str(tmp_path / "opt0"))
     meta = __import__("json").loads((tmp_path / "opt0" / "meta.json").read_text())
     assert meta["optimizer_steps"] == 2 and meta["zero_stage"] == cfg.train.zero_stage
+    if layout.endswith("_published"):  # the fp32 master weights after the first table, cast to bf16
+        p0, master = load_model(tmp_path / "p0").state_dict(), one_engine_reference(cfg, policy_dir, tables[:1])
+        for name, value in master.items():
+            assert p0[name].dtype == torch.bfloat16 and torch.equal(p0[name], value.to(torch.bfloat16)), name
+        # 2 bytes a parameter on disk, as `otbflow disk` counts a run that publishes bf16
+        n = sum(p.numel() for p in load_model(policy_dir).parameters())
+        assert 2 * n < (tmp_path / "p0" / "model.safetensors").stat().st_size < 2 * n + 2**16
+    # the second job writes no optimizer state: it publishes its fp32 master weights
     chained = job(1, tmp_path / "p0", prev_optimizer=str(tmp_path / "opt0"), prev_state=str(tmp_path / "s0.json"))
     reference = one_engine_reference(cfg, policy_dir, tables)
     for name, value in reference.items():

@@ -531,7 +531,7 @@ def test_a_publish_job_run_outside_the_worker_waits_for_its_background_write(tin
     own at once (as a client does when no worker claims it): the publisher finds the worker's
     record, waits for the write and publishes the state of the job's policy."""
     from otbflow.runtime.codeversion import code_version
-    from otbflow.runtime.policy_folder import weights_digest
+    from otbflow.runtime.manifest import weights_digest
 
     results = tiny_run / "results"
     registry = tmp_path / "registry"
@@ -551,7 +551,7 @@ def test_a_publish_job_run_outside_the_worker_waits_for_its_background_write(tin
         res = subprocess.run(publish, cwd=tiny_run, capture_output=True, text=True)
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
         meta = json.loads((out / "optimizer/meta.json").read_text())
-        assert meta["policy_sha256"] == weights_digest(out / "policy")
+        assert meta["policy_weights"] == weights_digest(out / "policy")
     finally:
         worker.send_signal(signal.SIGTERM)
         worker.wait(timeout=60)

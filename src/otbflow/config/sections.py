@@ -56,7 +56,9 @@ class ModelConfig:
     """Built model: context length in tokens (prompt + response)."""
     dtype: str = opt("float32", choices=DTYPES)
     """Weights dtype when loading the policy for rollout/evaluate: float32 | bfloat16. The features
-    stage computes pi_old at the trainer's precision instead (fp32, bf16 with train.bf16)."""
+    stage computes pi_old at the trainer's precision instead (fp32, bf16 with train.bf16).
+    bfloat16 with train.bf16 (and not train.reset_optimizer): the train jobs publish each policy
+    in bf16, half the bytes, its fp32 master weights in the AdamW state (docs/training.md)."""
 
 
 @dataclass

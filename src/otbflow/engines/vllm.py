@@ -14,7 +14,8 @@ from omegaconf import DictConfig
 from otbflow.engines import Sample, Sampling, stop_token_ids
 from otbflow.io import check_safetensors
 from otbflow.models.policy import load_tokenizer
-from otbflow.runtime.policy_folder import architecture, model_config, model_positions, tokenizer_digest, weights_digest
+from otbflow.runtime.manifest import weights_digest
+from otbflow.runtime.policy_folder import architecture, model_config, model_positions, tokenizer_digest
 from otbflow.seeds import derive_seed
 
 log = logging.getLogger("otbflow.vllm")
@@ -217,7 +218,7 @@ def resident_engine(kwargs: dict[str, Any]):
     if not fits or held["tokenizer"] != tokenizer_digest(path):
         resident.drop("vllm")  # its memory goes before a new engine's comes
         return None
-    weights = weights_digest(path)
+    weights = weights_digest(path, resident.KEY)
     if weights != held["weights"]:
         held["llm"].collective_rpc("reload_policy", args=(str(path),))
         held["llm"].reset_prefix_cache()
@@ -241,7 +242,7 @@ def hold_engine(kwargs: dict[str, Any], llm) -> None:
                 "kv_cache_memory_bytes": kwargs.get("kv_cache_memory_bytes"),
                 "architecture": architecture(path),
                 "tokenizer": tokenizer_digest(path),
-                "weights": weights_digest(path),
+                "weights": weights_digest(path, resident.KEY),
                 "llm": llm,
             },
         )

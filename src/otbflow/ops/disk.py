@@ -3,8 +3,9 @@ retention policy (``otbflow.runtime.retention``), before it runs; and what a res
 (``otbflow.runtime.usage``).
 
 Sizes per iteration, by what the stages write:
-- policy: every parameter in fp32 (the train stage saves the fp32 master weights, whatever
-  train.bf16 is), counted exactly on the meta device from the HF config (no weights allocated);
+- policy: every parameter in fp32, or in bf16 where the run publishes bf16
+  (``policy_folder.publishes_bf16``), counted exactly on the meta device from the HF config (no
+  weights allocated);
 - optimizer (DeepSpeed checkpoint): the module's weights, the two AdamW moments in fp32 and,
   under ZeRO-1/2, the optimizer's own fp32 weights: 12 to 16 bytes per parameter, as measured
   (``optimizer_bytes_per_parameter``);
@@ -24,6 +25,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from otbflow import schemas
+from otbflow.runtime.policy_folder import publishes_bf16
 from otbflow.runtime.retention import decision
 from otbflow.runtime.usage import gib, used
 
@@ -81,7 +83,7 @@ def estimate(cfg: DictConfig, n_params: int, response_tokens: float | None = Non
     """Disk of a run of ``cfg`` for a model of ``n_params`` parameters. ``response_tokens``:
     mean tokens per response (default: rollout.max_new_tokens, the most)."""
     n, s = cfg.iterations, cfg.rollout.staleness
-    policy = 4 * n_params
+    policy = (2 if publishes_bf16(cfg) else 4) * n_params
     optimizer = 0 if cfg.train.reset_optimizer else optimizer_bytes_per_parameter(cfg.train) * n_params
     per_token, per_prompt_token = bytes_per_token()
     responses = cfg.rollout.prompts_per_iteration * cfg.rollout.group_size

@@ -562,7 +562,7 @@ def main(
         root.removeHandler(handler)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     DEFAULT_THREADS = torch.get_num_threads()
-    resident.enable()
+    resident.enable(dispatch.secret(results, create=True))  # the key that the policy manifests' MACs use
     warm_up(kind)
     signal.signal(signal.SIGTERM, stopped)
     ranks = None

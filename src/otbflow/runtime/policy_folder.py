@@ -2,8 +2,8 @@
 reader asks of it, in one place: which of its files hold weights (``WEIGHTS``, ``WEIGHT_SUFFIXES``,
 ``policy_weights``) and which a tokenizer (``VOCABULARY_FILES``, ``TOKENIZER_FILES``), its config
 (``model_config``), positions (``model_positions``) and architecture (``architecture``), the digests
-that say whether two folders hold the same weights, tokenizer or model (``weights_digest``,
-``tokenizer_digest``, ``model_digest``), the checks before any job reads one
+that say whether two folders hold the same tokenizer (``tokenizer_digest``; the weights':
+``otbflow.runtime.manifest``), the checks before any job reads one
 (``check_policy_folder``, ``check_tokenizer``) and the marker of a folder whose heavy files the
 retention policy deleted (``PRUNED``, ``pruned_record``, ``check_not_pruned``;
 ``otbflow.runtime.retention``).
@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 WEIGHTS = (".safetensors", ".bin")
-"""The weight files transformers loads a policy from (safetensors, or PyTorch's .bin): what
-``weights_digest`` and ``model_digest`` read."""
+"""The weight files transformers loads a policy from (safetensors, or PyTorch's .bin): what a
+policy's manifest lists (``otbflow.runtime.manifest``)."""
 WEIGHT_SUFFIXES = (*WEIGHTS, ".pt", ".pth", ".gguf")
 """Every file of a policy folder that holds weights, those loaded and others a folder may bring;
 the rest (config, tokenizer) is small: what the retention policy deletes (``policy_weights``)."""
@@ -84,6 +84,15 @@ def architecture(path: Path) -> str:
     return json.dumps({k: v for k, v in config.items() if k not in VOLATILE}, sort_keys=True)
 
 
+def publishes_bf16(cfg) -> bool:
+    """Whether a run's train jobs publish their policies in bf16 (2 bytes a parameter) rather than
+    fp32: where the policy computes in bf16 (``model.dtype``), trains in bf16 (``train.bf16``) and
+    its fp32 master weights go on in the AdamW state each train job writes (not
+    ``train.reset_optimizer``). Every reader computes in ``model.dtype``: the bf16 policy is what
+    it held after casting the fp32 one (``otbflow.training.state.published_dtype``)."""
+    return bool(cfg.train.bf16) and cfg.model.dtype == "bfloat16" and not cfg.train.reset_optimizer
+
+
 def check_policy_folder(path: str | Path) -> None:
     """Raise ValueError naming ``path`` unless it is an HF model folder (config.json) with a
     tokenizer's vocabulary beside it (``VOCABULARY_FILES``). Reads config.json and file names
@@ -121,23 +130,11 @@ def files_digest(folder: str | Path, suffixes: tuple[str, ...]) -> str:
     return h.hexdigest()
 
 
-def weights_digest(policy_dir: str | Path) -> str:
-    """sha256 of an HF folder's weight files (``WEIGHTS``: names and bytes): which policy an
-    optimizer state belongs to (its meta.json's policy_sha256), which weights a warm worker's
-    resident module or engine holds."""
-    return files_digest(policy_dir, WEIGHTS)
-
-
 def tokenizer_digest(folder: str | Path) -> str:
     """sha256 of an HF folder's tokenizer files (``TOKENIZER_FILES``): what a warm worker's
-    resident module or engine must match to take the folder's weights."""
+    resident module or engine must match to take the folder's weights. The weights' own digests
+    are the manifest's (``otbflow.runtime.manifest``)."""
     return files_digest(folder, TOKENIZER_FILES)
-
-
-def model_digest(folder: str | Path) -> str:
-    """sha256 of an HF folder's weight files and config.json: the model it holds (the KL
-    reference a warm train worker keeps for the jobs after)."""
-    return files_digest(folder, (*WEIGHTS, "config.json"))
 
 
 def policy_weights(folder: str | Path) -> list[Path]:

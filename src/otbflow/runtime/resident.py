@@ -1,11 +1,11 @@
 """What a warm worker (``otbflow.ops.worker``) keeps between the jobs it runs: off in every other process.
 
 - ``policy``: the policies loaded by ``otbflow.models.policy.load_policy`` (generation and the features
-  pass), one per (dtype, precision). A job whose policy folder holds the same weights (by the
-  digest of its weight files, never by its path: ``otbflow.runtime.policy_folder``) gets the
-  resident module as it is; one with other weights of the same architecture has them copied into
-  the resident module in place, from the job's own input folder; another architecture or
-  tokenizer is loaded anew.
+  pass), one per (dtype, precision). A job whose policy folder holds the same weights (by their
+  digests, never by its path: ``otbflow.runtime.manifest``) gets the resident module as it is; one
+  with other weights of the same architecture has the tensors that differ copied into the resident
+  module in place, from the job's own input folder; another architecture or tokenizer is loaded
+  anew. ``KEY`` (the run's secret) decides which manifests are trusted without reading the files.
 - ``hold`` / ``take`` / ``drop``: named objects a stage keeps for the next job (the train stage's
   DeepSpeed engine with its AdamW state, the KL reference), each with the facts the next job must
   match to use it; ``drop`` forgets them (a failed or abandoned job: its state is not trusted).
@@ -24,21 +24,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from otbflow.runtime.policy_folder import architecture, tokenizer_digest, weights_digest
+from otbflow.runtime import manifest
+from otbflow.runtime.policy_folder import architecture, tokenizer_digest
 
 log = logging.getLogger("otbflow.runtime.resident")
 
 ENABLED = False
 """True in a worker (``enable``): the stages keep what the next job needs."""
+KEY: bytes | None = None
+"""The run's secret in a worker (``enable``): a policy manifest whose MAC verifies with it is
+trusted without a pass over the folder's files (``otbflow.runtime.manifest``)."""
 HEARTBEAT = ""
 """The worker's heartbeat file (``otbflow.ops.worker``): a record of what it writes names it."""
 
 _held: dict[str, Any] = {}
 
 
-def enable() -> None:
-    global ENABLED
-    ENABLED = True
+def enable(key: bytes | None = None) -> None:
+    global ENABLED, KEY
+    ENABLED, KEY = True, key
 
 
 def hold(name: str, value: Any) -> None:
@@ -98,57 +102,139 @@ class Policy:
     """``policy_folder.architecture`` of the folder it was loaded from."""
     tokenizer: str
     weights: str
+    """``manifest.identity`` of the weights it holds."""
+    tensors: dict[str, dict]
+    """The manifest entries of the weights it holds, by tensor name (``manifest.entries``)."""
+
+
+LAST_LOAD: dict[str, Any] = {}
+"""What the last ``policy`` call read into the resident module: {tensors, bytes, trusted} (the
+job records it: the bytes a handover moved)."""
 
 
 def policy(path: str | Path, dtype: str, cast_to, load: Callable) -> tuple[Any, Any]:
     """(model, tokenizer) of the policy folder ``path`` as ``load(path, dtype, cast_to)`` gives it,
-    from the resident module where one of the same architecture and tokenizer is held."""
+    from the resident module where one of the same architecture and tokenizer is held: only the
+    tensors whose digests differ from the resident ones are read, where the folder's manifest is
+    trusted (``manifest.trusted``, the worker's key), and every tensor read is checked against it;
+    a folder without a trusted manifest is read whole, in one pass that hashes as it copies."""
     path = Path(path)
     key = f"policy:{dtype}:{cast_to}"
     held: Policy | None = _held.get(key)
     architecture_, tokenizer = architecture(path), tokenizer_digest(path)
     if held is not None and held.architecture == architecture_ and held.tokenizer == tokenizer:
-        weights = weights_digest(path)
-        if weights != held.weights:
-            load_weights_in_place(held.model, path)
-            held.weights = weights
-            log.info("resident policy: the weights of %s copied into the resident module", path)
-        else:
+        listed = manifest.read(path)
+        trusted = manifest.trusted(path, listed, KEY)
+        if trusted and listed["weights"] == held.weights:
+            LAST_LOAD.update(tensors=0, bytes=0, trusted=True)
             log.info("resident policy: %s holds the weights already resident", path)
+        else:
+            _held.pop(key)  # until the copy is whole: a failed one leaves a module of two policies
+            tensors, moved = load_weights_in_place(
+                held.model, path, want=listed["tensors"] if listed else None, have=held.tensors if trusted else None
+            )
+            held.tensors, held.weights = tensors, manifest.identity(tensors)
+            _held[key] = held
+            LAST_LOAD.update(tensors=moved[0], bytes=moved[1], trusted=trusted)
+            log.info(
+                "resident policy: %d of %d tensors (%.1f MB) of %s copied into the resident module (manifest %s)",
+                *moved[:1],
+                len(tensors),
+                moved[1] / 1e6,
+                path,
+                "trusted" if trusted else "checked while reading",
+            )
         for p in held.model.parameters():
             p.grad = None
         held.model.eval()
         return held.model, held.tok
     model, tok = load(path, dtype, cast_to)
     if ENABLED:
-        _held[key] = Policy(model, tok, architecture_, tokenizer, weights_digest(path))
+        weights, tensors, trusted = manifest.weights(path, KEY)
+        LAST_LOAD.update(tensors=len(tensors), bytes=None, trusted=trusted)
+        _held[key] = Policy(model, tok, architecture_, tokenizer, weights, tensors)
     return model, tok
 
 
-def load_weights_in_place(model, path: Path) -> None:
+def load_weights_in_place(model, path: Path, want: dict | None = None, have: dict | None = None):
     """Copy the weights of the HF folder ``path`` (safetensors) into ``model``'s own tensors, each
     cast to the tensor's dtype on its device; a name the files lack must be tied to one they hold
-    (GPT-2's and Qwen's output head). ValueError where they do not fit."""
-    from safetensors import safe_open
+    (GPT-2's and Qwen's output head). ValueError where they do not fit.
+
+    ``want``: the folder's manifest entries; every tensor read must match its digest (else
+    ``manifest.ManifestMismatch``). ``have``: the entries the module holds already; a tensor whose
+    digest is the same in both is not read. Returns (the folder's entries, (tensors copied, bytes
+    read))."""
+    import mmap
+
+    import torch
 
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{path}: no safetensors weights to load in place")
+    if not SAFETENSORS_DTYPES:
+        _fill_dtypes()
+    blake3 = manifest._blake3()
     params = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
-    seen = set()
+    seen, tensors, bad, copied, moved = set(), {}, [], 0, 0
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                if name not in params:
-                    raise ValueError(f"{file}: tensor {name} has no place in the resident {type(model).__name__}")
-                target = params[name]
-                tensor = f.get_tensor(name)
-                if tuple(tensor.shape) != tuple(target.shape):
-                    raise ValueError(
-                        f"{file}: tensor {name} is {tuple(tensor.shape)}, the module's {tuple(target.shape)}"
-                    )
-                target.data.copy_(tensor)
-                seen.add(id(target))
+        start, header = manifest.safetensors_layout(file)
+        with open(file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as data:
+            view = memoryview(data)
+            try:
+                for name in sorted(header):
+                    t = header[name]
+                    if name not in params:
+                        raise ValueError(f"{file}: tensor {name} has no place in the resident {type(model).__name__}")
+                    target = params[name]
+                    if tuple(t["shape"]) != tuple(target.shape):
+                        raise ValueError(
+                            f"{file}: tensor {name} is {tuple(t['shape'])}, the module's {tuple(target.shape)}"
+                        )
+                    seen.add(id(target))
+                    listed = (want or {}).get(name, {}).get(manifest.HASH)
+                    if listed is not None and have is not None and have.get(name, {}).get(manifest.HASH) == listed:
+                        tensors[name] = want[name]
+                        continue
+                    a, b = t["data_offsets"]
+                    raw = view[start + a : start + b]
+                    digest = blake3(raw).hexdigest()
+                    tensors[name] = {
+                        "file": file.name,
+                        "dtype": t["dtype"],
+                        "shape": list(t["shape"]),
+                        manifest.HASH: digest,
+                    }
+                    if want is not None and listed != digest:
+                        bad.append(name)
+                        continue
+                    dtype = SAFETENSORS_DTYPES[t["dtype"]]
+                    src = torch.frombuffer(raw, dtype=dtype) if b > a else torch.empty(0, dtype=dtype)
+                    target.data.copy_(src.view(t["shape"]))
+                    copied, moved = copied + 1, moved + (b - a)
+                    del raw, src
+            finally:
+                view.release()
+    if want is not None:
+        bad += sorted(set(want) - set(tensors))
+    if bad:
+        raise manifest.ManifestMismatch(
+            f"{path}: {len(bad)} tensor(s) differ from its {manifest.MANIFEST} ({', '.join(bad[:5])}): the weight "
+            "files changed after the train job published them"
+        )
     missing = [n for n, p in model.named_parameters(remove_duplicate=False) if id(p) not in seen]
     if missing:
         raise ValueError(f"{path}: no weights for {', '.join(missing[:5])}")
+    return tensors, (copied, moved)
+
+
+SAFETENSORS_DTYPES: dict[str, Any] = {}
+"""safetensors' dtype names -> torch dtypes (filled on first use: this module imports no torch)."""
+
+
+def _fill_dtypes() -> None:
+    import torch
+
+    names = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "BOOL": "bool"}
+    names |= {f"I{b}": f"int{b}" for b in (8, 16, 32, 64)} | {"U8": "uint8"}
+    SAFETENSORS_DTYPES.update({k: getattr(torch, v) for k, v in names.items()})

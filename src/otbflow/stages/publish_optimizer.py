@@ -30,8 +30,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from otbflow.io import check_job, read_json
-from otbflow.runtime import resident
-from otbflow.runtime.policy_folder import weights_digest
+from otbflow.runtime import manifest, resident
 from otbflow.runtime.retention import OPTIMIZER_FAILED, OPTIMIZER_META, OPTIMIZER_WRITER, optimizer_partial
 
 log = logging.getLogger("otbflow.publish_optimizer")
@@ -86,8 +85,8 @@ def run(cfg: DictConfig, args: Args) -> None:
         else:
             why = f"{args.pending} holds no finished optimizer state (its writer died before it was complete)"
     else:
-        digest = json.loads(meta_path.read_text()).get("policy_sha256")
-        if digest != weights_digest(args.policy):
+        digest = json.loads(meta_path.read_text()).get("policy_weights")
+        if digest != manifest.weights_digest(args.policy, resident.KEY):
             why = f"{args.pending} is the optimizer state of other weights than {args.policy}"
     if why is not None:
         check_job(args.out)

@@ -27,7 +27,7 @@ from otbflow import schemas
 from otbflow.algorithms.lr_schedule import LRSchedule
 from otbflow.io import SchemaError, check_safetensors, fault_point, write_json, write_parquet
 from otbflow.models.policy import set_threads
-from otbflow.runtime import policy_folder, resident
+from otbflow.runtime import manifest, policy_folder, resident
 from otbflow.runtime.process import me
 from otbflow.runtime.tracking import Curves, open_curves
 from otbflow.seeds import derive_seed
@@ -49,6 +49,7 @@ from otbflow.training.state import (
     full_fp32_state_dict,
     load_optimizer_state,
     optimizer_layout,
+    published_dtype,
     save_optimizer_state,
     save_policy,
 )
@@ -218,8 +219,11 @@ def run(cfg: DictConfig, args: Args) -> None:
 
     fault_point("train:before-outputs")
     state = full_fp32_state_dict(engine, keep=rank == 0)  # collective: all ranks
+    published = ""  # the identity of the weights written (rank 0's; the manifest's)
     if rank == 0:
-        save_policy(engine, state, args.policy, args.out)
+        binding = {"iteration": args.iteration, "job_fingerprint": fp}
+        dtype = published_dtype(cfg, args.optimizer)
+        published = save_policy(engine, state, args.policy, args.out, binding, dtype)
     del state
     fault_point("train:after-policy")  # the policy published, the optimizer state not yet
     background = None
@@ -227,13 +231,13 @@ def run(cfg: DictConfig, args: Args) -> None:
         import deepspeed
 
         # every rank holds the digest: a warm worker's ranks decide alike whether their engine goes on
-        digest = broadcast_text(policy_folder.weights_digest(args.out) if rank == 0 else "", engine.device)
+        digest = broadcast_text(published, engine.device)
         meta = {
             **optimizer_layout(tc, world_size),
             "deepspeed": deepspeed.__version__,
             "iteration": args.iteration,
             "optimizer_steps": schedule.to_dict().get("step"),
-            "policy_sha256": digest,
+            "policy_weights": digest,
             "job_fingerprint": fp,
         }
         if args.optimizer_async and resident.ENABLED:
@@ -292,7 +296,7 @@ class Resident:
     engine: object
     layout: dict
     job_fingerprint: str
-    policy_sha256: str
+    policy_weights: str
 
 
 def resident_engine(layout: dict, prev_meta: dict):
@@ -303,7 +307,10 @@ def resident_engine(layout: dict, prev_meta: dict):
     held: Resident | None = resident.take("train")
     if held is None or held.layout != layout:
         return None
-    if prev_meta.get("job_fingerprint") != held.job_fingerprint or prev_meta.get("policy_sha256") != held.policy_sha256:
+    if (
+        prev_meta.get("job_fingerprint") != held.job_fingerprint
+        or prev_meta.get("policy_weights") != held.policy_weights
+    ):
         return None
     return held.engine
 
@@ -311,7 +318,7 @@ def resident_engine(layout: dict, prev_meta: dict):
 def reference(path: str, device, tc: DictConfig, world_size: int):
     """The KL term's reference policy (``load_reference``), kept by a warm worker for the jobs
     after, as long as its folder holds the same files (and the same checks apply: packing)."""
-    digest = policy_folder.model_digest(path)
+    digest = manifest.model_digest(path, resident.KEY)
     key = (digest, str(device), tc.zero_stage, tc.bf16, bool(tc.packing))
     held = resident.take("reference")
     if held is not None and held[0] == key:

@@ -26,7 +26,8 @@ import torch
 from omegaconf import DictConfig
 
 from otbflow.io import atomic_dir, check_job, read_json, write_errors_named, write_json, write_text
-from otbflow.runtime.policy_folder import TOKENIZER_FILES, check_not_pruned, weights_digest
+from otbflow.runtime import manifest, resident
+from otbflow.runtime.policy_folder import TOKENIZER_FILES, check_not_pruned, publishes_bf16
 from otbflow.runtime.retention import (
     OPTIMIZER_FAILED,
     OPTIMIZER_META,
@@ -172,19 +173,34 @@ def full_fp32_state_dict(engine, keep: bool) -> dict[str, torch.Tensor]:
     return state if keep else {}
 
 
-def save_policy(engine, state: dict[str, torch.Tensor], policy_dir: str, out: str) -> None:
-    """The next policy's HF folder: the trained weights (fp32) and config, and the tokenizer of
-    ``policy_dir`` copied byte for byte (not saved anew: one tokenizer file for the whole run, which
-    a warm worker's resident engine can recognise by its digest)."""
+def published_dtype(cfg: DictConfig, optimizer: str) -> torch.dtype:
+    """The precision of the policy a train job publishes: bf16 where the run publishes bf16
+    (``policy_folder.publishes_bf16``) and this job writes the AdamW state (``optimizer``), which
+    holds the fp32 master weights (a job that writes none, a direct call, publishes those); fp32
+    otherwise. The bf16 tensors are the fp32 master's cast, which is what every reader computing in
+    bf16 held after casting the fp32 policy (tests/test_train_state.py, the ``_published`` layouts)."""
+    return torch.bfloat16 if publishes_bf16(cfg) and optimizer else torch.float32
+
+
+def save_policy(
+    engine, state: dict[str, torch.Tensor], policy_dir: str, out: str, binding: dict, dtype=torch.float32
+) -> str:
+    """The next policy's HF folder: the trained weights (``state``: fp32, cast to ``dtype``:
+    ``published_dtype``) and config, the tokenizer of ``policy_dir`` copied byte for byte (not
+    saved anew: one tokenizer file for the whole run, which a warm worker's resident engine can
+    recognise by its digest), and last the manifest of its tensors
+    (``otbflow.runtime.manifest.publish``: ``binding`` and, in a worker, the run's key). Returns
+    the weights' identity."""
     policy = engine.module.policy
+    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     with atomic_dir(out) as tmp:  # a failed write (a full disk) raises its OSError naming ``out``
         policy.save_pretrained(tmp, state_dict=state)
-        if policy.dtype != torch.float32:  # bf16 module: config.json names the saved fp32 weights
-            policy.config.dtype = "float32"
-            policy.config.save_pretrained(tmp)
+        policy.config.dtype = str(dtype).removeprefix("torch.")  # what the files hold, not the module
+        policy.config.save_pretrained(tmp)
         for name in TOKENIZER_FILES:
             if (Path(policy_dir) / name).is_file():
                 shutil.copyfile(Path(policy_dir) / name, Path(tmp) / name)
+        return manifest.publish(tmp, out, binding, resident.KEY)
 
 
 # ------------------------------------------------------------------------------------------
@@ -266,11 +282,11 @@ def check_optimizer_state(folder: str, tc: DictConfig, world_size: int, policy_d
             f"train.zero_stage, train.bf16 and resources.train.tasks as they were, or set "
             f"train.reset_optimizer=true to start this iteration with a fresh AdamW."
         )
-    digest = weights_digest(policy_dir)
-    if meta.get("policy_sha256") != digest:
+    digest = manifest.weights_digest(policy_dir, resident.KEY)
+    if meta.get("policy_weights") != digest:
         raise OptimizerStateError(
             f"{path}: the optimizer state belongs to another policy than --policy {policy_dir} (weights digest "
-            f"{str(meta.get('policy_sha256'))[:12]}... vs {digest[:12]}...); pass the policy written by the same "
+            f"{str(meta.get('policy_weights'))[:12]}... vs {digest[:12]}...); pass the policy written by the same "
             f"train job, or set train.reset_optimizer=true"
         )
     return meta
