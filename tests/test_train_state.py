@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import train_helpers
+from safetensors.torch import load_file
 from train_helpers import load_model, make_cfg, random_advantages, run_stage, write_advantages
 
 from otbflow.models.policy import build_char_tokenizer
@@ -118,7 +119,11 @@ def test_chained_jobs_continue_one_optimizer(policy_dir, features_path, tmp_path
         p0, master = load_model(tmp_path / "p0").state_dict(), one_engine_reference(cfg, policy_dir, tables[:1])
         for name, value in master.items():
             assert p0[name].dtype == torch.bfloat16 and torch.equal(p0[name], value.to(torch.bfloat16)), name
-        # 2 bytes a parameter on disk, as `otbflow disk` counts a run that publishes bf16
+        # the tensors of the input policy, no more (a tied output head stays tied), 2 bytes a parameter
+        # on disk, as `otbflow disk` counts a run that publishes bf16
+        assert set(p0) == set(load_model(policy_dir).state_dict())
+        assert {t.dtype for t in load_file(tmp_path / "p0" / "model.safetensors").values()} == {torch.bfloat16}
+        assert set(load_file(tmp_path / "p0" / "model.safetensors")) == set(load_file(policy_dir / "model.safetensors"))
         n = sum(p.numel() for p in load_model(policy_dir).parameters())
         assert 2 * n < (tmp_path / "p0" / "model.safetensors").stat().st_size < 2 * n + 2**16
     # the second job writes no optimizer state: it publishes its fp32 master weights

@@ -165,8 +165,6 @@ def load_weights_in_place(model, path: Path, want: dict | None = None, have: dic
     ``manifest.ManifestMismatch``). ``have``: the entries the module holds already; a tensor whose
     digest is the same in both is not read. Returns (the folder's entries, (tensors copied, bytes
     read))."""
-    import mmap
-
     import torch
 
     files = sorted(path.glob("*.safetensors"))
@@ -179,42 +177,45 @@ def load_weights_in_place(model, path: Path, want: dict | None = None, have: dic
     seen, tensors, bad, copied, moved = set(), {}, [], 0, 0
     for file in files:
         start, header = manifest.safetensors_layout(file)
-        with open(file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as data:
-            view = memoryview(data)
-            try:
-                for name in sorted(header):
-                    t = header[name]
-                    if name not in params:
-                        raise ValueError(f"{file}: tensor {name} has no place in the resident {type(model).__name__}")
-                    target = params[name]
-                    if tuple(t["shape"]) != tuple(target.shape):
-                        raise ValueError(
-                            f"{file}: tensor {name} is {tuple(t['shape'])}, the module's {tuple(target.shape)}"
-                        )
-                    seen.add(id(target))
-                    listed = (want or {}).get(name, {}).get(manifest.HASH)
-                    if listed is not None and have is not None and have.get(name, {}).get(manifest.HASH) == listed:
-                        tensors[name] = want[name]
-                        continue
-                    a, b = t["data_offsets"]
-                    raw = view[start + a : start + b]
-                    digest = blake3(raw).hexdigest()
-                    tensors[name] = {
-                        "file": file.name,
-                        "dtype": t["dtype"],
-                        "shape": list(t["shape"]),
-                        manifest.HASH: digest,
-                    }
-                    if want is not None and listed != digest:
-                        bad.append(name)
-                        continue
-                    dtype = SAFETENSORS_DTYPES[t["dtype"]]
-                    src = torch.frombuffer(raw, dtype=dtype) if b > a else torch.empty(0, dtype=dtype)
-                    target.data.copy_(src.view(t["shape"]))
-                    copied, moved = copied + 1, moved + (b - a)
-                    del raw, src
-            finally:
-                view.release()
+        with open(file, "rb", buffering=0) as f:
+            for name in sorted(header, key=lambda n: header[n]["data_offsets"][0]):  # the file's order
+                t = header[name]
+                if name not in params:
+                    raise ValueError(f"{file}: tensor {name} has no place in the resident {type(model).__name__}")
+                target = params[name]
+                if tuple(t["shape"]) != tuple(target.shape):
+                    raise ValueError(
+                        f"{file}: tensor {name} is {tuple(t['shape'])}, the module's {tuple(target.shape)}"
+                    )
+                seen.add(id(target))
+                listed = (want or {}).get(name, {}).get(manifest.HASH)
+                if listed is not None and have is not None and have.get(name, {}).get(manifest.HASH) == listed:
+                    tensors[name] = want[name]
+                    continue
+                a, b = t["data_offsets"]
+                dtype = SAFETENSORS_DTYPES[t["dtype"]]
+                # the bytes go straight into the module's tensor where it is a contiguous host tensor of
+                # the file's dtype (one copy, from the page cache); otherwise through a buffer and a cast
+                direct = target.dtype == dtype and target.device.type == "cpu" and target.is_contiguous()
+                into = target.data if direct else torch.empty(t["shape"], dtype=dtype)
+                raw = memoryview(into.view(-1).view(torch.uint8).numpy()) if b > a else memoryview(b"")
+                f.seek(start + a)
+                if f.readinto(raw) != b - a:
+                    raise ValueError(f"{file}: tensor {name} is cut short (the file ends before its bytes)")
+                digest = blake3(raw).hexdigest()
+                raw.release()
+                tensors[name] = {
+                    "file": file.name,
+                    "dtype": t["dtype"],
+                    "shape": list(t["shape"]),
+                    manifest.HASH: digest,
+                }
+                if want is not None and listed != digest:
+                    bad.append(name)  # the module is dropped (``policy``): what it now holds is not trusted
+                    continue
+                if not direct:
+                    target.data.copy_(into)
+                copied, moved = copied + 1, moved + (b - a)
     if want is not None:
         bad += sorted(set(want) - set(tensors))
     if bad:

@@ -192,7 +192,8 @@ def save_policy(
     (``otbflow.runtime.manifest.publish``: ``binding`` and, in a worker, the run's key). Returns
     the weights' identity."""
     policy = engine.module.policy
-    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    cast: dict[int, torch.Tensor] = {}  # one cast per tensor: tied names (the output head) stay one tensor
+    state = {k: cast.setdefault(id(v), v.to(dtype)) if v.is_floating_point() else v for k, v in state.items()}
     with atomic_dir(out) as tmp:  # a failed write (a full disk) raises its OSError naming ``out``
         policy.save_pretrained(tmp, state_dict=state)
         policy.config.dtype = str(dtype).removeprefix("torch.")  # what the files hold, not the module
