@@ -89,7 +89,12 @@ SETTINGS["grpo_s0_shaped"] = [
 ]
 # the same in bf16 (ZeRO-1): the policy a train job publishes is bf16, half the bytes every reader moves,
 # its fp32 master weights in the AdamW state (docs/training.md, "The next policy")
-SETTINGS["grpo_s0_shaped_bf16"] = [*SETTINGS["grpo_s0_shaped"], "model.dtype=bfloat16", "train.bf16=true", "train.zero_stage=1"]
+SETTINGS["grpo_s0_shaped_bf16"] = [
+    *SETTINGS["grpo_s0_shaped"],
+    "model.dtype=bfloat16",
+    "train.bf16=true",
+    "train.zero_stage=1",
+]
 SETTINGS |= {f"{name}_workers": overrides for name, overrides in SETTINGS.items()}
 WORKERS = {name for name in SETTINGS if name.endswith("_workers")}  # warm workers serve the stages
 PIPELINED = {"grpo_s1", "otb_s1", "grpo_s1_workers", "otb_s1_workers"}  # the rollout is off the policy chain
