@@ -188,6 +188,17 @@ def test_the_tiny_run_on_workers_is_bitwise_the_run_without(tiny_run, tmp_path):
     assert text.count("runs train") == 2 and "AdamW resumes from the resident engine" in text
     assert text.count("runs advantages") == 2  # in the features worker: no interpreter of its own
     assert "resident policy" in (results / "logs/features/iter_1_shard_0.log").read_text()
+    # the policy the train worker published carries a MAC with the run's key, which the features
+    # worker trusted: it read each tensor once (every one changed, in fp32), hashing as it copied
+    from otbflow.io import read_metadata
+    from otbflow.runtime import manifest
+
+    published = results / "iter_0/train/policy"
+    assert manifest.trusted(published, manifest.read(published), dispatch.secret(results))
+    load = read_metadata(results / "iter_1/features/shard_0.parquet")["policy_load"]
+    weights = (published / "model.safetensors").stat().st_size
+    assert load["trusted"] and 0 < load["bytes"] < weights
+    assert load["tensors"] == len(manifest.read(published)["tensors"])
     train_1 = (results / "logs/train/iter_1.log").read_text()
     assert "runs train" in train_1 and "train finished in" in train_1
     assert "runs rollout" in (results / "logs/rollout/iter_1_shard_0.log").read_text()

@@ -6,6 +6,7 @@ docs/data.md, "A real model and dataset" (built policies)."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -14,7 +15,7 @@ from omegaconf import DictConfig
 from otbflow.io import check_safetensors
 from otbflow.models.architectures import ARCHITECTURES
 from otbflow.runtime import resident
-from otbflow.runtime.policy_folder import VOCABULARY_FILES, check_not_pruned, check_tokenizer
+from otbflow.runtime.policy_folder import VOCABULARY_FILES, check_not_pruned, check_tokenizer, policy_weights
 
 CHARS = "0123456789+-*/=;#:. abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ\n"
 SPECIAL = ["<pad>", "<eos>", "<unk>"]
@@ -177,7 +178,10 @@ def load_policy(path: str | Path, dtype: str = "float32", cast_to: torch.dtype |
     check_safetensors(path)
     if resident.ENABLED:  # a warm worker: the resident module where it fits (otbflow.runtime.resident)
         return resident.policy(path, dtype, cast_to, _load_policy)
-    return _load_policy(path, dtype, cast_to)
+    t0 = time.perf_counter()
+    model, tok = _load_policy(path, dtype, cast_to)
+    resident.loaded(None, sum(f.stat().st_size for f in policy_weights(path)), False, time.perf_counter() - t0)
+    return model, tok
 
 
 def _load_policy(path: Path, dtype: str, cast_to: torch.dtype | None):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -108,8 +109,14 @@ class Policy:
 
 
 LAST_LOAD: dict[str, Any] = {}
-"""What the last ``policy`` call read into the resident module: {tensors, bytes, trusted} (the
-job records it: the bytes a handover moved)."""
+"""What the last policy load of this process read (``policy``, ``otbflow.models.policy.load_policy``):
+{tensors read, bytes read, whether the manifest was trusted, seconds}; the rollout and features
+jobs record it in their table's metadata (``policy_load``): the bytes a handover moved."""
+
+
+def loaded(tensors: int | None, nbytes: int, trusted: bool, seconds: float) -> None:
+    LAST_LOAD.clear()
+    LAST_LOAD.update(tensors=tensors, bytes=nbytes, trusted=trusted, seconds=round(seconds, 3))
 
 
 def policy(path: str | Path, dtype: str, cast_to, load: Callable) -> tuple[Any, Any]:
@@ -118,7 +125,7 @@ def policy(path: str | Path, dtype: str, cast_to, load: Callable) -> tuple[Any, 
     tensors whose digests differ from the resident ones are read, where the folder's manifest is
     trusted (``manifest.trusted``, the worker's key), and every tensor read is checked against it;
     a folder without a trusted manifest is read whole, in one pass that hashes as it copies."""
-    path = Path(path)
+    path, t0 = Path(path), time.perf_counter()
     key = f"policy:{dtype}:{cast_to}"
     held: Policy | None = _held.get(key)
     architecture_, tokenizer = architecture(path), tokenizer_digest(path)
@@ -126,7 +133,7 @@ def policy(path: str | Path, dtype: str, cast_to, load: Callable) -> tuple[Any, 
         listed = manifest.read(path)
         trusted = manifest.trusted(path, listed, KEY)
         if trusted and listed["weights"] == held.weights:
-            LAST_LOAD.update(tensors=0, bytes=0, trusted=True)
+            loaded(0, 0, True, time.perf_counter() - t0)
             log.info("resident policy: %s holds the weights already resident", path)
         else:
             _held.pop(key)  # until the copy is whole: a failed one leaves a module of two policies
@@ -135,7 +142,7 @@ def policy(path: str | Path, dtype: str, cast_to, load: Callable) -> tuple[Any, 
             )
             held.tensors, held.weights = tensors, manifest.identity(tensors)
             _held[key] = held
-            LAST_LOAD.update(tensors=moved[0], bytes=moved[1], trusted=trusted)
+            loaded(*moved, trusted, time.perf_counter() - t0)
             log.info(
                 "resident policy: %d of %d tensors (%.1f MB) of %s copied into the resident module (manifest %s)",
                 *moved[:1],
@@ -151,7 +158,8 @@ def policy(path: str | Path, dtype: str, cast_to, load: Callable) -> tuple[Any, 
     model, tok = load(path, dtype, cast_to)
     if ENABLED:
         weights, tensors, trusted = manifest.weights(path, KEY)
-        LAST_LOAD.update(tensors=len(tensors), bytes=None, trusted=trusted)
+        nbytes = sum(p.stat().st_size for p in path.glob("*.safetensors"))
+        loaded(len(tensors), nbytes, trusted, time.perf_counter() - t0)
         _held[key] = Policy(model, tok, architecture_, tokenizer, weights, tensors)
     return model, tok
 

@@ -19,6 +19,7 @@ from otbflow.io import read_table, write_parquet
 from otbflow.models.logits import STAT_COLUMNS, check_head_logits, exact_grad_sq_norms, sequence_token_stats
 from otbflow.models.policy import load_policy, set_threads, trainer_dtype
 from otbflow.progress import Progress
+from otbflow.runtime import resident
 
 log = logging.getLogger("otbflow.features")
 
@@ -39,6 +40,7 @@ class Args:
 def run(cfg: DictConfig, args: Args) -> None:
     set_threads()
     df = read_table(args.rollouts, schemas.ROLLOUTS)
+    resident.LAST_LOAD.clear()
     # pi_old at the trainer's precision (fp32, or DeepSpeed's bf16 cast with train.bf16), so that
     # the first PPO ratio of the train stage is 1; model.dtype is the rollout/evaluate dtype
     model, tok = load_policy(args.policy, "float32", cast_to=trainer_dtype(cfg.train))
@@ -87,7 +89,7 @@ def run(cfg: DictConfig, args: Args) -> None:
             is_weights_column(df["logprobs"], df["rollout_logprobs"], tc.rollout_is, tc.rollout_is_threshold)
         )
     df = mismatch_columns(df).select(schemas.FEATURES.present(df.columns))
-    meta = {"temperature": cfg.rollout.temperature, "policy": args.policy}
+    meta = {"temperature": cfg.rollout.temperature, "policy": args.policy, "policy_load": dict(resident.LAST_LOAD)}
     if min_p > 0:
         meta["min_p"] = min_p
     if tc.rollout_is != "none":

@@ -18,6 +18,7 @@ from otbflow import schemas
 from otbflow.engines.sampling import GroupSampler, sample_informative_groups, select_prompts
 from otbflow.io import read_table, write_parquet
 from otbflow.models.policy import set_threads
+from otbflow.runtime import resident
 from otbflow.seeds import derive_seed
 
 log = logging.getLogger("otbflow.rollout")
@@ -48,6 +49,7 @@ def run(cfg: DictConfig, args: Args) -> None:
     behaviour = args.iteration if args.behaviour_iteration is None else args.behaviour_iteration
     if not 0 <= behaviour <= args.iteration:
         raise ValueError(f"--behaviour-iteration {behaviour} must be in [0, --iteration {args.iteration}]")
+    resident.LAST_LOAD.clear()
     sampler = GroupSampler(cfg, args.policy, behaviour)
     if cfg.rollout.filter_groups:
         df, stats = sample_informative_groups(sampler, prompts, batch, per_shard, args.iteration, shard)
@@ -76,6 +78,8 @@ def run(cfg: DictConfig, args: Args) -> None:
             shard,
             timeouts,
         )
+    if resident.LAST_LOAD:  # the HF backend's load (the vLLM engine reloads its own)
+        meta = {**meta, "policy_load": dict(resident.LAST_LOAD)}
     write_parquet(df, args.out, metadata=meta)
     log.info(
         "iteration %d shard %d (policy of iteration %d): %d responses, mean reward %.3f, mean length %.1f",
