@@ -311,6 +311,23 @@ def weight_changes(before: Path, after: Path) -> dict:
     }
 
 
+def policy_loads(results: Path, k: int) -> dict:
+    """What iteration k's rollout and features jobs read of their policy, summed over shards (their
+    tables' ``policy_load`` metadata: the bytes read, whether the manifest was trusted, seconds)."""
+    from otbflow.io import read_metadata
+
+    out = {}
+    for stage in ("rollout", "features"):
+        loads = [read_metadata(p).get("policy_load") for p in sorted((results / f"iter_{k}/{stage}").glob("*.parquet"))]
+        loads = [x for x in loads if x]
+        out[stage] = {
+            "bytes": sum(x["bytes"] or 0 for x in loads),
+            "seconds": sum(x["seconds"] for x in loads),
+            "trusted": all(x["trusted"] for x in loads) if loads else None,
+        }
+    return out
+
+
 def learning(results: Path, iterations: int, initial: Path) -> dict:
     """Whether the setting's weights changed, per iteration: the share of responses with a non-zero
     advantage (iteration k's advantages.parquet) and the policy iteration k wrote against the one it
@@ -324,7 +341,14 @@ def learning(results: Path, iterations: int, initial: Path) -> dict:
         adv = pl.read_parquet(results / f"iter_{k}/advantages/advantages.parquet", columns=["advantages"])
         nonzero = adv.select(pl.col("advantages").list.eval(pl.element() != 0).list.any().mean()).item()
         after = results / f"iter_{k}/train/policy"
-        rows.append({"iteration": k, "nonzero_advantage_share": nonzero, **weight_changes(before, after)})
+        rows.append(
+            {
+                "iteration": k,
+                "nonzero_advantage_share": nonzero,
+                **weight_changes(before, after),
+                "policy_loads": policy_loads(results, k),
+            }
+        )
         before = after
     return {"per_iteration": rows, "weights_changed": all((r["changed_share"] or 0) > 0 for r in rows)}
 

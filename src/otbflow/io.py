@@ -384,7 +384,7 @@ def fault_point(name: str) -> None:
     ``name`` kills it (SIGKILL, as ``kill -9`` or a lost node would), ``name:later`` kills it 5 s
     later (a background thread's fault, after the job that started it returned), ``name:sleep``
     holds it up to 60 s in short sleeps (a worker can abandon the job meanwhile), ``name:pause``
-    holds it 5 s and goes on (a slow moment). Nothing otherwise."""
+    holds it 5 s (``OTBFLOW_FAULT_PAUSE_S``) and goes on (a slow moment). Nothing otherwise."""
     fault = os.environ.get("OTBFLOW_FAULT", "")
     point = fault.rsplit(":", 1)[0] if fault.endswith((":sleep", ":later", ":pause")) else fault
     if point != name or name in _FAULTS_HIT:
@@ -399,8 +399,10 @@ def fault_point(name: str) -> None:
         for _ in range(600):
             time.sleep(0.1)
         return
-    if fault.endswith((":later", ":pause")):
+    if fault.endswith(":later"):
         time.sleep(5)
+    if fault.endswith(":pause"):
+        time.sleep(float(os.environ.get("OTBFLOW_FAULT_PAUSE_S", "5")))
     if fault.endswith(":pause"):
         return
     import signal

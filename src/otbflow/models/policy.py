@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from otbflow.io import check_safetensors
+from otbflow.io import check_safetensors, fault_point
 from otbflow.models.architectures import ARCHITECTURES
 from otbflow.runtime import resident
 from otbflow.runtime.policy_folder import VOCABULARY_FILES, check_not_pruned, check_tokenizer, policy_weights
@@ -177,10 +177,12 @@ def load_policy(path: str | Path, dtype: str = "float32", cast_to: torch.dtype |
     check_not_pruned(path)
     check_safetensors(path)
     if resident.ENABLED:  # a warm worker: the resident module where it fits (otbflow.runtime.resident)
-        return resident.policy(path, dtype, cast_to, _load_policy)
-    t0 = time.perf_counter()
-    model, tok = _load_policy(path, dtype, cast_to)
-    resident.loaded(None, sum(f.stat().st_size for f in policy_weights(path)), False, time.perf_counter() - t0)
+        model, tok = resident.policy(path, dtype, cast_to, _load_policy)
+    else:
+        t0 = time.perf_counter()
+        model, tok = _load_policy(path, dtype, cast_to)
+        resident.loaded(None, sum(f.stat().st_size for f in policy_weights(path)), False, time.perf_counter() - t0)
+    fault_point("policy:loaded")  # the load, its digests and copies done; no stage's timer has begun
     return model, tok
 
 

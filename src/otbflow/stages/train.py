@@ -130,6 +130,7 @@ def run(cfg: DictConfig, args: Args) -> None:
             prev_meta.get("optimizer_steps"),
         )
     atexit.register(_destroy_process_group)
+    fault_point("policy:loaded")  # the policy and AdamW state loaded and checked; no step timed yet
     ref_model = reference(args.reference, engine.device, tc, world_size) if tc.kl_coef > 0 else None
     from transformers import AutoTokenizer
 
