@@ -135,6 +135,23 @@ def test_chained_jobs_continue_one_optimizer(policy_dir, features_path, tmp_path
     assert max(float((fresh[n] - reference[n]).abs().max()) for n in reference) > 1e-4
 
 
+def test_which_policies_are_published_in_bf16():
+    """bf16 only where the policy computes and trains in bf16 and the job writes the AdamW state
+    that holds its fp32 master, and never the run's last policy (4 iterations: 0-3)."""
+    bf16 = ("model.dtype=bfloat16", "train.bf16=true", "train.zero_stage=1", "iterations=4")
+    cases = [
+        ((), "opt", 0, torch.bfloat16),
+        ((), "opt", 2, torch.bfloat16),
+        ((), "opt", 3, torch.float32),  # the run's result
+        ((), "", 0, torch.float32),  # no AdamW state written: the master goes nowhere else
+        (("train.reset_optimizer=true",), "opt", 0, torch.float32),
+        (("model.dtype=float32",), "opt", 0, torch.float32),
+        (("train.bf16=false",), "opt", 0, torch.float32),
+    ]
+    for extra, optimizer, k, want in cases:
+        assert train_state.published_dtype(make_cfg(*bf16, *extra), optimizer, k) == want, (extra, optimizer, k)
+
+
 def test_a_stored_optimizer_state_that_does_not_fit_is_refused(policy_dir, features_path, tmp_path):
     """Another ZeRO stage or bf16 setting, another policy, a folder without meta.json (an unfinished
     write), or reset_optimizer with a state: a clear error before any training, no outputs."""

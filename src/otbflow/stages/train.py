@@ -223,7 +223,7 @@ def run(cfg: DictConfig, args: Args) -> None:
     published = ""  # the identity of the weights written (rank 0's; the manifest's)
     if rank == 0:
         binding = {"iteration": args.iteration, "job_fingerprint": fp}
-        dtype = published_dtype(cfg, args.optimizer)
+        dtype = published_dtype(cfg, args.optimizer, args.iteration)
         published = save_policy(engine, state, args.policy, args.out, binding, dtype)
     del state
     fault_point("train:after-policy")  # the policy published, the optimizer state not yet
