@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import polars as pl
 import pytest
 import torch
 import train_helpers
@@ -360,3 +361,93 @@ def test_equal_checkpoint_states_write_equal_bytes(tmp_path):
     assert torch.equal(back["optimizer"]["state"][0]["exp_avg"], exp_avg) and back["pair"] == ("a", 1)
     assert back["optimizer"]["param_groups"] == [{"lr": 1e-3, "weight_decay": 0.0, "params": [0]}]
     assert type(back["shapes"][0]) is OrderedDict and back["shapes"][0]["w"] == torch.Size([6])
+
+
+@pytest.mark.parametrize("layout", ["zero0_fp32", "zero1_bf16_published"])
+def test_a_job_without_the_resident_engine_replays_the_updates_after_the_last_adamw_state(
+    policy_dir, features_path, tmp_path, layout
+):
+    """Three chained iterations (0, 1, 2); iteration 2 run again from iteration 0's AdamW state, its
+    policy and schedule, replaying iteration 1's update from its advantages: the same policy, metrics
+    and AdamW state, bitwise. A replayed update that does not give the published policy (here one
+    trained at another learning rate) fails the job, naming the tensors (otbflow.training.replay)."""
+    import json
+
+    from otbflow.training.replay import ReplayMismatch
+
+    overrides = ["train.mini_batch_size=4", "train.micro_batch_size=2", "train.lr=1e-3", "iterations=4"]
+    if layout != "zero0_fp32":
+        overrides += ["train.zero_stage=1", "train.bf16=true", "model.dtype=bfloat16"]
+    cfg = make_cfg(*overrides)
+    tables = [tmp_path / f"adv{k}.parquet" for k in range(3)]
+    for seed, table in enumerate(tables, start=1):
+        write_advantages(features_path, table, random_advantages(features_path, seed=seed))
+
+    def job(k, name, cfg=cfg, **kwargs):
+        args = Args(
+            advantages=str(tables[k]),
+            out=str(tmp_path / f"p{name}"),
+            metrics=str(tmp_path / f"m{name}.parquet"),
+            checkpoint_dir=str(tmp_path / f"ck{name}"),
+            iteration=k,
+            state=str(tmp_path / f"s{name}.json"),
+            optimizer=str(tmp_path / f"opt{name}"),
+            **kwargs,
+        )
+        run(cfg, args)
+        return args
+
+    job(0, "0", policy=str(policy_dir))
+    job(
+        1, "1", policy=str(tmp_path / "p0"), prev_optimizer=str(tmp_path / "opt0"), prev_state=str(tmp_path / "s0.json")
+    )
+    chained = dict(policy=str(tmp_path / "p1"), prev_state=str(tmp_path / "s1.json"))
+    job(2, "2", prev_optimizer=str(tmp_path / "opt1"), **chained)
+    replay = dict(
+        prev_optimizer=str(tmp_path / "opt0"),
+        replay_start=str(tmp_path / "p0"),
+        replay_state=str(tmp_path / "s0.json"),
+        replay_advantages=[str(tables[1])],
+    )
+    job(2, "2r", replay_policies=[str(tmp_path / "p1")], **replay, **chained)
+    whole, replayed = (load_file(tmp_path / f"p{n}" / "model.safetensors") for n in ("2", "2r"))
+    assert whole.keys() == replayed.keys() and all(torch.equal(whole[n], replayed[n]) for n in whole)
+    a, b = (pl.read_parquet(tmp_path / f"m{n}.parquet").drop("step_time_s", "tokens_per_s", "mfu") for n in ("2", "2r"))
+    assert a.equals(b)
+    assert json.loads((tmp_path / "s2.json").read_text()) == json.loads((tmp_path / "s2r.json").read_text())
+    for f in sorted((tmp_path / "opt2" / "state").rglob("*.pt")):
+        want = torch.load(f, weights_only=False)
+        got = torch.load(tmp_path / "opt2r" / f.relative_to(tmp_path / "opt2"), weights_only=False)
+        assert repr(flat(want)) == repr(flat(got)), f
+
+    # iteration 1 trained at another learning rate: its published policy is not what the replay gives
+    other = make_cfg(*[o for o in overrides if not o.startswith("train.lr")], "train.lr=3e-3")
+    job(
+        1,
+        "1x",
+        cfg=other,
+        policy=str(tmp_path / "p0"),
+        prev_optimizer=str(tmp_path / "opt0"),
+        prev_state=str(tmp_path / "s0.json"),
+    )
+    with pytest.raises(ReplayMismatch, match=r"replaying iteration 1 gave other weights than .*p1x"):
+        job(
+            2,
+            "2x",
+            policy=str(tmp_path / "p1x"),
+            prev_state=str(tmp_path / "s1x.json"),
+            replay_policies=[str(tmp_path / "p1x")],
+            **replay,
+        )
+    assert not (tmp_path / "p2x").exists()
+
+
+def flat(obj):
+    """Tensors and scalars of a nested checkpoint, as plain lists (every value, exactly)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.float().tolist() if obj.is_floating_point() else obj.tolist()
+    if isinstance(obj, dict):
+        return {str(k): flat(v) for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(obj, (list, tuple)):
+        return [flat(v) for v in obj]
+    return obj if isinstance(obj, (int, float, str, bool, type(None))) else type(obj).__name__

@@ -16,7 +16,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import polars as pl
@@ -40,6 +40,7 @@ from otbflow.training.distributed import (
     load_reference,
 )
 from otbflow.training.hardware import device_peak, matmul_parameters, mfu, step_flops
+from otbflow.training.replay import ReplayMismatch, replay, updates_from_args
 from otbflow.training.state import (
     Checkpoints,
     OptimizerStateError,
@@ -90,6 +91,18 @@ class Args:
     tracking_name: str = ""
     """This job's name in the live curves (tracking.*), e.g. train/iter_3: its TensorBoard folder
     results_dir/tensorboard/<name>/ (made anew) and its W&B run. Empty: no live curves."""
+    replay_start: str = ""
+    """With --replay-advantages: the policy of the iteration c whose AdamW state --prev-optimizer is;
+    a job without a resident engine builds its engine from these two and replays the updates after c
+    (``otbflow.training.replay``)."""
+    replay_state: str = ""
+    """With --replay-advantages: iteration c's --state JSON, the schedule the replay starts from."""
+    replay_advantages: list[str] = field(default_factory=list)
+    """The advantages tables of iterations c+1 .. k-1, in order: the updates a job without a resident
+    engine redoes to reach --policy (no rollout or features job runs again)."""
+    replay_policies: list[str] = field(default_factory=list)
+    """The policies those updates published, in order (the last is --policy): each replayed one is
+    checked against its manifest, and a mismatch fails the job naming the tensors."""
 
 
 def run(cfg: DictConfig, args: Args) -> None:
@@ -107,20 +120,28 @@ def run(cfg: DictConfig, args: Args) -> None:
         raise OptimizerStateError(
             f"train.reset_optimizer is true but --prev-optimizer {args.prev_optimizer} was given: drop one of them"
         )
+    updates = updates_from_args(args.iteration, args.replay_advantages, args.replay_policies)
+    if updates and not (args.prev_optimizer and args.replay_start and args.replay_state):
+        raise ValueError(
+            "--replay-advantages needs --prev-optimizer, --replay-start and --replay-state (iteration c's)"
+        )
+    if updates and Path(updates[-1].policy).resolve() != Path(args.policy).resolve():
+        raise ValueError(f"the last of --replay-policies must be --policy {args.policy}, not {updates[-1].policy}")
     rank, world_size = init_distributed_env()
     resident.join_writes()  # a warm worker's engine is not changed while its last state is being written
+    start_policy = args.replay_start if updates else args.policy  # what --prev-optimizer belongs to
     if args.prev_optimizer:
-        prev_meta = check_optimizer_state(args.prev_optimizer, tc, world_size, args.policy)  # before any work
+        prev_meta = check_optimizer_state(args.prev_optimizer, tc, world_size, start_policy)  # before any work
     seed = derive_seed(cfg.seed, "train", args.iteration)
     torch.manual_seed(seed)
     # the policy's architecture, not its config.json's text: a folder saved in bf16 or by another
     # transformers version (the initial policy, often) holds weights for the same module
     layout = {"deepspeed": deepspeed_config(tc, world_size), "policy": policy_folder.architecture(Path(args.policy))}
-    engine = resident_engine(layout, prev_meta) if args.prev_optimizer else None
+    engine = resident_engine(layout, prev_meta, args.policy) if args.prev_optimizer else None
     warm = engine is not None
     if not warm:
         resident.drop("train")  # another layout or other inputs: its memory goes before a new engine's comes
-        engine = build_engine(args.policy, tc, world_size)
+        engine = build_engine(start_policy, tc, world_size)
         if args.prev_optimizer:
             load_optimizer_state(engine, args.prev_optimizer)
     if args.prev_optimizer and rank == 0:
@@ -136,12 +157,19 @@ def run(cfg: DictConfig, args: Args) -> None:
 
     tok = AutoTokenizer.from_pretrained(args.policy, local_files_only=True)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    prev_schedule = json.loads(Path(args.prev_state).read_text()) if args.prev_state else None
+    if updates and not warm:  # from iteration c's AdamW state to --policy, each update checked
+        replayed = replay(
+            engine, cfg, updates, json.loads(Path(args.replay_state).read_text()), pad_id, rank, world_size, ref_model
+        )
+        if prev_schedule is not None and replayed != prev_schedule:
+            raise ReplayMismatch(f"the replayed schedule {replayed} is not --prev-state {args.prev_state}'s")
     trainer = Trainer(engine, data, cfg, pad_id, rank, world_size, ref_model)
     peak = device_peak(engine.device)
     counts = matmul_parameters(engine.module.policy), None if ref_model is None else matmul_parameters(ref_model)
 
     plan = mini_batches(n, tc, seed)
-    schedule = LRSchedule.from_dict(tc, json.loads(Path(args.prev_state).read_text()) if args.prev_state else None)
+    schedule = LRSchedule.from_dict(tc, prev_schedule)
     schedule.set_horizon(len(plan), lambda: cfg.iterations)
     # the live curves' step and tokens before this iteration (a checkpoint's state is further on)
     step0, tokens0 = schedule.state.step, schedule.state.tokens
@@ -300,14 +328,20 @@ class Resident:
     policy_weights: str
 
 
-def resident_engine(layout: dict, prev_meta: dict):
+def resident_engine(layout: dict, prev_meta: dict, policy: str):
     """The resident engine (a warm worker's; None elsewhere) where it holds exactly this job's
-    inputs: the optimizer state's meta names the job that left it and the policy it wrote, whose
-    digest ``check_optimizer_state`` has found in --policy, and the layout is the same. None
-    otherwise: the job builds its engine from its input folders."""
+    inputs, in the same layout: the job that left it published --policy (the policy's manifest,
+    trusted with the run's key, names that job and its weights), or the optimizer state's meta
+    names the job that left it and the policy it wrote, whose digest ``check_optimizer_state`` has
+    found in --policy. None otherwise: the job builds its engine from its input folders (and
+    replays the updates after them: --replay-advantages)."""
     held: Resident | None = resident.take("train")
     if held is None or held.layout != layout:
         return None
+    listed = manifest.read(policy)
+    if manifest.trusted(policy, listed, resident.KEY):
+        if listed["job_fingerprint"] == held.job_fingerprint and listed["weights"] == held.policy_weights:
+            return held.engine
     if (
         prev_meta.get("job_fingerprint") != held.job_fingerprint
         or prev_meta.get("policy_weights") != held.policy_weights

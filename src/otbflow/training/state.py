@@ -237,6 +237,9 @@ def fingerprint(cfg: DictConfig, args, world_size: int) -> str:
                 args.reference,
                 args.iteration,
                 world_size,
+                # a job that replays from an earlier AdamW state: which one, and the updates after it
+                getattr(args, "replay_start", ""),
+                getattr(args, "replay_advantages", []),
                 code_version("train"),
             ]
         ).encode()
