@@ -338,7 +338,8 @@ def render(measured: dict, jobs: dict[str, int]) -> str:
     )
     add("## Disk\n")
     add(
-        "`otbflow disk` (`otbflow.ops.disk.estimate`): fp32 policy 4 B/parameter, optimizer state 14 B/parameter "
+        "`otbflow disk` (`otbflow.ops.disk.estimate`): policy 2 B/parameter (published in bf16: `model.dtype: "
+        "bfloat16` with `train.bf16`; fp32 otherwise, 4 B), optimizer state 14 B/parameter "
         "(ZeRO-1/2, bf16) or 12 (ZeRO-3), the data tables' per-token widths (uncompressed: an upper bound). "
         "`policy_every: 0` keeps every policy; the last `staleness + 1` policies are always kept.\n"
     )

@@ -89,6 +89,23 @@ def clean_env():
     os.environ.update(saved)
 
 
+def folder_digest(folder: Path) -> dict[str, str]:
+    """Every file's sha256 by its path in ``folder``, but a policy's manifest.json by the tensors it
+    lists: the rest of it names the folder's path (and, from a worker, carries the run key's MAC),
+    which another copy of the run has otherwise (otbflow.runtime.manifest)."""
+    import hashlib
+    import json
+
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        if p.is_file():
+            data = p.read_bytes()
+            if p.name == "manifest.json":
+                data = json.dumps(json.loads(data)["tensors"], sort_keys=True).encode()
+            out[str(p.relative_to(folder))] = hashlib.sha256(data).hexdigest()
+    return out
+
+
 def make_sandbox(path: Path) -> Path:
     """A folder that looks like a checkout of this repository (links to its files and to the
     running interpreter's venv as .venv) but has its own results/, so that README commands run

@@ -7,7 +7,6 @@ The Slurm side runs on the local cluster in tests/test_slurm_integration.py."""
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import os
 import shutil
@@ -19,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import REPO, make_sandbox, sandbox_env
+from conftest import REPO, folder_digest, make_sandbox, sandbox_env
 
 from otbflow.ops import head as H
 from otbflow.ops import results_lock, slurm
@@ -403,14 +402,6 @@ def test_two_working_folders_share_one_results_folder(tmp_path):
 # --- the tiny workflow: kill -9 of `snakemake --cores 2` mid-run, then the same command ---
 
 
-def tree_digest(folder: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(folder.rglob("*"))
-        if p.is_file()
-    }
-
-
 def start_train_and_kill(command: str, work: Path, train_log: Path) -> H.Head:
     """Start ``command`` (a Snakemake run) in ``work``; once its train job has started (the job's
     log appears), kill Snakemake with SIGKILL. The train job holds before its outputs (up to 60 s:
@@ -438,7 +429,7 @@ def test_the_tiny_workflow_continues_after_kill_9(tiny_run, tmp_path):
         shutil.copytree(
             tiny_run / name, work / name, symlinks=True, ignore=shutil.ignore_patterns("locks", "incomplete")
         )
-    want = tree_digest(tiny_run / "results/iter_1/train/policy")
+    want = folder_digest(tiny_run / "results/iter_1/train/policy")
     for stage in ("rollout", "features", "advantages", "train"):
         shutil.rmtree(work / "results/iter_1" / stage)
     train_log = work / "results/logs/train/iter_1.log"
@@ -452,5 +443,5 @@ def test_the_tiny_workflow_continues_after_kill_9(tiny_run, tmp_path):
     log = res.stdout + res.stderr
     assert res.returncode == 0, log[-5000:]
     assert "is gone" in log and "stopping the processes" in log and "rule train" in log, log[-3000:]
-    assert tree_digest(work / "results/iter_1/train/policy") == want
+    assert folder_digest(work / "results/iter_1/train/policy") == want
     print(f"killed after {killed_at:.0f} s, continued in {time.perf_counter() - start - killed_at:.0f} s")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, TINY, make_sandbox, sandbox_env
+from conftest import REPO, TINY, folder_digest, make_sandbox, sandbox_env
 
 from otbflow import schemas
 from otbflow.io import read_metadata, read_table
@@ -342,12 +342,6 @@ def test_grouped_iterations_submit_one_job_per_update(slurm_run):
 AGAIN = f"otbflow submit --configfile my.yaml -- results/iter_1/train/policy {FAST}"
 
 
-def policy_digest(policy: Path) -> dict[str, str]:
-    import hashlib
-
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(policy.iterdir()) if p.is_file()}
-
-
 def redo_in_sandbox(tiny_run: Path, tmp_path: Path, stages: tuple[str, ...]):
     """A sandbox with a copy of the tiny run less iteration 1's ``stages``, and my.yaml =
     config/tiny.yaml: ``AGAIN`` redoes them through Slurm. Yields (folder, the tiny run's
@@ -361,7 +355,7 @@ def redo_in_sandbox(tiny_run: Path, tmp_path: Path, stages: tuple[str, ...]):
         shutil.rmtree(work / "results/iter_1" / stage)
     (work / "results/logs/train/iter_1.log").unlink()
     (work / "my.yaml").write_text(TINY.read_text())
-    yield work, policy_digest(tiny_run / "results/iter_1/train/policy")
+    yield work, folder_digest(tiny_run / "results/iter_1/train/policy")
     listed = subprocess.run(["squeue", "-h", "-o", "%i %Z"], capture_output=True, text=True).stdout.split("\n")
     ours = [line.split()[0] for line in listed if line.strip() and line.split()[-1].startswith(str(work))]
     if ours:
@@ -416,7 +410,7 @@ def test_a_killed_head_job_is_continued_by_the_same_command(train_1_again):
     assert f"the head pid {dead.pid} on {dead.host}, Slurm job {first}" in log and "is gone" in log, log[-3000:]
     assert f"cancelling the Slurm jobs {orphan}" in log and slurm.slurm_state(orphan) == "CANCELLED", log[-3000:]
     assert "rule train" in log  # redone, never adopted
-    assert policy_digest(work / "results/iter_1/train/policy") == want
+    assert folder_digest(work / "results/iter_1/train/policy") == want
     print(f"head killed after {killed_at:.0f} s; continued in {time.perf_counter() - start - killed_at:.0f} s")
 
 
@@ -442,7 +436,7 @@ def test_a_head_job_requeues_itself_before_its_time_limit(train_1_again):
     assert "Snakemake stopped (SIGKILL), its jobs run on" in log and f"Requeued job {job}" in log, log[-3000:]
     assert f"Slurm job {job}" in log and "is gone" in log  # the requeued run took over from its previous run
     assert f"cancelling the Slurm jobs {train}" in log and "rule train" in log  # redone, never adopted
-    assert policy_digest(work / "results/iter_1/train/policy") == want
+    assert folder_digest(work / "results/iter_1/train/policy") == want
     print(f"finished after {log.count('Requeued job')} requeue(s), {time.perf_counter() - start:.0f} s")
 
 
@@ -483,7 +477,7 @@ def test_slurm_workers_run_the_iteration_and_replace_a_killed_worker_job(iterati
     killed_at = time.perf_counter() - start
 
     log = head_log(work, job)
-    assert policy_digest(work / "results/iter_1/train/policy") == want
+    assert folder_digest(work / "results/iter_1/train/policy") == want
     for kind in ("generate", "features", "train"):
         assert f"submitted the {kind} worker job" in log, log[-3000:]
     assert f"the train worker job {victim} left the queue: replaced" in log, log[-3000:]

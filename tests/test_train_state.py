@@ -138,19 +138,17 @@ def test_chained_jobs_continue_one_optimizer(policy_dir, features_path, tmp_path
 
 def test_which_policies_are_published_in_bf16():
     """bf16 only where the policy computes and trains in bf16 and the job writes the AdamW state
-    that holds its fp32 master, and never the run's last policy (4 iterations: 0-3)."""
-    bf16 = ("model.dtype=bfloat16", "train.bf16=true", "train.zero_stage=1", "iterations=4")
+    that holds its fp32 master."""
+    bf16 = ("model.dtype=bfloat16", "train.bf16=true", "train.zero_stage=1")
     cases = [
-        ((), "opt", 0, torch.bfloat16),
-        ((), "opt", 2, torch.bfloat16),
-        ((), "opt", 3, torch.float32),  # the run's result
-        ((), "", 0, torch.float32),  # no AdamW state written: the master goes nowhere else
-        (("train.reset_optimizer=true",), "opt", 0, torch.float32),
-        (("model.dtype=float32",), "opt", 0, torch.float32),
-        (("train.bf16=false",), "opt", 0, torch.float32),
+        ((), "opt", torch.bfloat16),
+        ((), "", torch.float32),  # no AdamW state written: the master goes nowhere else
+        (("train.reset_optimizer=true",), "opt", torch.float32),
+        (("model.dtype=float32",), "opt", torch.float32),
+        (("train.bf16=false",), "opt", torch.float32),
     ]
-    for extra, optimizer, k, want in cases:
-        assert train_state.published_dtype(make_cfg(*bf16, *extra), optimizer, k) == want, (extra, optimizer, k)
+    for extra, optimizer, want in cases:
+        assert train_state.published_dtype(make_cfg(*bf16, *extra), optimizer) == want, (extra, optimizer)
 
 
 def test_a_stored_optimizer_state_that_does_not_fit_is_refused(policy_dir, features_path, tmp_path):
@@ -369,7 +367,8 @@ def test_a_job_without_the_resident_engine_replays_the_updates_after_the_last_ad
 ):
     """Three chained iterations (0, 1, 2); iteration 2 run again from iteration 0's AdamW state, its
     policy and schedule, replaying iteration 1's update from its advantages: the same policy, metrics
-    and AdamW state, bitwise. A replayed update that does not give the published policy (here one
+    and AdamW state, bitwise; and from the initial policy, replaying iterations 0 and 1 with a fresh
+    AdamW: the same policy. A replayed update that does not give the published policy (here one
     trained at another learning rate) fails the job, naming the tensors (otbflow.training.replay)."""
     import json
 
@@ -419,6 +418,12 @@ def test_a_job_without_the_resident_engine_replays_the_updates_after_the_last_ad
         want = torch.load(f, weights_only=False)
         got = torch.load(tmp_path / "opt2r" / f.relative_to(tmp_path / "opt2"), weights_only=False)
         assert repr(flat(want)) == repr(flat(got)), f
+
+    # from the initial policy with a fresh AdamW and schedule (no state written yet): iterations 0 and 1
+    fresh = dict(replay_start=str(policy_dir), replay_advantages=[str(t) for t in tables[:2]])
+    job(2, "2f", replay_policies=[str(tmp_path / "p0"), str(tmp_path / "p1")], **fresh, **chained)
+    replayed = load_file(tmp_path / "p2f" / "model.safetensors")
+    assert all(torch.equal(whole[n], replayed[n]) for n in whole)
 
     # iteration 1 trained at another learning rate: its published policy is not what the replay gives
     other = make_cfg(*[o for o in overrides if not o.startswith("train.lr")], "train.lr=3e-3")

@@ -212,6 +212,8 @@ def _train(cfg: DictConfig) -> list[str]:
     other = ["seed", "rollout.temperature", "rollout.min_p", "mismatch.max_k2", "mismatch.mean_k3"]
     if "loss_scale_factor" in aggregation and t.loss_scale_factor == 0:
         other += ["rollout.max_new_tokens"]  # the scale defaults to the longest response (losses.loss_scale)
+    if t.bf16 and not t.reset_optimizer:
+        other += ["model.dtype"]  # bfloat16: the policy is published in bf16 (policy_folder.publishes_bf16)
     if "lr_decay_steps" in SCHEDULES[t.lr_schedule].options and t.lr_decay_steps == 0:
         other += ["iterations"]  # the decay's horizon; otherwise more iterations keep the finished ones
     return [*(f"train.{k}" for k in dict.fromkeys(keys)), *other]

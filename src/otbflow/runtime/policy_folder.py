@@ -90,7 +90,7 @@ def publishes_bf16(cfg) -> bool:
     its fp32 master weights go on in the AdamW state each train job writes (not
     ``train.reset_optimizer``). Every reader computes in ``model.dtype``: the bf16 policy is what
     it held after casting the fp32 one (``otbflow.training.state.published_dtype``)."""
-    return bool(cfg.train.bf16) and cfg.model.dtype == "bfloat16" and not cfg.train.reset_optimizer
+    return bool(cfg.train.bf16) and not cfg.train.reset_optimizer and cfg.model.dtype == "bfloat16"
 
 
 def check_policy_folder(path: str | Path) -> None:

@@ -120,16 +120,23 @@ def run(cfg: DictConfig, args: Args) -> None:
         raise OptimizerStateError(
             f"train.reset_optimizer is true but --prev-optimizer {args.prev_optimizer} was given: drop one of them"
         )
-    updates = updates_from_args(args.iteration, args.replay_advantages, args.replay_policies)
-    if updates and not (args.prev_optimizer and args.replay_start and args.replay_state):
+    fresh = not args.prev_optimizer  # a replay from the initial policy: a fresh AdamW and schedule
+    updates = updates_from_args(args.iteration, args.replay_advantages, args.replay_policies, fresh)
+    if updates and (not args.replay_start or bool(args.prev_optimizer) != bool(args.replay_state)):
         raise ValueError(
-            "--replay-advantages needs --prev-optimizer, --replay-start and --replay-state (iteration c's)"
+            "--replay-advantages needs --replay-start, and iteration c's --prev-optimizer and --replay-state "
+            "together (neither: the replay starts from --replay-start with a fresh AdamW and schedule)"
+        )
+    if updates and tc.reset_optimizer:
+        raise ValueError(
+            "train.reset_optimizer is true: every iteration starts a fresh AdamW, there is nothing to replay"
         )
     if updates and Path(updates[-1].policy).resolve() != Path(args.policy).resolve():
         raise ValueError(f"the last of --replay-policies must be --policy {args.policy}, not {updates[-1].policy}")
     rank, world_size = init_distributed_env()
     resident.join_writes()  # a warm worker's engine is not changed while its last state is being written
     start_policy = args.replay_start if updates else args.policy  # what --prev-optimizer belongs to
+    prev_meta: dict = {}
     if args.prev_optimizer:
         prev_meta = check_optimizer_state(args.prev_optimizer, tc, world_size, start_policy)  # before any work
     seed = derive_seed(cfg.seed, "train", args.iteration)
@@ -137,7 +144,7 @@ def run(cfg: DictConfig, args: Args) -> None:
     # the policy's architecture, not its config.json's text: a folder saved in bf16 or by another
     # transformers version (the initial policy, often) holds weights for the same module
     layout = {"deepspeed": deepspeed_config(tc, world_size), "policy": policy_folder.architecture(Path(args.policy))}
-    engine = resident_engine(layout, prev_meta, args.policy) if args.prev_optimizer else None
+    engine = resident_engine(layout, prev_meta, args.policy) if args.prev_optimizer or updates else None
     warm = engine is not None
     if not warm:
         resident.drop("train")  # another layout or other inputs: its memory goes before a new engine's comes
@@ -159,9 +166,8 @@ def run(cfg: DictConfig, args: Args) -> None:
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     prev_schedule = json.loads(Path(args.prev_state).read_text()) if args.prev_state else None
     if updates and not warm:  # from iteration c's AdamW state to --policy, each update checked
-        replayed = replay(
-            engine, cfg, updates, json.loads(Path(args.replay_state).read_text()), pad_id, rank, world_size, ref_model
-        )
+        start_schedule = json.loads(Path(args.replay_state).read_text()) if args.replay_state else None
+        replayed = replay(engine, cfg, updates, start_schedule, pad_id, rank, world_size, ref_model)
         if prev_schedule is not None and replayed != prev_schedule:
             raise ReplayMismatch(f"the replayed schedule {replayed} is not --prev-state {args.prev_state}'s")
     trainer = Trainer(engine, data, cfg, pad_id, rank, world_size, ref_model)
@@ -251,7 +257,7 @@ def run(cfg: DictConfig, args: Args) -> None:
     published = ""  # the identity of the weights written (rank 0's; the manifest's)
     if rank == 0:
         binding = {"iteration": args.iteration, "job_fingerprint": fp}
-        dtype = published_dtype(cfg, args.optimizer, args.iteration)
+        dtype = published_dtype(cfg, args.optimizer)
         published = save_policy(engine, state, args.policy, args.out, binding, dtype)
     del state
     fault_point("train:after-policy")  # the policy published, the optimizer state not yet

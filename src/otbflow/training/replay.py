@@ -69,7 +69,7 @@ def check_replayed(engine, cfg: DictConfig, update: Update, rank: int) -> None:
     if rank != 0:
         return
     _, published, _ = manifest.weights(update.policy)
-    dtype = published_dtype(cfg, "optimizer written", update.iteration)
+    dtype = published_dtype(cfg, "optimizer written")
     mine = state_digests(state, [n for n in published if not n.startswith("file:")], dtype)
     bad = sorted(n for n in published if mine.get(n, {}).get(manifest.HASH) != published[n][manifest.HASH])
     if bad:
@@ -113,9 +113,10 @@ def replay(
     return schedule_state
 
 
-def updates_from_args(iteration: int, advantages: list[str], policies: list[str]) -> list[Update]:
+def updates_from_args(iteration: int, advantages: list[str], policies: list[str], fresh: bool) -> list[Update]:
     """The updates of iterations k - len .. k - 1 from the train stage's --replay-advantages and
-    --replay-policies (as many, in order)."""
+    --replay-policies (as many, in order); ``fresh``: from the initial policy (iteration 0 on),
+    otherwise after an AdamW state (iteration 1 on)."""
     if len(advantages) != len(policies):
         raise ValueError(
             f"--replay-advantages has {len(advantages)} table(s), --replay-policies {len(policies)} folder(s): "
@@ -123,9 +124,9 @@ def updates_from_args(iteration: int, advantages: list[str], policies: list[str]
         )
     if not advantages:
         return []
-    first = iteration - len(advantages)
-    if first < 1:
+    first, least = iteration - len(advantages), 0 if fresh else 1
+    if first < least:
         raise ValueError(
-            f"{len(advantages)} replayed iteration(s) before iteration {iteration}: at most {iteration - 1}"
+            f"{len(advantages)} replayed iteration(s) before iteration {iteration}: at most {iteration - least}"
         )
     return [Update(first + i, str(Path(a)), str(Path(p))) for i, (a, p) in enumerate(zip(advantages, policies))]

@@ -173,20 +173,18 @@ def full_fp32_state_dict(engine, keep: bool) -> dict[str, torch.Tensor]:
     return state if keep else {}
 
 
-def published_dtype(cfg: DictConfig, optimizer: str, iteration: int) -> torch.dtype:
+def published_dtype(cfg: DictConfig, optimizer: str) -> torch.dtype:
     """The precision of the policy a train job publishes: bf16 where the run publishes bf16
     (``policy_folder.publishes_bf16``) and this job writes the AdamW state (``optimizer``), which
-    holds the fp32 master weights, except the run's last iteration, whose policy is the run's
-    result: fp32 (so is a job's that writes no AdamW state). The bf16 tensors are the fp32
-    master's cast, which is what every reader computing in bf16 held after casting the fp32 policy
-    (tests/test_train_state.py, the ``_published`` layouts); a run extended later goes on from the
-    fp32 policy and the AdamW state alike."""
-    last = iteration >= cfg.iterations - 1
-    return torch.bfloat16 if publishes_bf16(cfg) and optimizer and not last else torch.float32
+    holds the fp32 master weights; fp32 otherwise (a job that writes no AdamW state publishes its
+    master weights). The bf16 tensors are the fp32 master's cast, which is what every reader
+    computing in bf16 held after casting the fp32 policy (tests/test_train_state.py, the
+    ``_published`` layouts). Not the iteration: a run extended later keeps what it published."""
+    return torch.bfloat16 if publishes_bf16(cfg) and optimizer else torch.float32
 
 
 def save_policy(
-    engine, state: dict[str, torch.Tensor], policy_dir: str, out: str, binding: dict, dtype=torch.float32
+    engine, state: dict[str, torch.Tensor], policy_dir: str, out: str, binding: dict | None = None, dtype=torch.float32
 ) -> str:
     """The next policy's HF folder: the trained weights (``state``: fp32, cast to ``dtype``:
     ``published_dtype``) and config, the tokenizer of ``policy_dir`` copied byte for byte (not
@@ -204,7 +202,7 @@ def save_policy(
         for name in TOKENIZER_FILES:
             if (Path(policy_dir) / name).is_file():
                 shutil.copyfile(Path(policy_dir) / name, Path(tmp) / name)
-        return manifest.publish(tmp, out, binding, resident.KEY)
+        return manifest.publish(tmp, out, binding or {}, resident.KEY)
 
 
 # ------------------------------------------------------------------------------------------
