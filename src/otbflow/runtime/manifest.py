@@ -33,6 +33,11 @@ KEY_CONTEXT = "otbflow 2026-11-28 policy manifest MAC"
 this use alone (the dispatch requests' signatures use the secret otherwise)."""
 
 
+DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "BOOL": "bool", "U8": "uint8"}
+DTYPES |= {f"I{b}": f"int{b}" for b in (8, 16, 32, 64)}
+"""safetensors' dtype names (a manifest entry's ``dtype``) -> torch's (``getattr(torch, name)``)."""
+
+
 class ManifestMismatch(ValueError):
     """A folder's weight files do not hold what its manifest lists."""
 

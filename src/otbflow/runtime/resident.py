@@ -178,8 +178,6 @@ def load_weights_in_place(model, path: Path, want: dict | None = None, have: dic
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{path}: no safetensors weights to load in place")
-    if not SAFETENSORS_DTYPES:
-        _fill_dtypes()
     blake3 = manifest._blake3()
     params = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
     seen, tensors, bad, copied, moved = set(), {}, [], 0, 0
@@ -201,7 +199,7 @@ def load_weights_in_place(model, path: Path, want: dict | None = None, have: dic
                     tensors[name] = want[name]
                     continue
                 a, b = t["data_offsets"]
-                dtype = SAFETENSORS_DTYPES[t["dtype"]]
+                dtype = getattr(torch, manifest.DTYPES[t["dtype"]])
                 # the bytes go straight into the module's tensor where it is a contiguous host tensor of
                 # the file's dtype (one copy, from the page cache); otherwise through a buffer and a cast
                 direct = target.dtype == dtype and target.device.type == "cpu" and target.is_contiguous()
@@ -235,15 +233,3 @@ def load_weights_in_place(model, path: Path, want: dict | None = None, have: dic
     if missing:
         raise ValueError(f"{path}: no weights for {', '.join(missing[:5])}")
     return tensors, (copied, moved)
-
-
-SAFETENSORS_DTYPES: dict[str, Any] = {}
-"""safetensors' dtype names -> torch dtypes (filled on first use: this module imports no torch)."""
-
-
-def _fill_dtypes() -> None:
-    import torch
-
-    names = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "BOOL": "bool"}
-    names |= {f"I{b}": f"int{b}" for b in (8, 16, 32, 64)} | {"U8": "uint8"}
-    SAFETENSORS_DTYPES.update({k: getattr(torch, v) for k, v in names.items()})

@@ -28,7 +28,7 @@ from otbflow.training.trainer import Trainer, load_rows, mini_batches
 
 log = logging.getLogger("otbflow.train.replay")
 
-SAFETENSORS_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+SAFETENSORS_NAMES = {getattr(torch, torch_name): name for name, torch_name in manifest.DTYPES.items()}
 
 
 class ReplayMismatch(RuntimeError):
