@@ -15,6 +15,9 @@ policy (the default bootstrap, built once, untimed, and given as ``model.path``)
 A setting may carry its own number of iterations (``--settings grpo_s0_workers:4,grpo_s0:2``: a warm
 setting's steady state needs more than the cold one's; ``--iterations`` for the others).
 
+Per setting with workers: ``workers_peak_rss_gb``, each worker's peak resident set (VmHWM) when it
+was stopped, and their sum, an upper bound on the peak of all of them together.
+
 Per setting: ``wall_s`` (the Snakemake run of its iterations, from its start to its end),
 ``per_iteration_s`` (wall / iterations) and ``period_s`` (the mean time between consecutive train
 jobs' ends: the steady state, without the first iteration's fill). Per stage, from the jobs' own
@@ -215,11 +218,23 @@ def start_workers(results: Path, n_shards: int) -> tuple[list[subprocess.Popen],
     return procs, time.perf_counter() - start
 
 
-def stop_workers(procs: list[subprocess.Popen]) -> None:
+def peak_rss_gb(pid: int) -> float | None:
+    """The process's peak resident set (VmHWM of /proc/PID/status) in GB, None where it is gone."""
+    try:
+        line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return None
+    return int(line.split()[1]) * 1024 / 1e9
+
+
+def stop_workers(procs: list[subprocess.Popen]) -> list[float | None]:
+    """Stop the workers; returns each one's peak resident set before it stopped (``peak_rss_gb``)."""
+    peaks = [peak_rss_gb(p.pid) for p in procs]
     for p in procs:
         p.terminate()
     for p in procs:
         p.wait(timeout=60)
+    return peaks
 
 
 def run_setting(work: Path, name: str, policy: Path, iterations: int, cores: int, n_shards: int) -> dict:
@@ -231,10 +246,11 @@ def run_setting(work: Path, name: str, policy: Path, iterations: int, cores: int
     overrides = [f"model.path={policy}", f"iterations={iterations}", *SETTINGS[name]]
     smk(folder, overrides, shard_files(n_shards), cores)
     procs, workers_s = start_workers(folder / "results", n_shards) if name in WORKERS else ([], 0.0)
+    peaks: list[float | None] = []
     try:
         wall = workers_s + smk(folder, overrides, [f"results/iter_{iterations - 1}/train/policy"], cores)
     finally:
-        stop_workers(procs)
+        peaks = stop_workers(procs)
     js = jobs(folder / "results")
     stages = {}
     for stage in STAGES:
@@ -261,6 +277,9 @@ def run_setting(work: Path, name: str, policy: Path, iterations: int, cores: int
         "overrides": SETTINGS[name],
         "workers": len(procs),
         "workers_startup_s": workers_s,
+        # each worker's own peak resident set; their sum bounds the peak of all together from above
+        "workers_peak_rss_gb": peaks,
+        "workers_peak_rss_sum_gb": sum(x for x in peaks if x) if peaks else None,
         "wall_s": wall,
         "per_iteration_s": wall / iterations,
         "period_s": period,
