@@ -148,11 +148,16 @@ def check(folder: str | Path, manifest: dict, tensors: dict[str, dict]) -> None:
         if {**listed.get(n, {}), "file": 0} != {**tensors.get(n, {}), "file": 0}
     )
     if bad:
-        raise ManifestMismatch(
-            f"{folder}: {len(bad)} tensor(s) differ from its {MANIFEST} ({', '.join(bad[:5])}): the weight files "
-            f"changed after the train job published them. Rerun that job, or delete {MANIFEST} to take the "
-            "files as they are"
-        )
+        raise mismatch(folder, bad)
+
+
+def mismatch(folder: str | Path, bad: list[str]) -> ManifestMismatch:
+    """The error of a folder whose tensors ``bad`` are not what its manifest lists."""
+    return ManifestMismatch(
+        f"{folder}: {len(bad)} tensor(s) differ from its {MANIFEST} ({', '.join(bad[:5])}): the weight files "
+        f"changed after the train job published them. Rerun that job, or delete {MANIFEST} to take the "
+        "files as they are"
+    )
 
 
 def weights(folder: str | Path, key: bytes | None = None) -> tuple[str, dict[str, dict], bool]:

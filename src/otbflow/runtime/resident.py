@@ -225,10 +225,7 @@ def load_weights_in_place(model, path: Path, want: dict | None = None, have: dic
     if want is not None:
         bad += sorted(set(want) - set(tensors))
     if bad:
-        raise manifest.ManifestMismatch(
-            f"{path}: {len(bad)} tensor(s) differ from its {manifest.MANIFEST} ({', '.join(bad[:5])}): the weight "
-            "files changed after the train job published them"
-        )
+        raise manifest.mismatch(path, bad)
     missing = [n for n, p in model.named_parameters(remove_duplicate=False) if id(p) not in seen]
     if missing:
         raise ValueError(f"{path}: no weights for {', '.join(missing[:5])}")
