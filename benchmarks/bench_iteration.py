@@ -36,9 +36,12 @@ then what scheduling and shared cores add. ``job_seconds_per_iteration``: the jo
 ``core_floor_s`` = that / ``--cores``, the shortest period those jobs allow with every core busy
 (at s = 1 the binding bound on a small machine; it counts a job as one core, true of the default
 ``resources``, one thread per job); ``periods_s``: each time between consecutive train jobs'
-ends; ``core_floor`` and ``chain_floor`` in the s1-over-s0 ratios bound what overlap can reach
-(``ratios``). Threads per job: the config's ``resources`` (printed); GPUs per job too, but
-Snakemake runs here without ``--resources``, so jobs that ask for a GPU share the machine's GPU.
+ends (``periods_with_a_write_s``: those during which an AdamW state is written, the iteration's
+before, ``adamw_written``: ``train.optimizer_every``; ``crash``: the last train job run again
+without the workers, which replays from a checkpoint); ``core_floor`` and ``chain_floor`` in the
+s1-over-s0 ratios bound what overlap can reach (``ratios``). Threads per job: the config's
+``resources`` (printed); GPUs per job too, but Snakemake runs here without ``--resources``, so
+jobs that ask for a GPU share the machine's GPU.
 ``--list-settings`` prints the settings this script knows, one a line (benchmarks/gpu/check.sh
 runs those it finds). The JSON names the command, the date, the CPU and the GPU.
 
@@ -64,6 +67,9 @@ from datetime import datetime
 from pathlib import Path
 
 from machine import run_record  # benchmarks/machine.py (this folder is on sys.path)
+
+from otbflow.config import DEFAULT_CONFIG, load_config
+from otbflow.runtime import adamw
 
 REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
@@ -98,6 +104,9 @@ SETTINGS["grpo_s0_shaped_bf16"] = [
     "train.bf16=true",
     "train.zero_stage=1",
 ]
+# the same with the AdamW state written every 5th iteration (train.optimizer_every; otbflow.runtime.adamw):
+# the next train job reads the second-newest checkpoint, so that no update waits for a write
+SETTINGS["grpo_s0_shaped_bf16_every5"] = [*SETTINGS["grpo_s0_shaped_bf16"], "train.optimizer_every=5"]
 SETTINGS |= {f"{name}_workers": overrides for name, overrides in SETTINGS.items()}
 WORKERS = {name for name in SETTINGS if name.endswith("_workers")}  # warm workers serve the stages
 PIPELINED = {"grpo_s1", "otb_s1", "grpo_s1_workers", "otb_s1_workers"}  # the rollout is off the policy chain
@@ -252,6 +261,9 @@ def run_setting(work: Path, name: str, policy: Path, iterations: int, cores: int
     finally:
         peaks = stop_workers(procs)
     js = jobs(folder / "results")
+    # after the run's own records are read: the job run again replaces the last train job's
+    every = any(o.startswith("train.optimizer_every=") for o in overrides)
+    crash = replay_cost(folder, overrides, iterations, cores) if name in WORKERS and every else None
     stages = {}
     for stage in STAGES:
         mine = [j for j in js if j["stage"] == stage]
@@ -269,6 +281,8 @@ def run_setting(work: Path, name: str, policy: Path, iterations: int, cores: int
         }
     ends = sorted(j["end"] for j in js if j["stage"] == "train")
     periods = [b - a for a, b in zip(ends, ends[1:])]
+    # periods[i] is iteration i+1's: the AdamW state iteration i wrote is written during it
+    written = adamw.written(load_config(DEFAULT_CONFIG, overrides))
     period = sum(periods) / len(periods) if periods else wall
     on_path = STAGES[1:] if name in PIPELINED else STAGES
     chain = sum(stages[s]["job_s"] for s in on_path)
@@ -284,6 +298,8 @@ def run_setting(work: Path, name: str, policy: Path, iterations: int, cores: int
         "per_iteration_s": wall / iterations,
         "period_s": period,
         "periods_s": periods,
+        "adamw_written": written,
+        "periods_with_a_write_s": {i + 1: p for i, p in enumerate(periods) if i in written},
         "chain_s": chain,
         "chain_stages": list(on_path),
         "scheduling_and_sharing_s": period - chain,
@@ -294,6 +310,27 @@ def run_setting(work: Path, name: str, policy: Path, iterations: int, cores: int
         "stages": stages,
         "startup_s_per_iteration": sum(stages[s]["startup_s"] * stages[s]["jobs"] for s in STAGES) / iterations,
         "learning": learning(folder / "results", iterations, policy),
+        "crash": crash,
+    }
+
+
+def replay_cost(folder: Path, overrides: list[str], iterations: int, cores: int) -> dict:
+    """What a lost train worker costs (train.optimizer_every >= 2): the last train job run again
+    once the workers are gone (``--forcerun``), which builds its engine from its declared AdamW state
+    and replays the updates after it; the iterations it replayed, its wall time (Snakemake's
+    benchmark file) and the seconds from its start to its last replayed update."""
+    k = iterations - 1
+    target = f"results/iter_{k}/train/policy"
+    smk(folder, overrides, [target, "--forcerun", target], cores)
+    text = (folder / "results/logs/train" / f"iter_{k}.log").read_text()
+    stamp = re.compile(r"^(\S+ \S+) otbflow\S* INFO (?:train started|replayed iteration (\d+) )", re.M)
+    found = [(datetime.strptime(t, "%Y-%m-%d %H:%M:%S,%f").timestamp(), j) for t, j in stamp.findall(text)]
+    bench = folder / "results/benchmarks/train" / f"iter_{k}.tsv"
+    return {
+        "iteration": k,
+        "replayed": [int(j) for _, j in found if j],
+        "job_s": float(bench.read_text().splitlines()[1].split("\t")[0]),
+        "start_to_last_replayed_s": found[-1][0] - found[0][0] if len(found) > 1 else 0.0,
     }
 
 

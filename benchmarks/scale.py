@@ -368,6 +368,24 @@ def render(measured: dict, jobs: dict[str, int]) -> str:
                 f"{gib(e0['bytes']['peak'])} | {gib(e1['bytes']['final'])} | {gib(e1['bytes']['peak'])} |"
             )
     add("")
+    add(
+        f"The AdamW state written every iteration (`train.optimizer_every: 1`, the default without a train "
+        f"worker) or every 5th (`null`'s value with Slurm train workers, `otbflow.runtime.adamw`), default "
+        f"retention, s = 0, per {ITERATIONS} iterations: the states written are the disk's write traffic; "
+        "with N = 5 the two newest checkpoints are kept (a longer run's first jobs read them), one state more "
+        "at the end.\n"
+    )
+    add("| shape | N | AdamW states written | bytes written | end | peak |")
+    add("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for shape in LAYOUT:
+        for n in (1, 5):
+            cfg = load_config(DEFAULT_CONFIG, [*overrides(shape), f"train.optimizer_every={n}"])
+            e = estimate(cfg, n_params[shape], None, PROMPT_TOKENS)
+            add(
+                f"| {shape} | {n} | {e['optimizer_writes']} | {gib(e['bytes']['optimizer_written'])} | "
+                f"{gib(e['bytes']['final'])} | {gib(e['bytes']['peak'])} |"
+            )
+    add("")
     add("## Start-up per job\n")
     add(
         f"Measured by `{measured['command']}` on {m['cpu']} ({m['cores']} cores, {m['threads']} threads per job, "

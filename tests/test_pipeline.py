@@ -74,11 +74,12 @@ def merge(a: dict, b: dict) -> dict:
 
 def test_each_stage_declares_the_config_keys_that_shape_its_jobs(tmp_path):
     """A key is in a stage's ``dag`` exactly when changing it changes that rule's jobs in the DAG
-    Snakemake builds (which jobs exist, the files each reads and writes, its conda environment):
-    each key below changed on each of several base configs (the default; with a reward model, so
-    that the score rule exists; keeping every policy or every optimizer state, so that each
-    retention key alone decides prune jobs; a dataset task, whose files the shard reads). Every
-    key of any stage's ``dag`` has a change here."""
+        Snakemake builds (which jobs exist, the files each reads and writes, its conda environment):
+        each key below changed on each of several base configs (the default; with a reward model, so
+        that the score rule exists; keeping every policy or every optimizer state, so that each
+        retention key alone decides prune jobs; a dataset task, whose files the shard reads; Slurm
+    workers, whose train worker decides where the AdamW state is written). Every
+        key of any stage's ``dag`` has a change here."""
     policy = tmp_path / "policy"  # what the config check reads of a folder: config.json and file names
     policy.mkdir()
     (policy / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_positions": 1024, "vocab_size": 64}))
@@ -97,6 +98,8 @@ def test_each_stage_declares_the_config_keys_that_shape_its_jobs(tmp_path):
         merge(stale, nested("retention.policy_every", 0)),
         merge(stale, nested("retention.optimizer", "all")),
         merge(stale, {"model": {"path": str(policy)}, "task": {"name": "dataset", "path": str(tmp_path / "a.jsonl")}}),
+        # a train worker: train.optimizer_every: null means 5 (otbflow.runtime.adamw), two checkpoints in 10 iterations
+        merge(stale, {"workers": {"slurm": True}, "iterations": 10}),
     ]
     changes = {
         "iterations": 5,
@@ -109,6 +112,9 @@ def test_each_stage_declares_the_config_keys_that_shape_its_jobs(tmp_path):
         "task.eval_path": str(tmp_path / "b.jsonl"),
         "train.reset_optimizer": True,
         "train.kl_coef": 0.1,
+        "train.optimizer_every": 2,
+        "workers.slurm": True,
+        "workers.train": 0,
         "evaluate.every": 2,
         "retention.policy_every": 2,
         "retention.optimizer": "all",

@@ -377,6 +377,7 @@ def check_job(path: str | Path) -> None:
 
 
 _FAULTS_HIT: set[str] = set()
+_FAULT_PASSES: dict[str, int] = {}
 
 
 def fault_point(name: str) -> None:
@@ -384,11 +385,15 @@ def fault_point(name: str) -> None:
     ``name`` kills it (SIGKILL, as ``kill -9`` or a lost node would), ``name:later`` kills it 5 s
     later (a background thread's fault, after the job that started it returned), ``name:sleep``
     holds it up to 60 s in short sleeps (a worker can abandon the job meanwhile), ``name:pause``
-    holds it 5 s (``OTBFLOW_FAULT_PAUSE_S``) and goes on (a slow moment). Nothing otherwise."""
+    holds it 5 s (``OTBFLOW_FAULT_PAUSE_S``) and goes on (a slow moment); ``OTBFLOW_FAULT_SKIP=n``
+    lets the n first passes go by. Nothing otherwise."""
     fault = os.environ.get("OTBFLOW_FAULT", "")
     point = fault.rsplit(":", 1)[0] if fault.endswith((":sleep", ":later", ":pause")) else fault
     if point != name or name in _FAULTS_HIT:
         return
+    _FAULT_PASSES[name] = _FAULT_PASSES.get(name, 0) + 1
+    if _FAULT_PASSES[name] <= int(os.environ.get("OTBFLOW_FAULT_SKIP", "0")):
+        return  # OTBFLOW_FAULT_SKIP=n: the n first passes go by (a worker's (n+1)-th job meets it)
     _FAULTS_HIT.add(name)
     import time
 

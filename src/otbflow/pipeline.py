@@ -135,6 +135,9 @@ def rollout_is_keys(cfg: DictConfig) -> list[str]:
 
 # The live curves of a job (otbflow.runtime.tracking): how it reports, never what it writes.
 TRACKING = ("tracking.tensorboard", "tracking.wandb")
+# What decides which iterations write the AdamW state and which one each train job reads
+# (otbflow.runtime.adamw.every: train.optimizer_every, null resolved by the run's train worker).
+ADAMW = ("train.optimizer_every", "workers.slurm", "workers.train")
 # How prompts are rendered for the policy (the chat template).
 RENDERING = ["task.chat", "task.system_prompt"]
 # The engine's interpreter and resources: read when the engine starts, no effect on its samples.
@@ -309,9 +312,11 @@ _STAGES = [
         "train",
         "DeepSpeed policy update producing the next policy",
         _train,
-        execution=("train.checkpoint_every", *TRACKING),
-        # iteration 0 and the KL term's reference read the initial policy (model.path, else the bootstrap's)
-        dag=("iterations", "train.reset_optimizer", "train.kl_coef", "model.path"),
+        # a warm worker's in-job checkpoints and AdamW writes outside the outputs (otbflow.runtime.adamw)
+        execution=("train.checkpoint_every", *ADAMW, "train.optimizer_every_min", *TRACKING),
+        # iteration 0 and the KL term's reference read the initial policy (model.path, else the bootstrap's);
+        # which AdamW state each job reads and which updates it replays (otbflow.runtime.adamw)
+        dag=("iterations", "train.reset_optimizer", *ADAMW, "train.kl_coef", "model.path"),
         # tasks > 1: DeepSpeed ranks (srun in a Slurm job, torchrun elsewhere); with GPUs one per GPU
         resources={**GPU_JOB, "runtime": 120, "tasks": 1, "nodes": 1, "cpus_per_task": 1},
     ),
@@ -319,7 +324,7 @@ _STAGES = [
         "publish_optimizer",
         "wait for the AdamW state a train job wrote (a warm worker: in the background) and publish it",
         _publish_optimizer,
-        dag=("iterations", "train.reset_optimizer"),
+        dag=("iterations", "train.reset_optimizer", *ADAMW),
         resources={},
     ),
     Stage(
@@ -335,6 +340,7 @@ _STAGES = [
             "evaluate.every",
             "shard.n_shards",
             "train.reset_optimizer",
+            *ADAMW,
         ),
         resources={},
     ),
@@ -361,6 +367,7 @@ _STAGES = [
             "retention.optimizer",
             "rollout.staleness",
             "train.reset_optimizer",
+            *ADAMW,
         ),
         resources={"mem_mb": 2000, "runtime": 15},
     ),

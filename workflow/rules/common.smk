@@ -26,6 +26,7 @@ from otbflow.config import (
 from otbflow.ops.guard import guard as guard_head
 from otbflow.ops.jobgroups import size_group_jobs
 from otbflow.io import write_text_if_changed
+from otbflow.runtime import adamw
 from otbflow.runtime.retention import decision as retention_decision, pruned_inputs, refusal as retention_refusal
 from snakemake.exceptions import WorkflowError
 
@@ -317,41 +318,64 @@ def previous_schedule_state(wildcards):
 
 
 def previous_optimizer_state(wildcards):
-    """AdamW continues from the previous iteration's train stage (none at k = 0, or with
-    train.reset_optimizer)."""
+    """The AdamW state train job k continues from (otbflow.runtime.adamw.declared): iteration
+    k-1's with train.optimizer_every 1, else the second-newest checkpoint before k; none at k = 0,
+    with train.reset_optimizer or before that checkpoint."""
+    c = adamw.declared(CFG, int(wildcards.k))
+    return [] if c is None else [f"{R}/iter_{c}/train/optimizer"]
+
+
+def replay_inputs(wildcards):
+    """What train job k replays where it has no resident engine (train.optimizer_every >= 2,
+    otbflow.training.replay): the policy and schedule of its declared state (the initial policy and a
+    fresh schedule before the second checkpoint), and the advantages and published policies of the
+    iterations after it (only the policies' manifests are read: pruned ones are fine)."""
     k = int(wildcards.k)
-    return [] if k == 0 or CFG.train.reset_optimizer else [f"{R}/iter_{k - 1}/train/optimizer"]
+    replayed = adamw.replayed(CFG, k)
+    if not replayed:
+        return {}
+    c = adamw.declared(CFG, k)
+    return {
+        "replay_start": start_policy(replayed[0]),
+        "replay_state": [] if c is None else [f"{R}/iter_{c}/train/schedule.json"],
+        "replay_advantages": [f"{R}/iter_{j}/advantages/advantages.parquet" for j in replayed],
+        "replay_policies": [f"{R}/iter_{j}/train/policy" for j in replayed],
+    }
 
 
 def pending_optimizer_state(wildcards):
-    """Where iteration k's train job writes the AdamW state for publish_optimizer (not an output:
-    Snakemake would delete it before that job)."""
-    return f"{R}/iter_{wildcards.k}/train/optimizer.pending"
+    """Where train job k writes the AdamW state for publish_optimizer, where it writes one
+    (otbflow.runtime.adamw.writes; not an output: Snakemake would delete it before that job)."""
+    k = int(wildcards.k)
+    return f"{R}/iter_{k}/train/optimizer.pending" if adamw.writes(CFG, k) else ""
 
 
 def published_optimizer_states(wildcards):
-    """Every iteration's AdamW state (none with train.reset_optimizer): the run publishes each
-    (retention then prunes the ones it does not keep)."""
-    return [] if CFG.train.reset_optimizer else [f"{R}/iter_{k}/train/optimizer" for k in ITERATIONS]
+    """The AdamW states the run writes (otbflow.runtime.adamw.written; retention then prunes the
+    ones it does not keep)."""
+    return [f"{R}/iter_{k}/train/optimizer" for k in adamw.written(CFG)]
 
 
 def train_output_readers(wildcards):
     """Every job that reads the policy or the AdamW state iteration k trained: the next
-    iteration's features, train and the publication of its AdamW state, the rollout that samples
-    with it (iteration k+1+staleness), its evaluation."""
+    iteration's features and train, the rollout that samples with it (iteration k+1+staleness),
+    its evaluation; the train jobs that declare its AdamW state (and replay from its policy), and
+    the publication of the last one's state (a lost one is redone from this one)."""
     k, n = int(wildcards.k), CFG.iterations
     files = [f"{R}/iter_{k + 1}/train/metrics.parquet"] if k + 1 < n else []
-    # ... and until the next state is published: a lost one is redone from this one
-    files += [f"{R}/iter_{k + 1}/train/optimizer"] if k + 1 < n and not CFG.train.reset_optimizer else []
     files += [f"{R}/iter_{k + 1}/features/shard_{s}.parquet" for s in SHARDS if k + 1 < n]
     rollout = k + 1 + CFG.rollout.staleness
     files += [f"{R}/iter_{rollout}/rollout/shard_{s}.parquet" for s in SHARDS if rollout < n]
+    readers = adamw.readers(CFG, k) if adamw.writes(CFG, k) else []
+    files += [f"{R}/iter_{j}/train/metrics.parquet" for j in readers if j != k + 1]
+    if readers and adamw.writes(CFG, readers[-1]):
+        files += [f"{R}/iter_{readers[-1]}/train/optimizer"]
     return files + ([f"{R}/iter_{k}/eval/summary.parquet"] if k in EVALUATED else [])
 
 
 def own_optimizer_state(wildcards):
-    """The AdamW state iteration k trained (none with train.reset_optimizer)."""
-    return [] if CFG.train.reset_optimizer else [f"{R}/iter_{wildcards.k}/train/optimizer"]
+    """The AdamW state iteration k trained, where it writes one (otbflow.runtime.adamw.writes)."""
+    return [f"{R}/iter_{wildcards.k}/train/optimizer"] if adamw.writes(CFG, int(wildcards.k)) else []
 
 
 # Iterations whose train outputs the retention policy prunes (otbflow.runtime.retention): one local
@@ -359,7 +383,7 @@ def own_optimizer_state(wildcards):
 PRUNED_ITERATIONS = [
     k
     for k, keep in ((k, retention_decision(CFG, k)) for k in ITERATIONS)
-    if not (keep.policy and (keep.optimizer or CFG.train.reset_optimizer))
+    if not (keep.policy and (keep.optimizer or not adamw.writes(CFG, k)))
 ]
 
 

@@ -1,12 +1,15 @@
 rule train:
     input:
+        # train.optimizer_every >= 2: the updates a job without the resident engine replays
+        unpack(replay_inputs),
         advantages=rules.advantages.output.out,
         policy=policy_for_iteration,
         prev_state=previous_schedule_state,
         prev_optimizer=previous_optimizer_state,
         reference=reference_policy,
     output:
-        # the AdamW state goes to iter_k/train/optimizer.pending, published by publish_optimizer
+        # the AdamW state (where it writes one: otbflow.runtime.adamw) goes to
+        # iter_k/train/optimizer.pending, published by publish_optimizer
         out=directory(f"{R}/iter_{{k}}/train/policy"),
         metrics=f"{R}/iter_{{k}}/train/metrics.parquet",
         state=f"{R}/iter_{{k}}/train/schedule.json",
@@ -27,7 +30,9 @@ rule train:
             iteration="{k}",
             # resumable DeepSpeed checkpoints live outside the outputs: a failed job's are kept
             checkpoint_dir=f"{R}/checkpoints/train/iter_{{k}}",
-            optimizer=lambda wildcards: "" if CFG.train.reset_optimizer else pending_optimizer_state(wildcards),
+            # a warm worker's AdamW state when it ends, outside the outputs (otbflow.runtime.adamw)
+            adamw_dir=f"{R}/checkpoints/train/adamw",
+            optimizer=pending_optimizer_state,
             optimizer_async=not CFG.train.reset_optimizer,
             tracking_name="train/iter_{k}",
             trigger=["checkpoint_dir"],

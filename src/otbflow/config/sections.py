@@ -381,7 +381,21 @@ class TrainConfig:
     """A step with a non-finite loss or gradient is skipped (and logged); this many in a row fail the job."""
     checkpoint_every: int = opt(5, ge=0, le=1_000_000_000)
     """Save a DeepSpeed checkpoint (weights, optimizer, schedule, data position) every this many
-    optimizer steps, outside the declared outputs; a rerun after a crash resumes from it. 0: never."""
+    optimizer steps, outside the declared outputs; a rerun after a crash resumes from it. 0: never.
+    With optimizer_every >= 2 a warm worker's jobs write none: a lost job is replayed instead."""
+    optimizer_every: Optional[int] = opt(None, ge=1, le=1_000_000)
+    """N: the AdamW state is written by every N-th iteration's train job (iterations N-1, 2N-1,
+    ...) and the run's last; null: 5 where the run has a train worker (workers.slurm with
+    workers.train), 1 otherwise. 1: every iteration, read by the next (which waits for the write).
+    N >= 2 is for a warm train worker, which keeps the engine between jobs: train job k reads the
+    second-newest checkpoint c, so that the newest one has N iterations to be written, and a job
+    without the resident engine (the worker lost, none warm) replays the published updates after c
+    from their cached advantages (at most 2N-1). docs/training.md, 'The AdamW state: every N
+    iterations'. Changing it reruns no finished job."""
+    optimizer_every_min: float = opt(0.0, ge=0, le=100_000_000, finite=True)
+    """With a warm train worker and N >= 2: also write the state once this many minutes have passed
+    since the worker's last write (outside the outputs, results_dir/checkpoints/train/adamw/; a
+    job without the resident engine replays only the updates after it). 0: off."""
     reset_optimizer: bool = False
     """false: iteration k+1 resumes iteration k's AdamW state (moments, step counts; with bf16 the
     fp32 master weights), stored as iter_k/train/optimizer/ (a DeepSpeed checkpoint of 3-4x the

@@ -12,8 +12,10 @@ Sizes per iteration, by what the stages write:
 - data: rollouts, features and advantages, per response token the widths of their per-token
   columns (otbflow.schemas; Parquet's compression makes the files smaller: an upper bound), the
   prompt's token ids once per response and table.
-Peak: while iteration k trains, the policies still read (k - staleness - 1 .. k) and two
-optimizer states (k's input and its output) exist beside everything kept so far.
+Peak: while iteration k trains, the policies still read (k - staleness - 1 .. k) and the
+optimizer states from the one it reads on (``otbflow.runtime.adamw``: k-1's with
+``train.optimizer_every`` 1, else the second-newest checkpoint) to its own exist beside everything
+kept so far. The states written in all (``optimizer_written``) are the disk's write traffic.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from otbflow import schemas
+from otbflow.runtime import adamw
 from otbflow.runtime.policy_folder import publishes_bf16
 from otbflow.runtime.retention import decision
 from otbflow.runtime.usage import gib, used
@@ -90,13 +93,16 @@ def estimate(cfg: DictConfig, n_params: int, response_tokens: float | None = Non
     tokens = responses * (cfg.rollout.max_new_tokens if response_tokens is None else response_tokens)
     data = tokens * per_token + responses * prompt_tokens * per_prompt_token
     kept = [decision(cfg, k) for k in range(n)]
+    written = adamw.written(cfg)
     peak = 0.0
     for k in range(n):  # as iteration k's train job writes: what is kept so far, and what is still read
         policies = sum(kept[j].policy or j >= k - s - 1 for j in range(k + 1))
-        optimizers = sum(kept[j].optimizer or j >= k - 1 for j in range(k + 1))
+        # the states written so far that are kept, the one job k reads, those after it, and k's own
+        read = adamw.declared(cfg, k)
+        optimizers = sum(kept[j].optimizer or j >= (0 if read is None else read) for j in written if j <= k)
         peak = max(peak, (k + 1) * data + policies * policy + optimizers * optimizer)
     final = n * data + sum(d.policy for d in kept) * policy + sum(d.optimizer for d in kept) * optimizer
-    keep_all = n * (data + policy + optimizer)
+    keep_all = n * (data + policy) + len(written) * optimizer
     return {
         "parameters": n_params,
         "iterations": n,
@@ -109,7 +115,11 @@ def estimate(cfg: DictConfig, n_params: int, response_tokens: float | None = Non
             "final": final,
             "peak": peak,
             "keep_everything": keep_all,
+            # the AdamW states the run writes, whether kept or not: the disk's write traffic
+            "optimizer_written": len(written) * optimizer,
         },
+        "optimizer_every": adamw.every(cfg),
+        "optimizer_writes": len(written),
         "kept_policies": [k for k, d in enumerate(kept) if d.policy],
         "kept_optimizers": [k for k, d in enumerate(kept) if d.optimizer and optimizer],
         "retention": {"policy_every": cfg.retention.policy_every, "optimizer": cfg.retention.optimizer},
@@ -173,6 +183,10 @@ def main(ns: argparse.Namespace) -> int:
     print(
         f"  at the end: {gib(b['final'])}; at the peak: {gib(b['peak'])}; keeping everything: "
         f"{gib(b['keep_everything'])}"
+    )
+    print(
+        f"  AdamW states written (train.optimizer_every {est['optimizer_every']}): {est['optimizer_writes']}, "
+        f"{gib(b['optimizer_written'])} in all"
     )
     if ns.results:
         u = est["used"]

@@ -209,6 +209,9 @@ class Worker:
                 idle_since = time.time()
         finally:
             resident.join_writes()  # an AdamW state written in the background: registered until it is
+            # a train engine's state not yet written (otbflow.runtime.adamw), before the job after
+            # (which waits while this worker is registered) looks for it
+            resident.retire()
             self.stop.set()
             self.unregister()
             if self.ranks is not None:

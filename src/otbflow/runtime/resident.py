@@ -9,7 +9,9 @@
 - ``hold`` / ``take`` / ``drop``: named objects a stage keeps for the next job (the train stage's
   DeepSpeed engine with its AdamW state, the KL reference), each with the facts the next job must
   match to use it; ``drop`` forgets them (a failed or abandoned job: its state is not trusted).
-- ``save_in_background`` / ``join_writes``: the AdamW state a train job writes after it returned.
+- ``save_in_background`` / ``join_writes``: the AdamW state a train job writes after it returned;
+  ``due`` / ``wrote``: the time since the last one (``train.optimizer_every_min``); ``retire``: what
+  the held objects write before the worker ends.
 
 Nothing here changes what a job computes: a resident module holds exactly the weights a fresh load
 of the job's input folder would (tests/test_worker.py compares the outputs bitwise).
@@ -62,6 +64,30 @@ def drop(name: str | None = None) -> None:
         _held.clear()
     else:
         _held.pop(name, None)
+
+
+def retire() -> None:
+    """The worker ends (retired, idle, stopped): each held object with a ``retire`` method writes
+    what it must keep (the train engine's AdamW state, unless written)."""
+    for value in list(_held.values()):
+        if hasattr(value, "retire"):
+            try:
+                value.retire()
+            except Exception:
+                log.exception("writing what the worker held before it ends failed")
+
+
+_LAST_WRITE = [time.time()]
+
+
+def wrote() -> None:
+    """An AdamW state write starts now (``due``)."""
+    _LAST_WRITE[0] = time.time()
+
+
+def due(seconds: float) -> bool:
+    """Whether ``seconds`` (> 0) have passed since this worker's last AdamW write, or its start."""
+    return ENABLED and seconds > 0 and time.time() - _LAST_WRITE[0] >= seconds
 
 
 WRITER_THREAD = "optimizer-writer"

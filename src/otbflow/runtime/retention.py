@@ -15,7 +15,9 @@ by hand on a pruned folder stops with the reason (``policy_folder.check_not_prun
 
 Kept: the policy after every ``retention.policy_every``-th update, the last
 ``rollout.staleness + 1`` policies (what iteration ``iterations`` would start from and sample
-with: a run can be extended), and with ``retention.optimizer: last`` only the last AdamW state.
+with: a run can be extended), and with ``retention.optimizer: last`` only the last AdamW state and
+the one a longer run would read (``otbflow.runtime.adamw``: with ``train.optimizer_every`` >= 2 the
+second-newest checkpoint).
 Importing this module imports no torch (the Snakefile imports it).
 """
 
@@ -29,6 +31,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from otbflow.runtime import adamw
 from otbflow.runtime.policy_folder import PRUNED, pruned_record
 
 
@@ -42,11 +45,16 @@ class Decision:
 
 def decision(cfg: DictConfig, k: int) -> Decision:
     """The retention rule, in one place: iteration k's policy is kept when k+1 is a multiple of
-    ``retention.policy_every`` (0: always) or k is one of the last ``rollout.staleness + 1``
-    iterations; its optimizer state when ``retention.optimizer`` is 'all' or k is the last."""
+    ``retention.policy_every`` (0: always), k is one of the last ``rollout.staleness + 1``
+    iterations or it is kept for its AdamW state; its optimizer state, where it writes one
+    (``adamw.writes``), when ``retention.optimizer`` is 'all', k is the last or a longer run's
+    train jobs would read it (``adamw.extension``: with ``train.optimizer_every`` >= 2 the two
+    newest checkpoints, a replay starting from the policy and state of either)."""
     n, last, s = cfg.retention.policy_every, cfg.iterations - 1, cfg.rollout.staleness
-    policy = n == 0 or (k + 1) % n == 0 or k >= last - s
-    return Decision(policy=policy, optimizer=cfg.retention.optimizer == "all" or k >= last)
+    for_extension = adamw.extension(cfg, k)
+    policy = n == 0 or (k + 1) % n == 0 or k >= last - s or for_extension
+    optimizer = adamw.writes(cfg, k) and (cfg.retention.optimizer == "all" or k >= last or for_extension)
+    return Decision(policy=policy, optimizer=optimizer)
 
 
 def kept_policies(cfg: DictConfig) -> list[int]:
@@ -97,6 +105,16 @@ def optimizer_state(folder: str | Path) -> list[Path]:
     return [p for p in [Path(folder) / "state"] if p.exists()]
 
 
+MANIFEST_ONLY = ("replay_policies",)
+"""Inputs of which a job reads only the manifest (``otbflow.runtime.manifest``), which a pruned
+policy folder keeps: the train job's replayed policies (``otbflow.training.replay``)."""
+
+
+def _named(files, name: str) -> list:
+    value = getattr(files, name, None) if name in getattr(files, "_names", {}) else None
+    return [value] if isinstance(value, str) else list(value or [])
+
+
 def pruned_inputs(jobs) -> dict[str, list[str]]:
     """Of the jobs about to run (Snakemake's ``dag.needrun_jobs()`` with ``dag.needrun``), those
     that read a pruned folder that no job about to run makes again: {job: [folders]}. Such a run
@@ -105,7 +123,10 @@ def pruned_inputs(jobs) -> dict[str, list[str]]:
     remade = {str(f) for job in jobs for f in job.output}
     found: dict[str, list[str]] = {}
     for job in jobs:
-        pruned = [str(f) for f in job.input if str(f) not in remade and pruned_record(f) is not None]
+        listed = [str(f) for name in MANIFEST_ONLY for f in _named(job.input, name)]
+        pruned = [
+            str(f) for f in job.input if str(f) not in remade and str(f) not in listed and pruned_record(f) is not None
+        ]
         if pruned:
             found[f"{job.rule.name} ({', '.join(f'{k}={v}' for k, v in job.wildcards_dict.items())})"] = pruned
     return found

@@ -15,6 +15,7 @@ import functools
 import json
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,8 +28,9 @@ from otbflow import schemas
 from otbflow.algorithms.lr_schedule import LRSchedule
 from otbflow.io import SchemaError, check_safetensors, fault_point, write_json, write_parquet
 from otbflow.models.policy import set_threads
-from otbflow.runtime import manifest, policy_folder, resident
+from otbflow.runtime import adamw, manifest, policy_folder, resident
 from otbflow.runtime.process import me
+from otbflow.runtime.retention import OPTIMIZER_META
 from otbflow.runtime.tracking import Curves, open_curves
 from otbflow.seeds import derive_seed
 from otbflow.training.distributed import (
@@ -40,7 +42,7 @@ from otbflow.training.distributed import (
     load_reference,
 )
 from otbflow.training.hardware import device_peak, matmul_parameters, mfu, step_flops
-from otbflow.training.replay import ReplayMismatch, replay, updates_from_args
+from otbflow.training.replay import ReplayMismatch, Update, check_replayed, replay, updates_from_args
 from otbflow.training.state import (
     Checkpoints,
     OptimizerStateError,
@@ -91,6 +93,11 @@ class Args:
     tracking_name: str = ""
     """This job's name in the live curves (tracking.*), e.g. train/iter_3: its TensorBoard folder
     results_dir/tensorboard/<name>/ (made anew) and its W&B run. Empty: no live curves."""
+    adamw_dir: str = ""
+    """Folder of the AdamW states a warm train worker writes outside the outputs (iter_<k>/, the
+    newest only): when it retires or is stopped (SIGTERM), and every train.optimizer_every_min. A
+    job without the resident engine starts from the newest one that belongs to one of its
+    --replay-policies and replays only the updates after it. Empty: none."""
     replay_start: str = ""
     """With --replay-advantages: the policy of the iteration c whose AdamW state --prev-optimizer is;
     a job without a resident engine builds its engine from these two and replays the updates after c
@@ -146,15 +153,27 @@ def run(cfg: DictConfig, args: Args) -> None:
     layout = {"deepspeed": deepspeed_config(tc, world_size), "policy": policy_folder.architecture(Path(args.policy))}
     engine = resident_engine(layout, prev_meta, args.policy) if args.prev_optimizer or updates else None
     warm = engine is not None
-    if not warm:
-        resident.drop("train")  # another layout or other inputs: its memory goes before a new engine's comes
+    # held again once this job's outputs are written: a worker stopped meanwhile writes no state half-updated
+    resident.drop("train")
+    later = newest_written(args.adamw_dir, updates, tc, world_size) if updates and not warm else None
+    if later is not None:  # a state a warm worker wrote after c: only the updates after it are replayed
+        at, folder, start_meta = later
+        engine = build_engine(args.policy, tc, world_size)
+        load_optimizer_state(engine, folder)  # the module's weights too: those of the state's policy
+        check_replayed(engine, cfg, updates[at], rank)  # the weights of the policy it belongs to
+        updates, start_schedule = updates[at + 1 :], start_meta["schedule"]
+        if rank == 0:
+            log.info("AdamW resumes from %s, written by a warm worker: %d update(s) to replay", folder, len(updates))
+    elif not warm:
         engine = build_engine(start_policy, tc, world_size)
         if args.prev_optimizer:
             load_optimizer_state(engine, args.prev_optimizer)
-    if args.prev_optimizer and rank == 0:
+    if warm and rank == 0:
+        log.info("AdamW goes on in the resident engine, which published --policy %s", args.policy)
+    elif args.prev_optimizer and rank == 0 and later is None:
         log.info(
             "AdamW resumes from %s (%s optimizer steps before this iteration)",
-            "the resident engine, which wrote it" if warm else args.prev_optimizer,
+            args.prev_optimizer,
             prev_meta.get("optimizer_steps"),
         )
     atexit.register(_destroy_process_group)
@@ -166,7 +185,8 @@ def run(cfg: DictConfig, args: Args) -> None:
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     prev_schedule = json.loads(Path(args.prev_state).read_text()) if args.prev_state else None
     if updates and not warm:  # from iteration c's AdamW state to --policy, each update checked
-        start_schedule = json.loads(Path(args.replay_state).read_text()) if args.replay_state else None
+        if later is None:
+            start_schedule = json.loads(Path(args.replay_state).read_text()) if args.replay_state else None
         replayed = replay(engine, cfg, updates, start_schedule, pad_id, rank, world_size, ref_model)
         if prev_schedule is not None and replayed != prev_schedule:
             raise ReplayMismatch(f"the replayed schedule {replayed} is not --prev-state {args.prev_state}'s")
@@ -181,9 +201,10 @@ def run(cfg: DictConfig, args: Args) -> None:
     step0, tokens0 = schedule.state.step, schedule.state.tokens
     curves = open_curves(cfg, args.tracking_name) if rank == 0 else Curves()
     fp = fingerprint(cfg, args, world_size)
-    ckpt = Checkpoints(
-        args.checkpoint_dir or str(Path(args.out).with_name("checkpoint")), fp, tc.checkpoint_every, rank, world_size
-    )
+    # a warm worker that writes the AdamW state every N >= 2 iterations writes no resumable checkpoint
+    # within a job either: a lost job is replayed from the newest state (otbflow.runtime.adamw)
+    every = 0 if resident.ENABLED and adamw.every(cfg) > 1 else tc.checkpoint_every
+    ckpt = Checkpoints(args.checkpoint_dir or str(Path(args.out).with_name("checkpoint")), fp, every, rank, world_size)
     metrics: list[dict] = []
     start, skips = 0, 0
     client = ckpt.load(engine)
@@ -262,7 +283,7 @@ def run(cfg: DictConfig, args: Args) -> None:
     del state
     fault_point("train:after-policy")  # the policy published, the optimizer state not yet
     background = None
-    if args.optimizer:
+    if args.optimizer or (resident.ENABLED and not tc.reset_optimizer):
         import deepspeed
 
         # every rank holds the digest: a warm worker's ranks decide alike whether their engine goes on
@@ -274,18 +295,29 @@ def run(cfg: DictConfig, args: Args) -> None:
             "optimizer_steps": schedule.to_dict().get("step"),
             "policy_weights": digest,
             "job_fingerprint": fp,
+            "schedule": schedule.to_dict(),  # where the schedule goes on after this state
         }
-        if args.optimizer_async and resident.ENABLED:
+        if args.optimizer and args.optimizer_async and resident.ENABLED:
             # off the critical path: the next iteration's rollouts and features need only the policy;
             # a worker of several ranks writes it from a thread of each (collective)
             writer = {**me(), "heartbeat": resident.HEARTBEAT}
             # an absolute path: the worker is back in its own folder when the thread writes
             out = os.path.abspath(args.optimizer)
             background = functools.partial(_write_optimizer_state, engine, out, meta, writer, rank, world_size)
-        else:
+        elif args.optimizer:
             save_optimizer_state(engine, args.optimizer, meta, rank, world_size)  # collective
-        # a warm worker keeps the engine: the next job, whose inputs are these outputs, goes on with it
-        resident.hold("train", Resident(engine, layout, fp, digest))
+        # a warm worker keeps the engine (written or not: train.optimizer_every): the next job, whose
+        # inputs are these outputs, goes on with it
+        adamw_dir = os.path.abspath(args.adamw_dir) if args.adamw_dir else ""  # the worker leaves the job's folder
+        held = Resident(engine, layout, fp, digest, meta, adamw_dir, rank, world_size, bool(args.optimizer))
+        # rank 0's clock decides for every rank (the write is collective)
+        due = tc.optimizer_every_min > 0 and resident.ENABLED and args.adamw_dir and not held.written
+        if due and broadcast_text("1" if resident.due(tc.optimizer_every_min * 60) else "", engine.device):
+            held.written = True  # train.optimizer_every_min: in the background, as a checkpoint's
+            out = os.path.abspath(written_state(args.adamw_dir, args.iteration))
+            background = functools.partial(_write_optimizer_state, engine, out, meta, None, rank, world_size)
+            writer = None
+        resident.hold("train", held)
     if rank == 0:
         df = pl.DataFrame(metrics, schema=schemas.TRAIN_METRICS.columns)
         import deepspeed
@@ -311,27 +343,77 @@ def run(cfg: DictConfig, args: Args) -> None:
     ckpt.finish()
     curves.close()
     if background is not None:  # last: the job's own collectives (ckpt.finish's barrier) are over
-        if rank == 0:  # the writer's record before the job returns: a publisher that starts first waits
+        if rank == 0 and writer is not None:  # the writer's record before the job returns: a publisher waits
             claim_optimizer_write(os.path.abspath(args.optimizer), writer)
         resident.save_in_background(background, fatal=world_size > 1)
 
 
-def _write_optimizer_state(engine, out: str, meta: dict, writer: dict, rank: int, world_size: int) -> None:
+def _write_optimizer_state(engine, out: str, meta: dict, writer: dict | None, rank: int, world_size: int) -> None:
     if engine.device.type == "cuda":
         torch.cuda.set_device(engine.device)  # a thread starts on device 0: this rank's device
     fault_point("train:writing-optimizer")  # the job returned, the state not yet written
+    resident.wrote()
     save_optimizer_state(engine, out, meta, rank, world_size, writer=writer)
+    if writer is None and rank == 0:  # a state outside the outputs: only the newest is kept
+        for older in Path(out).parent.glob("iter_*"):
+            if older.name != Path(out).name:
+                shutil.rmtree(older, ignore_errors=True)
 
 
 @dataclass
 class Resident:
     """A warm worker's DeepSpeed engine after a job (``otbflow.runtime.resident``): its layout, the
-    fingerprint of the job that left it and the digest of the policy that job wrote."""
+    fingerprint of the job that left it and the digest of the policy that job wrote; what a write of
+    its AdamW state records (``meta``, with the schedule) and where it goes (``adamw_dir``), and
+    whether it was written."""
 
     engine: object
     layout: dict
     job_fingerprint: str
     policy_weights: str
+    meta: dict = field(default_factory=dict)
+    adamw_dir: str = ""
+    rank: int = 0
+    world_size: int = 1
+    written: bool = False
+
+    def retire(self) -> None:
+        """The worker retires or is stopped: its state, unless written, goes to ``adamw_dir``, so
+        that the job after replays only what came after it. A worker of several ranks writes none
+        (its other ranks have ended): the job after replays from the last checkpoint."""
+        if self.written or not self.adamw_dir or self.world_size > 1:
+            return
+        out = written_state(self.adamw_dir, self.meta["iteration"])
+        log.info("the worker ends: its AdamW state after iteration %d goes to %s", self.meta["iteration"], out)
+        _write_optimizer_state(self.engine, out, self.meta, None, self.rank, self.world_size)
+        self.written = True
+
+
+def written_state(adamw_dir: str, iteration: int) -> str:
+    """Where a warm worker writes the AdamW state after ``iteration`` outside the outputs."""
+    return str(Path(adamw_dir, f"iter_{iteration}"))
+
+
+def newest_written(adamw_dir: str, updates: list[Update], tc: DictConfig, world_size: int):
+    """(index in ``updates``, folder, meta) of the newest AdamW state a warm worker wrote in
+    ``adamw_dir`` after one of ``updates`` (its policy's weights, this job's layout); None where
+    there is none. The older ones it finds are deleted."""
+    found = None
+    for i in reversed(range(len(updates))):
+        folder = written_state(adamw_dir, updates[i].iteration) if adamw_dir else ""
+        if not folder or not Path(folder, OPTIMIZER_META).is_file():
+            continue
+        if found is not None:
+            shutil.rmtree(folder, ignore_errors=True)  # older than the one found
+            continue
+        try:
+            identity = manifest.read(updates[i].policy)
+            meta = check_optimizer_state(folder, tc, world_size, updates[i].policy, identity and identity["weights"])
+        except (OptimizerStateError, OSError, ValueError) as e:
+            log.warning("%s: not used: %s", folder, e)
+            continue
+        found = (i, folder, meta)
+    return found
 
 
 def resident_engine(layout: dict, prev_meta: dict, policy: str):

@@ -21,7 +21,8 @@ import torch
 from omegaconf import DictConfig
 
 from otbflow.algorithms.lr_schedule import LRSchedule
-from otbflow.runtime import manifest
+from otbflow.runtime import manifest, resident
+from otbflow.runtime.policy_folder import pruned_record
 from otbflow.seeds import derive_seed
 from otbflow.training.state import full_fp32_state_dict, published_dtype
 from otbflow.training.trainer import Trainer, load_rows, mini_batches
@@ -61,6 +62,16 @@ def state_digests(state: dict[str, torch.Tensor], names, dtype: torch.dtype) -> 
     return out
 
 
+def published_tensors(policy: str) -> dict[str, dict]:
+    """The manifest entries of the weights ``policy``'s job published: its manifest alone where
+    retention deleted the weights (the manifest, written by the train job in this results folder,
+    is the record), else checked against one pass over its files (``manifest.weights``)."""
+    listed = manifest.read(policy)
+    if listed is not None and pruned_record(policy) is not None:
+        return listed["tensors"]
+    return manifest.weights(policy, resident.KEY)[1]
+
+
 def check_replayed(engine, cfg: DictConfig, update: Update, rank: int) -> None:
     """ReplayMismatch naming the tensors where the engine's weights, cast as ``update``'s job
     published them, are not that policy's (its manifest, or one pass over its files). Collective:
@@ -68,7 +79,7 @@ def check_replayed(engine, cfg: DictConfig, update: Update, rank: int) -> None:
     state = full_fp32_state_dict(engine, keep=rank == 0)
     if rank != 0:
         return
-    _, published, _ = manifest.weights(update.policy)
+    published = published_tensors(update.policy)
     dtype = published_dtype(cfg, "optimizer written")
     mine = state_digests(state, [n for n in published if not n.startswith("file:")], dtype)
     bad = sorted(n for n in published if mine.get(n, {}).get(manifest.HASH) != published[n][manifest.HASH])

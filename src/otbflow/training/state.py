@@ -262,9 +262,12 @@ def optimizer_layout(tc: DictConfig, world_size: int) -> dict:
     return {"world_size": world_size, "zero_stage": int(tc.zero_stage), "bf16": bool(tc.bf16)}
 
 
-def check_optimizer_state(folder: str, tc: DictConfig, world_size: int, policy_dir: str) -> dict:
+def check_optimizer_state(
+    folder: str, tc: DictConfig, world_size: int, policy_dir: str, identity: str | None = None
+) -> dict:
     """The meta of the optimizer state in ``folder`` if this job can resume it; otherwise an
-    OptimizerStateError that says what differs and what to do."""
+    OptimizerStateError that says what differs and what to do. ``identity``: the policy's weights
+    as its manifest lists them, where the caller checks the weights themselves after loading."""
     path = Path(folder)
     check_not_pruned(path)
     meta_path = path / OPTIMIZER_META
@@ -287,7 +290,7 @@ def check_optimizer_state(folder: str, tc: DictConfig, world_size: int, policy_d
             f"train.zero_stage, train.bf16 and resources.train.tasks as they were, or set "
             f"train.reset_optimizer=true to start this iteration with a fresh AdamW."
         )
-    digest = manifest.weights_digest(policy_dir, resident.KEY)
+    digest = identity or manifest.weights_digest(policy_dir, resident.KEY)
     if meta.get("policy_weights") != digest:
         raise OptimizerStateError(
             f"{path}: the optimizer state belongs to another policy than --policy {policy_dir} (weights digest "
