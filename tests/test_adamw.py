@@ -7,6 +7,7 @@ final policy and AdamW state (every tensor and scalar) of the run without worker
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import threading
 from pathlib import Path
@@ -199,3 +200,59 @@ def test_a_train_worker_stopped_mid_run_writes_its_state_and_the_jobs_after_repl
     assert sorted(p.name for p in (results / "checkpoints/train/adamw").iterdir()) == ["iter_2"]
     same_end(results, uninterrupted)
     assert not os.path.exists(results / "iter_2/train/optimizer")
+
+
+def test_a_warm_worker_writes_its_state_every_optimizer_every_min(tiny_run, tmp_path):
+    """train.optimizer_every_min (here a few microseconds: every job) with N = 2: the warm train
+    worker writes the AdamW state of each job that writes none as an output, after the job
+    returned, outside the outputs (--adamw-dir), the newest only. A job of iteration 2 without the
+    resident engine (a process of its own), given iterations 0 and 1 to replay, starts from the
+    state the worker wrote after iteration 1 and replays nothing: its policy and metrics are the
+    warm worker's job's."""
+    import subprocess
+    import sys
+
+    import yaml
+    from test_worker import same_update, train_args
+
+    from otbflow.runtime.codeversion import code_version
+
+    results, registry, adamw_dir = tiny_run / "results", tmp_path / "registry", tmp_path / "adamw"
+    config = yaml.safe_load((results / "config.yaml").read_text())
+    config["train"] |= {"optimizer_every": 2, "optimizer_every_min": 1e-7}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    advantages = str(results / "iter_0/advantages/advantages.parquet")
+
+    def args(k: int, out: Path) -> list[str]:
+        """Iteration k's job (no AdamW state of its own: N = 2 writes 1's), replaying 0 .. k-1."""
+        a = train_args(results, out, k, None)
+        a[a.index("--config") + 1] = str(tmp_path / "config.yaml")
+        a[a.index("--policy") + 1] = str(tmp_path / f"train_{k - 1}/policy" if k else results / "bootstrap/policy")
+        del a[a.index("--optimizer") : a.index("--optimizer") + 2]
+        a += ["--adamw-dir", str(adamw_dir)]
+        if k:
+            a += ["--replay-start", str(results / "bootstrap/policy"), "--replay-advantages", *[advantages] * k]
+            a += ["--replay-policies", *[str(tmp_path / f"train_{j}/policy") for j in range(k)]]
+        return a
+
+    proc = start_worker(registry, "train", tmp_path / "worker.log")
+    try:
+        wait_for(lambda: dispatch.live_workers(registry, "train"), 60, "the train worker")
+        for k in range(3):
+            client = dispatch.Client(registry, "train", code_version("train"), args(k, tmp_path / f"train_{k}"))
+            with open(tmp_path / "client.log", "a") as log:
+                assert client.run(log) == 0, (tmp_path / "client.log").read_text()[-3000:]
+            wait_for(lambda k=k: (adamw_dir / f"iter_{k}/meta.json").is_file(), 60, f"iteration {k}'s state")
+            wait_for(lambda k=k: [p.name for p in adamw_dir.iterdir()] == [f"iter_{k}"], 60, "the older ones gone")
+            if k == 1:  # the state iteration 2's job without the worker starts from
+                shutil.copytree(adamw_dir / "iter_1", tmp_path / "kept")
+    finally:
+        stop({"train": proc})
+    shutil.rmtree(adamw_dir)
+    shutil.copytree(tmp_path / "kept", adamw_dir / "iter_1")
+    alone = tmp_path / "alone"
+    a = [x.replace(str(tmp_path / "train_2"), str(alone)) for x in args(2, tmp_path / "train_2")]
+    res = subprocess.run([sys.executable, "-m", "otbflow", "train", *a], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "written by a warm worker: 0 update(s) to replay" in res.stderr, res.stderr[-3000:]
+    same_update(tmp_path / "train_2", alone)

@@ -87,7 +87,7 @@ def architecture(path: Path) -> str:
 def publishes_bf16(cfg) -> bool:
     """Whether a run's train jobs publish their policies in bf16 (2 bytes a parameter) rather than
     fp32: where the policy computes in bf16 (``model.dtype``), trains in bf16 (``train.bf16``) and
-    its fp32 master weights go on in the AdamW state each train job writes (not
+    its fp32 master weights go on in the AdamW state the train jobs write (not
     ``train.reset_optimizer``). Every reader computes in ``model.dtype``: the bf16 policy is what
     it held after casting the fp32 one (``otbflow.training.state.published_dtype``)."""
     return bool(cfg.train.bf16) and not cfg.train.reset_optimizer and cfg.model.dtype == "bfloat16"

@@ -26,7 +26,7 @@ import torch
 from omegaconf import DictConfig
 
 from otbflow.io import atomic_dir, check_job, read_json, write_errors_named, write_json, write_text
-from otbflow.runtime import manifest, resident
+from otbflow.runtime import adamw, manifest, resident
 from otbflow.runtime.policy_folder import TOKENIZER_FILES, check_not_pruned, publishes_bf16
 from otbflow.runtime.retention import (
     OPTIMIZER_FAILED,
@@ -175,12 +175,16 @@ def full_fp32_state_dict(engine, keep: bool) -> dict[str, torch.Tensor]:
 
 def published_dtype(cfg: DictConfig, optimizer: str) -> torch.dtype:
     """The precision of the policy a train job publishes: bf16 where the run publishes bf16
-    (``policy_folder.publishes_bf16``) and this job writes the AdamW state (``optimizer``), which
-    holds the fp32 master weights; fp32 otherwise (a job that writes no AdamW state publishes its
-    master weights). The bf16 tensors are the fp32 master's cast, which is what every reader
-    computing in bf16 held after casting the fp32 policy (tests/test_train_state.py, the
-    ``_published`` layouts). Not the iteration: a run extended later keeps what it published."""
-    return torch.bfloat16 if publishes_bf16(cfg) and optimizer else torch.float32
+    (``policy_folder.publishes_bf16``) and the fp32 master weights go on: this job writes the AdamW
+    state (``optimizer``), which holds them, or the run writes it every N >= 2 iterations
+    (``train.optimizer_every``), whose train jobs carry them in a warm worker's engine and otherwise
+    replay them from the last state written (``otbflow.training.replay``); fp32 otherwise (a job
+    that writes no AdamW state publishes its master weights). The bf16 tensors are the fp32
+    master's cast, which is what every reader computing in bf16 held after casting the fp32 policy
+    (tests/test_train_state.py, the ``_published`` layouts). Not the iteration: a run extended later
+    keeps what it published."""
+    carried = bool(optimizer) or adamw.every(cfg) > 1
+    return torch.bfloat16 if publishes_bf16(cfg) and carried else torch.float32
 
 
 def save_policy(
