@@ -47,6 +47,8 @@ rule all:
         lambda wildcards: rules.variance.output,
         lambda wildcards: expand(rules.prune.output, k=PRUNED_ITERATIONS),
         published_optimizer_states,
+        # a run that publishes bf16 policies: its last one in fp32 too
+        lambda wildcards: rules.export.output if EXPORTED else [],
 
 
 # One rule file per stage, in the stage table's order (a rule file reads the rules before it).

@@ -164,6 +164,8 @@ def test_every_stage_has_help(stage):
         "prune": "config keys that shape the workflow around it",
         # it renames what the train job wrote: whether there is a state at all is the workflow's
         "publish_optimizer": "config keys that shape the workflow around it",
+        # the fp32 weights of its input AdamW state: whether it runs at all is the workflow's
+        "export": "config keys that shape the workflow around it",
     }.get(stage, "config keys that change this stage's outputs")
     assert "--config" in res.stdout and keys in res.stdout
 

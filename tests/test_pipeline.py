@@ -74,12 +74,13 @@ def merge(a: dict, b: dict) -> dict:
 
 def test_each_stage_declares_the_config_keys_that_shape_its_jobs(tmp_path):
     """A key is in a stage's ``dag`` exactly when changing it changes that rule's jobs in the DAG
-        Snakemake builds (which jobs exist, the files each reads and writes, its conda environment):
-        each key below changed on each of several base configs (the default; with a reward model, so
-        that the score rule exists; keeping every policy or every optimizer state, so that each
-        retention key alone decides prune jobs; a dataset task, whose files the shard reads; Slurm
-    workers, whose train worker decides where the AdamW state is written). Every
-        key of any stage's ``dag`` has a change here."""
+            Snakemake builds (which jobs exist, the files each reads and writes, its conda environment):
+            each key below changed on each of several base configs (the default; with a reward model, so
+            that the score rule exists; keeping every policy or every optimizer state, so that each
+            retention key alone decides prune jobs; a dataset task, whose files the shard reads; Slurm
+        workers, whose train worker decides where the AdamW state is written; a run that publishes
+    bf16 policies, whose last one the export rule writes in fp32). Every
+            key of any stage's ``dag`` has a change here."""
     policy = tmp_path / "policy"  # what the config check reads of a folder: config.json and file names
     policy.mkdir()
     (policy / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_positions": 1024, "vocab_size": 64}))
@@ -91,7 +92,8 @@ def test_each_stage_declares_the_config_keys_that_shape_its_jobs(tmp_path):
     (reward_model / "tokenizer.json").write_text("{}")
     for name, answer in (("a", 2), ("b", 3)):
         (tmp_path / f"{name}.jsonl").write_text(json.dumps({"prompt": f"1+{answer - 1}", "answer": str(answer)}) + "\n")
-    stale = {"train": {"rollout_is": "token"}}  # what rollout.staleness >= 1 needs, at every staleness
+    # what rollout.staleness >= 1 needs, at every staleness; ZeRO-1, which train.bf16 needs
+    stale = {"train": {"rollout_is": "token", "zero_stage": 1}}
     bases = [
         stale,
         merge(stale, nested("task.reward_model.path", str(reward_model))),
@@ -100,6 +102,8 @@ def test_each_stage_declares_the_config_keys_that_shape_its_jobs(tmp_path):
         merge(stale, {"model": {"path": str(policy)}, "task": {"name": "dataset", "path": str(tmp_path / "a.jsonl")}}),
         # a train worker: train.optimizer_every: null means 5 (otbflow.runtime.adamw), two checkpoints in 10 iterations
         merge(stale, {"workers": {"slurm": True}, "iterations": 10}),
+        # a run publishing bf16 policies: the export rule writes its last one in fp32
+        merge(stale, {"train": {"bf16": True}, "model": {"dtype": "bfloat16"}}),
     ]
     changes = {
         "iterations": 5,
@@ -113,6 +117,8 @@ def test_each_stage_declares_the_config_keys_that_shape_its_jobs(tmp_path):
         "train.reset_optimizer": True,
         "train.kl_coef": 0.1,
         "train.optimizer_every": 2,
+        "train.bf16": False,
+        "model.dtype": "float32",
         "workers.slurm": True,
         "workers.train": 0,
         "evaluate.every": 2,

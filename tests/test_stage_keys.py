@@ -141,6 +141,10 @@ def run_chain(tmp: Path, cfg: DictConfig, policy: str | None = None) -> dict[str
         optimizer=str(tmp / "optimizer"),
         tracking_name="train/iter_1",
     )
+    if (tmp / "optimizer").is_dir():  # the fp32 export of the policy and AdamW state train wrote
+        reads["export"] = run_recorded(
+            "export", cfg, policy=str(tmp / "next"), optimizer=str(tmp / "optimizer"), out=str(tmp / "fp32")
+        )
     reads["evaluate"] = run_recorded(
         "evaluate",
         cfg,

@@ -143,12 +143,33 @@ def test_which_policies_are_published_in_bf16():
     cases = [
         ((), "opt", torch.bfloat16),
         ((), "", torch.float32),  # no AdamW state written: the master goes nowhere else
+        # ... unless the run writes it every N >= 2 iterations: a warm worker's engine carries it, or its replay
+        (("train.optimizer_every=2",), "", torch.bfloat16),
         (("train.reset_optimizer=true",), "opt", torch.float32),
         (("model.dtype=float32",), "opt", torch.float32),
         (("train.bf16=false",), "opt", torch.float32),
     ]
     for extra, optimizer, want in cases:
         assert train_state.published_dtype(make_cfg(*bf16, *extra), optimizer) == want, (extra, optimizer)
+
+
+def test_the_export_writes_the_fp32_master_weights_of_a_bf16_run(policy_dir, features_path, tmp_path):
+    """A bf16 ZeRO-1 job that writes its AdamW state publishes bf16; the export of that policy and
+    state (otbflow.stages.export) holds the fp32 weights the same job publishes where it writes no
+    state (its fp32 master: the reference, read without the AdamW state), bitwise; cast to bf16,
+    the published policy's."""
+    from otbflow.stages import export
+
+    bf16 = ("model.dtype=bfloat16", "train.bf16=true", "train.zero_stage=1", "train.mini_batch_size=8")
+    _, written = run_stage(policy_dir, features_path, tmp_path, *bf16, name="bf16", optimizer=str(tmp_path / "opt"))
+    _, master = run_stage(policy_dir, features_path, tmp_path, *bf16, name="fp32")
+    out = tmp_path / "export"
+    export.run(make_cfg(*bf16), export.Args(policy=written.out, optimizer=str(tmp_path / "opt"), out=str(out)))
+    got, want, published = (load_file(Path(p) / "model.safetensors") for p in (out, master.out, written.out))
+    assert got.keys() == want.keys() == published.keys()
+    assert all(got[k].dtype == torch.float32 and torch.equal(got[k], want[k]) for k in got)
+    assert all(published[k].dtype == torch.bfloat16 and torch.equal(got[k].bfloat16(), published[k]) for k in got)
+    assert any(not torch.equal(got[k], published[k].float()) for k in got)  # more than the bf16 policy holds
 
 
 def test_a_stored_optimizer_state_that_does_not_fit_is_refused(policy_dir, features_path, tmp_path):

@@ -138,6 +138,12 @@ TRACKING = ("tracking.tensorboard", "tracking.wandb")
 # What decides which iterations write the AdamW state and which one each train job reads
 # (otbflow.runtime.adamw.every: train.optimizer_every, null resolved by the run's train worker).
 ADAMW = ("train.optimizer_every", "workers.slurm", "workers.train")
+# the export job builds the train stage's engine (its DeepSpeed config, the policy wrapper) to read
+# the AdamW state in the layout that wrote it
+EXPORT_EXECUTION = tuple(
+    f"train.{k}"
+    for k in ("bf16", "zero_stage", "lr", "weight_decay", "max_grad_norm", "micro_batch_size", "mini_batch_size")
+) + ("train.logprob_chunk_size", "train.packing", "train.packing_row_tokens")
 # How prompts are rendered for the policy (the chat template).
 RENDERING = ["task.chat", "task.system_prompt"]
 # The engine's interpreter and resources: read when the engine starts, no effect on its samples.
@@ -220,6 +226,11 @@ def _train(cfg: DictConfig) -> list[str]:
     if "lr_decay_steps" in SCHEDULES[t.lr_schedule].options and t.lr_decay_steps == 0:
         other += ["iterations"]  # the decay's horizon; otherwise more iterations keep the finished ones
     return [*(f"train.{k}" for k in dict.fromkeys(keys)), *other]
+
+
+def _export(cfg: DictConfig) -> list[str]:
+    # the fp32 master weights of its input AdamW state, in its layout (check_optimizer_state)
+    return []
 
 
 def _evaluate(cfg: DictConfig) -> list[str]:
@@ -326,6 +337,16 @@ _STAGES = [
         _publish_optimizer,
         dag=("iterations", "train.reset_optimizer", *ADAMW),
         resources={},
+    ),
+    Stage(
+        "export",
+        "the run's last policy in fp32, from its AdamW state's master weights (runs publishing bf16)",
+        _export,
+        # the train stage's layout and engine: its DeepSpeed config is built as the train job's
+        execution=EXPORT_EXECUTION,
+        # a run that publishes bf16 policies (policy_folder.publishes_bf16), from its last iteration
+        dag=("iterations", "train.reset_optimizer", "train.bf16", "model.dtype"),
+        resources="train",
     ),
     Stage(
         "prune",

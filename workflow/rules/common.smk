@@ -27,6 +27,7 @@ from otbflow.ops.guard import guard as guard_head
 from otbflow.ops.jobgroups import size_group_jobs
 from otbflow.io import write_text_if_changed
 from otbflow.runtime import adamw
+from otbflow.runtime.policy_folder import publishes_bf16
 from otbflow.runtime.retention import decision as retention_decision, pruned_inputs, refusal as retention_refusal
 from snakemake.exceptions import WorkflowError
 
@@ -385,6 +386,10 @@ PRUNED_ITERATIONS = [
     for k, keep in ((k, retention_decision(CFG, k)) for k in ITERATIONS)
     if not (keep.policy and (keep.optimizer or not adamw.writes(CFG, k)))
 ]
+
+
+# A run that publishes bf16 policies writes its last one in fp32 too, at its end (the export rule)
+EXPORTED = publishes_bf16(CFG)
 
 
 def refuse_pruned_inputs():

@@ -57,7 +57,7 @@ from otbflow.runtime.process import HEARTBEAT_S, STALE_S, alive, die_with_parent
 KINDS = {
     "generate": ("rollout", "evaluate", "variance_pool"),
     "features": ("features", "advantages"),
-    "train": ("train", "publish_optimizer"),
+    "train": ("train", "publish_optimizer", "export"),
 }
 """Worker kinds and the stages each runs (one generation engine serves rollouts, evaluations and the
 variance pool; the features pass, and the advantages job, which reads what it wrote and would

@@ -40,6 +40,7 @@ from otbflow.training.distributed import (
     deepspeed_config,
     init_distributed_env,
     load_reference,
+    resident_engine,
 )
 from otbflow.training.hardware import device_peak, matmul_parameters, mfu, step_flops
 from otbflow.training.replay import ReplayMismatch, Update, check_replayed, replay, updates_from_args
@@ -414,28 +415,6 @@ def newest_written(adamw_dir: str, updates: list[Update], tc: DictConfig, world_
             continue
         found = (i, folder, meta)
     return found
-
-
-def resident_engine(layout: dict, prev_meta: dict, policy: str):
-    """The resident engine (a warm worker's; None elsewhere) where it holds exactly this job's
-    inputs, in the same layout: the job that left it published --policy (the policy's manifest,
-    trusted with the run's key, names that job and its weights), or the optimizer state's meta
-    names the job that left it and the policy it wrote, whose digest ``check_optimizer_state`` has
-    found in --policy. None otherwise: the job builds its engine from its input folders (and
-    replays the updates after them: --replay-advantages)."""
-    held: Resident | None = resident.take("train")
-    if held is None or held.layout != layout:
-        return None
-    listed = manifest.read(policy)
-    if manifest.trusted(policy, listed, resident.KEY):
-        if listed["job_fingerprint"] == held.job_fingerprint and listed["weights"] == held.policy_weights:
-            return held.engine
-    if (
-        prev_meta.get("job_fingerprint") != held.job_fingerprint
-        or prev_meta.get("policy_weights") != held.policy_weights
-    ):
-        return None
-    return held.engine
 
 
 def reference(path: str, device, tc: DictConfig, world_size: int):

@@ -11,6 +11,7 @@ import torch
 from omegaconf import DictConfig
 
 from otbflow.models.logits import check_head_logits, check_packing
+from otbflow.runtime import manifest, resident
 from otbflow.training.logprobs import ResponseLogprobs
 
 log = logging.getLogger(__name__)
@@ -234,3 +235,25 @@ def param_grad_norm(module) -> float | None:
 
 def grads_finite(module) -> bool:
     return all(bool(torch.isfinite(p.grad).all()) for p in module.parameters() if p.grad is not None)
+
+
+def resident_engine(layout: dict, prev_meta: dict, policy: str):
+    """The resident engine (a warm worker's; None elsewhere) where it holds exactly this job's
+    inputs, in the same layout: the job that left it published --policy (the policy's manifest,
+    trusted with the run's key, names that job and its weights), or the optimizer state's meta
+    names the job that left it and the policy it wrote, whose digest ``check_optimizer_state`` has
+    found in --policy. None otherwise: the job builds its engine from its input folders (and
+    replays the updates after them: --replay-advantages)."""
+    held = resident.take("train")  # otbflow.stages.train.Resident
+    if held is None or held.layout != layout:
+        return None
+    listed = manifest.read(policy)
+    if manifest.trusted(policy, listed, resident.KEY):
+        if listed["job_fingerprint"] == held.job_fingerprint and listed["weights"] == held.policy_weights:
+            return held.engine
+    if (
+        prev_meta.get("job_fingerprint") != held.job_fingerprint
+        or prev_meta.get("policy_weights") != held.policy_weights
+    ):
+        return None
+    return held.engine
