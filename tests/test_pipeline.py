@@ -65,6 +65,9 @@ def nested(key: str, value) -> dict:
     return value
 
 
+BF16 = {"dtype": "bfloat16"}
+
+
 def merge(a: dict, b: dict) -> dict:
     out = copy.deepcopy(a)
     for k, v in b.items():
@@ -100,10 +103,9 @@ def test_each_stage_declares_the_config_keys_that_shape_its_jobs(tmp_path):
         merge(stale, nested("retention.policy_every", 0)),
         merge(stale, nested("retention.optimizer", "all")),
         merge(stale, {"model": {"path": str(policy)}, "task": {"name": "dataset", "path": str(tmp_path / "a.jsonl")}}),
-        # a train worker: train.optimizer_every: null means 5 (otbflow.runtime.adamw), two checkpoints in 10 iterations
-        merge(stale, {"workers": {"slurm": True}, "iterations": 10}),
-        # a run publishing bf16 policies: the export rule writes its last one in fp32
-        merge(stale, {"train": {"bf16": True}, "model": {"dtype": "bfloat16"}}),
+        # a train worker: train.optimizer_every: null means 5 (otbflow.runtime.adamw), two checkpoints in 10
+        # iterations; publishing bf16 policies: the export rule writes the last one in fp32
+        merge(stale, {"workers": {"slurm": True}, "iterations": 10, "train": {"bf16": True}, "model": BF16}),
     ]
     changes = {
         "iterations": 5,
