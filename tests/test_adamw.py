@@ -169,14 +169,17 @@ def test_a_train_worker_killed_at_c_plus_2_is_replayed_from_the_checkpoint_befor
 def test_a_train_worker_stopped_mid_run_writes_its_state_and_the_jobs_after_replay_less(
     uninterrupted, tiny_run, tmp_path
 ):
-    """N = 2: the train worker is stopped (SIGTERM, as Slurm's --signal before a time limit) once
+    """N = 2, the background writes snapshotting first (as on a GPU): the train worker is stopped
+    (SIGTERM, as Slurm's --signal before a time limit) once
     iteration 2's job is done: it writes its engine's AdamW state (iteration 2 is no checkpoint)
     outside the outputs and ends. The jobs after run without a worker: iteration 3's starts from
     that state and replays nothing, 4's replays 3, 5's replays 3 and 4; the final policy and
     AdamW state are the uninterrupted run's."""
     work = copy_run(tiny_run, tmp_path / "run")
     results = work / "results"
-    procs = start_workers(results, tmp_path)
+    # its background writes (checkpoints 1 and 3) first copy the state to host memory, as on a GPU:
+    # the next job waits only for that copy
+    procs = start_workers(results, tmp_path, {"OTBFLOW_SNAPSHOT_ON_CPU": "1"})
     done = results / "iter_2/train/schedule.json"
 
     def remove():

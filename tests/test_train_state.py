@@ -172,6 +172,49 @@ def test_the_export_writes_the_fp32_master_weights_of_a_bf16_run(policy_dir, fea
     assert any(not torch.equal(got[k], published[k].float()) for k in got)  # more than the bf16 policy holds
 
 
+def test_a_snapshot_writes_the_state_it_copied_whatever_the_engine_does_after(policy_dir, tmp_path, monkeypatch):
+    """A background write that snapshots (a GPU engine's; here on the CPU with SNAPSHOT_ON_CPU):
+    the state is copied to host memory, the event set, then written. The engine's weights and
+    AdamW moments changed between the copy and the write leave the files byte for byte as a
+    direct write before that change (a direct write after it differs): the next update may start
+    once the event is set."""
+    import threading
+
+    from otbflow.training.distributed import build_engine
+
+    cfg = make_cfg()
+    init_distributed_env()
+    engine = build_engine(str(policy_dir), cfg.train, 1)
+    loss = sum((p.float() ** 2).sum() for p in engine.module.parameters()) * 1e-3
+    engine.backward(loss)
+    engine.step()  # the AdamW moments exist
+    monkeypatch.setattr(train_state, "SNAPSHOT_ON_CPU", True)
+    assert train_state.snapshots(engine, 1) and not train_state.snapshots(engine, 2)
+    meta = {"iteration": 0}
+    train_state.save_optimizer_state(engine, str(tmp_path / "before"), meta, 0, 1)
+    write = train_state.save_checkpoint_file
+
+    def change_then_write(state, path, zipfile_serialization):
+        with torch.no_grad():
+            for p in engine.module.parameters():
+                p.add_(1.0)
+                for moment in engine.optimizer.state[p].values():
+                    moment.add_(1.0)
+        write(state, path, zipfile_serialization)
+
+    monkeypatch.setattr(train_state, "save_checkpoint_file", change_then_write)
+    copied = threading.Event()
+    train_state.save_optimizer_state(engine, str(tmp_path / "snapshot"), meta, 0, 1, snapshot_done=copied)
+    monkeypatch.setattr(train_state, "save_checkpoint_file", write)
+    train_state.save_optimizer_state(engine, str(tmp_path / "after"), meta, 0, 1)
+
+    def files(folder):
+        return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*.pt"))}
+
+    assert copied.is_set() and files(tmp_path / "before")
+    assert files(tmp_path / "snapshot") == files(tmp_path / "before") != files(tmp_path / "after")
+
+
 def test_a_stored_optimizer_state_that_does_not_fit_is_refused(policy_dir, features_path, tmp_path):
     """Another ZeRO stage or bf16 setting, another policy, a folder without meta.json (an unfinished
     write), or reset_optimizer with a state: a clear error before any training, no outputs."""

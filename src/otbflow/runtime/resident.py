@@ -9,7 +9,8 @@
 - ``hold`` / ``take`` / ``drop``: named objects a stage keeps for the next job (the train stage's
   DeepSpeed engine with its AdamW state, the KL reference), each with the facts the next job must
   match to use it; ``drop`` forgets them (a failed or abandoned job: its state is not trusted).
-- ``save_in_background`` / ``join_writes``: the AdamW state a train job writes after it returned;
+- ``save_in_background`` / ``join_writes`` / ``join_snapshots``: the AdamW state a train job
+  writes after it returned (the next job waits for its copy to host memory where it takes one);
   ``due`` / ``wrote``: the time since the last one (``train.optimizer_every_min``); ``retire``: what
   the held objects write before the worker ends.
 
@@ -94,13 +95,17 @@ WRITER_THREAD = "optimizer-writer"
 """The name of a warm train worker's thread that writes an optimizer state after its job returned."""
 
 
-def save_in_background(write: Callable[[], None], fatal: bool = False) -> None:
+_SNAPSHOTS: dict[threading.Thread, threading.Event] = {}
+
+
+def save_in_background(write: Callable[[], None], fatal: bool = False, snapshot: threading.Event | None = None) -> None:
     """Run ``write`` (``otbflow.training.state.save_optimizer_state``) in a thread of this process
     (a warm train worker's, after its job returned); ``join_writes`` waits for it. Not a daemon:
     the process finishes the write before it exits (SIGTERM included; the worker stays registered
     until then). A failed write leaves no folder: the publish job then finds the state lost.
     ``fatal``: a failure ends the process (a rank of a worker of several, whose collectives are
-    then out of step with the other ranks'; the launcher ends them)."""
+    then out of step with the other ranks'; the launcher ends them). ``snapshot``: set by ``write``
+    once the state is copied to host memory (``join_snapshots`` waits only for that)."""
 
     def run():
         try:
@@ -111,7 +116,10 @@ def save_in_background(write: Callable[[], None], fatal: bool = False) -> None:
                 log.error("this rank's collectives are out of step with the others': the worker ends")
                 os._exit(1)
 
-    threading.Thread(target=run, name=WRITER_THREAD).start()
+    thread = threading.Thread(target=run, name=WRITER_THREAD)
+    if snapshot is not None:
+        _SNAPSHOTS[thread] = snapshot
+    thread.start()
 
 
 def join_writes() -> None:
@@ -119,6 +127,22 @@ def join_writes() -> None:
     for thread in threading.enumerate():
         if thread.name == WRITER_THREAD:
             thread.join()
+    _SNAPSHOTS.clear()
+
+
+def join_snapshots() -> None:
+    """Wait until the engine may change: the states being written in the background are copied to
+    host memory (a writer with a snapshot: its disk write goes on), or written (one without)."""
+    for thread in threading.enumerate():
+        if thread.name == WRITER_THREAD:
+            event = _SNAPSHOTS.get(thread)
+            if event is None:
+                thread.join()
+            else:
+                while not event.wait(0.1) and thread.is_alive():
+                    pass
+    for thread in [t for t in _SNAPSHOTS if not t.is_alive()]:
+        _SNAPSHOTS.pop(thread, None)
 
 
 @dataclass

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +57,7 @@ from otbflow.training.state import (
     published_dtype,
     save_optimizer_state,
     save_policy,
+    snapshots,
 )
 from otbflow.training.trainer import Trainer, load_rows, mini_batches
 
@@ -142,7 +144,9 @@ def run(cfg: DictConfig, args: Args) -> None:
     if updates and Path(updates[-1].policy).resolve() != Path(args.policy).resolve():
         raise ValueError(f"the last of --replay-policies must be --policy {args.policy}, not {updates[-1].policy}")
     rank, world_size = init_distributed_env()
-    resident.join_writes()  # a warm worker's engine is not changed while its last state is being written
+    # a warm worker's engine is not changed while its last state is being written (or copied, before
+    # it is written: save_optimizer_state's snapshot)
+    resident.join_snapshots()
     start_policy = args.replay_start if updates else args.policy  # what --prev-optimizer belongs to
     prev_meta: dict = {}
     if args.prev_optimizer:
@@ -298,13 +302,15 @@ def run(cfg: DictConfig, args: Args) -> None:
             "job_fingerprint": fp,
             "schedule": schedule.to_dict(),  # where the schedule goes on after this state
         }
+        # the next job may start once the state is in host memory, where it is copied there first
+        snap = threading.Event() if snapshots(engine, world_size) else None
         if args.optimizer and args.optimizer_async and resident.ENABLED:
             # off the critical path: the next iteration's rollouts and features need only the policy;
             # a worker of several ranks writes it from a thread of each (collective)
             writer = {**me(), "heartbeat": resident.HEARTBEAT}
             # an absolute path: the worker is back in its own folder when the thread writes
             out = os.path.abspath(args.optimizer)
-            background = functools.partial(_write_optimizer_state, engine, out, meta, writer, rank, world_size)
+            background = functools.partial(_write_optimizer_state, engine, out, meta, writer, rank, world_size, snap)
         elif args.optimizer:
             save_optimizer_state(engine, args.optimizer, meta, rank, world_size)  # collective
         # a warm worker keeps the engine (written or not: train.optimizer_every): the next job, whose
@@ -316,7 +322,7 @@ def run(cfg: DictConfig, args: Args) -> None:
         if due and broadcast_text("1" if resident.due(tc.optimizer_every_min * 60) else "", engine.device):
             held.written = True  # train.optimizer_every_min: in the background, as a checkpoint's
             out = os.path.abspath(written_state(args.adamw_dir, args.iteration))
-            background = functools.partial(_write_optimizer_state, engine, out, meta, None, rank, world_size)
+            background = functools.partial(_write_optimizer_state, engine, out, meta, None, rank, world_size, snap)
             writer = None
         resident.hold("train", held)
     if rank == 0:
@@ -346,15 +352,17 @@ def run(cfg: DictConfig, args: Args) -> None:
     if background is not None:  # last: the job's own collectives (ckpt.finish's barrier) are over
         if rank == 0 and writer is not None:  # the writer's record before the job returns: a publisher waits
             claim_optimizer_write(os.path.abspath(args.optimizer), writer)
-        resident.save_in_background(background, fatal=world_size > 1)
+        resident.save_in_background(background, fatal=world_size > 1, snapshot=snap)
 
 
-def _write_optimizer_state(engine, out: str, meta: dict, writer: dict | None, rank: int, world_size: int) -> None:
+def _write_optimizer_state(
+    engine, out: str, meta: dict, writer: dict | None, rank: int, world_size: int, snapshot=None
+) -> None:
     if engine.device.type == "cuda":
         torch.cuda.set_device(engine.device)  # a thread starts on device 0: this rank's device
     fault_point("train:writing-optimizer")  # the job returned, the state not yet written
     resident.wrote()
-    save_optimizer_state(engine, out, meta, rank, world_size, writer=writer)
+    save_optimizer_state(engine, out, meta, rank, world_size, writer=writer, snapshot_done=snapshot)
     if writer is None and rank == 0:  # a state outside the outputs: only the newest is kept
         for older in Path(out).parent.glob("iter_*"):
             if older.name != Path(out).name:

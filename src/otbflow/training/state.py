@@ -128,6 +128,44 @@ def canonical(obj: Any, memo: dict[int, Any] | None = None) -> Any:
     return memo[id(obj)]
 
 
+SNAPSHOT_ON_CPU = os.environ.get("OTBFLOW_SNAPSHOT_ON_CPU") == "1"
+"""Whether an engine on the CPU snapshots its AdamW state before writing it in the background
+(``save_optimizer_state``'s ``snapshot_done``): an engine on a GPU always does (the copy to host
+memory is what lets the next update start); on the CPU the state is in host memory already, and
+a copy would double it while it is written. The tests set it (``OTBFLOW_SNAPSHOT_ON_CPU=1``) to
+check the snapshot on CPU."""
+
+
+def snapshots(engine, world_size: int) -> bool:
+    """Whether a background write of ``engine``'s state first copies it to host memory, so that
+    the next update need not wait for the disk: one rank (several: the writer's collectives must
+    not meet the next job's), on a GPU, or on the CPU where ``SNAPSHOT_ON_CPU``."""
+    return world_size == 1 and (engine.device.type == "cuda" or SNAPSHOT_ON_CPU)
+
+
+def snapshot(obj: Any, memo: dict[int, Any] | None = None, storages: dict | None = None) -> Any:
+    """``obj`` (a DeepSpeed file's state) with every tensor's storage copied to host memory once,
+    each tensor a view of its copy with its own offset, shape and stride: what ``torch.save``
+    writes of it is what it writes of ``obj`` as it is now, whatever happens to ``obj`` after."""
+    memo = {} if memo is None else memo
+    storages = {} if storages is None else storages
+    if isinstance(obj, torch.Tensor):
+        storage = obj.untyped_storage()
+        key = (storage.data_ptr(), str(storage.device), storage.nbytes())
+        if key not in storages:
+            raw = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+            storages[key] = raw.to("cpu", copy=True).untyped_storage()
+        return torch.empty(0, dtype=obj.dtype).set_(storages[key], obj.storage_offset(), obj.size(), obj.stride())
+    if type(obj) not in (dict, OrderedDict, list, tuple):
+        return obj
+    if id(obj) not in memo:
+        if type(obj) in (dict, OrderedDict):
+            memo[id(obj)] = type(obj)((k, snapshot(v, memo, storages)) for k, v in obj.items())
+        else:
+            memo[id(obj)] = type(obj)(snapshot(v, memo, storages) for v in obj)
+    return memo[id(obj)]
+
+
 def guard_checkpoint_io(engine) -> None:
     """Route the DeepSpeed engine's checkpoint file reads and writes through
     ``load_checkpoint_file`` and ``save_checkpoint_file``. DeepSpeed's ``load_checkpoint`` reads
@@ -144,6 +182,10 @@ def guard_checkpoint_io(engine) -> None:
         raise RuntimeError(f"DeepSpeed's checkpoint engine is {type(io).__name__}, not TorchCheckpointEngine")
 
     def save(state_dict, path: str) -> None:  # DeepSpeed passes both by name
+        captured = getattr(io, "_otbflow_capture", None)
+        if captured is not None:  # a snapshot, written later (save_optimizer_state)
+            captured.append((snapshot(canonical(state_dict)), path))
+            return
         save_checkpoint_file(state_dict, path, io.zipfile_serialization)
 
     io.load, io.save = load_checkpoint_file, save
@@ -332,13 +374,17 @@ def _barrier(world_size: int) -> None:
         torch.distributed.barrier()
 
 
-def save_optimizer_state(engine, out: str, meta: dict, rank: int, world_size: int, writer: dict | None = None) -> None:
+def save_optimizer_state(
+    engine, out: str, meta: dict, rank: int, world_size: int, writer: dict | None = None, snapshot_done=None
+) -> None:
     """Write the engine's state as a DeepSpeed checkpoint (every rank its ZeRO shard) to a
     temporary sibling folder, then rank 0 adds ``meta.json`` and renames it to ``out``: a killed
     job never leaves a folder that looks finished. Collective: every rank must call it.
     ``writer``: a record of the writing process, kept in the temporary folder while it writes
     (``retention.OPTIMIZER_WRITER``: a publisher elsewhere waits while it lives); given (a write
-    after the job returned), a failure leaves its error there instead (``record_failed_write``)."""
+    after the job returned), a failure leaves its error there instead (``record_failed_write``).
+    ``snapshot_done`` (a ``threading.Event``): the state is first copied to host memory
+    (``snapshot``), the event set, and only then written: the engine may change meanwhile."""
     out_path = Path(out)
     tmp = optimizer_partial(out_path)  # the same name on every rank
 
@@ -348,7 +394,19 @@ def save_optimizer_state(engine, out: str, meta: dict, rank: int, world_size: in
     _barrier(world_size)
     try:
         with write_errors_named(tmp):
-            engine.save_checkpoint(str(tmp), tag=OPTIMIZER_TAG, client_state={}, save_latest=False)
+            if snapshot_done is None:
+                engine.save_checkpoint(str(tmp), tag=OPTIMIZER_TAG, client_state={}, save_latest=False)
+            else:
+                io, captured = engine.checkpoint_engine, []
+                io._otbflow_capture = captured
+                try:
+                    engine.save_checkpoint(str(tmp), tag=OPTIMIZER_TAG, client_state={}, save_latest=False)
+                finally:
+                    io._otbflow_capture = None
+                    snapshot_done.set()
+                for state, path in captured:
+                    save_checkpoint_file(state, path, io.zipfile_serialization)
+                del captured
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)  # a failed write (a full disk) leaves no partial state
         if writer is not None and rank == 0:
