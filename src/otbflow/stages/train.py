@@ -406,14 +406,10 @@ def written_state(adamw_dir: str, iteration: int) -> str:
 def newest_written(adamw_dir: str, updates: list[Update], tc: DictConfig, world_size: int):
     """(index in ``updates``, folder, meta) of the newest AdamW state a warm worker wrote in
     ``adamw_dir`` after one of ``updates`` (its policy's weights, this job's layout); None where
-    there is none. The older ones it finds are deleted."""
-    found = None
+    there is none (the writer keeps the newest only)."""
     for i in reversed(range(len(updates))):
         folder = written_state(adamw_dir, updates[i].iteration) if adamw_dir else ""
         if not folder or not Path(folder, OPTIMIZER_META).is_file():
-            continue
-        if found is not None:
-            shutil.rmtree(folder, ignore_errors=True)  # older than the one found
             continue
         try:
             identity = manifest.read(updates[i].policy)
@@ -421,8 +417,8 @@ def newest_written(adamw_dir: str, updates: list[Update], tc: DictConfig, world_
         except (OptimizerStateError, OSError, ValueError) as e:
             log.warning("%s: not used: %s", folder, e)
             continue
-        found = (i, folder, meta)
-    return found
+        return i, folder, meta
+    return None
 
 
 def reference(path: str, device, tc: DictConfig, world_size: int):

@@ -108,23 +108,26 @@ def save_checkpoint_file(state, path: str, zipfile_serialization: bool) -> None:
         torch.save(canonical(state), f, _use_new_zipfile_serialization=zipfile_serialization)
 
 
-def canonical(obj: Any, memo: dict[int, Any] | None = None) -> Any:
+def canonical(obj: Any, memo: dict[int, Any] | None = None, copies: dict | None = None) -> Any:
     """``obj`` with every string interned and its dicts, OrderedDicts, lists and tuples rebuilt
     around the same tensors and other objects (a container met twice is rebuilt once). Pickle
     writes a string object once and refers back to it after, so a state's bytes depended on which
     of its equal strings were one object: an AdamW state of equal tensors written by a warm
     engine (its param groups' keys, such as 'lr', the code's own strings) and after a load (new
-    strings from the file) differed in bytes, and a byte digest of the two found a difference."""
+    strings from the file) differed in bytes, and a byte digest of the two found a difference.
+    ``copies`` (a dict): every tensor copied to host memory too (``snapshot``)."""
     memo = {} if memo is None else memo
     if type(obj) is str:
         return sys.intern(obj)
+    if copies is not None and isinstance(obj, torch.Tensor):
+        return _host_copy(obj, copies)
     if type(obj) not in (dict, OrderedDict, list, tuple):
         return obj
     if id(obj) not in memo:
         if type(obj) in (dict, OrderedDict):
-            memo[id(obj)] = type(obj)((canonical(k, memo), canonical(v, memo)) for k, v in obj.items())
+            memo[id(obj)] = type(obj)((canonical(k, memo), canonical(v, memo, copies)) for k, v in obj.items())
         else:
-            memo[id(obj)] = type(obj)(canonical(v, memo) for v in obj)
+            memo[id(obj)] = type(obj)(canonical(v, memo, copies) for v in obj)
     return memo[id(obj)]
 
 
@@ -143,27 +146,21 @@ def snapshots(engine, world_size: int) -> bool:
     return world_size == 1 and (engine.device.type == "cuda" or SNAPSHOT_ON_CPU)
 
 
-def snapshot(obj: Any, memo: dict[int, Any] | None = None, storages: dict | None = None) -> Any:
-    """``obj`` (a DeepSpeed file's state) with every tensor's storage copied to host memory once,
-    each tensor a view of its copy with its own offset, shape and stride: what ``torch.save``
-    writes of it is what it writes of ``obj`` as it is now, whatever happens to ``obj`` after."""
-    memo = {} if memo is None else memo
-    storages = {} if storages is None else storages
-    if isinstance(obj, torch.Tensor):
-        storage = obj.untyped_storage()
-        key = (storage.data_ptr(), str(storage.device), storage.nbytes())
-        if key not in storages:
-            raw = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-            storages[key] = raw.to("cpu", copy=True).untyped_storage()
-        return torch.empty(0, dtype=obj.dtype).set_(storages[key], obj.storage_offset(), obj.size(), obj.stride())
-    if type(obj) not in (dict, OrderedDict, list, tuple):
-        return obj
-    if id(obj) not in memo:
-        if type(obj) in (dict, OrderedDict):
-            memo[id(obj)] = type(obj)((k, snapshot(v, memo, storages)) for k, v in obj.items())
-        else:
-            memo[id(obj)] = type(obj)(snapshot(v, memo, storages) for v in obj)
-    return memo[id(obj)]
+def snapshot(obj: Any) -> Any:
+    """``obj`` (a DeepSpeed file's state, ``canonical``) with every tensor's storage copied to host
+    memory once, each tensor a view of its copy with its own offset, shape and stride: what
+    ``torch.save`` writes of it is what it writes of ``obj`` as it is now, whatever happens to
+    ``obj`` after."""
+    return canonical(obj, copies={})
+
+
+def _host_copy(t: torch.Tensor, copies: dict) -> torch.Tensor:
+    storage = t.untyped_storage()
+    key = (storage.data_ptr(), str(storage.device), storage.nbytes())
+    if key not in copies:
+        raw = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+        copies[key] = raw.to("cpu", copy=True).untyped_storage()
+    return torch.empty(0, dtype=t.dtype).set_(copies[key], t.storage_offset(), t.size(), t.stride())
 
 
 def guard_checkpoint_io(engine) -> None:
@@ -184,7 +181,7 @@ def guard_checkpoint_io(engine) -> None:
     def save(state_dict, path: str) -> None:  # DeepSpeed passes both by name
         captured = getattr(io, "_otbflow_capture", None)
         if captured is not None:  # a snapshot, written later (save_optimizer_state)
-            captured.append((snapshot(canonical(state_dict)), path))
+            captured.append((snapshot(state_dict), path))
             return
         save_checkpoint_file(state_dict, path, io.zipfile_serialization)
 
