@@ -83,10 +83,6 @@ def readers(cfg: DictConfig, c: int) -> list[int]:
 def extension(cfg: DictConfig, k: int) -> bool:
     """Whether iteration k's AdamW state (and the policy it belongs to) is one the train jobs of a
     longer run would declare: a regular checkpoint from the one iteration ``iterations`` declares
-    on (the two newest), or with N = 1 the last."""
-    if not writes(cfg, k):
-        return False
+    on (the two newest; with N = 1 the last)."""
     first = declared(cfg, cfg.iterations)
-    return (every(cfg) == 1 and k == cfg.iterations - 1) or (
-        every(cfg) > 1 and regular(cfg, k) and (first is None or k >= first)
-    )
+    return regular(cfg, k) and (first is None or k >= first)

@@ -316,7 +316,7 @@ def run(cfg: DictConfig, args: Args) -> None:
         # a warm worker keeps the engine (written or not: train.optimizer_every): the next job, whose
         # inputs are these outputs, goes on with it
         adamw_dir = os.path.abspath(args.adamw_dir) if args.adamw_dir else ""  # the worker leaves the job's folder
-        held = Resident(engine, layout, fp, digest, meta, adamw_dir, rank, world_size, bool(args.optimizer))
+        held = Resident(engine, layout, meta, adamw_dir, rank, world_size, bool(args.optimizer))
         # rank 0's clock decides for every rank (the write is collective)
         due = tc.optimizer_every_min > 0 and resident.ENABLED and args.adamw_dir and not held.written
         if due and broadcast_text("1" if resident.due(tc.optimizer_every_min * 60) else "", engine.device):
@@ -371,20 +371,26 @@ def _write_optimizer_state(
 
 @dataclass
 class Resident:
-    """A warm worker's DeepSpeed engine after a job (``otbflow.runtime.resident``): its layout, the
-    fingerprint of the job that left it and the digest of the policy that job wrote; what a write of
-    its AdamW state records (``meta``, with the schedule) and where it goes (``adamw_dir``), and
+    """A warm worker's DeepSpeed engine after a job (``otbflow.runtime.resident``): its layout and
+    what a write of its AdamW state records (``meta``: the fingerprint of the job that left it, the
+    digest of the policy that job wrote, the schedule), where that write goes (``adamw_dir``) and
     whether it was written."""
 
     engine: object
     layout: dict
-    job_fingerprint: str
-    policy_weights: str
-    meta: dict = field(default_factory=dict)
+    meta: dict
     adamw_dir: str = ""
     rank: int = 0
     world_size: int = 1
     written: bool = False
+
+    @property
+    def job_fingerprint(self) -> str:
+        return self.meta["job_fingerprint"]
+
+    @property
+    def policy_weights(self) -> str:
+        return self.meta["policy_weights"]
 
     def retire(self) -> None:
         """The worker retires or is stopped: its state, unless written, goes to ``adamw_dir``, so
