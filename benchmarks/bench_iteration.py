@@ -27,8 +27,14 @@ work (interpreter, imports, config; the process's exit); ``timer_s``: the GPU-bo
 work, from the job's own records -- the rollout's generation and the features' forward pass (from
 their progress lines' final rate: the time from the first batch's start to the last's end) and
 the train job's optimizer steps (``step_time_s`` in its metrics); per job, as ``job_s``, and each
-job's in ``timers_s``. ``outside_timers_s`` per setting = ``period_s`` minus the timers of the
-stages on the chain an iteration waits for: loads, start-up, writes and hand-overs. ``chain_s``:
+job's in ``timers_s``. ``outside_timers_s`` per setting: the mean over iterations 1 on of each
+period minus the timers of that iteration's jobs on the chain it waits for (the slowest shard's;
+each in ``outside_timers_per_iteration_s``): loads, start-up, writes and hand-overs. (Records
+before 2026-11-29 took ``period_s`` minus every job's mean timers, the cold iteration 0's
+included, which read low by a share of that iteration's longer steps.) ``period_max_s``: the
+longest period. ``learning``: per iteration, the share of non-zero advantages, the elements that
+changed, what each reader read of its policy (bytes, seconds, elements set from a delta) and the
+train job's phases and publication (bytes written, the delta's bytes and elements). ``chain_s``:
 the sum over the stages one iteration must wait for of their mean job time (s = 0: rollout,
 features, advantages, train; s >= 1: features, advantages, train, the rollout being off that path)
 -- the critical path if every job started the moment its inputs existed; ``period_s - chain_s`` is
@@ -281,10 +287,12 @@ def run_setting(work: Path, name: str, policy: Path, iterations: int, cores: int
         }
     ends = sorted(j["end"] for j in js if j["stage"] == "train")
     periods = [b - a for a, b in zip(ends, ends[1:])]
+    on_path = STAGES[1:] if name in PIPELINED else STAGES
+    # per iteration k >= 1 (the period it ends): what its chain's jobs spent outside their timers
+    outside = [p - chain_timers(js, on_path, k + 1) for k, p in enumerate(periods)]
     # periods[i] is iteration i+1's: the AdamW state iteration i wrote is written during it
     written = adamw.written(load_config(DEFAULT_CONFIG, overrides))
     period = sum(periods) / len(periods) if periods else wall
-    on_path = STAGES[1:] if name in PIPELINED else STAGES
     chain = sum(stages[s]["job_s"] for s in on_path)
     job_seconds = sum(stages[s]["job_s"] * stages[s]["jobs"] for s in STAGES) / iterations
     return {
@@ -297,6 +305,7 @@ def run_setting(work: Path, name: str, policy: Path, iterations: int, cores: int
         "wall_s": wall,
         "per_iteration_s": wall / iterations,
         "period_s": period,
+        "period_max_s": max(periods) if periods else None,
         "periods_s": periods,
         "adamw_written": written,
         "periods_with_a_write_s": {i + 1: p for i, p in enumerate(periods) if i in written},
@@ -304,7 +313,8 @@ def run_setting(work: Path, name: str, policy: Path, iterations: int, cores: int
         "chain_stages": list(on_path),
         "scheduling_and_sharing_s": period - chain,
         "iterations": iterations,
-        "outside_timers_s": period - sum(stages[s]["timer_s"] for s in on_path),
+        "outside_timers_s": sum(outside) / len(outside) if outside else None,
+        "outside_timers_per_iteration_s": outside,
         "job_seconds_per_iteration": job_seconds,
         "core_floor_s": job_seconds / cores,
         "stages": stages,
@@ -312,6 +322,14 @@ def run_setting(work: Path, name: str, policy: Path, iterations: int, cores: int
         "learning": learning(folder / "results", iterations, policy),
         "crash": crash,
     }
+
+
+def chain_timers(js: list[dict], on_path, k: int) -> float:
+    """The timers of iteration k's jobs on the chain (``on_path``), the slowest shard's of each."""
+    return sum(
+        max((j["timer_s"] or 0.0 for j in js if j["stage"] == st and j["iteration"] == k), default=0.0)
+        for st in on_path
+    )
 
 
 def replay_cost(folder: Path, overrides: list[str], iterations: int, cores: int) -> dict:
@@ -380,8 +398,22 @@ def policy_loads(results: Path, k: int) -> dict:
             "bytes": sum(x["bytes"] or 0 for x in loads),
             "seconds": sum(x["seconds"] for x in loads),
             "trusted": all(x["trusted"] for x in loads) if loads else None,
+            # set from the folder's element-level delta (otbflow.runtime.delta), where every shard was
+            "delta_elements": sum(x["delta_elements"] for x in loads)
+            if loads and all("delta_elements" in x for x in loads)
+            else None,
         }
     return out
+
+
+def train_record(results: Path, k: int) -> dict:
+    """Iteration k's train job as its metrics' metadata records it: where its seconds went
+    (``phases_s``: load, setup, steps, publish, state) and what it wrote (``publish``: the policy's
+    bytes, the seconds, the delta's bytes and elements)."""
+    from otbflow.io import read_metadata
+
+    meta = read_metadata(results / f"iter_{k}/train/metrics.parquet")
+    return {"phases_s": meta.get("phases_s"), "publish": meta.get("publish")}
 
 
 def learning(results: Path, iterations: int, initial: Path) -> dict:
@@ -403,6 +435,7 @@ def learning(results: Path, iterations: int, initial: Path) -> dict:
                 "nonzero_advantage_share": nonzero,
                 **weight_changes(before, after),
                 "policy_loads": policy_loads(results, k),
+                "train": train_record(results, k),
             }
         )
         before = after

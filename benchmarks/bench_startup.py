@@ -80,7 +80,8 @@ def worker_train(model: str) -> dict:
     import otbflow.stages.train  # noqa: F401
     from otbflow.config import DEFAULT_CONFIG, load_config
     from otbflow.training.distributed import build_engine, init_distributed_env
-    from otbflow.training.state import full_fp32_state_dict, load_optimizer_state, save_optimizer_state, save_policy
+    from otbflow.training.publish import full_fp32_state_dict, save_policy
+    from otbflow.training.state import load_optimizer_state, save_optimizer_state
 
     out = {"import_s": _since(T_START)}
     tc = load_config(DEFAULT_CONFIG, []).train

@@ -19,6 +19,7 @@ from otbflow.models.policy import build_char_tokenizer
 from otbflow.stages.train import Args, run
 from otbflow.training import state as train_state
 from otbflow.training.distributed import init_distributed_env
+from otbflow.training.publish import published_dtype
 from otbflow.training.state import OptimizerStateError
 
 # the module-scoped fixtures of train_helpers: this file's own policy and features
@@ -63,7 +64,7 @@ def one_engine_reference(cfg, policy_dir, tables: list[Path]) -> dict[str, torch
     iteration k's in the train stage's seeded order: the weights one uninterrupted run ends with."""
     from otbflow.seeds import derive_seed
     from otbflow.training.distributed import build_engine
-    from otbflow.training.state import full_fp32_state_dict
+    from otbflow.training.publish import full_fp32_state_dict
     from otbflow.training.trainer import Trainer, load_rows, mini_batches
 
     init_distributed_env()
@@ -150,7 +151,7 @@ def test_which_policies_are_published_in_bf16():
         (("train.bf16=false",), "opt", torch.float32),
     ]
     for extra, optimizer, want in cases:
-        assert train_state.published_dtype(make_cfg(*bf16, *extra), optimizer) == want, (extra, optimizer)
+        assert published_dtype(make_cfg(*bf16, *extra), optimizer) == want, (extra, optimizer)
 
 
 def test_the_export_writes_the_fp32_master_weights_of_a_bf16_run(policy_dir, features_path, tmp_path):

@@ -299,6 +299,8 @@ class ResponseLogits:
 
 
 CHECK_TOKENS = 8
+HEAD_CHECKED = "_otbflow_head_checked"
+"""The attribute a module checked by ``check_head_logits`` holds its transform in."""
 
 
 def check_head_logits(model) -> LogitTransform | None:
@@ -307,7 +309,11 @@ def check_head_logits(model) -> LogitTransform | None:
     train, scaling and variance stages use (``ResponseLogits``: the body, lm_head, then
     ``logit_transform``). A ValueError naming the model type where the two differ by more than a
     tolerance relative to the largest logit (1e-4 at fp32, 2e-2 at bf16 or fp16, where the
-    forward computes the transform at the lower precision). Returns the transform applied."""
+    forward computes the transform at the lower precision). Returns the transform applied. Once per
+    module: what it checks is the architecture's, which a warm worker's resident module keeps
+    while its weights change (``otbflow.runtime.resident``)."""
+    if HEAD_CHECKED in vars(model):
+        return vars(model)[HEAD_CHECKED]
     transform = logit_transform(model)
     model_type = getattr(model.config, "model_type", type(model).__name__)
     head = model.get_output_embeddings()
@@ -337,6 +343,7 @@ def check_head_logits(model) -> LogitTransform | None:
         )
     if transform is not None:
         log.info("%s: logits = %s, as its forward computes them (max |diff| %.2g)", model_type, transform, err)
+    vars(model)[HEAD_CHECKED] = transform
     return transform
 
 

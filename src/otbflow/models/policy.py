@@ -153,7 +153,14 @@ def device() -> torch.device:
 def load_tokenizer(path: str | Path):
     """The tokenizer of a local HF folder, left-padding (batched generation), with a pad token
     (the eos token where the checkpoint has none). A folder without a tokenizer's vocabulary, or
-    whose tokenizer is far smaller than the model's embedding, is refused (``check_tokenizer``)."""
+    whose tokenizer is far smaller than the model's embedding, is refused (``check_tokenizer``).
+    A warm worker keeps it for the jobs after (``otbflow.runtime.resident.tokenizer``)."""
+    if resident.ENABLED:
+        return resident.tokenizer(path, _load_tokenizer)
+    return _load_tokenizer(path)
+
+
+def _load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 
     if not any((Path(path) / f).is_file() for f in VOCABULARY_FILES):

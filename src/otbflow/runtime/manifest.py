@@ -97,11 +97,21 @@ def _mac(body: dict, key: bytes) -> str:
     return blake3(json.dumps(body, sort_keys=True).encode(), key=k).hexdigest()
 
 
-def publish(tmp: str | Path, final: str | Path, binding: dict, key: bytes | None) -> str:
+def publish(
+    tmp: str | Path,
+    final: str | Path,
+    binding: dict,
+    key: bytes | None,
+    tensors: dict[str, dict] | None = None,
+    delta: dict | None = None,
+) -> str:
     """Write the manifest of the weights in ``tmp`` (the folder being written, published as
     ``final``) and return their identity. ``binding``: the iteration and the job's fingerprint;
-    with ``key`` (the run's secret) a MAC covers them, ``final``'s path and every digest."""
-    tensors = entries(tmp)
+    with ``key`` (the run's secret) a MAC covers them, ``final``'s path and every digest.
+    ``tensors``: the entries, where the writer computed them from the bytes it wrote
+    (``otbflow.runtime.tensorfile``); otherwise one pass over the files. ``delta``: the folder's
+    element-level delta from the policy before (``otbflow.runtime.delta``)."""
+    tensors = entries(tmp) if tensors is None else tensors
     body = {
         "format": FORMAT,
         "hash": HASH,
@@ -109,6 +119,7 @@ def publish(tmp: str | Path, final: str | Path, binding: dict, key: bytes | None
         **binding,
         "weights": identity(tensors),
         "tensors": tensors,
+        **({"delta": delta} if delta else {}),
     }
     # ``tmp`` is published whole in one rename (``otbflow.io.atomic_dir``): a plain write is enough
     (Path(tmp) / MANIFEST).write_text(json.dumps({**body, "mac": _mac(body, key) if key else None}, indent=1))

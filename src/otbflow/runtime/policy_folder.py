@@ -21,7 +21,10 @@ from typing import Any
 WEIGHTS = (".safetensors", ".bin")
 """The weight files transformers loads a policy from (safetensors, or PyTorch's .bin): what a
 policy's manifest lists (``otbflow.runtime.manifest``)."""
-WEIGHT_SUFFIXES = (*WEIGHTS, ".pt", ".pth", ".gguf")
+DELTA = "weights.delta"
+"""What changed since the policy before, element by element (``otbflow.runtime.delta``): a
+safetensors file under a name no model loader takes for weights."""
+WEIGHT_SUFFIXES = (*WEIGHTS, ".pt", ".pth", ".gguf", ".delta")
 """Every file of a policy folder that holds weights, those loaded and others a folder may bring;
 the rest (config, tokenizer) is small: what the retention policy deletes (``policy_weights``)."""
 
@@ -39,7 +42,7 @@ TOKENIZER_FILES = (
     "chat_template.json",
 )
 """Every file of a tokenizer that transformers saves or reads: a trained policy gets its input's,
-byte for byte (``otbflow.training.state.save_policy``)."""
+byte for byte (``otbflow.training.publish.save_policy``)."""
 # config.json keys that give a causal LM's positions (transformers' names across architectures).
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
 
@@ -89,7 +92,7 @@ def publishes_bf16(cfg) -> bool:
     fp32: where the policy computes in bf16 (``model.dtype``), trains in bf16 (``train.bf16``) and
     its fp32 master weights go on in the AdamW state the train jobs write (not
     ``train.reset_optimizer``). Every reader computes in ``model.dtype``: the bf16 policy is what
-    it held after casting the fp32 one (``otbflow.training.state.published_dtype``)."""
+    it held after casting the fp32 one (``otbflow.training.publish.published_dtype``)."""
     return bool(cfg.train.bf16) and not cfg.train.reset_optimizer and cfg.model.dtype == "bfloat16"
 
 

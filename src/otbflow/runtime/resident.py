@@ -4,8 +4,9 @@
   pass), one per (dtype, precision). A job whose policy folder holds the same weights (by their
   digests, never by its path: ``otbflow.runtime.manifest``) gets the resident module as it is; one
   with other weights of the same architecture has the tensors that differ copied into the resident
-  module in place, from the job's own input folder; another architecture or tokenizer is loaded
-  anew. ``KEY`` (the run's secret) decides which manifests are trusted without reading the files.
+  module in place, from the job's own input folder, or only the elements that changed where the
+  folder's delta starts from the weights it holds (``otbflow.runtime.delta``); another architecture
+  or tokenizer is loaded anew. ``KEY`` (the run's secret) decides which manifests are trusted without reading the files.
 - ``hold`` / ``take`` / ``drop``: named objects a stage keeps for the next job (the train stage's
   DeepSpeed engine with its AdamW state, the KL reference), each with the facts the next job must
   match to use it; ``drop`` forgets them (a failed or abandoned job: its state is not trusted).
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from otbflow.runtime import manifest
+from otbflow.runtime import delta, manifest
 from otbflow.runtime.policy_folder import architecture, tokenizer_digest
 
 log = logging.getLogger("otbflow.runtime.resident")
@@ -145,6 +146,16 @@ def join_snapshots() -> None:
         _SNAPSHOTS.pop(thread, None)
 
 
+def tokenizer(path: str | Path, load: Callable) -> Any:
+    """The tokenizer of the folder ``path`` as ``load(path)`` gives it, kept for the jobs after by
+    the digest of its files and the folder's architecture (the load checks the tokenizer against
+    the model's config): a run's policies share their tokenizer files byte for byte."""
+    key = f"tokenizer:{tokenizer_digest(path)}:{architecture(path)}"
+    if key not in _held:
+        _held[key] = load(path)
+    return _held[key]
+
+
 @dataclass
 class Policy:
     model: Any
@@ -164,9 +175,11 @@ LAST_LOAD: dict[str, Any] = {}
 jobs record it in their table's metadata (``policy_load``): the bytes a handover moved."""
 
 
-def loaded(tensors: int | None, nbytes: int, trusted: bool, seconds: float) -> None:
+def loaded(tensors: int | None, nbytes: int, trusted: bool, seconds: float, delta_elements: int | None = None) -> None:
     LAST_LOAD.clear()
     LAST_LOAD.update(tensors=tensors, bytes=nbytes, trusted=trusted, seconds=round(seconds, 3))
+    if delta_elements is not None:  # read from the folder's delta (otbflow.runtime.delta)
+        LAST_LOAD.update(delta_elements=delta_elements)
 
 
 def policy(path: str | Path, dtype: str, cast_to, load: Callable) -> tuple[Any, Any]:
@@ -185,6 +198,19 @@ def policy(path: str | Path, dtype: str, cast_to, load: Callable) -> tuple[Any, 
         if trusted and listed["weights"] == held.weights:
             loaded(0, 0, True, time.perf_counter() - t0)
             log.info("resident policy: %s holds the weights already resident", path)
+        elif trusted and delta.applies(listed.get("delta"), held.weights):
+            _held.pop(key)  # until the delta is set whole
+            changed, nbytes = delta.apply(held.model, path, listed["delta"])
+            held.tensors, held.weights = listed["tensors"], listed["weights"]
+            _held[key] = held
+            loaded(changed, nbytes, True, time.perf_counter() - t0, listed["delta"]["elements"])
+            log.info(
+                "resident policy: %d elements of %d tensors (%.1f MB) of %s set from its delta (manifest trusted)",
+                listed["delta"]["elements"],
+                changed,
+                nbytes / 1e6,
+                path,
+            )
         else:
             _held.pop(key)  # until the copy is whole: a failed one leaves a module of two policies
             tensors, moved = load_weights_in_place(

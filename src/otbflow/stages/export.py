@@ -28,7 +28,8 @@ from otbflow.training.distributed import (
     init_distributed_env,
     resident_engine,
 )
-from otbflow.training.state import check_optimizer_state, full_fp32_state_dict, load_optimizer_state, save_policy
+from otbflow.training.publish import full_fp32_state_dict, save_policy
+from otbflow.training.state import check_optimizer_state, load_optimizer_state
 
 log = logging.getLogger("otbflow.export")
 

@@ -28,7 +28,7 @@ from omegaconf import DictConfig
 from otbflow import schemas
 from otbflow.algorithms.lr_schedule import LRSchedule
 from otbflow.io import SchemaError, check_safetensors, fault_point, write_json, write_parquet
-from otbflow.models.policy import set_threads
+from otbflow.models.policy import load_tokenizer, set_threads
 from otbflow.runtime import adamw, manifest, policy_folder, resident
 from otbflow.runtime.process import me
 from otbflow.runtime.retention import OPTIMIZER_META
@@ -44,6 +44,7 @@ from otbflow.training.distributed import (
     resident_engine,
 )
 from otbflow.training.hardware import device_peak, matmul_parameters, mfu, step_flops
+from otbflow.training.publish import LAST_PUBLISH, published_dtype, published_state, save_policy
 from otbflow.training.replay import ReplayMismatch, Update, check_replayed, replay, updates_from_args
 from otbflow.training.state import (
     Checkpoints,
@@ -51,12 +52,9 @@ from otbflow.training.state import (
     check_optimizer_state,
     claim_optimizer_write,
     fingerprint,
-    full_fp32_state_dict,
     load_optimizer_state,
     optimizer_layout,
-    published_dtype,
     save_optimizer_state,
-    save_policy,
     snapshots,
 )
 from otbflow.training.trainer import Trainer, load_rows, mini_batches
@@ -117,6 +115,7 @@ class Args:
 
 def run(cfg: DictConfig, args: Args) -> None:
     set_threads()
+    phase = Phases()
     tc = cfg.train
     data = load_rows(args.advantages, cfg)
     n = len(data["response_ids"])
@@ -145,8 +144,11 @@ def run(cfg: DictConfig, args: Args) -> None:
         raise ValueError(f"the last of --replay-policies must be --policy {args.policy}, not {updates[-1].policy}")
     rank, world_size = init_distributed_env()
     # a warm worker's engine is not changed while its last state is being written (or copied, before
-    # it is written: save_optimizer_state's snapshot)
-    resident.join_snapshots()
+    # it is written: save_optimizer_state's snapshot): one rank waits only before its first update
+    # (forward and backward change nothing the write reads), several ranks now (the writer's
+    # collectives must not meet this job's)
+    if world_size > 1:
+        resident.join_snapshots()
     start_policy = args.replay_start if updates else args.policy  # what --prev-optimizer belongs to
     prev_meta: dict = {}
     if args.prev_optimizer:
@@ -183,11 +185,9 @@ def run(cfg: DictConfig, args: Args) -> None:
         )
     atexit.register(_destroy_process_group)
     fault_point("policy:loaded")  # the policy and AdamW state loaded and checked; no step timed yet
+    phase("load")
     ref_model = reference(args.reference, engine.device, tc, world_size) if tc.kl_coef > 0 else None
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(args.policy, local_files_only=True)
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    pad_id = load_tokenizer(args.policy).pad_token_id  # the eos token's where the policy has no pad token
     prev_schedule = json.loads(Path(args.prev_state).read_text()) if args.prev_state else None
     if updates and not warm:  # from iteration c's AdamW state to --policy, each update checked
         if later is None:
@@ -195,7 +195,7 @@ def run(cfg: DictConfig, args: Args) -> None:
         replayed = replay(engine, cfg, updates, start_schedule, pad_id, rank, world_size, ref_model)
         if prev_schedule is not None and replayed != prev_schedule:
             raise ReplayMismatch(f"the replayed schedule {replayed} is not --prev-state {args.prev_state}'s")
-    trainer = Trainer(engine, data, cfg, pad_id, rank, world_size, ref_model)
+    trainer = Trainer(engine, data, cfg, pad_id, rank, world_size, ref_model, resident.join_snapshots)
     peak = device_peak(engine.device)
     counts = matmul_parameters(engine.module.policy), None if ref_model is None else matmul_parameters(ref_model)
 
@@ -222,14 +222,15 @@ def run(cfg: DictConfig, args: Args) -> None:
     for row in metrics:  # the steps before the checkpoint, into the job's new curves
         tokens0 += row["tokens"]
         curves.log("train", _curve_values(row), step0 + row["step"], args.iteration, tokens0)
+    phase("setup")
 
     for i in range(start, len(plan)):
-        t0 = time.perf_counter()
+        t0, waited = time.perf_counter(), trainer.waited_s
         m = trainer.step(plan[i], schedule.lr())
         events = ["skipped: non-finite loss or gradient"] if m["skipped"] else []
         events += [e for e in [schedule.observe(m["mean_response_length"], m["tokens"])] if e]
         skips = skips + 1 if m["skipped"] else 0
-        seconds = time.perf_counter() - t0
+        seconds = time.perf_counter() - t0 - (trainer.waited_s - waited)  # not the wait for the AdamW write
         nonpad, response = m.pop("nonpad_tokens"), m.pop("response_tokens")
         metrics.append(
             {
@@ -278,14 +279,20 @@ def run(cfg: DictConfig, args: Args) -> None:
                 },
             )
 
+    resident.join_snapshots()  # no step ran (a job resumed after its last): its outputs read the engine
+    phase("steps")
+    if trainer.waited_s:
+        phase.seconds["steps"] -= round(trainer.waited_s, 4)
+        phase.seconds["adamw_wait"] = round(trainer.waited_s, 4)
     fault_point("train:before-outputs")
-    state = full_fp32_state_dict(engine, keep=rank == 0)  # collective: all ranks
+    dtype = published_dtype(cfg, args.optimizer)
+    state = published_state(engine, rank == 0, dtype)  # collective: all ranks
     published = ""  # the identity of the weights written (rank 0's; the manifest's)
     if rank == 0:
         binding = {"iteration": args.iteration, "job_fingerprint": fp}
-        dtype = published_dtype(cfg, args.optimizer)
         published = save_policy(engine, state, args.policy, args.out, binding, dtype)
     del state
+    phase("publish")
     fault_point("train:after-policy")  # the policy published, the optimizer state not yet
     background = None
     if args.optimizer or (resident.ENABLED and not tc.reset_optimizer):
@@ -325,6 +332,7 @@ def run(cfg: DictConfig, args: Args) -> None:
             background = functools.partial(_write_optimizer_state, engine, out, meta, None, rank, world_size, snap)
             writer = None
         resident.hold("train", held)
+    phase("state")
     if rank == 0:
         df = pl.DataFrame(metrics, schema=schemas.TRAIN_METRICS.columns)
         import deepspeed
@@ -342,17 +350,41 @@ def run(cfg: DictConfig, args: Args) -> None:
                 "temperature": cfg.rollout.temperature,
                 "resumed_at_step": start,
                 "schedule": schedule.to_dict(),
+                # where the job's seconds went, steps apart: what its timers leave out (docs/workers.md)
+                "phases_s": phase.seconds,
+                # the policy written: its bytes and, from a warm worker's copy, the delta's (docs/workers.md)
+                "publish": dict(LAST_PUBLISH) if published else None,
             },
         )
         if args.state:
             write_json(schedule.to_dict(), args.state)
-        log.info("%d steps on %d sequences; next policy in %s", len(plan), n, args.out)
+        log.info(
+            "%d steps on %d sequences; next policy in %s (%s)",
+            len(plan),
+            n,
+            args.out,
+            ", ".join(f"{k} {v:.2f} s" for k, v in phase.seconds.items()),
+        )
     ckpt.finish()
     curves.close()
     if background is not None:  # last: the job's own collectives (ckpt.finish's barrier) are over
         if rank == 0 and writer is not None:  # the writer's record before the job returns: a publisher waits
             claim_optimizer_write(os.path.abspath(args.optimizer), writer)
         resident.save_in_background(background, fatal=world_size > 1, snapshot=snap)
+
+
+class Phases:
+    """The seconds of a job's phases, each from the end of the one before: ``phase("load")``
+    closes the phase named load."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = round(now - self._last, 4)
+        self._last = now
 
 
 def _write_optimizer_state(

@@ -24,7 +24,7 @@ from otbflow.algorithms.lr_schedule import LRSchedule
 from otbflow.runtime import manifest, resident
 from otbflow.runtime.policy_folder import pruned_record
 from otbflow.seeds import derive_seed
-from otbflow.training.state import full_fp32_state_dict, published_dtype
+from otbflow.training.publish import full_fp32_state_dict, published_dtype
 from otbflow.training.trainer import Trainer, load_rows, mini_batches
 
 log = logging.getLogger("otbflow.train.replay")

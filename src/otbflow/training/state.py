@@ -1,4 +1,4 @@
-"""What a train job keeps on disk: the next policy (``save_policy``), the AdamW state across
+"""What a train job keeps on disk besides the next policy (``otbflow.training.publish``): the AdamW state across
 iterations (``check_optimizer_state`` refuses another layout or policy) and the resumable
 checkpoints within one job (``Checkpoints``). DeepSpeed's files of both are read as data only
 (``load_checkpoint_file``: a pickle that names anything but tensors, plain containers and
@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from otbflow.io import atomic_dir, check_job, read_json, write_errors_named, write_json, write_text
-from otbflow.runtime import adamw, manifest, resident
-from otbflow.runtime.policy_folder import TOKENIZER_FILES, check_not_pruned, publishes_bf16
+from otbflow.io import check_job, read_json, write_errors_named, write_json, write_text
+from otbflow.runtime import manifest, resident
+from otbflow.runtime.policy_folder import check_not_pruned
 from otbflow.runtime.retention import (
     OPTIMIZER_FAILED,
     OPTIMIZER_META,
@@ -187,65 +187,6 @@ def guard_checkpoint_io(engine) -> None:
 
     io.load, io.save = load_checkpoint_file, save
     io._otbflow_guarded = True
-
-
-# ------------------------------------------------------------------------------------------
-# The next policy
-# ------------------------------------------------------------------------------------------
-
-
-def full_fp32_state_dict(engine, keep: bool) -> dict[str, torch.Tensor]:
-    """The policy's full fp32 weights, on CPU (ZeRO's fp32 master weights where it keeps them).
-    Collective under ZeRO: every rank must call it; only ranks with ``keep`` hold the result."""
-    from deepspeed.utils import safe_get_full_fp32_param
-
-    policy = engine.module.policy
-    state = policy.state_dict()  # buffers, and every name of tied parameters
-    full: dict[int, torch.Tensor | None] = {}
-    for name, p in policy.named_parameters(remove_duplicate=False):
-        if id(p) not in full:
-            hp = safe_get_full_fp32_param(p)  # None where the module's parameter is the fp32 weight
-            if hp is None:
-                hp = p.detach()
-            full[id(p)] = hp.float().cpu() if keep else None
-        state[name] = full[id(p)]
-    return state if keep else {}
-
-
-def published_dtype(cfg: DictConfig, optimizer: str) -> torch.dtype:
-    """The precision of the policy a train job publishes: bf16 where the run publishes bf16
-    (``policy_folder.publishes_bf16``) and the fp32 master weights go on: this job writes the AdamW
-    state (``optimizer``), which holds them, or the run writes it every N >= 2 iterations
-    (``train.optimizer_every``), whose train jobs carry them in a warm worker's engine and otherwise
-    replay them from the last state written (``otbflow.training.replay``); fp32 otherwise (a job
-    that writes no AdamW state publishes its master weights). The bf16 tensors are the fp32
-    master's cast, which is what every reader computing in bf16 held after casting the fp32 policy
-    (tests/test_train_state.py, the ``_published`` layouts). Not the iteration: a run extended later
-    keeps what it published."""
-    carried = bool(optimizer) or adamw.every(cfg) > 1
-    return torch.bfloat16 if publishes_bf16(cfg) and carried else torch.float32
-
-
-def save_policy(
-    engine, state: dict[str, torch.Tensor], policy_dir: str, out: str, binding: dict | None = None, dtype=torch.float32
-) -> str:
-    """The next policy's HF folder: the trained weights (``state``: fp32, cast to ``dtype``:
-    ``published_dtype``) and config, the tokenizer of ``policy_dir`` copied byte for byte (not
-    saved anew: one tokenizer file for the whole run, which a warm worker's resident engine can
-    recognise by its digest), and last the manifest of its tensors
-    (``otbflow.runtime.manifest.publish``: ``binding`` and, in a worker, the run's key). Returns
-    the weights' identity."""
-    policy = engine.module.policy
-    cast: dict[int, torch.Tensor] = {}  # one cast per tensor: tied names (the output head) stay one tensor
-    state = {k: cast.setdefault(id(v), v.to(dtype)) if v.is_floating_point() else v for k, v in state.items()}
-    with atomic_dir(out) as tmp:  # a failed write (a full disk) raises its OSError naming ``out``
-        policy.save_pretrained(tmp, state_dict=state)
-        policy.config.dtype = str(dtype).removeprefix("torch.")  # what the files hold, not the module
-        policy.config.save_pretrained(tmp)
-        for name in TOKENIZER_FILES:
-            if (Path(policy_dir) / name).is_file():
-                shutil.copyfile(Path(policy_dir) / name, Path(tmp) / name)
-        return manifest.publish(tmp, out, binding or {}, resident.KEY)
 
 
 # ------------------------------------------------------------------------------------------

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,13 +41,16 @@ class Trainer:
     rank: int = 0
     world_size: int = 1
     ref_model: Any = None
+    before_update: Callable[[], None] | None = None
+    """Called before the optimizer's state or learning rate changes (a warm worker's AdamW write
+    of the job before may still read them: forward and backward do not change them)."""
+    waited_s: float = 0.0
+    """The seconds ``before_update`` took, summed: not the step's."""
 
     def step(self, mini: list[int], lr: float) -> dict:
         """One optimizer step on the mini-batch ``mini`` (row indices; every rank gets the same list
         and takes every world_size-th row) at learning rate ``lr``; returns the step's metrics."""
         engine, data, tc, world_size = self.engine, self.data, self.cfg.train, self.world_size
-        for group in engine.optimizer.param_groups:
-            group["lr"] = lr
         mask_sums = [sum(data["loss_mask"][i]) for i in mini]
         global_tokens = int(sum(mask_sums))  # pre-TRM counts: masked sequences count, as the paper's 1/N
         global_seqs = sum(1 for s in mask_sums if s > 0)
@@ -67,6 +72,12 @@ class Trainer:
                 norm_before_step = param_grad_norm(engine.module)  # fp32 without ZeRO reports no norm
         sums = dict(zip(SUMS, all_reduce([sums[k] for k in SUMS], world_size, engine.device)))
         maxes = dict(zip(MAXES, all_reduce([maxes[k] for k in MAXES], world_size, engine.device, op="max")))
+        if self.before_update is not None:
+            t0 = time.perf_counter()
+            self.before_update()
+            self.waited_s += time.perf_counter() - t0
+        for group in engine.optimizer.param_groups:
+            group["lr"] = lr
         if sums["bad"] and tc.zero_stage == 0:
             engine.zero_grad()  # discard the step; ZeRO >= 1 runs its own overflow check in step()
             skipped, norm = True, float("nan")
