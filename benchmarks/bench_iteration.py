@@ -439,7 +439,17 @@ def learning(results: Path, iterations: int, initial: Path) -> dict:
             }
         )
         before = after
-    return {"per_iteration": rows, "weights_changed": all((r["changed_share"] or 0) > 0 for r in rows)}
+    warm = rows[1:]  # iteration 0's readers load the initial policy whole
+    return {
+        "per_iteration": rows,
+        "weights_changed": all((r["changed_share"] or 0) > 0 for r in rows),
+        # what crossed between the stages per iteration, from iteration 1 on: the bytes each reader
+        # read of its policy (rollout and features, every shard), the train job's publication
+        "reader_bytes": [sum(x["bytes"] for x in r["policy_loads"].values()) for r in warm],
+        "published_bytes": [(r["train"]["publish"] or {}).get("bytes") for r in warm],
+        "delta_bytes": [(r["train"]["publish"] or {}).get("delta_bytes") for r in warm],
+        "publish_s": [(r["train"]["publish"] or {}).get("seconds") for r in warm],
+    }
 
 
 def ratios(result: dict) -> dict:

@@ -137,7 +137,7 @@ def test_the_resident_module_takes_only_the_tensors_that_changed(tiny_policy, tm
     resident.policy(first, "float32", None, _load_policy)
     with pytest.raises(manifest.ManifestMismatch, match=changed[0].replace(".", r"\.")):
         resident.policy(third, "float32", None, _load_policy)
-    assert not resident._held
+    assert not any(k.startswith("policy:") for k in resident._held)  # the tokenizer may stay
     # the second, whose manifest a reader holding it trusts, is not read again: a change made to its
     # files after publication is not seen by that reader, which computes with the weights published
     resident.policy(second, "float32", None, _load_policy)
