@@ -195,9 +195,11 @@ def test_the_tiny_run_on_workers_is_bitwise_the_run_without(tiny_run, tmp_path):
 
     published = results / "iter_0/train/policy"
     assert manifest.trusted(published, manifest.read(published), dispatch.secret(results))
-    load = read_metadata(results / "iter_1/features/shard_0.parquet")["policy_load"]
+    # the shard the worker ran first read them (Snakemake's order); the other found them resident
+    loads = [read_metadata(p)["policy_load"] for p in sorted((results / "iter_1/features").glob("shard_*.parquet"))]
+    load = max(loads, key=lambda x: x["bytes"])
     weights = (published / "model.safetensors").stat().st_size
-    assert load["trusted"] and 0 < load["bytes"] < weights
+    assert all(x["trusted"] for x in loads) and 0 < load["bytes"] < weights
     assert load["tensors"] == len(manifest.read(published)["tensors"])
     train_1 = (results / "logs/train/iter_1.log").read_text()
     assert "runs train" in train_1 and "train finished in" in train_1
