@@ -212,6 +212,8 @@ def run(cfg: DictConfig, args: Args) -> None:
     ckpt = Checkpoints(args.checkpoint_dir or str(Path(args.out).with_name("checkpoint")), fp, every, rank, world_size)
     metrics: list[dict] = []
     start, skips = 0, 0
+    if every:  # a checkpoint loads into the engine: not while its last state is being written
+        resident.join_snapshots()
     client = ckpt.load(engine)
     if client is not None:
         metrics, start, skips = client["metrics"], client["next_step"], client["consecutive_skips"]
@@ -352,7 +354,7 @@ def run(cfg: DictConfig, args: Args) -> None:
                 "schedule": schedule.to_dict(),
                 # where the job's seconds went, steps apart: what its timers leave out (docs/workers.md)
                 "phases_s": phase.seconds,
-                # the policy written: its bytes and, from a warm worker's copy, the delta's (docs/workers.md)
+                # the policy written: its bytes and, in a warm worker, its delta's (docs/workers.md)
                 "publish": dict(LAST_PUBLISH) if published else None,
             },
         )
