@@ -7,7 +7,8 @@ that rate::
     rollout: 96/256 prompts (38%), 41.3 prompts/s, 4 s left
 
 It logs nothing of its own when the work is tiny (fewer than ``min_items``), so short jobs keep
-short logs.
+short logs. ``Clock``: where a job's seconds went, phase by phase (the train job's ``phases_s``, the
+publication's parts).
 """
 
 from __future__ import annotations
@@ -48,3 +49,17 @@ class Progress:
             self.unit,
             "done" if self.done >= self.total else f"{left:.0f} s left",
         )
+
+
+class Clock:
+    """Adds the seconds since its last call to ``seconds[name]``: ``clock("load")`` closes the
+    phase named load (nothing is kept where ``seconds`` is None)."""
+
+    def __init__(self, seconds: dict[str, float] | None) -> None:
+        self.seconds, self.last = seconds, time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        if self.seconds is not None:
+            self.seconds[name] = self.seconds.get(name, 0.0) + now - self.last
+        self.last = now

@@ -11,11 +11,11 @@ the file's is cast into one scratch buffer, reused (no second copy of the model)
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from otbflow.progress import Clock
 from otbflow.runtime.manifest import DTYPES, HASH, _blake3
 
 SAFETENSORS_DTYPES = {torch_name: name for name, torch_name in DTYPES.items()}
@@ -99,19 +99,6 @@ def write(
             seen.result()
         clock("wait")
     return entries
-
-
-class Clock:
-    """Adds the seconds since its last call to ``seconds[name]`` (nothing where ``seconds`` is None)."""
-
-    def __init__(self, seconds: dict[str, float] | None) -> None:
-        self.seconds, self.last = seconds, time.perf_counter()
-
-    def __call__(self, name: str) -> None:
-        now = time.perf_counter()
-        if self.seconds is not None:
-            self.seconds[name] = self.seconds.get(name, 0.0) + now - self.last
-        self.last = now
 
 
 def _needs_copy(t, dtype) -> bool:

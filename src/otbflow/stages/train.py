@@ -29,6 +29,7 @@ from otbflow import schemas
 from otbflow.algorithms.lr_schedule import LRSchedule
 from otbflow.io import SchemaError, check_safetensors, fault_point, write_json, write_parquet
 from otbflow.models.policy import load_tokenizer, set_threads
+from otbflow.progress import Clock
 from otbflow.runtime import adamw, manifest, policy_folder, resident
 from otbflow.runtime.process import me
 from otbflow.runtime.retention import OPTIMIZER_META
@@ -115,7 +116,7 @@ class Args:
 
 def run(cfg: DictConfig, args: Args) -> None:
     set_threads()
-    phase = Phases()
+    phase = Clock({})  # where the job's seconds went (its metrics' phases_s)
     tc = cfg.train
     data = load_rows(args.advantages, cfg)
     n = len(data["response_ids"])
@@ -283,9 +284,8 @@ def run(cfg: DictConfig, args: Args) -> None:
 
     resident.join_snapshots()  # no step ran (a job resumed after its last): its outputs read the engine
     phase("steps")
-    if trainer.waited_s:
-        phase.seconds["steps"] -= round(trainer.waited_s, 4)
-        phase.seconds["adamw_wait"] = round(trainer.waited_s, 4)
+    phase.seconds["steps"] -= trainer.waited_s
+    phase.seconds["adamw_wait"] = trainer.waited_s
     fault_point("train:before-outputs")
     dtype = published_dtype(cfg, args.optimizer)
     state = published_state(engine, rank == 0, dtype)  # collective: all ranks
@@ -353,7 +353,7 @@ def run(cfg: DictConfig, args: Args) -> None:
                 "resumed_at_step": start,
                 "schedule": schedule.to_dict(),
                 # where the job's seconds went, steps apart: what its timers leave out (docs/workers.md)
-                "phases_s": phase.seconds,
+                "phases_s": {k: round(v, 4) for k, v in phase.seconds.items()},
                 # the policy written: its bytes and, in a warm worker, its delta's (docs/workers.md)
                 "publish": dict(LAST_PUBLISH) if published else None,
             },
@@ -373,20 +373,6 @@ def run(cfg: DictConfig, args: Args) -> None:
         if rank == 0 and writer is not None:  # the writer's record before the job returns: a publisher waits
             claim_optimizer_write(os.path.abspath(args.optimizer), writer)
         resident.save_in_background(background, fatal=world_size > 1, snapshot=snap)
-
-
-class Phases:
-    """The seconds of a job's phases, each from the end of the one before: ``phase("load")``
-    closes the phase named load."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self._last = time.perf_counter()
-
-    def __call__(self, name: str) -> None:
-        now = time.perf_counter()
-        self.seconds[name] = round(now - self._last, 4)
-        self._last = now
 
 
 def _write_optimizer_state(

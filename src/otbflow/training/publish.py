@@ -25,9 +25,9 @@ log = logging.getLogger("otbflow.train")
 
 WEIGHTS_FILE = "model.safetensors"
 LAST_PUBLISH: dict = {}
-"""What the last ``save_policy`` of this process wrote: {bytes, seconds, parts_s (the weight file's
-cast, hash, write and delta comparison), delta_bytes, delta_elements}; the train job records it
-in its metrics' metadata (``publish``)."""
+"""What the last ``save_policy`` of this process wrote: {bytes, seconds, parts_s (``tensorfile.write``'s
+seconds), delta_bytes, delta_elements}; the train job records it in its metrics' metadata
+(``publish``)."""
 
 
 def full_fp32_state_dict(engine, keep: bool) -> dict[str, torch.Tensor]:
@@ -96,11 +96,12 @@ def written_names(state: dict[str, torch.Tensor]) -> list[str]:
 def save_policy(
     engine, state: dict[str, torch.Tensor], policy_dir: str, out: str, binding: dict | None = None, dtype=torch.float32
 ) -> str:
-    """The next policy's HF folder: the trained weights (``state``: fp32, written as ``dtype``:
-    ``published_dtype``) and config, the tokenizer of ``policy_dir`` copied byte for byte (not
-    saved anew: one tokenizer file for the whole run, which a warm worker's resident engine can
-    recognise by its digest), in a warm worker publishing bf16 the delta from ``policy_dir``
-    (``otbflow.runtime.delta``), and last the manifest of its tensors
+    """The next policy's HF folder: the trained weights (``state``: ``published_state``'s or the
+    fp32 master, written as ``dtype``: ``published_dtype``) and config, the tokenizer of
+    ``policy_dir`` copied byte for byte (not saved anew: one tokenizer file for the whole run,
+    which a warm worker's resident engine can recognise by its digest), in a warm worker
+    publishing bf16 the delta from ``policy_dir`` (``otbflow.runtime.delta``), and last the
+    manifest of its tensors
     (``otbflow.runtime.manifest.publish``: ``binding`` and, in a worker, the run's key). Returns
     the weights' identity."""
     t0 = time.perf_counter()
@@ -128,7 +129,8 @@ def save_policy(
     LAST_PUBLISH.update(
         bytes=(Path(out) / WEIGHTS_FILE).stat().st_size,
         seconds=round(time.perf_counter() - t0, 3),
-        parts_s={k: round(v, 3) for k, v in seconds.items()},  # cast, hash, write, each (the delta's comparison)
+        # cast, hash, and wait: for the write and the delta's comparison, which run beside them
+        parts_s={k: round(v, 3) for k, v in seconds.items()},
         delta_bytes=changes["bytes"] if changes else None,
         delta_elements=changes["elements"] if changes else None,
     )
