@@ -6,7 +6,7 @@ of the weights) and offers no digest; the format is its documented one (an 8-byt
 header length, the JSON header padded with spaces to 8 bytes, the tensors' bytes in the header's
 ``data_offsets``), so that transformers, vLLM and safetensors read the file as their own, and
 ``otbflow.runtime.manifest.entries`` finds the same digests in it. A tensor in another dtype than
-the file's is cast into one scratch buffer, reused (no second copy of the model)."""
+the file's is cast into one of two scratch buffers, reused (no second copy of the model)."""
 
 from __future__ import annotations
 
@@ -24,20 +24,19 @@ THREADED = 1 << 24
 """From this many bytes a tensor is hashed on every core (BLAKE3's tree)."""
 
 
-def header(items: list[tuple[str, object]], metadata: dict[str, str] | None = None) -> tuple[bytes, list[int]]:
-    """(the header's bytes, each tensor's start in the data) of a file holding ``items`` (name,
-    torch tensor giving its shape; the dtype: ``dtype`` of ``write``) in that order."""
+def header(items: list[tuple[str, tuple]], metadata: dict[str, str] | None = None) -> bytes:
+    """The header of a file holding ``items`` ((name, (torch tensor giving its shape, the dtype
+    written)) pairs) in that order: its length, then the JSON padded with spaces to 8 bytes."""
     out: dict[str, dict] = {"__metadata__": metadata} if metadata else {}
-    starts, at = [], 0
+    at = 0
     for name, (t, dtype) in items:
         n = t.numel() * dtype.itemsize
         out[name] = {"dtype": SAFETENSORS_DTYPES[str(dtype).removeprefix("torch.")], "shape": list(t.shape)}
         out[name]["data_offsets"] = [at, at + n]
-        starts.append(at)
         at += n
     text = json.dumps(out, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    return len(text).to_bytes(8, "little") + text, starts
+    return len(text).to_bytes(8, "little") + text
 
 
 def write(
@@ -60,7 +59,7 @@ def write(
     import torch
 
     items = [(n, (t, dtype if dtype is not None and t.is_floating_point() else t.dtype)) for n, t in tensors]
-    head, _ = header(items, metadata)
+    head = header(items, metadata)
     biggest = max((t.numel() * d.itemsize for _, (t, d) in items if _needs_copy(t, d)), default=0)
     scratch = [torch.empty(biggest, dtype=torch.uint8) for _ in range(2 if biggest else 0)]
     blake3, entries = _blake3(), {}
