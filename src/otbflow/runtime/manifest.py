@@ -59,6 +59,11 @@ def safetensors_layout(path: Path) -> tuple[int, dict]:
     return 8 + n, header
 
 
+def entry(file: str, dtype: str, shape, digest: str) -> dict:
+    """A tensor's manifest entry: the file that holds it, its safetensors dtype, shape and BLAKE3."""
+    return {"file": file, "dtype": dtype, "shape": list(shape), HASH: digest}
+
+
 def entries(folder: str | Path) -> dict[str, dict]:
     """Every tensor of the folder's weight files, by name: {file, dtype, shape, blake3}; a weight
     file other than safetensors (a PyTorch ``.bin``) as one entry ``file:<name>``. One pass."""
@@ -68,7 +73,7 @@ def entries(folder: str | Path) -> dict[str, dict]:
         if path.suffix != ".safetensors":
             h = blake3()
             h.update_mmap(str(path))
-            out[f"file:{path.name}"] = {"file": path.name, "dtype": "file", "shape": [], HASH: h.hexdigest()}
+            out[f"file:{path.name}"] = entry(path.name, "file", [], h.hexdigest())
             continue
         start, header = safetensors_layout(path)
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
@@ -78,7 +83,7 @@ def entries(folder: str | Path) -> dict[str, dict]:
                     t = header[name]
                     a, b = t["data_offsets"]
                     digest = blake3(view[start + a : start + b]).hexdigest()
-                    out[name] = {"file": path.name, "dtype": t["dtype"], "shape": list(t["shape"]), HASH: digest}
+                    out[name] = entry(path.name, t["dtype"], t["shape"], digest)
             finally:
                 view.release()
     return out

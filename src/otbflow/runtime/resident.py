@@ -286,12 +286,7 @@ def load_weights_in_place(model, path: Path, want: dict | None = None, have: dic
                     raise ValueError(f"{file}: tensor {name} is cut short (the file ends before its bytes)")
                 digest = blake3(raw).hexdigest()
                 raw.release()
-                tensors[name] = {
-                    "file": file.name,
-                    "dtype": t["dtype"],
-                    "shape": list(t["shape"]),
-                    manifest.HASH: digest,
-                }
+                tensors[name] = manifest.entry(file.name, t["dtype"], t["shape"], digest)
                 if want is not None and listed != digest:
                     bad.append(name)  # the module is dropped (``policy``): what it now holds is not trusted
                     continue

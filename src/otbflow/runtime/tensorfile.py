@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from otbflow.progress import Clock
-from otbflow.runtime.manifest import DTYPES, HASH, _blake3
+from otbflow.runtime.manifest import DTYPES, _blake3, entry
 
 SAFETENSORS_DTYPES = {torch_name: name for name, torch_name in DTYPES.items()}
 """torch's dtype names -> safetensors' (a header's ``dtype``)."""
@@ -87,12 +87,7 @@ def write(
             clock("wait")
             pending = writer.submit(f.write, raw)
             seen = seer.submit(each, name, data) if each is not None else None
-            entries[name] = {
-                "file": Path(path).name,
-                "dtype": SAFETENSORS_DTYPES[str(d).removeprefix("torch.")],
-                "shape": list(t.shape),
-                HASH: digest,
-            }
+            entries[name] = entry(Path(path).name, SAFETENSORS_DTYPES[str(d).removeprefix("torch.")], t.shape, digest)
         pending.result()
         if seen is not None:
             seen.result()
