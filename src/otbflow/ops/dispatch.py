@@ -7,7 +7,8 @@ job starts the client (``python -m otbflow.ops.dispatch``): it hands the job to 
 kind (and, for a train job of several processes, of as many ranks) and waits for it, or, with none,
 runs the stage in its own process as before (``os.execvp`` of ``python -m otbflow STAGE ...``, under
 the ``launcher`` of several processes where it has them: the same command, the same outputs). The
-client imports no torch and no otbflow module but this one.
+client imports no torch and no otbflow module but this one and ``runtime.process`` (a
+publish_optimizer client also ``runtime.retention``, whose writer it waits for: ``wait_before``).
 
 The transport is the results folder itself (a shared filesystem reaches every node of a cluster,
 and no port is opened): everything lives under ``<results>/.workers/``, a folder of the run's user
@@ -479,6 +480,17 @@ def exit_on_signals():
 OPTIONS = ("--results", "--code", "--wait-min", "--threads", "--tasks", "--cpus-per-task")
 
 
+def wait_before(stage: str, argv: list[str]) -> None:
+    """What a job would only wait for once on its worker, waited for here first, so that the
+    worker stays free: a publish_optimizer job, for the AdamW state that the train worker is still
+    writing in the background (``--pending``; ``otbflow.runtime.retention.wait_for_writer``), which
+    would otherwise hold the train worker, and the next train job behind it, until the write ends."""
+    if stage == "publish_optimizer" and "--pending" in argv[:-1]:
+        from otbflow.runtime.retention import wait_for_writer
+
+        wait_for_writer(argv[argv.index("--pending") + 1])
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m otbflow.ops.dispatch --results DIR --code VERSION [--tasks T --cpus-per-task C]
     [--wait-min M --threads N] STAGE [stage arguments]``: the job on a worker (of T ranks), or in
@@ -494,6 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     stage, rest = args[0].replace("-", "_"), args[1:]
     tasks = int(opts.get("tasks", 1))
     die_with_parent()
+    wait_before(stage, rest)
     if stage in KIND_OF and "results" in opts:
         client = Client(opts["results"], stage, opts.get("code", ""), rest, threads=opts.get("threads"), tasks=tasks)
         with exit_on_signals():

@@ -100,6 +100,37 @@ def optimizer_partial(folder: str | Path) -> Path:
     return p.with_name(f".{p.name}.partial")
 
 
+def writer_alive(pending: str | Path) -> bool:
+    """Whether a process is writing the optimizer folder ``pending`` now (its ``OPTIMIZER_WRITER``
+    record): on this host while its process runs, elsewhere while its heartbeat is fresh. Not
+    this process, whose own writes are joined instead."""
+    from otbflow.runtime.process import alive, me
+
+    record = optimizer_partial(pending) / OPTIMIZER_WRITER
+    try:
+        info = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(info, dict) or all(info.get(k) == v for k, v in me().items()):
+        return False
+    return alive(info, Path(info.get("heartbeat") or record), by_pid_here=True)
+
+
+WRITER_WAIT_S = 3600.0
+"""The longest a publisher waits for a live writer of an optimizer state (``wait_for_writer``)."""
+
+
+def wait_for_writer(pending: str | Path, wait_s: float = WRITER_WAIT_S, poll_s: float = 0.5) -> float:
+    """Wait while the optimizer state ``pending`` is unfinished (no ``OPTIMIZER_META``) and its
+    writer lives (``writer_alive``), ``wait_s`` at most; the seconds waited."""
+    start = time.monotonic()
+    while not (Path(pending) / OPTIMIZER_META).is_file() and writer_alive(pending):
+        if time.monotonic() - start > wait_s:
+            break
+        time.sleep(poll_s)
+    return time.monotonic() - start
+
+
 def optimizer_state(folder: str | Path) -> list[Path]:
     """The DeepSpeed checkpoint of an optimizer folder (its meta.json is kept)."""
     return [p for p in [Path(folder) / "state"] if p.exists()]

@@ -5,10 +5,11 @@ The train job writes the optimizer state (a DeepSpeed checkpoint, 3x the fp32 we
 its own process it does so before it ends; a warm train worker (docs/workers.md) does so in the
 background after the job has returned its policy, so that the next iteration's rollouts and
 features, which need only the policy, do not wait for that write. This job (a local job of the
-head, handed to the train worker where one runs) waits for the write, checks that the state is
-the one of the policy the job published (``meta.json``'s policy digest against ``--policy``) and
-renames it to ``iter_k/train/optimizer``, the declared output that the next train job and
-retention read: complete before any reader starts.
+head, handed to the train worker where one runs, but only once its client has waited for the
+write, ``otbflow.ops.dispatch.wait_before``: the worker stays free for the next train job) waits
+for the write, checks that the state is the one of the policy the job published (``meta.json``'s
+policy digest against ``--policy``) and renames it to ``iter_k/train/optimizer``, the declared
+output that the next train job and retention read: complete before any reader starts.
 
 When the state is lost (the worker died while writing it, its write failed, e.g. on a full disk,
 whose error it names, or an older state of other weights lies there), iteration k's train outputs
@@ -31,12 +32,9 @@ from omegaconf import DictConfig
 
 from otbflow.io import check_job, read_json
 from otbflow.runtime import manifest, resident
-from otbflow.runtime.retention import OPTIMIZER_FAILED, OPTIMIZER_META, OPTIMIZER_WRITER, optimizer_partial
+from otbflow.runtime.retention import OPTIMIZER_FAILED, OPTIMIZER_META, optimizer_partial, wait_for_writer
 
 log = logging.getLogger("otbflow.publish_optimizer")
-
-WAIT_S = 3600.0
-"""The longest a publisher waits for a live writer in another process."""
 
 
 class OptimizerStateLost(RuntimeError):
@@ -55,27 +53,11 @@ class Args:
     """The train job's outputs, removed when the state is lost, so that the same command redoes it."""
 
 
-def writer_alive(pending: str | Path) -> bool:
-    """Whether a process is writing ``pending`` now (its OPTIMIZER_WRITER record): on this host
-    while its process runs, elsewhere while its heartbeat is fresh."""
-    from otbflow.runtime.process import alive, me
-
-    record = optimizer_partial(pending) / OPTIMIZER_WRITER
-    if (info := read_json(record)) is None:
-        return False
-    if all(info.get(k) == v for k, v in me().items()):  # this process, whose writes were joined
-        return False
-    return alive(info, Path(info.get("heartbeat") or record), by_pid_here=True)
-
-
 def run(cfg: DictConfig, args: Args) -> None:
     start = time.monotonic()
     if resident.ENABLED:  # a warm train worker: its own writes in the background first
         resident.join_writes()
-    while not (Path(args.pending) / OPTIMIZER_META).is_file() and writer_alive(args.pending):
-        if time.monotonic() - start > WAIT_S:
-            break
-        time.sleep(0.5)
+    wait_for_writer(args.pending)
     why = None
     meta_path = Path(args.pending) / OPTIMIZER_META
     if not meta_path.is_file():
