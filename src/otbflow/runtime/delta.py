@@ -19,6 +19,7 @@ readers that hold something else."""
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 from otbflow.runtime import manifest, tensorfile
@@ -27,15 +28,28 @@ from otbflow.runtime.policy_folder import DELTA as FILE
 WHOLE = 1 / 3
 """A tensor whose changed share is above this goes whole (its positions would cost more)."""
 CHUNK = 1 << 22
-"""Elements compared at a time: the mask stays in the cache and is allocated once."""
+"""Bytes compared at a time (a chunk's masks stay in the cache)."""
+
+
+def changed(new, old, itemsize: int):
+    """The flat positions of the elements of ``itemsize`` bytes whose bits differ between the
+    byte arrays ``new`` and ``old`` (numpy uint8, equal lengths), ascending (int64), compared a
+    chunk at a time."""
+    import numpy as np
+
+    bits = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[itemsize]
+    a, b, step = new.view(bits), old.view(bits), CHUNK // itemsize
+    found = [i + np.flatnonzero(a[i : i + step] != b[i : i + step]) for i in range(0, len(a), step)]
+    return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
 
 
 class Base:
     """The policy a train job started from, as its folder's files hold it: what ``observe``
-    compares each tensor being written with. Each tensor of the base is read from its file into one
-    buffer (``readinto``: nothing mapped, no copy of the model kept) and checked against the digest
-    its manifest lists; a base that does not match (its files changed after publication) gives no
-    delta. A base without a manifest, or not in safetensors, gives none either (``usable``)."""
+    compares each tensor being written with. Each tensor of the base is read from its file where it
+    lies (mapped, not copied; its pages let go once compared, so no copy of the model stays in
+    memory) and checked against the digest its manifest lists; a base that does not match (its
+    files changed after publication) gives no delta. A base without a manifest, or not in
+    safetensors, gives none either (``usable``)."""
 
     def __init__(self, folder: str | Path) -> None:
         self.folder = Path(folder)
@@ -47,16 +61,16 @@ class Base:
             for e in self.listed.values()
         )
         self.layouts: dict[str, tuple[int, dict]] = {}
-        self.buffer = None
-        self.mask = None
         self.changes: dict = {}
         self.elements = 0
         self.broken = ""
+        self.release = None
 
     def _read(self, name: str, nbytes: int):
-        """The base's bytes of ``name`` (a uint8 tensor), checked against its digest; None where
-        the base has no such tensor of that size or its bytes do not match."""
-        import torch
+        """The base's bytes of ``name`` (a read-only uint8 array over the mapped file, unmapped with
+        its last view; ``release`` lets go of its pages), checked against its digest; None where the
+        base has no such tensor of that size or its bytes do not match."""
+        import numpy as np
 
         entry = self.listed.get(name)
         if entry is None:
@@ -66,41 +80,34 @@ class Base:
             self.layouts[entry["file"]] = manifest.safetensors_layout(file)
         start, header = self.layouts[entry["file"]]
         a, b = header.get(name, {}).get("data_offsets", (0, -1))
-        if b - a != nbytes:
-            return None
-        if self.buffer is None or self.buffer.numel() < nbytes:
-            self.buffer = torch.empty(nbytes, dtype=torch.uint8)
-        out = self.buffer[:nbytes]
-        with open(file, "rb", buffering=0) as f:
-            f.seek(start + a)
-            got = f.readinto(memoryview(out.numpy())) if nbytes else 0
-        blake3 = manifest._blake3()
-        threads = blake3.AUTO if nbytes >= tensorfile.THREADED else 1
-        if got != nbytes or blake3(memoryview(out.numpy()), max_threads=threads).hexdigest() != entry[manifest.HASH]:
+        if b - a != nbytes or not nbytes:
+            return None if b - a != nbytes else np.empty(0, dtype=np.uint8)
+        with open(file, "rb") as f:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        if mapped.size() < start + b:
             self.broken = self.broken or name
             return None
-        return out
-
-    def _differ(self, a, b):
-        """The mask of ``a != b``, in a buffer reused from chunk to chunk."""
-        import numpy as np
-
-        if self.mask is None:
-            self.mask = np.empty(CHUNK, dtype=bool)
-        return np.not_equal(a, b, out=self.mask[: len(a)])
+        view = np.frombuffer(mapped, dtype=np.uint8, count=nbytes, offset=start + a)
+        first = (start + a) // mmap.PAGESIZE * mmap.PAGESIZE
+        self.release = lambda: mapped.madvise(mmap.MADV_DONTNEED, first, start + b - first)
+        blake3 = manifest._blake3()
+        threads = blake3.AUTO if nbytes >= tensorfile.THREADED else 1
+        if blake3(view, max_threads=threads).hexdigest() != entry[manifest.HASH]:
+            self.broken = self.broken or name
+            return None
+        return view
 
     def observe(self, name: str, new) -> None:
         """Compare ``new`` (a tensor as written: CPU, contiguous, the file's dtype) with the base's
         tensor of that name and keep what changed."""
-        import numpy as np
         import torch
 
         if not self.usable or self.broken:
             return
+        entry = self.listed.get(name, {})
         old = self._read(name, new.numel() * new.element_size())
         if self.broken:
             return
-        entry = self.listed.get(name, {})
         same = old is not None and entry.get("shape") == list(new.shape)
         same = same and manifest.DTYPES.get(entry.get("dtype")) == str(new.dtype).removeprefix("torch.")
         if not same:  # a tensor the base lacks, or of another shape or dtype: whole
@@ -109,12 +116,9 @@ class Base:
             return
         if not new.numel():
             return
-        bits = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[new.element_size()]
-        a = new.reshape(-1).view(torch.uint8).numpy().view(bits)
-        b = old.numpy().view(bits)
-        where = np.concatenate(
-            [i + np.flatnonzero(self._differ(a[i : i + CHUNK], b[i : i + CHUNK])) for i in range(0, len(a), CHUNK)]
-        )
+        where = changed(new.reshape(-1).view(torch.uint8).numpy(), old, new.element_size())
+        self.release()  # its pages: the page cache keeps them, this process's resident set does not
+        self.release = None
         if len(where) > WHOLE * new.numel():
             self.changes[f"{name}@value"] = new.clone()
         elif len(where):
@@ -126,7 +130,6 @@ class Base:
     def write(self, folder: str | Path) -> dict | None:
         """Write the changes found into ``folder``'s ``FILE`` and return the manifest's ``delta``
         section ({base, file, elements, bytes, tensors: digests}); None where the base gave none."""
-        self.buffer = self.mask = None
         if not self.usable or self.broken:
             return None
         path = Path(folder) / FILE
