@@ -146,6 +146,49 @@ def test_the_resident_module_takes_only_the_tensors_that_changed(tiny_policy, tm
     assert resident.LAST_LOAD["tensors"] == 0
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "qwen2", "llama"])
+@pytest.mark.parametrize("dtype, cast_to", [("float32", None), ("bfloat16", torch.float32)])
+def test_a_warm_workers_first_load_is_from_pretrained_s_module(arch, dtype, cast_to, tmp_path, monkeypatch):
+    """A warm worker's first load of a folder builds the module without its weights and reads every
+    tensor into it: its parameters and buffers (the rotary frequencies included), config and
+    generation config are those of transformers' from_pretrained of the same folder, bitwise, for
+    tied (GPT-2, Qwen2) and untied (Llama) heads, and cast after as the cold load casts; the
+    digests it computed while reading are those of a read-back of the file; and a folder whose file
+    changed after its manifest was written is refused."""
+    from conftest import tiny_config
+
+    from otbflow.models.policy import _load_policy, build_char_tokenizer, build_tiny_model, load_policy
+
+    tok = build_char_tokenizer()
+    model = build_tiny_model(tiny_config(f"model.arch={arch}").model, tok, seed=0)
+    folder = tmp_path / "policy"
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    monkeypatch.setattr(resident, "_held", {})
+    monkeypatch.setattr(resident, "ENABLED", True)
+    ours, _ = load_policy(folder, dtype, cast_to)
+    assert resident._held[f"policy:{dtype}:{cast_to}"].tensors == manifest.entries(folder)
+    theirs, _ = _load_policy(folder, dtype, cast_to)
+    for kind in ("named_parameters", "named_buffers"):
+        a, b = dict(getattr(ours, kind)(remove_duplicate=False)), dict(getattr(theirs, kind)(remove_duplicate=False))
+        assert sorted(a) == sorted(b), kind
+        for name in b:
+            assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+    assert ours.config.to_dict() == theirs.config.to_dict()
+    assert ours.generation_config.to_dict() == theirs.generation_config.to_dict()
+    if arch != "llama":
+        assert ours.get_output_embeddings().weight is ours.get_input_embeddings().weight
+
+    state = load_file(folder / "model.safetensors")
+    manifest.publish(folder, folder, {"iteration": 1, "job_fingerprint": "f" * 16}, None)
+    name = sorted(state)[0]
+    state[name] = state[name] + 1
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    monkeypatch.setattr(resident, "_held", {})
+    with pytest.raises(manifest.ManifestMismatch, match=name.replace(".", r"\.")):
+        load_policy(folder, dtype, cast_to)
+
+
 def test_a_published_policy_and_its_manifest_survive_pruning(tiny_policy, tmp_path):
     folder = published(tiny_policy, tmp_path)
     listed = manifest.read(folder)

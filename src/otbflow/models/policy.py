@@ -184,7 +184,7 @@ def load_policy(path: str | Path, dtype: str = "float32", cast_to: torch.dtype |
     check_not_pruned(path)
     check_safetensors(path)
     if resident.ENABLED:  # a warm worker: the resident module where it fits (otbflow.runtime.resident)
-        model, tok = resident.policy(path, dtype, cast_to, _load_policy)
+        model, tok = resident.policy(path, dtype, cast_to, _load_resident)
     else:
         t0 = time.perf_counter()
         model, tok = _load_policy(path, dtype, cast_to)
@@ -203,6 +203,38 @@ def _load_policy(path: Path, dtype: str, cast_to: torch.dtype | None):
     model = model.to(device())
     model.eval()
     return model, tok
+
+
+def _load_resident(path: Path, dtype: str, cast_to: torch.dtype | None):
+    """(model, tokenizer, the folder's manifest entries) as ``_load_policy`` gives the first two,
+    for a warm worker's first load of a policy: the module built without its weights (transformers'
+    ``no_init_weights``: its parameters allocated, its buffers computed, the folder's config and
+    generation config), then every tensor read into it in place and hashed as it is read
+    (``resident.load_weights_in_place``, each checked against the folder's manifest where it has
+    one). No file is mapped: the process never holds the file's pages beside the module (a 0.5B
+    policy's fp32 file is 2 GB beside its 1 GB bf16 module), and the digests need no second pass.
+    A folder without safetensors weights is loaded by ``_load_policy``, its entries None."""
+    if not list(path.glob("*.safetensors")):
+        return (*_load_policy(path, dtype, cast_to), None)
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers.initialization import no_init_weights
+
+    from otbflow.runtime import manifest
+
+    tok = load_tokenizer(path)
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    with no_init_weights():  # which also leaves out the tying of the output head: done here
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model.tie_weights()
+    if (path / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
+    listed = manifest.read(path)
+    tensors, _ = resident.load_weights_in_place(model, path, want=listed["tensors"] if listed else None)
+    if cast_to is not None:
+        cast_parameters(model, cast_to)
+    model = model.to(device())
+    model.eval()
+    return model, tok, tensors
 
 
 def trainer_dtype(train_cfg: DictConfig) -> torch.dtype:

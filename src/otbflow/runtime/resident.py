@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from otbflow.runtime import delta, manifest
+from otbflow.runtime import delta, manifest, tensorfile
 from otbflow.runtime.policy_folder import architecture, tokenizer_digest
 
 log = logging.getLogger("otbflow.runtime.resident")
@@ -187,7 +187,9 @@ def policy(path: str | Path, dtype: str, cast_to, load: Callable) -> tuple[Any, 
     from the resident module where one of the same architecture and tokenizer is held: only the
     tensors whose digests differ from the resident ones are read, where the folder's manifest is
     trusted (``manifest.trusted``, the worker's key), and every tensor read is checked against it;
-    a folder without a trusted manifest is read whole, in one pass that hashes as it copies."""
+    a folder without a trusted manifest is read whole, in one pass that hashes as it copies.
+    ``load`` may return the folder's manifest entries third (computed as it read the files,
+    checked against the folder's manifest: ``load_weights_in_place``), which spares a pass."""
     path, t0 = Path(path), time.perf_counter()
     key = f"policy:{dtype}:{cast_to}"
     held: Policy | None = _held.get(key)
@@ -231,9 +233,13 @@ def policy(path: str | Path, dtype: str, cast_to, load: Callable) -> tuple[Any, 
             p.grad = None
         held.model.eval()
         return held.model, held.tok
-    model, tok = load(path, dtype, cast_to)
+    model, tok, *read = load(path, dtype, cast_to)
     if ENABLED:
-        weights, tensors, trusted = manifest.weights(path, KEY)
+        if read and read[0] is not None:  # the entries the load computed, checked against the manifest
+            tensors, trusted = read[0], manifest.trusted(path, manifest.read(path), KEY)
+            weights = manifest.identity(tensors)
+        else:
+            weights, tensors, trusted = manifest.weights(path, KEY)
         nbytes = sum(p.stat().st_size for p in path.glob("*.safetensors"))
         loaded(len(tensors), nbytes, trusted, time.perf_counter() - t0)
         _held[key] = Policy(model, tok, architecture_, tokenizer, weights, tensors)
@@ -257,6 +263,7 @@ def load_weights_in_place(model, path: Path, want: dict | None = None, have: dic
     blake3 = manifest._blake3()
     params = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
     seen, tensors, bad, copied, moved = set(), {}, [], 0, 0
+    chunk = torch.empty(0, dtype=torch.uint8)
     for file in files:
         start, header = manifest.safetensors_layout(file)
         with open(file, "rb", buffering=0) as f:
@@ -277,21 +284,36 @@ def load_weights_in_place(model, path: Path, want: dict | None = None, have: dic
                 a, b = t["data_offsets"]
                 dtype = getattr(torch, manifest.DTYPES[t["dtype"]])
                 # the bytes go straight into the module's tensor where it is a contiguous host tensor of
-                # the file's dtype (one copy, from the page cache); otherwise through a buffer and a cast
-                direct = target.dtype == dtype and target.device.type == "cpu" and target.is_contiguous()
-                into = target.data if direct else torch.empty(t["shape"], dtype=dtype)
-                raw = memoryview(into.view(-1).view(torch.uint8).numpy()) if b > a else memoryview(b"")
+                # the file's dtype (one copy, from the page cache); otherwise a chunk at a time through a
+                # small buffer and a cast (never the whole tensor in the file's dtype beside the module)
                 f.seek(start + a)
-                if f.readinto(raw) != b - a:
-                    raise ValueError(f"{file}: tensor {name} is cut short (the file ends before its bytes)")
-                digest = blake3(raw).hexdigest()
-                raw.release()
+                h = blake3(max_threads=blake3.AUTO if b - a >= tensorfile.THREADED else 1)
+                if target.dtype == dtype and target.device.type == "cpu" and target.is_contiguous():
+                    parts = [(target.data.view(-1), None)]
+                elif target.is_contiguous():
+                    if not chunk.numel():
+                        chunk = torch.empty(tensorfile.THREADED, dtype=torch.uint8)
+                    step = len(chunk) // dtype.itemsize
+                    flat = target.data.view(-1)
+                    parts = [
+                        (chunk[: len(flat[i : i + step]) * dtype.itemsize].view(dtype), flat[i : i + step])
+                        for i in range(0, len(flat), step)
+                    ]
+                else:
+                    parts = [(torch.empty(t["shape"], dtype=dtype).view(-1), target.data)]
+                for into, then in parts:
+                    raw = memoryview(into.view(torch.uint8).numpy()) if into.numel() else memoryview(b"")
+                    if f.readinto(raw) != len(raw):
+                        raise ValueError(f"{file}: tensor {name} is cut short (the file ends before its bytes)")
+                    h.update(raw)
+                    raw.release()
+                    if then is not None:
+                        then.copy_(into.view(then.shape))
+                digest = h.hexdigest()
                 tensors[name] = manifest.entry(file.name, t["dtype"], t["shape"], digest)
                 if want is not None and listed != digest:
                     bad.append(name)  # the module is dropped (``policy``): what it now holds is not trusted
                     continue
-                if not direct:
-                    target.data.copy_(into)
                 copied, moved = copied + 1, moved + (b - a)
     if want is not None:
         bad += sorted(set(want) - set(tensors))
