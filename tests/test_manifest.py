@@ -147,7 +147,9 @@ def test_the_resident_module_takes_only_the_tensors_that_changed(tiny_policy, tm
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "qwen2", "llama"])
-@pytest.mark.parametrize("dtype, cast_to", [("float32", None), ("bfloat16", torch.float32)])
+@pytest.mark.parametrize(
+    "dtype, cast_to", [("float32", None), ("bfloat16", torch.float32), ("float32", torch.bfloat16)]
+)
 def test_a_warm_workers_first_load_is_from_pretrained_s_module(arch, dtype, cast_to, tmp_path, monkeypatch):
     """A warm worker's first load of a folder builds the module without its weights and reads every
     tensor into it: its parameters and buffers (the rotary frequencies included), config and

@@ -213,6 +213,8 @@ def _load_resident(path: Path, dtype: str, cast_to: torch.dtype | None):
     (``resident.load_weights_in_place``, each checked against the folder's manifest where it has
     one). No file is mapped: the process never holds the file's pages beside the module (a 0.5B
     policy's fp32 file is 2 GB beside its 1 GB bf16 module), and the digests need no second pass.
+    A load at fp32 cast to ``cast_to`` builds the module at ``cast_to`` at once (fp32 holds every
+    file's values exactly, so the values are the same) and never holds the fp32 model.
     A folder without safetensors weights is loaded by ``_load_policy``, its entries None."""
     if not list(path.glob("*.safetensors")):
         return (*_load_policy(path, dtype, cast_to), None)
@@ -223,9 +225,13 @@ def _load_resident(path: Path, dtype: str, cast_to: torch.dtype | None):
 
     tok = load_tokenizer(path)
     config = AutoConfig.from_pretrained(path, local_files_only=True)
+    # fp32 holds every file's values exactly: loaded at fp32 and cast after is cast once, so the
+    # module is built at ``cast_to`` (never an fp32 copy of the model beside it)
+    build = cast_to if cast_to is not None and dtype == "float32" else getattr(torch, dtype)
     with no_init_weights():  # which also leaves out the tying of the output head: done here
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+        model = AutoModelForCausalLM.from_config(config, dtype=build)
     model.tie_weights()
+    model.config.dtype = getattr(torch, dtype)  # as from_pretrained at ``dtype`` leaves it
     if (path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
     listed = manifest.read(path)
