@@ -158,7 +158,9 @@ def apply(model, folder: str | Path, section: dict) -> tuple[int, int]:
     import torch
 
     path = Path(folder) / section["file"]
-    data = path.read_bytes()
+    data = bytearray(path.stat().st_size)  # read once; every entry a view of it, none copied
+    with open(path, "rb", buffering=0) as f:
+        got = f.readinto(data)
     start, header = manifest.safetensors_layout(path)
     listed = section["tensors"]
     blake3, read, bad = manifest._blake3(), {}, sorted(set(listed) ^ set(header))
@@ -166,11 +168,13 @@ def apply(model, folder: str | Path, section: dict) -> tuple[int, int]:
         t = header[name]
         a, b = t["data_offsets"]
         raw = memoryview(data)[start + a : start + b]
-        if blake3(raw).hexdigest() != listed[name][manifest.HASH]:
+        if start + b > got or blake3(raw).hexdigest() != listed[name][manifest.HASH]:
             bad.append(name)
             continue
         dtype = getattr(torch, manifest.DTYPES[t["dtype"]])
-        read[name] = torch.frombuffer(bytearray(raw), dtype=dtype) if b > a else torch.empty(0, dtype=dtype)
+        if (start + a) % dtype.itemsize:  # not aligned to its elements in the file: a copy that is
+            raw = bytearray(raw)
+        read[name] = torch.frombuffer(raw, dtype=dtype) if b > a else torch.empty(0, dtype=dtype)
     if bad:
         raise manifest.mismatch(path, bad)
     params = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
@@ -182,7 +186,7 @@ def apply(model, folder: str | Path, section: dict) -> tuple[int, int]:
     for name in names:
         target, value = params[name].data, read[f"{name}@value"]
         if f"{name}@index" in read:
-            index = read[f"{name}@index"].long().to(target.device)
+            index = read[f"{name}@index"].to(target.device)  # int32 or int64, as written
             target.view(-1)[index] = value.to(device=target.device, dtype=target.dtype)
         else:
             target.copy_(value.view(target.shape))
