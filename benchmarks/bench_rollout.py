@@ -105,7 +105,9 @@ def prompts_for(n: int) -> list[str]:
     t = cfg.task
     return [
         r["prompt"]
-        for r in arithmetic_prompts(n, derive_seed(cfg.seed, "bench_rollout"), t.min_terms, t.max_terms, t.max_operand)
+        for r in arithmetic_prompts(
+            n, derive_seed(cfg.seed, "bench_rollout"), t.min_terms, t.max_terms, t.max_operand, tail=t.terms_tail
+        )
     ]
 
 

@@ -197,6 +197,9 @@ def test_example_configs_are_valid(example):
         assert all(cfg.resources[s].gpu == 1 for s in ("rollout", "features", "train", "evaluate"))
     elif example.name == "qwen2_bpe_chat.yaml":
         assert (cfg.model.arch, cfg.model.tokenizer, cfg.task.chat) == ("qwen2", "bpe", "auto")
+    elif example.name == "long_tail.yaml":  # issue 57's setting: min(2 + Geometric(0.35), 24) operands
+        assert (cfg.task.min_terms, cfg.task.max_terms, cfg.task.terms_tail) == (2, 24, 0.35)
+        assert cfg.rollout.max_new_tokens >= 23 * 8 and cfg.model.n_positions >= 50 + cfg.rollout.max_new_tokens
     else:
         assert example.name == "vllm_cpu.yaml" and cfg.rollout.backend == "vllm" and cfg.rollout.enforce_eager
 

@@ -15,7 +15,13 @@ from otbflow.algorithms.rewards import (
     math_reward,
 )
 from otbflow.io import SchemaError, read_table
-from otbflow.models.tasks import apply_prompt_template, arithmetic_prompts, arithmetic_solution, load_dataset_file
+from otbflow.models.tasks import (
+    apply_prompt_template,
+    arithmetic_prompts,
+    arithmetic_solution,
+    arithmetic_terms,
+    load_dataset_file,
+)
 from otbflow.stages import shard
 
 
@@ -55,6 +61,31 @@ def test_arithmetic_is_deterministic_and_distinct():
     assert len({p["prompt"] for p in a}) == 50
     with pytest.raises(ValueError, match="max_operand"):
         arithmetic_prompts(1000, 0, 1, 1, 3)  # only 4 distinct problems exist
+
+
+def test_a_tailed_task_draws_its_operands_from_the_capped_geometric():
+    """task.terms_tail = p: operands min_terms + G, G ~ Geometric(p) on 0, 1, ..., capped at
+    max_terms. The frequencies of 40,000 draws against the exact probabilities, P(G = k) =
+    (1 - p)^k p and the cap taking the rest, each within 5 standard errors; the problems drawn have
+    that many operands; null keeps the uniform draw (rng.randint), so the default task's problems
+    are the ones drawn before the option existed."""
+    import random
+    from collections import Counter
+
+    p, lo, hi, n = 0.35, 2, 9, 40_000
+    rng = random.Random(0)
+    counts = Counter(arithmetic_terms(rng, lo, hi, p) for _ in range(n))
+    assert set(counts) <= set(range(lo, hi + 1))
+    for k in range(lo, hi + 1):
+        q = (1 - p) ** (k - lo) * p if k < hi else (1 - p) ** (hi - lo)
+        assert abs(counts[k] / n - q) < 5 * (q * (1 - q) / n) ** 0.5, (k, counts[k] / n, q)
+    assert Counter(arithmetic_terms(rng, lo, hi, 1.0) for _ in range(100)) == {lo: 100}
+    a, b = random.Random(5), random.Random(5)
+    assert [arithmetic_terms(a, 2, 4) for _ in range(100)] == [b.randint(2, 4) for _ in range(100)]
+    operands = Counter(
+        1 + sum(c in "+-" for c in row["prompt"]) for row in arithmetic_prompts(2000, 1, 2, 24, 99, tail=p)
+    )
+    assert operands[2] > operands[3] > operands[4] and max(operands) > 10
 
 
 def test_rewards_registry():

@@ -167,6 +167,10 @@ class TaskConfig:
     """Synthetic task: fewest operands per problem."""
     max_terms: int = opt(4, ge=1, le=10_000)
     """Synthetic task: most operands per problem (more operands, longer scratchpads)."""
+    terms_tail: Optional[float] = opt(None, gt=0, le=1)
+    """Synthetic task: null draws a problem's operands uniformly from min_terms..max_terms; p draws
+    min_terms + G, G ~ Geometric(p) on 0, 1, ... (P(G = k) = (1 - p)^k p), capped at max_terms:
+    long-tailed scratchpads (config/examples/long_tail.yaml)."""
     max_operand: int = opt(5, ge=1, le=1_000_000_000_000)
     """Synthetic task: operands are drawn from 0..max_operand."""
     path: Optional[str] = None

@@ -15,6 +15,7 @@ Everything is generated deterministically from a seed.
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,8 +31,20 @@ from otbflow.runtime.policy_folder import model_config, model_positions
 from otbflow.seeds import derive_seed, task_seed
 
 
-def arithmetic_problem(rng: random.Random, min_terms: int, max_terms: int, max_operand: int) -> str:
-    n = rng.randint(min_terms, max_terms)
+def arithmetic_terms(rng: random.Random, min_terms: int, max_terms: int, tail: float | None = None) -> int:
+    """The operands of one problem: uniform in ``min_terms..max_terms``; with ``tail`` (p,
+    ``task.terms_tail``) ``min_terms`` + G, G ~ Geometric(p) on 0, 1, ... (P(G >= k) = (1 - p)^k,
+    drawn by inverting it), capped at ``max_terms``."""
+    if tail is None:
+        return rng.randint(min_terms, max_terms)
+    g = int(math.log(1.0 - rng.random()) / math.log(1.0 - tail)) if tail < 1 else 0
+    return min(min_terms + g, max_terms)
+
+
+def arithmetic_problem(
+    rng: random.Random, min_terms: int, max_terms: int, max_operand: int, tail: float | None = None
+) -> str:
+    n = arithmetic_terms(rng, min_terms, max_terms, tail)
     parts = [str(rng.randint(0, max_operand))]
     for _ in range(n - 1):
         parts += [rng.choice("+-"), str(rng.randint(0, max_operand))]
@@ -64,9 +77,16 @@ def arithmetic_solution(prompt: str, rng: random.Random | None = None, slip_rate
 
 
 def arithmetic_prompts(
-    n: int, seed: int, min_terms: int, max_terms: int, max_operand: int, exclude: set[str] | None = None
+    n: int,
+    seed: int,
+    min_terms: int,
+    max_terms: int,
+    max_operand: int,
+    exclude: set[str] | None = None,
+    tail: float | None = None,
 ) -> list[dict]:
-    """``n`` distinct problems (prompt, answer, target) from ``seed``, none in ``exclude``."""
+    """``n`` distinct problems (prompt, answer, target) from ``seed``, none in ``exclude``; their
+    operands drawn as ``arithmetic_terms`` draws them."""
     rng = random.Random(seed)
     seen = set(exclude or ())
     out: list[dict] = []
@@ -78,7 +98,7 @@ def arithmetic_prompts(
                 f"cannot draw {n} distinct arithmetic problems with max_terms={max_terms}, "
                 f"max_operand={max_operand}: raise task.max_terms or task.max_operand"
             )
-        p = arithmetic_problem(rng, min_terms, max_terms, max_operand)
+        p = arithmetic_problem(rng, min_terms, max_terms, max_operand, tail)
         if p in seen:
             continue
         seen.add(p)
@@ -404,12 +424,19 @@ def math_rows(df: pl.DataFrame, path, prompt_template: str, source: list[str]) -
     return _text_rows(prompts, answers, source, prompt_template)
 
 
-@TASKS.register("arithmetic", options=("n_train", "min_terms", "max_terms", "max_operand"), bootstrap=True)
+@TASKS.register(
+    "arithmetic", options=("n_train", "min_terms", "max_terms", "max_operand", "terms_tail"), bootstrap=True
+)
 def synthetic_splits(cfg: DictConfig) -> tuple[pl.DataFrame, pl.DataFrame]:
     """The built-in synthetic multi-step arithmetic task with a scratchpad."""
     t = cfg.task
     rows = arithmetic_prompts(
-        t.n_train + t.n_eval, derive_seed(task_seed(cfg), "task"), t.min_terms, t.max_terms, t.max_operand
+        t.n_train + t.n_eval,
+        derive_seed(task_seed(cfg), "task"),
+        t.min_terms,
+        t.max_terms,
+        t.max_operand,
+        tail=t.terms_tail,
     )
     df = (
         pl.DataFrame(rows)

@@ -40,7 +40,7 @@ def sft_batch(tok, rng: random.Random, cfg: DictConfig, exclude: set[str], chat:
     t = cfg.task
     seqs, labels = [], []
     while len(seqs) < cfg.bootstrap.sft_batch_size:
-        p = arithmetic_problem(rng, t.min_terms, t.max_terms, t.max_operand)
+        p = arithmetic_problem(rng, t.min_terms, t.max_terms, t.max_operand, t.terms_tail)
         if p in exclude:
             continue
         target, _ = arithmetic_solution(p, rng, cfg.bootstrap.slip_rate)
@@ -82,7 +82,7 @@ def tokenizer_corpus(cfg: DictConfig) -> list[str]:
     t = cfg.task
     rng = random.Random(derive_seed(cfg.seed, "bootstrap-tokenizer"))
     problems = [
-        arithmetic_problem(rng, t.min_terms, t.max_terms, t.max_operand) for _ in range(2048)
+        arithmetic_problem(rng, t.min_terms, t.max_terms, t.max_operand, t.terms_tail) for _ in range(2048)
     ]  # repeats allowed
     chat = [f"{role}\n" for role in ("system", "user", "assistant")] + ([t.system_prompt] if t.system_prompt else [])
     return [p + arithmetic_solution(p)[0] for p in problems] + chat * 16
@@ -109,6 +109,7 @@ def run(cfg: DictConfig, args: Args) -> None:
         t.max_terms,
         t.max_operand,
         exclude=set(eval_split["prompt"]),
+        tail=t.terms_tail,
     )
     exclude = set(eval_split["prompt"]) | {p["prompt"] for p in heldout}
     rng = random.Random(derive_seed(cfg.seed, "bootstrap-sft"))
