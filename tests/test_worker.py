@@ -538,11 +538,15 @@ def test_a_client_killed_mid_job_gets_nothing_written(tiny_run, tmp_path):
         worker.wait(timeout=30)
 
 
-def test_a_publish_job_run_outside_the_worker_waits_for_its_background_write(tiny_run, tmp_path):
+@pytest.mark.parametrize("publisher", ["own process", "client"])
+def test_a_publish_job_waits_for_its_background_write(tiny_run, tmp_path, publisher):
     """A train job returned by the worker, whose background write of the AdamW state starts 5 s
-    late (OTBFLOW_FAULT=train:writing-optimizer:pause), then its publish job run in a process of its
-    own at once (as a client does when no worker claims it): the publisher finds the worker's
-    record, waits for the write and publishes the state of the job's policy."""
+    late (OTBFLOW_FAULT=train:writing-optimizer:pause), then its publish job started at once: in a
+    process of its own (as a client does when no worker claims it), the publisher finds the
+    worker's record, waits for the write and publishes the state of the job's policy; through the
+    client while the worker runs, the client waits for the write itself and hands the job over
+    only after it (no request queued or running meanwhile, so that a train job of the next
+    iteration would find the worker free), and the worker publishes it."""
     from otbflow.runtime.codeversion import code_version
     from otbflow.runtime.manifest import weights_digest
 
@@ -558,50 +562,22 @@ def test_a_publish_job_run_outside_the_worker_waits_for_its_background_write(tin
         res = subprocess.run(train, cwd=tiny_run, capture_output=True, text=True)
         assert res.returncode == 0 and "runs train" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
         assert not (out / "optimizer.pending").exists()  # the write is held
-        publish = [sys.executable, "-m", "otbflow", "publish-optimizer", "--config", str(results / "config.yaml")]
-        publish += ["--pending", str(out / "optimizer.pending"), "--out", str(out / "optimizer")]
-        publish += ["--policy", str(out / "policy"), "--train-outputs", str(out / "policy")]
-        res = subprocess.run(publish, cwd=tiny_run, capture_output=True, text=True)
-        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-        meta = json.loads((out / "optimizer/meta.json").read_text())
-        assert meta["policy_weights"] == weights_digest(out / "policy")
-    finally:
-        worker.send_signal(signal.SIGTERM)
-        worker.wait(timeout=60)
-
-
-def test_a_publish_client_waits_for_the_write_before_it_takes_the_worker(tiny_run, tmp_path):
-    """The same held write (5 s), its publish job started through the client while the worker
-    runs: the client waits for the write itself and hands the job over only after it (no request
-    queued or running meanwhile, so that a train job of the next iteration would find the worker
-    free); the worker then publishes the state of the job's policy."""
-    from otbflow.runtime.codeversion import code_version
-    from otbflow.runtime.manifest import weights_digest
-
-    results = tiny_run / "results"
-    registry = tmp_path / "registry"
-    worker = start_worker(registry, "train", tmp_path / "w.log", {"OTBFLOW_FAULT": "train:writing-optimizer:pause"})
-    try:
-        wait_for(lambda: dispatch.live_workers(registry, "train"), 60, "the worker")
-        out = tmp_path / "job"
-        args = train_args(results, out)
-        args[args.index("--optimizer") + 1] = str(out / "optimizer.pending")
-        train = [*client_command(registry, code_version("train")), "train", *args, "--optimizer-async"]
-        res = subprocess.run(train, cwd=tiny_run, capture_output=True, text=True)
-        assert res.returncode == 0 and "runs train" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
-        publish = [*client_command(registry, code_version("publish_optimizer")), "publish-optimizer"]
+        if publisher == "client":
+            publish = [*client_command(registry, code_version("publish_optimizer")), "publish-optimizer"]
+        else:
+            publish = [sys.executable, "-m", "otbflow", "publish-optimizer"]
         publish += ["--config", str(results / "config.yaml"), "--pending", str(out / "optimizer.pending")]
         publish += ["--out", str(out / "optimizer"), "--policy", str(out / "policy"), "--train-outputs"]
         publish += [str(out / "policy")]
-        client = subprocess.Popen(publish, cwd=tiny_run, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        base = dispatch.root(registry) / "train"
-        handed = []
-        while client.poll() is None and not (out / "optimizer.pending/meta.json").exists():
+        job = subprocess.Popen(publish, cwd=tiny_run, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        base, handed = dispatch.root(registry) / "train", []
+        while job.poll() is None and not (out / "optimizer.pending/meta.json").exists():
             handed += [*base.glob("queue/*.json"), *base.glob("*/running/*.json")]
             time.sleep(0.05)
-        text = client.communicate(timeout=120)[0]
-        assert client.returncode == 0 and "runs publish_optimizer" in text, text[-3000:]
+        text = job.communicate(timeout=120)[0]
+        assert job.returncode == 0, text[-3000:]
         assert not handed, handed
+        assert ("runs publish_optimizer" in text) == (publisher == "client"), text[-3000:]
         assert json.loads((out / "optimizer/meta.json").read_text())["policy_weights"] == weights_digest(out / "policy")
     finally:
         worker.send_signal(signal.SIGTERM)
