@@ -574,7 +574,7 @@ def render(measured: dict, jobs: dict[str, int]) -> str:
         "- **Retention**: the default keeps "
         + ", ".join(f"{shape} at {100 * d[0] / d[1]:.0f} %" for shape, d in default_vs_all.items())
         + " of keeping everything at the end of the run. The optimizer state is the largest item per "
-        "iteration (3.5× the fp32 policy at ZeRO-1 with bf16).\n"
+        "iteration (3.0× the fp32 policy at ZeRO-1 with bf16).\n"
         "- **Staleness**: one more policy kept per unit of s (the peak columns), the same jobs, and an "
         "iteration as long as the longer of rollout and the training chain instead of their sum: it saves the "
         "shorter of the two, "

@@ -80,8 +80,11 @@ def write_errors_named(path: str | Path) -> Iterator[None]:
         err = os_error_behind(e)
         if err is None or (isinstance(e, OSError) and e.filename):
             raise
-        # caused by the failed write itself where there is one (not torch's "unexpected pos")
-        raise OSError(err.errno, err.strerror, str(path)) from (err if err.__traceback__ else e)
+        # caused by the failed write itself where there is one (not torch's "unexpected pos"); a flush
+        # at close that fails again has torch's error as its context, left unshown
+        cause = err if err.__traceback__ else e
+        cause.__suppress_context__ = True
+        raise OSError(err.errno, err.strerror, str(path)) from cause
 
 
 @contextlib.contextmanager

@@ -6,8 +6,8 @@ Sizes per iteration, by what the stages write:
 - policy: every parameter in fp32, or in bf16 where the run publishes bf16
   (``policy_folder.publishes_bf16``), counted exactly on the meta device from the HF config (no
   weights allocated);
-- optimizer (DeepSpeed checkpoint): the module's weights, the two AdamW moments in fp32 and,
-  under ZeRO-1/2, the optimizer's own fp32 weights: 12 to 16 bytes per parameter, as measured
+- optimizer (DeepSpeed checkpoint): the two AdamW moments in fp32 and, under ZeRO ≥ 1, the
+  optimizer's own fp32 weights: 8 or 12 bytes per parameter, as measured
   (``optimizer_bytes_per_parameter``);
 - data: rollouts, features and advantages, per response token the widths of their per-token
   columns (otbflow.schemas; Parquet's compression makes the files smaller: an upper bound), the
@@ -75,11 +75,9 @@ def bytes_per_token() -> tuple[int, int]:
 
 def optimizer_bytes_per_parameter(tc: DictConfig) -> int:
     """A DeepSpeed optimizer folder per parameter, as measured (docs/training.md, 'The optimizer
-    across iterations'): 3.0x the fp32 weights at ZeRO-0 and ZeRO-3, 3.5x at ZeRO-1/2 with bf16,
-    4.0x at ZeRO-1/2 in fp32 (the optimizer's own fp32 copy of the weights)."""
-    if tc.zero_stage in (1, 2):
-        return 14 if tc.bf16 else 16
-    return 12
+    across iterations'): 2.0x the fp32 weights at ZeRO-0 (the two moments), 3.0x at ZeRO 1-3
+    (and the optimizer's own fp32 copy of the weights); the module's weights are its policy's."""
+    return 12 if tc.zero_stage else 8
 
 
 def estimate(cfg: DictConfig, n_params: int, response_tokens: float | None = None, prompt_tokens: float = 0.0) -> dict:

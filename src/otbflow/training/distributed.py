@@ -112,11 +112,18 @@ def skip_cpu_shm_op() -> None:
 
 def deepspeed_config(tc: DictConfig, world_size: int) -> dict:
     """DeepSpeed config from the train section. The accumulation boundary is set explicitly
-    per mini-batch (the last one may be partial), so gradient_accumulation_steps is nominal."""
+    per mini-batch (the last one may be partial), so gradient_accumulation_steps is nominal.
+    The optimizer is torch's AdamW (``torch_adam``) with its fused kernel, on a CPU as on a GPU:
+    one pass that updates each element in place. Torch's default on a CPU, one tensor at a time,
+    allocates two temporaries of the whole flat master partition for the denominator (ZeRO's
+    master weights are one tensor; docs/workers.md gives the train worker's peak with each)."""
     return {
         "train_micro_batch_size_per_gpu": tc.micro_batch_size,
         "gradient_accumulation_steps": max(1, tc.mini_batch_size // (tc.micro_batch_size * world_size)),
-        "optimizer": {"type": "AdamW", "params": {"lr": tc.lr, "weight_decay": tc.weight_decay, "torch_adam": True}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": tc.lr, "weight_decay": tc.weight_decay, "torch_adam": True, "fused": True},
+        },
         "gradient_clipping": tc.max_grad_norm,
         "zero_optimization": {"stage": tc.zero_stage},
         "bf16": {"enabled": bool(tc.bf16)},
