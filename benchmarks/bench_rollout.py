@@ -55,7 +55,11 @@ QWEN2 = ["model.arch=qwen2", "model.tokenizer=bpe", "model.n_kv_head=1"]
 def base_config(overrides: list[str]):
     from otbflow.config import DEFAULT_CONFIG, load_config
 
-    return load_config(DEFAULT_CONFIG, overrides)
+    return load_config(DEFAULT_CONFIG, overrides + OVERRIDES)
+
+
+OVERRIDES: list[str] = []
+"""--overrides: config overrides of every config here (the task's prompts, the model's positions)."""
 
 
 def build_policy(name: str, out: Path) -> dict:
@@ -168,12 +172,21 @@ def worker_hf(policy: str, a: argparse.Namespace) -> dict:
             stop_ids=backend.stops,
         )
 
+    def refilled(seed, below):
+        backend.refill_below = below
+        return backend.generate(ids, Sampling(a.group_size, 1.0, 1.0, a.max_new_tokens, greedy=False, seed=seed))
+
     run(1)  # warm-up
-    steady = []
-    for r in range(a.repeats):
+    steady, refills = [], {int(b): [] for b in a.hf_refill_below.split(",") if b and int(b)}
+    for r in range(a.repeats):  # the settings in turn within each repeat: drifts hit them alike
         seconds, samples = timed(lambda r=r: run(2 + r))
         steady.append({"seconds": seconds, **counts(samples)})
-    return {"stage": stage, "steady": steady, "device": str(model.device), "threads": torch.get_num_threads()}
+        for below, runs in refills.items():
+            seconds, other = timed(lambda r=r, below=below: refilled(2 + r, below))
+            same = [x.response_ids for x in other] == [x.response_ids for x in samples]
+            runs.append({"seconds": seconds, **counts(other), "same_samples": same})
+    out = {"stage": stage, "steady": steady, "device": str(model.device), "threads": torch.get_num_threads()}
+    return out | ({"refill_below": refills} if refills else {})
 
 
 def worker_vllm(policy: str, a: argparse.Namespace) -> dict:
@@ -265,6 +278,15 @@ def summarise(run: dict) -> dict:
     for k in ("engine_build_seconds", "vllm_version", "enforce_eager", "threads"):
         if k in run or k in st:
             out[k] = run.get(k, st.get(k))
+    for below, runs in run.get("refill_below", {}).items():
+        fastest = min(runs, key=lambda r: r["seconds"])
+        out.setdefault("refill_below", {})[below] = {
+            "tokens_per_s": round(fastest["tokens"] / fastest["seconds"], 1),
+            "steady_seconds": round(fastest["seconds"], 4),
+            "steady_all_seconds": [round(r["seconds"], 4) for r in runs],
+            "same_samples": all(r["same_samples"] for r in runs),
+            "speedup_over_plain": round(best["seconds"] / fastest["seconds"], 3),
+        }
     return out
 
 
@@ -276,6 +298,17 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--batch-size", type=int, default=64, help="hf backend: prompts per generate call")
+    ap.add_argument(
+        "--hf-refill-below",
+        default="",
+        help="hf backend: comma-separated rollout.hf_refill_below values also timed, each on the steady calls' seeds",
+    )
+    ap.add_argument(
+        "--overrides",
+        default="",
+        help="comma-separated config overrides of the prompts and models (e.g. config/examples/long_tail.yaml's "
+        "task.max_terms=24,task.terms_tail=0.35,model.n_positions=256)",
+    )
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="vllm backend")
@@ -294,6 +327,7 @@ def main() -> None:
     ap.add_argument("--workdir", default=None, help="where the model folders go (default: a temporary folder)")
     ap.add_argument("--worker", nargs=2, metavar=("POLICY_DIR", "BACKEND"), help=argparse.SUPPRESS)
     a = ap.parse_args()
+    OVERRIDES[:] = [x for x in a.overrides.split(",") if x]
     if a.worker:
         policy, backend = a.worker
         res = worker_hf(policy, a) if backend == "hf" else worker_vllm(policy, a)
@@ -315,6 +349,8 @@ def main() -> None:
         "group_size": a.group_size,
         "max_new_tokens": a.max_new_tokens,
         "batch_size": a.batch_size,
+        "hf_refill_below": a.hf_refill_below,
+        "overrides": OVERRIDES,
         "dtype": a.dtype,
         "temperature": 1.0,
         "top_p": 1.0,
@@ -349,6 +385,8 @@ def main() -> None:
                     "repeats",
                     "gpu_memory_utilization",
                     "kv_cache_gib",
+                    "hf_refill_below",
+                    "overrides",
                 ):
                     cmd += ["--" + flag.replace("_", "-"), str(getattr(a, flag))]
                 env = dict(os.environ, PYTHONPATH=str(REPO / "src"))  # .venv-vllm has no otbflow installed

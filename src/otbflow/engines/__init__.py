@@ -49,9 +49,9 @@ this module imports neither the config nor the engines). Add one with
 ``BACKENDS.register("name", options=..., samples=..., doc=...)("module:Class")``."""
 # every row draws its own noise: the batch size changes memory and speed (samples only by rounding)
 # and so does the decode loop (rollout.hf_decode)
-BACKENDS.register("hf", options=("batch_size", "hf_decode"), doc="transformers' generate, CPU or GPU")(
-    "otbflow.engines.hf:HFBackend"
-)
+BACKENDS.register(
+    "hf", options=("batch_size", "hf_decode", "hf_refill_below"), doc="transformers' generate, CPU or GPU"
+)("otbflow.engines.hf_backend:HFBackend")
 # tensor parallelism changes the reductions' order
 BACKENDS.register(
     "vllm",

@@ -25,12 +25,10 @@ import logging
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 
 from otbflow.algorithms.tensors import padded
 from otbflow.algorithms.vocab_pruning import outside
-from otbflow.engines import Sample, Sampling, stop_token_ids, truncate_at_stop
-from otbflow.models.policy import load_policy
+from otbflow.engines import Sample, truncate_at_stop
 from otbflow.progress import Progress
 from otbflow.runtime import resident
 from otbflow.seeds import derive_seed
@@ -261,6 +259,12 @@ def decode_mode(mode: str, device) -> str:
     return "compiled" if resident.ENABLED else "static"
 
 
+def fused_sampler(mode: str, model) -> bool:
+    """Whether ``RowSampler`` samples through the compiled kernels in decode ``mode`` on ``model``:
+    in 'compiled', on a GPU, and from a vocabulary of ``FUSED_VOCAB`` on."""
+    return mode == "compiled" or model.device.type == "cuda" or getattr(model.config, "vocab_size", 0) >= FUSED_VOCAB
+
+
 def generation_config(mode: str, stops: list[int], pad: int):
     """generate's settings for a decode mode (``decode_mode``'s result): the stop and pad tokens,
     the KV cache ('static' and 'compiled': allocated once per call at the batch's full length)
@@ -332,12 +336,7 @@ def hf_generate(
             input_ids = padded(batch, pad, width, left=True, device=model.device).repeat_interleave(n, dim=0)
             attention = padded([[1] * len(x) for x in batch], 0, width, left=True, device=model.device)
             keys = row_keys(seed, range(start, start + len(batch)), n, model.device)
-            fused = (
-                mode == "compiled"
-                or model.device.type == "cuda"
-                or getattr(model.config, "vocab_size", 0) >= FUSED_VOCAB
-            )
-            sampler = RowSampler(keys, temperature, top_p, greedy, min_p, fused=fused)
+            sampler = RowSampler(keys, temperature, top_p, greedy, min_p, fused=fused_sampler(mode, model))
             res = model.generate(
                 input_ids=input_ids,
                 attention_mask=attention.repeat_interleave(n, dim=0),
@@ -368,55 +367,3 @@ def hf_generate(
     finally:
         model.generation_config = saved
     return out
-
-
-class HFBackend:
-    """transformers ``generate`` on the policy loaded once (``model.dtype``, default device)."""
-
-    name = "hf"
-
-    def __init__(self, cfg: DictConfig, policy: str):
-        self.model, self.tok = load_policy(policy, cfg.model.dtype)
-        self.stops = stop_token_ids(self.tok, policy)
-        self.batch_size = cfg.rollout.batch_size
-        self.decode = decode_mode(cfg.rollout.hf_decode, self.model.device)
-
-    def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> list[Sample]:
-        s = sampling
-        label = "greedy generation" if s.greedy else f"generation ({s.n} per prompt)"
-        return hf_generate(
-            self.model,
-            self.tok,
-            prompt_ids,
-            s.n,
-            s.temperature,
-            s.top_p,
-            s.max_new_tokens,
-            s.greedy,
-            self.batch_size,
-            s.seed,
-            self.stops,
-            Progress(log, label, len(prompt_ids), "prompts"),
-            s.min_p,
-            self.decode,
-        )
-
-    def metadata(self, sampling: Sampling) -> dict[str, Any]:
-        import transformers
-
-        s = sampling
-        return {
-            "transformers_version": transformers.__version__,
-            "sampling": {
-                "n": 1 if s.greedy else s.n,
-                "temperature": s.temperature,
-                "top_p": s.top_p,
-                "top_k": 0,
-                "min_p": s.min_p,
-                "max_new_tokens": s.max_new_tokens,
-                "greedy": s.greedy,
-            },
-            "seeds": "per row: derive_seed(seed, 'row', i, j, bits=63), Gumbel-max with Philox4x32-10 noise"
-            " (otbflow.engines.hf.RowSampler)",
-            "decode": self.decode,
-        }

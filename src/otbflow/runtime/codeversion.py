@@ -55,7 +55,7 @@ def _tree(name: str) -> ast.Module:
 @cache
 def direct_imports(name: str, named: bool = True) -> frozenset[str]:
     """The otbflow modules that module ``name`` imports (and, with ``named``, names in a string
-    such as ``"otbflow.engines.hf:HFBackend"``), and its parent packages."""
+    such as ``"otbflow.engines.hf_backend:HFBackend"``), and its parent packages."""
     package = name if module_file(name).name == "__init__.py" else name.rsplit(".", 1)[0]
     found = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}  # parent packages
     for node in ast.walk(_tree(name)):

@@ -1,0 +1,226 @@
+"""Streaming decode on the hf backend: the generation core of Laminar's trajectory-level
+asynchrony (arXiv 2510.12633, seed 004; algorithms.md §10-11; issue "Laminar").
+
+A ``StreamDecoder`` keeps up to ``batch_size`` trajectories in flight and decodes them in
+*segments* of transformers' ``generate``. A segment ends when every row has finished, when a
+newer policy is published (``Weights.newer``, asked between two decode steps), when the rows
+still running fall to ``refill_below`` while more trajectories wait, or when a row has spent its
+budget. Between segments:
+
+- finished trajectories leave (``run`` yields them) and waiting ones take their rows;
+- the newest policy's weights are loaded into the model in place (``Weights.take``), unless
+  ``keep_version``: then no new trajectory starts until those in flight have finished, and the
+  switch waits for them;
+- every row still in flight is prefilled again (its prompt and the tokens it has), under the
+  weights it continues with: after a switch these are the newer ones, so each token is sampled,
+  and its log-prob recorded, under the policy current at its decode step. That is AReaL's
+  interrupt-and-resubmit on an engine without one; the tokens prefilled again are counted
+  (``StreamStats``).
+
+A segment decodes at most as many steps as its row with the least budget left may take:
+generate goes on feeding a finished row, its positions growing, and no row may pass the
+positions that its prompt and budget were checked against.
+
+Each row keeps its own noise stream: the sampler is keyed by the row's 63-bit key and its
+position in its response (``otbflow.engines.hf.RowSampler``), so a trajectory resumed in another
+segment, batch or decoder samples what it would have sampled uninterrupted, given the same
+weights, up to the logits' rounding (a prefill and an incremental step round differently).
+Each token records the version that sampled it (``Trajectory.versions``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from otbflow.algorithms.tensors import padded
+from otbflow.engines import truncate_at_stop
+from otbflow.engines.hf import WIDTH_BUCKET, RowSampler, decode_mode, fused_sampler, generation_config
+
+
+@dataclass
+class Trajectory:
+    """One response in the making: ``key`` is its row's 63-bit noise key (``hf.row_keys``),
+    ``budget`` its most new tokens; the response grows segment by segment."""
+
+    prompt_index: int
+    sample_idx: int
+    key: int
+    prompt_ids: list[int]
+    budget: int
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    """The policy version that sampled each response token."""
+    finish_reason: str | None = None
+    """None while in flight; then 'stop' (a stop token) or 'length' (the budget)."""
+    prefills: int = 0
+    """Times it was prefilled again to continue (a switch or a refill)."""
+
+
+class Weights(Protocol):
+    """Where the decoder's policy comes from: the version it holds and whether a newer one is
+    published (asked between decode steps: cheap), and ``take``, which loads the newest into
+    ``model`` in place and returns its version."""
+
+    version: int
+
+    def newer(self) -> bool: ...
+
+    def take(self, model) -> int: ...
+
+
+@dataclass
+class StreamStats:
+    segments: int = 0
+    switches: int = 0
+    """Weight switches taken."""
+    switch_prefill_tokens: int = 0
+    """Tokens prefilled again because the weights changed under rows in flight (prompt + response)."""
+    refill_prefill_tokens: int = 0
+    """Tokens prefilled again to continue rows in flight beside new ones (same weights)."""
+    decode_steps: int = 0
+    row_steps: int = 0
+    """Decode steps summed over rows, running or idle: ``busy_row_steps / row_steps`` is the batch's use."""
+    busy_row_steps: int = 0
+
+
+class _SegmentEnd:
+    """generate's stopping criterion for one segment: per row, its budget; for every row, a newer
+    policy (``interrupt``) or the running rows falling to ``refill_below``. A row's stop token is
+    generate's own criterion; this one tracks it too, to count the rows still running."""
+
+    def __init__(self, width: int, remaining: torch.Tensor, stops: list[int], interrupt, refill_below: int):
+        self.width, self.remaining, self.interrupt, self.refill_below = width, remaining, interrupt, refill_below
+        self.stops = torch.tensor(stops, device=remaining.device)
+        self.done = torch.zeros_like(remaining, dtype=torch.bool)
+        self.ended_early = False
+        self.busy = 0
+
+    def __call__(self, input_ids: torch.Tensor, scores, **_) -> torch.Tensor:
+        steps = input_ids.shape[1] - self.width
+        self.busy += int((~self.done).sum())
+        self.done |= torch.isin(input_ids[:, -1], self.stops) | (steps >= self.remaining)
+        running = int((~self.done).sum())
+        if running and (running <= self.refill_below or self.interrupt()):
+            self.ended_early = True
+            return torch.ones_like(self.done)
+        return self.done.clone()
+
+
+class StreamDecoder:
+    """Decode trajectories with ``model`` (and its tokenizer ``tok``), taking newer weights from
+    ``weights`` between decode steps (module docstring). ``sampling``: temperature, top_p and
+    min_p as ``hf_generate`` takes them (``greedy``: the argmax instead); ``stops``: the stop token ids."""
+
+    def __init__(
+        self,
+        model,
+        tok,
+        weights: Weights,
+        stops: list[int],
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        batch_size: int = 64,
+        refill_below: int = 0,
+        keep_version: bool = False,
+        decode: str = "eager",
+        greedy: bool = False,
+    ):
+        self.model, self.tok, self.weights, self.stops = model, tok, weights, list(stops)
+        self.temperature, self.top_p, self.min_p = temperature, top_p, min_p
+        self.batch_size, self.refill_below, self.keep_version = batch_size, refill_below, keep_version
+        self.greedy = greedy
+        self.mode = decode_mode(decode, model.device)
+        self.pad = tok.pad_token_id if tok.pad_token_id is not None else self.stops[0]
+        self.stats = StreamStats()
+
+    def run(self, trajectories: Iterable[Trajectory]) -> Iterator[Trajectory]:
+        """Decode ``trajectories`` (taken lazily, as rows free up) and yield each as it finishes."""
+        waiting = iter(trajectories)
+        nxt = next(waiting, None)
+        active: list[Trajectory] = []
+        while True:
+            draining = self.keep_version and self.weights.newer()
+            while nxt is not None and len(active) < self.batch_size and not draining:
+                active.append(nxt)
+                nxt = next(waiting, None)
+            if not active:
+                if nxt is None:
+                    return
+                self._switch([])  # keep_version, drained: the newer weights, then new trajectories
+                continue
+            self._segment(active, more_waiting=nxt is not None and not draining)
+            yield from (t for t in active if t.finish_reason)
+            active = [t for t in active if not t.finish_reason]
+            switch = self.weights.newer() and not (self.keep_version and active)
+            if switch:
+                self._switch(active)
+            for t in active:  # prefilled again at the next segment: under the newer weights after a switch
+                t.prefills += 1
+                if not switch:
+                    self.stats.refill_prefill_tokens += len(t.prompt_ids) + len(t.response_ids)
+
+    def _switch(self, active: list[Trajectory]) -> None:
+        self.weights.take(self.model)
+        self.stats.switches += 1
+        self.stats.switch_prefill_tokens += sum(len(t.prompt_ids) + len(t.response_ids) for t in active)
+
+    @torch.no_grad()
+    def _segment(self, rows: list[Trajectory], more_waiting: bool) -> None:
+        from transformers import LogitsProcessorList, StoppingCriteriaList
+
+        model, device = self.model, self.model.device
+        version = self.weights.version
+        seqs = [t.prompt_ids + t.response_ids for t in rows]
+        width = max(len(s) for s in seqs)
+        if self.mode == "compiled":  # the static cache grows, and recompiles, in steps (hf.WIDTH_BUCKET)
+            width = -(-width // WIDTH_BUCKET) * WIDTH_BUCKET
+        remaining = torch.tensor([t.budget - len(t.response_ids) for t in rows], device=device)
+        end = _SegmentEnd(
+            width,
+            remaining,
+            self.stops,
+            interrupt=(lambda: False) if self.keep_version else self.weights.newer,
+            refill_below=self.refill_below if more_waiting else 0,
+        )
+        sampler = RowSampler(
+            torch.tensor([t.key for t in rows], dtype=torch.int64, device=device),
+            self.temperature,
+            self.top_p,
+            greedy=self.greedy,
+            min_p=self.min_p,
+            fused=fused_sampler(self.mode, model),
+            positions=torch.tensor([len(t.response_ids) for t in rows], dtype=torch.int64, device=device),
+        )
+        saved, model.generation_config = model.generation_config, generation_config(self.mode, self.stops, self.pad)
+        try:
+            res = model.generate(
+                input_ids=padded(seqs, self.pad, width, left=True, device=device),
+                attention_mask=padded([[1] * len(s) for s in seqs], 0, width, left=True, device=device),
+                max_new_tokens=int(remaining.min()),  # no row past its budget's positions (module docstring)
+                do_sample=False,
+                logits_processor=LogitsProcessorList([sampler]),
+                stopping_criteria=StoppingCriteriaList([end]),
+                return_dict_in_generate=True,
+            )
+        finally:
+            model.generation_config = saved
+        new = res.sequences[:, width:].tolist()
+        lp = torch.stack(sampler.logprobs, dim=1).tolist()
+        steps = len(new[0]) if new else 0
+        self.stats.segments += 1
+        self.stats.decode_steps += steps
+        self.stats.row_steps += steps * len(rows)
+        self.stats.busy_row_steps += end.busy
+        for t, toks, lps in zip(rows, new, lp):
+            toks = toks[: t.budget - len(t.response_ids)]
+            length, reason = truncate_at_stop(toks, self.stops)
+            t.response_ids += toks[:length]
+            t.logprobs += lps[:length]
+            t.versions += [version] * length
+            if reason == "stop" or len(t.response_ids) >= t.budget:
+                t.finish_reason = reason if reason == "stop" else "length"

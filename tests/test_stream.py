@@ -1,0 +1,160 @@
+"""Streaming decode on the hf backend (otbflow.engines.hf_stream; issue "Laminar"): newer
+weights taken between decode steps, each token's version and log-prob recorded, rows resumed on
+their own noise streams. The references: a teacher-forced forward of each version (a slow loop
+over the tokens), transformers' own generate through ``hf_generate``, and the uninterrupted run."""
+
+import pytest
+import torch
+
+from otbflow.engines import stop_token_ids
+from otbflow.engines.hf import hf_generate, processed_logits, row_keys
+from otbflow.engines.hf_stream import StreamDecoder, Trajectory
+from otbflow.models.policy import encode, load_policy
+
+PROMPTS = ["1+2=", "13+4+5=", "7*8=", "2+2+2+2=", "9-3=", "40+2="]
+N, BUDGET, SEED, TEMPERATURE, TOP_P = 3, 20, 5, 0.9, 0.95
+
+
+class Versions:
+    """The decoder's weights: ``states`` in turn, the next one published once the decoder has
+    asked ``at[v]`` times while holding version v (``newer`` is asked between decode steps)."""
+
+    def __init__(self, states: list[dict], at: list[int]):
+        self.states, self.at = states, at
+        self.version, self.asked = 0, 0
+
+    def newer(self) -> bool:
+        self.asked += 1
+        return self.version + 1 < len(self.states) and self.asked >= self.at[self.version]
+
+    def take(self, model) -> int:
+        self.version += 1
+        self.asked = 0
+        model.load_state_dict(self.states[self.version])
+        return self.version
+
+
+def perturbed(state: dict, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + 0.05 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v for k, v in state.items()}
+
+
+def trajectories(tok, prompts=PROMPTS) -> list[Trajectory]:
+    ids = encode(tok, prompts)
+    keys = row_keys(SEED, range(len(ids)), N, "cpu").tolist()
+    return [Trajectory(i, j, keys[i * N + j], ids[i], BUDGET) for i in range(len(ids)) for j in range(N)]
+
+
+def decode(policy, states, at, **kw):
+    model, tok = load_policy(policy)
+    model.load_state_dict(states[0])
+    weights = Versions(states, at)
+    decoder = StreamDecoder(model, tok, weights, stop_token_ids(tok, policy), TEMPERATURE, TOP_P, **kw)
+    done = sorted(decoder.run(trajectories(tok)), key=lambda t: (t.prompt_index, t.sample_idx))
+    return done, decoder.stats
+
+
+def logprob_under(model, t: Trajectory, position: int) -> float:
+    """log pi(token | prompt, response[:position]) of the processed distribution, one forward."""
+    ids = torch.tensor([t.prompt_ids + t.response_ids[:position]])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, -1]
+    return float(torch.log_softmax(processed_logits(logits, TEMPERATURE, TOP_P), -1)[t.response_ids[position]])
+
+
+@pytest.fixture(scope="module")
+def states(tiny_policy):
+    model, _ = load_policy(tiny_policy)
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    return [base, perturbed(base, 1), perturbed(base, 2)]
+
+
+def test_each_token_s_log_prob_is_its_version_s(tiny_policy, states):
+    """Two switches while rows are in flight: every recorded log-prob equals, within 1e-5, the
+    teacher-forced log-prob under the version the token records, and some responses span
+    versions (taken mid-trajectory, each in-flight row prefilled again: counted)."""
+    done, stats = decode(tiny_policy, states, at=[4, 5], batch_size=len(PROMPTS) * N)
+    assert stats.switches == 2 and stats.switch_prefill_tokens > 0
+    assert any(len(set(t.versions)) > 1 for t in done)
+    model, _ = load_policy(tiny_policy)
+    for v, state in enumerate(states):
+        model.load_state_dict(state)
+        for t in done:
+            for pos, (lp, tv) in enumerate(zip(t.logprobs, t.versions)):
+                if tv == v:
+                    assert lp == pytest.approx(logprob_under(model, t, pos), abs=1e-5)
+    # the versions are told apart: under the first policy the later tokens have other log-probs
+    model.load_state_dict(states[0])
+    later = [(t, pos, lp) for t in done for pos, (lp, tv) in enumerate(zip(t.logprobs, t.versions)) if tv]
+    assert max(abs(lp - logprob_under(model, t, pos)) for t, pos, lp in later) > 1e-2
+    assert all(len(t.response_ids) == len(t.logprobs) == len(t.versions) for t in done)
+    assert all(t.finish_reason == ("stop" if t.response_ids[-1] == 1 else "length") for t in done)
+
+
+def test_a_resumed_row_samples_what_it_would_have_uninterrupted(tiny_policy, states):
+    """Under the same weights, rows stopped every third decode step and prefilled again (new
+    segments: other batches, other padding) sample the tokens of one uninterrupted decode, and of
+    transformers' generate through hf_generate with the same row keys."""
+    same = [states[0]] * 6
+    whole, _ = decode(tiny_policy, same, at=[10**9] * 6, batch_size=64)
+    cut, stats = decode(tiny_policy, same, at=[3] * 6, batch_size=7)
+    assert stats.switches == 5 and max(t.prefills for t in cut) >= 2
+    assert [t.response_ids for t in cut] == [t.response_ids for t in whole]
+    for a, b in zip(cut, whole):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    model, tok = load_policy(tiny_policy)
+    ref = hf_generate(
+        model,
+        tok,
+        encode(tok, PROMPTS),
+        N,
+        TEMPERATURE,
+        TOP_P,
+        BUDGET,
+        seed=SEED,
+        stop_ids=stop_token_ids(tok, tiny_policy),
+    )
+    assert [s.response_ids for s in ref] == [t.response_ids for t in whole]
+
+
+def test_keep_version_finishes_each_trajectory_on_its_first_version(tiny_policy, states):
+    """keep_version: a newer policy waits until the rows in flight finish; no trajectory spans two
+    versions, nothing is prefilled again for a switch, and the later trajectories start on the
+    newer versions."""
+    done, stats = decode(tiny_policy, states, at=[2, 2], batch_size=5, keep_version=True)
+    assert all(len(set(t.versions)) == 1 for t in done)
+    assert stats.switch_prefill_tokens == 0 and stats.switches == 2
+    assert {t.versions[0] for t in done} == {0, 1, 2}
+
+
+def test_refilled_rows_keep_the_batch_busy(tiny_policy, states):
+    """refill_below: rows that finish are replaced by waiting trajectories before the slowest row
+    ends; the samples are those of the plain batches, and the batch is busier."""
+    plain, plain_stats = decode(tiny_policy, states[:1], at=[0], batch_size=4)
+    refilled, stats = decode(tiny_policy, states[:1], at=[0], batch_size=4, refill_below=2)
+    assert [t.response_ids for t in refilled] == [t.response_ids for t in plain]
+    assert stats.refill_prefill_tokens > 0
+    assert stats.busy_row_steps / stats.row_steps > plain_stats.busy_row_steps / plain_stats.row_steps
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_the_backend_refilled_samples_what_it_samples_in_plain_batches(tiny_policy, greedy):
+    """rollout.hf_refill_below through the rollout's own backend (open_backend): the same Samples,
+    in the same order, as plain batches; greedy too (evaluation)."""
+    from conftest import tiny_config
+
+    from otbflow.engines import Sampling, open_backend
+
+    sampling = Sampling(N, TEMPERATURE, TOP_P, BUDGET, greedy=greedy, seed=SEED)
+    runs = []
+    for below in (0, 2):
+        backend = open_backend(
+            tiny_config("rollout.batch_size=2", f"rollout.hf_refill_below={below}"), str(tiny_policy)
+        )
+        runs.append(backend.generate(encode(backend.tok, PROMPTS), sampling))
+    plain, refilled = runs
+    assert [(s.prompt_index, s.sample_idx, s.response_ids, s.finish_reason, s.text) for s in refilled] == [
+        (s.prompt_index, s.sample_idx, s.response_ids, s.finish_reason, s.text) for s in plain
+    ]
+    for a, b in zip(refilled, plain):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
