@@ -281,6 +281,8 @@ CONTEXT = {
     "train.micro_batch_size=100000000": ["train.mini_batch_size=100000000"],
     "task.overlong_buffer=100000000": ["rollout.max_new_tokens=100000000"],
     "rollout.staleness=1000000": ["train.rollout_is=token"],
+    "rollout.take_newer=step": ["rollout.staleness=1", "train.rollout_is=token"],
+    "rollout.take_newer=trajectory": ["rollout.staleness=1", "train.rollout_is=token"],
 }
 # Values inside the declared choices that a rule between keys always refuses
 REFUSED = {"advantages.estimator=otb_tir", "advantages.compare=[otb_tir]", "variance.estimators=[otb_tir]"}

@@ -54,12 +54,12 @@ def decode(policy, states, at, **kw):
     return done, decoder.stats
 
 
-def logprob_under(model, t: Trajectory, position: int) -> float:
+def logprob_under(model, t: Trajectory, position: int, temperature=TEMPERATURE, top_p=TOP_P) -> float:
     """log pi(token | prompt, response[:position]) of the processed distribution, one forward."""
     ids = torch.tensor([t.prompt_ids + t.response_ids[:position]])
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0, -1]
-    return float(torch.log_softmax(processed_logits(logits, TEMPERATURE, TOP_P), -1)[t.response_ids[position]])
+    return float(torch.log_softmax(processed_logits(logits, temperature, top_p), -1)[t.response_ids[position]])
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +121,7 @@ def test_keep_version_finishes_each_trajectory_on_its_first_version(tiny_policy,
     """keep_version: a newer policy waits until the rows in flight finish; no trajectory spans two
     versions, nothing is prefilled again for a switch, and the later trajectories start on the
     newer versions."""
-    done, stats = decode(tiny_policy, states, at=[2, 2], batch_size=5, keep_version=True)
+    done, stats = decode(tiny_policy, states, at=[4, 4], batch_size=5, keep_version=True)
     assert all(len(set(t.versions)) == 1 for t in done)
     assert stats.switch_prefill_tokens == 0 and stats.switches == 2
     assert {t.versions[0] for t in done} == {0, 1, 2}
@@ -158,3 +158,81 @@ def test_the_backend_refilled_samples_what_it_samples_in_plain_batches(tiny_poli
     ]
     for a, b in zip(refilled, plain):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+def publish_policy(policy, model, state: dict, out) -> None:
+    """A policy folder as a train job leaves it: ``policy``'s tokenizer files byte for byte, the
+    weights and config, and last its manifest."""
+    import shutil
+
+    from otbflow.runtime import manifest
+
+    shutil.copytree(policy, out)
+    model.load_state_dict(state)
+    model.save_pretrained(out)
+    manifest.publish(out, out, {}, None)
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["own process", "warm worker"])
+def test_a_rollout_takes_the_newer_policy_between_decode_steps(
+    tiny_policy, states, data_dir, tmp_path, monkeypatch, warm
+):
+    """rollout.take_newer 'step' at s = 1: iteration 1's rollout starts from policy 0, and the
+    policy of iteration 1, published (renamed into place) while the job decodes, is taken between
+    two decode steps, into the module in place (a warm worker's through its resident module).
+    The table records each token's version (token_versions), each token's log-prob is its
+    version's (teacher-forced), some responses span both, the metadata holds each version's
+    weights identity, and the train stage's check accepts it but refuses it as staler than
+    s = 0 allows."""
+    from otbflow.runtime import resident
+
+    if warm:
+        monkeypatch.setattr(resident, "ENABLED", True)  # as in a warm worker; restored after the test
+        monkeypatch.setattr(resident, "_held", {})
+    import polars as pl
+    from conftest import tiny_config
+
+    from otbflow import schemas
+    from otbflow.engines.hf_backend import PublishedPolicies
+    from otbflow.io import read_metadata, read_table
+    from otbflow.runtime import manifest
+    from otbflow.stages import rollout
+    from otbflow.training.trainer import check_versions
+
+    model, tok = load_policy(tiny_policy)
+    staged, newer = tmp_path / "staged", tmp_path / "iter_0" / "train" / "policy"
+    publish_policy(tiny_policy, model, states[1], staged)
+    newer.parent.mkdir(parents=True)
+    asked = {"n": 0}
+    published = PublishedPolicies.newer
+
+    def newer_after_three_steps(self):  # the train job publishes between the third and fourth ask
+        asked["n"] += 1
+        if asked["n"] == 4:
+            staged.rename(newer)
+        return published(self)
+
+    monkeypatch.setattr(PublishedPolicies, "newer", newer_after_three_steps)
+    cfg = tiny_config("rollout.staleness=1", "train.rollout_is=token", "rollout.take_newer=step")
+    out = tmp_path / "rollouts.parquet"
+    shard = sorted(data_dir.glob("train/shard_*.parquet"))[0]
+    args = rollout.Args(str(shard), str(tiny_policy), str(out), 1, 0, [str(newer)])
+    rollout.run(cfg, args)
+
+    df = read_table(out, schemas.ROLLOUTS)
+    assert set(df["token_versions"].explode().drop_nulls()) == {0, 1}
+    assert df["token_versions"].list.n_unique().max() == 2  # a response taken over mid-way
+    meta = read_metadata(out)
+    assert meta["policies"] == {"0": None, "1": manifest.read(newer)["weights"]}
+    assert meta["stream"]["switches"] == 1 and meta["stream"]["switch_prefill_tokens"] > 0
+    model, _ = load_policy(tiny_policy)
+    for v in (0, 1):
+        model.load_state_dict(states[v])
+        for row in df.iter_rows(named=True):
+            t = Trajectory(0, 0, 0, row["prompt_ids"], BUDGET, row["response_ids"])
+            for pos, (lp, tv) in enumerate(zip(row["rollout_logprobs"], row["token_versions"])):
+                if tv == v:
+                    assert lp == pytest.approx(logprob_under(model, t, pos, temperature=1.0, top_p=1.0), abs=1e-5)
+    check_versions(df, 1, str(out))
+    with pytest.raises(ValueError, match="1 iterations before it"):
+        check_versions(df.with_columns(pl.lit(1).alias("behaviour_iteration")), 0, str(out))

@@ -190,6 +190,27 @@ def test_the_tiny_workflow_runs_one_iteration_stale(run_dir, tmp_path):
     assert mismatch["truncated_fraction"].is_finite().all()
 
 
+def test_the_tiny_workflow_takes_the_newer_policy(run_dir, tmp_path):
+    """rollout.take_newer 'step' at s = 1 on a copy of the tiny run: iteration 1's rollout is
+    handed the policy of iteration 1 (iteration 0's training, already published here) besides
+    policy 0, takes it before its first decode step, and records so per token; features,
+    advantages and train accept the table, and the report measures the engine mismatch, not a
+    lag (tests/test_stream.py takes a policy published mid-way)."""
+    work = copy_run(run_dir, tmp_path / "run")
+    res = snakemake(work, "--config", "rollout={staleness: 1, take_newer: step}", "train={rollout_is: token}")
+    r = work / "results"
+    path = r / "iter_1/rollout/shard_0.parquet"
+    rows = read_table(path, schemas.ROLLOUTS)
+    assert rows["behaviour_iteration"].unique().to_list() == [0], res.stderr[-3000:]
+    assert rows["token_versions"].explode().drop_nulls().unique().to_list() == [1]
+    meta = read_metadata(path)
+    assert set(meta["policies"]) == {"0", "1"} and meta["stream"]["switches"] == 1
+    assert meta["stream"]["switch_prefill_tokens"] == 0
+    assert read_table(r / "iter_1/train/metrics.parquet", schemas.TRAIN_METRICS)["grad_norm"].is_finite().all()
+    mismatch = read_table(r / "report/mismatch.parquet", schemas.MISMATCH)
+    assert mismatch["lag"].to_list() == [0, 0] and mismatch["measures"].to_list() == ["engine", "engine"]
+
+
 def copy_run(run_dir: Path, work: Path) -> Path:
     """A copy of the tiny run (results and Snakemake's records) for a test that writes."""
     for name in ("results", ".snakemake"):

@@ -183,6 +183,7 @@ def _shard(cfg: DictConfig) -> list[str]:
 def _rollout(cfg: DictConfig) -> list[str]:
     r = ["group_size", "prompts_per_iteration", "temperature", "top_p", "min_p", "max_new_tokens", "filter_groups"]
     r += ["max_gen_batches"] if cfg.rollout.filter_groups else []
+    r += ["take_newer"]
     return ["seed", *(f"rollout.{k}" for k in r), "shard.n_shards", *sampling_engine(cfg), *RENDERING, *scoring(cfg)]
 
 
@@ -323,8 +324,9 @@ _STAGES = [
         "train",
         "DeepSpeed policy update producing the next policy",
         _train,
-        # a warm worker's in-job checkpoints and AdamW writes outside the outputs (otbflow.runtime.adamw)
-        execution=("train.checkpoint_every", *ADAMW, "train.optimizer_every_min", *TRACKING),
+        # a warm worker's in-job checkpoints and AdamW writes outside the outputs (otbflow.runtime.adamw);
+        # the staleness bound its rows are checked against (trainer.check_versions)
+        execution=("train.checkpoint_every", *ADAMW, "train.optimizer_every_min", *TRACKING, "rollout.staleness"),
         # iteration 0 and the KL term's reference read the initial policy (model.path, else the bootstrap's);
         # which AdamW state each job reads and which updates it replays (otbflow.runtime.adamw)
         dag=("iterations", "train.reset_optimizer", *ADAMW, "train.kl_coef", "model.path"),

@@ -149,9 +149,20 @@ ROLLOUTS = _table(
             "score of (prompt, response); reward includes task.reward_model.weight times it (is only that "
             "with task.reward_model.alone)",
         ),
+        (
+            "token_versions",
+            I64L,
+            "optional (rollout.take_newer): the iteration whose starting policy sampled each response token, "
+            "from behaviour_iteration to iteration; rollout_logprobs are under those policies. Absent: every "
+            "token is behaviour_iteration's",
+        ),
     ],
-    optional=("rm_score",),
-    ragged={"response_ids": "response_length", "rollout_logprobs": "response_length"},
+    optional=("rm_score", "token_versions"),
+    ragged={
+        "response_ids": "response_length",
+        "rollout_logprobs": "response_length",
+        "token_versions": "response_length",
+    },
 )
 
 FEATURES = ROLLOUTS.extend(

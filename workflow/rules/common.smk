@@ -312,6 +312,15 @@ def policy_for_rollout(wildcards):
     return start_policy(behaviour_iteration(wildcards))
 
 
+def newer_policies(wildcards):
+    """rollout.take_newer: the policies of iterations k - s + 1 .. k, which iteration k's rollout
+    takes while it decodes as their train jobs publish them. Not inputs: none need exist when the
+    rollout starts (a forced rerun of the rollout is a new sample)."""
+    if CFG.rollout.take_newer == "none":
+        return []
+    return [start_policy(v) for v in range(behaviour_iteration(wildcards) + 1, int(wildcards.k) + 1)]
+
+
 def previous_schedule_state(wildcards):
     """The LR schedule continues from the previous iteration's train stage (none at k = 0)."""
     k = int(wildcards.k)

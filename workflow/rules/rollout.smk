@@ -21,6 +21,7 @@ rule rollout:
             "rollout",
             iteration="{k}",
             behaviour_iteration=behaviour_iteration,
+            newer_policies=newer_policies,
             trigger=["behaviour_iteration"],
         ),
     shell:

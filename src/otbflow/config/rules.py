@@ -52,6 +52,19 @@ def check_staleness(cfg: DictConfig, explicit: frozenset[str] | None) -> None:
     """Stale rollouts (rollout.staleness >= 1) need a behaviour weight, and TRM's thresholds, set
     for the engine mismatch, would mask most of a lagged batch (algorithms.md §10)."""
     s, tr = cfg.rollout.staleness, cfg.train
+    if cfg.rollout.take_newer != "none":
+        require(
+            s >= 1,
+            "rollout.take_newer",
+            "'none' when rollout.staleness is 0 (an on-policy rollout's policy is the newest there is)",
+            cfg.rollout.take_newer,
+        )
+        require(
+            cfg.rollout.backend == "hf",
+            "rollout.take_newer",
+            "'none' with the vllm backend (its engine takes no weights while it decodes yet)",
+            cfg.rollout.take_newer,
+        )
     if s == 0:
         return
     levels = weighting_levels()

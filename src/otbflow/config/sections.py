@@ -235,6 +235,16 @@ class RolloutConfig:
     and train.rollout_is (none is refused) weights the stale samples by min(pi_prox / pi_behav, C)
     (ppo_clip) or min(pi_theta / pi_behav, C) (reinforce's bypass). docs/training.md, 'Pipelined
     iterations'."""
+    take_newer: str = opt("none", choices=("none", "step", "trajectory"))
+    """s >= 1, hf backend: the rollout of iteration k starts from the policy of iteration k - s
+    and takes each newer one, up to iteration k's own, as soon as its train job publishes it
+    (Laminar's trajectory-level asynchrony, arXiv 2510.12633): 'step' between two decode steps,
+    every row in flight prefilled again under it (AReaL's interrupt and resubmit); 'trajectory'
+    for the responses that start after it (each response on one policy). Each token records the
+    policy that sampled it (the rollouts' token_versions) with its log-prob under that policy,
+    which the decoupled objective's behaviour weight uses per token. A rollout then depends on
+    when the policies appeared: a forced rerun is a new sample. 'none': the policy of k - s alone.
+    docs/training.md, 'Pipelined iterations'."""
     filter_groups: bool = False
     """DAPO's dynamic sampling (algorithms.md §6.1): drop the groups whose verifiable rewards are all
     equal (verl's metric 'acc'; shaped or learned rewards never decide it) and sample further

@@ -73,6 +73,9 @@ class Sample:
     logprobs: list[float]
     finish_reason: str
     text: str
+    versions: list[int] | None = None
+    """The policy version (iteration) that sampled each response token, where a rollout took newer
+    policies while it decoded (rollout.take_newer); None: all by the one policy."""
 
 
 @dataclass(frozen=True)

@@ -1,21 +1,25 @@
 """The hf backend ('hf', ``rollout.backend``): transformers on the policy loaded once, sampling
-through ``otbflow.engines.hf.hf_generate``, or, with ``rollout.hf_refill_below``, through
+through ``otbflow.engines.hf.hf_generate``, or, with ``rollout.hf_refill_below`` or a rollout's
+newer policies (``rollout.take_newer``, ``PublishedPolicies``), through
 ``otbflow.engines.hf_stream.StreamDecoder``, which gives a finished row's place to a waiting
-one before the batch's longest response ends (continuous batching at segment granularity). Both
-sample the same tokens: a row's noise is keyed by its seed, prompt, sample and position."""
+one before the batch's longest response ends (continuous batching at segment granularity) and
+takes newer weights between decode steps. Under one policy both sample the same tokens: a row's
+noise is keyed by its seed, prompt, sample and position."""
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
 from otbflow.engines import Sample, Sampling, stop_token_ids
 from otbflow.engines.hf import decode_mode, hf_generate, row_keys
-from otbflow.engines.hf_stream import StreamDecoder, Trajectory
+from otbflow.engines.hf_stream import StreamDecoder, StreamStats, Trajectory, Weights
 from otbflow.models.policy import load_policy
 from otbflow.progress import Progress
+from otbflow.runtime import manifest, resident
 
 log = logging.getLogger("otbflow.generate")
 
@@ -32,6 +36,45 @@ class FixedWeights:
         raise AssertionError("a fixed policy has no newer version")
 
 
+class PublishedPolicies:
+    """``hf_stream.Weights`` over the policies a rollout may take after the one it starts from
+    (version ``first``): those of iterations first + 1, first + 2, ... (``paths``, in order), each
+    once its train job has published it (the folder is renamed into place whole, its manifest
+    in it). ``take`` loads the newest published one into the model in place: in a warm worker
+    through the resident module (only what changed is read, checked against the manifest),
+    otherwise every tensor, each checked against the manifest as it is read. ``digests``: the
+    weights identity of each version taken (its manifest's), by version."""
+
+    def __init__(self, paths: list[str], first: int, start: str, dtype: str, keep_version: bool = False):
+        self.paths, self.first, self.version, self.dtype = [Path(p) for p in paths], first, first, dtype
+        self.keep_version = keep_version  # rollout.take_newer 'trajectory' (hf_stream.StreamDecoder's)
+        self.digests = {first: (manifest.read(start) or {}).get("weights")}
+
+    def _published(self) -> int:
+        """The newest version published, counting on from the one held."""
+        v = self.version
+        while v - self.first < len(self.paths) and (self.paths[v - self.first] / manifest.MANIFEST).is_file():
+            v += 1
+        return v
+
+    def newer(self) -> bool:
+        return self._published() > self.version
+
+    def take(self, model) -> int:
+        v = self._published()
+        path = self.paths[v - self.first - 1]
+        listed = manifest.read(path)
+        if resident.ENABLED:
+            held, _ = load_policy(path, self.dtype)
+            if held is not model:
+                raise RuntimeError(f"{path}: not a policy of the resident module's architecture and tokenizer")
+        else:
+            resident.load_weights_in_place(model, path, want=listed["tensors"] if listed else None)
+        self.version, self.digests[v] = v, (listed or {}).get("weights")
+        log.info("took the policy of iteration %d (%s) between two decode steps", v, path)
+        return v
+
+
 class HFBackend:
     """transformers ``generate`` on the policy loaded once (``model.dtype``, default device)."""
 
@@ -43,11 +86,15 @@ class HFBackend:
         self.batch_size = cfg.rollout.batch_size
         self.refill_below = cfg.rollout.hf_refill_below
         self.decode = decode_mode(cfg.rollout.hf_decode, self.model.device)
+        self.weights: Weights | None = None
+        """A rollout's newer policies (``PublishedPolicies``), set by its sampler; None: the one policy."""
+        self.stats = StreamStats()
+        """What the stream decodes of this backend's calls did, summed."""
 
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> list[Sample]:
         s = sampling
         label = "greedy generation" if s.greedy else f"generation ({s.n} per prompt)"
-        if self.refill_below:
+        if self.refill_below or self.weights is not None:
             return self.refilled(prompt_ids, s, Progress(log, label, len(prompt_ids), "prompts"))
         return hf_generate(
             self.model,
@@ -68,7 +115,8 @@ class HFBackend:
 
     def refilled(self, prompt_ids: list[list[int]], s: Sampling, progress: Progress) -> list[Sample]:
         """``hf_generate``'s samples from a ``StreamDecoder`` of ``batch_size`` prompts' rows that
-        refills its batch when ``refill_below`` rows are still decoding."""
+        refills its batch when ``refill_below`` rows are still decoding and takes newer weights
+        from ``weights`` (each sample then records its tokens' versions)."""
         n = 1 if s.greedy else s.n
         keys = row_keys(s.seed, range(len(prompt_ids)), n, "cpu").tolist()
         rows = (
@@ -79,29 +127,45 @@ class HFBackend:
         decoder = StreamDecoder(
             self.model,
             self.tok,
-            FixedWeights(),
+            self.weights or FixedWeights(),
             self.stops,
             s.temperature,
             s.top_p,
             s.min_p,
             batch_size=self.batch_size * n,
             refill_below=self.refill_below,
+            keep_version=getattr(self.weights, "keep_version", False),
             decode=self.decode,
             greedy=s.greedy,
         )
         out, left = [], [n] * len(prompt_ids)
         for t in decoder.run(rows):
             text = self.tok.decode(t.response_ids, skip_special_tokens=True)
+            versions = t.versions if self.weights is not None else None
             out.append(
-                Sample(t.prompt_index, t.sample_idx, t.prompt_ids, t.response_ids, t.logprobs, t.finish_reason, text)
+                Sample(
+                    t.prompt_index,
+                    t.sample_idx,
+                    t.prompt_ids,
+                    t.response_ids,
+                    t.logprobs,
+                    t.finish_reason,
+                    text,
+                    versions,
+                )
             )
             left[t.prompt_index] -= 1
             if not left[t.prompt_index]:
                 progress.update(1)
         st = decoder.stats
+        for name, value in vars(st).items():
+            setattr(self.stats, name, getattr(self.stats, name) + value)
         log.info(
-            "refilled batches: %d segments, %d tokens prefilled again, rows busy %.0f%% of the decode steps",
+            "stream decode: %d segments, %d weight switches, %d tokens prefilled again for them and %d to refill, "
+            "rows busy %.0f%% of the decode steps",
             st.segments,
+            st.switches,
+            st.switch_prefill_tokens,
             st.refill_prefill_tokens,
             100 * st.busy_row_steps / max(st.row_steps, 1),
         )

@@ -144,6 +144,8 @@ class StreamDecoder:
         nxt = next(waiting, None)
         active: list[Trajectory] = []
         while True:
+            if not active and self.weights.newer():  # nothing in flight: new trajectories start on the newest
+                self._switch([])
             draining = self.keep_version and self.weights.newer()
             while nxt is not None and len(active) < self.batch_size and not draining:
                 active.append(nxt)

@@ -47,6 +47,7 @@ def rollout_table(
     gives each response's verifiable and training reward."""
     rows = batch.to_dicts()
     scores = [scorer(s.text, rows[s.prompt_index]["answer"], len(s.response_ids)) for s in samples]
+    versions = {"token_versions": [s.versions for s in samples]} if any(s.versions is not None for s in samples) else {}
     return pl.DataFrame(
         {
             "iteration": [iteration] * len(samples),
@@ -66,8 +67,9 @@ def rollout_table(
             "finish_reason": [s.finish_reason for s in samples],
             "reward": [training for _, training in scores],
             "verifiable_reward": [verifiable for verifiable, _ in scores],
+            **versions,
         },
-        schema=schemas.ROLLOUTS.required,
+        schema={c: schemas.ROLLOUTS.columns[c] for c in schemas.ROLLOUTS.present(list(versions))},
     )
 
 
@@ -91,10 +93,12 @@ def check_logprobs(samples: list[Sample], prompt_ids: list, policy: str | Path) 
 
 class GroupSampler:
     """The ``rollout.backend`` engine over one policy, opened once (at the first batch, after that
-    batch's prompts have rendered) for every batch the job samples, and the task's scorer."""
+    batch's prompts have rendered) for every batch the job samples, and the task's scorer.
+    ``weights``: where the engine takes newer policies from while it decodes (the hf backend's
+    ``weights``, rollout.take_newer); None: the one policy."""
 
-    def __init__(self, cfg: DictConfig, policy: str, behaviour_iteration: int) -> None:
-        self.cfg, self.policy, self.behaviour = cfg, policy, behaviour_iteration
+    def __init__(self, cfg: DictConfig, policy: str, behaviour_iteration: int, weights=None) -> None:
+        self.cfg, self.policy, self.behaviour, self.weights = cfg, policy, behaviour_iteration, weights
         self.tok = load_tokenizer(policy)
         self.scorer = Scorer(cfg)
         self.backend = None
@@ -111,6 +115,8 @@ class GroupSampler:
         check_prompt_lengths(ids, batch["prompt_id"].to_list(), r.max_new_tokens, "rollout.max_new_tokens", self.policy)
         if self.backend is None:
             self.backend = open_backend(self.cfg, self.policy)
+            if self.weights is not None:
+                self.backend.weights = self.weights
         sampling = Sampling(
             group_size, r.temperature, r.top_p, r.max_new_tokens, greedy=False, seed=seed, min_p=r.min_p
         )

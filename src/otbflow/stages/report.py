@@ -124,9 +124,11 @@ def progress_table(summaries: list[str], per_iteration: pl.DataFrame) -> pl.Data
 def mismatch_table(
     features: pl.DataFrame, max_k2: float, mean_k3: float, is_threshold: float | None = None
 ) -> pl.DataFrame:
-    """Per iteration: the lag, the trainer-vs-rollout log-ratio statistics, TRM's acceptance at
-    ``max_k2``, ``mean_k3``, and the share of tokens whose stored IS weight (the features stage's
-    ``is_weights``, train.rollout_is) sits at its truncation ``is_threshold`` (None: no weights, NaN)."""
+    """Per iteration: the lag (to the oldest policy that sampled a token: the rows'
+    behaviour_iteration, or their token_versions where present), the trainer-vs-rollout
+    log-ratio statistics, TRM's acceptance at ``max_k2``, ``mean_k3``, and the share of tokens
+    whose stored IS weight (the features stage's ``is_weights``, train.rollout_is) sits at its
+    truncation ``is_threshold`` (None: no weights, NaN)."""
     cols = ["iteration", "log_ratio", "k3"] + (["is_weights"] if is_threshold is not None else [])
     tokens = features.select(cols).explode(cols[1:]).drop_nulls()
     # a weight min(rho, C) stored in float32 equals float32(C) exactly where rho reached C
@@ -139,7 +141,10 @@ def mismatch_table(
         pl.col("k3").cast(pl.Float64).mean().alias("k3_mean"),
         truncated.cast(pl.Float64).alias("truncated_fraction"),
     )
-    lag = (pl.col("iteration") - pl.col("behaviour_iteration")).max().cast(pl.Int64)
+    oldest = pl.col("behaviour_iteration")  # with rollout.take_newer, the oldest policy that sampled a token
+    if "token_versions" in features.columns:
+        oldest = pl.col("token_versions").list.min().fill_null(oldest)
+    lag = (pl.col("iteration") - oldest).max().cast(pl.Int64)
     per_seq = features.group_by("iteration").agg(
         lag.alias("lag"),
         pl.col("log_ppl_abs_diff").mean().alias("log_ppl_abs_diff_mean"),
@@ -380,7 +385,11 @@ def write_mismatch(cfg: DictConfig, feature_files: list[str], out: Path) -> None
     threshold = tc.rollout_is_threshold if tc.rollout_is != "none" else None  # read only where it is used
     cols = ["iteration", "behaviour_iteration", "log_ratio", "k3", "seq_max_k2", "seq_mean_k3", "log_ppl_abs_diff"]
     cols += ["is_weights"] if threshold is not None else []  # written by features with train.rollout_is
-    features = pl.concat([read_table(p, schemas.FEATURES).select(cols) for p in feature_files])
+    tables = [read_table(p, schemas.FEATURES) for p in feature_files]
+    features = pl.concat(
+        [t.select(cols + (["token_versions"] if "token_versions" in t.columns else [])) for t in tables],
+        how="diagonal",
+    )
     mismatch = mismatch_table(features, cfg.mismatch.max_k2, cfg.mismatch.mean_k3, threshold)
     write_parquet(mismatch, out / "mismatch.parquet")
     for row in mismatch.filter(pl.col("lag") > 0).iter_rows(named=True):

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from omegaconf import DictConfig
 
 from otbflow import schemas
+from otbflow.engines.hf_backend import PublishedPolicies
 from otbflow.engines.sampling import GroupSampler, sample_informative_groups, select_prompts
 from otbflow.io import read_table, write_parquet
 from otbflow.models.policy import set_threads
@@ -37,6 +38,9 @@ class Args:
     behaviour_iteration: Optional[int] = None
     """The iteration whose starting policy --policy is: max(0, k - rollout.staleness) in the
     workflow (a column of every row). Default: --iteration (on-policy)."""
+    newer_policies: list[str] = field(default_factory=list)
+    """rollout.take_newer: the policies of iterations --behaviour-iteration + 1 .. --iteration, in
+    order, taken while the job decodes as each is published (none need exist when it starts)."""
 
 
 def run(cfg: DictConfig, args: Args) -> None:
@@ -49,8 +53,18 @@ def run(cfg: DictConfig, args: Args) -> None:
     behaviour = args.iteration if args.behaviour_iteration is None else args.behaviour_iteration
     if not 0 <= behaviour <= args.iteration:
         raise ValueError(f"--behaviour-iteration {behaviour} must be in [0, --iteration {args.iteration}]")
+    if len(args.newer_policies) > args.iteration - behaviour or (
+        args.newer_policies and cfg.rollout.take_newer == "none"
+    ):
+        raise ValueError(
+            f"--newer-policies: at most the {args.iteration - behaviour} policies of iterations "
+            f"{behaviour + 1} .. {args.iteration}, and only with rollout.take_newer (is {cfg.rollout.take_newer!r})"
+        )
     resident.LAST_LOAD.clear()
-    sampler = GroupSampler(cfg, args.policy, behaviour)
+    trajectory = cfg.rollout.take_newer == "trajectory"
+    newer = (args.newer_policies, behaviour, args.policy, cfg.model.dtype, trajectory)
+    weights = PublishedPolicies(*newer) if args.newer_policies else None
+    sampler = GroupSampler(cfg, args.policy, behaviour, weights)
     if cfg.rollout.filter_groups:
         df, stats = sample_informative_groups(sampler, prompts, batch, per_shard, args.iteration, shard)
         meta = {**sampler.meta, "dynamic_sampling": stats}
@@ -80,6 +94,13 @@ def run(cfg: DictConfig, args: Args) -> None:
         )
     if resident.LAST_LOAD:  # the HF backend's load (the vLLM engine reloads its own)
         meta = {**meta, "policy_load": dict(resident.LAST_LOAD)}
+    if weights is not None:  # which policies sampled it, and what taking them cost
+        meta = {
+            **meta,
+            "take_newer": cfg.rollout.take_newer,
+            "policies": {str(v): d for v, d in weights.digests.items()},
+            "stream": vars(sampler.backend.stats) if sampler.backend is not None else {},
+        }
     write_parquet(df, args.out, metadata=meta)
     log.info(
         "iteration %d shard %d (policy of iteration %d): %d responses, mean reward %.3f, mean length %.1f",

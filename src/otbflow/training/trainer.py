@@ -215,6 +215,7 @@ def load_rows(path: str, cfg: DictConfig) -> dict:
     before any work, naming the row, its group and the token (``otbflow.io.check_finite``)."""
     df = read_table(path, schemas.ADVANTAGES)
     check_finite(df, ["logprobs", "rollout_logprobs", "advantages", "proxy", *SEQUENCE_FLOATS], path)
+    check_versions(df, cfg.rollout.staleness, path)
     data = {
         c: df[c].to_list()
         for c in ("prompt_ids", "response_ids", "logprobs", "rollout_logprobs", "advantages", "proxy")
@@ -229,6 +230,29 @@ def load_rows(path: str, cfg: DictConfig) -> dict:
     )
     data["keep"] = data["accept"] if cfg.train.trm else np.ones(df.height)
     return data
+
+
+def check_versions(df: pl.DataFrame, staleness: int, path: str) -> None:
+    """Refuse, before any work, a row with a token sampled by a policy more than ``staleness``
+    (rollout.staleness) iterations older than the row's iteration, or newer than it: its
+    behaviour_iteration, and with rollout.take_newer each token's (token_versions)."""
+    oldest, newest = [pl.col("behaviour_iteration")], [pl.col("behaviour_iteration")]
+    if "token_versions" in df.columns:
+        oldest.append(pl.col("token_versions").list.min())
+        newest.append(pl.col("token_versions").list.max())
+    spans = df.select(
+        (pl.col("iteration") - pl.min_horizontal(oldest)).alias("lag"),
+        (pl.max_horizontal(newest) - pl.col("iteration")).alias("ahead"),
+    )
+    bad = ((spans["lag"] > staleness) | (spans["ahead"] > 0)).arg_true()
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(
+            f"{path}: row {i} (group {df['group_id'][i]}) of iteration {df['iteration'][i]} holds tokens sampled "
+            f"{spans['lag'][i]} iterations before it and {spans['ahead'][i]} after it: a rollout of iteration k may "
+            f"use the policies of iterations k - rollout.staleness .. k (rollout.staleness is {staleness}); "
+            f"{len(bad)} of {df.height} rows are outside"
+        )
 
 
 def mini_batches(n: int, tc: DictConfig, seed: int) -> list[list[int]]:
