@@ -113,9 +113,17 @@ SETTINGS["grpo_s0_shaped_bf16"] = [
 # the same with the AdamW state written every 5th iteration (train.optimizer_every; otbflow.runtime.adamw):
 # the next train job reads the second-newest checkpoint, so that no update waits for a write
 SETTINGS["grpo_s0_shaped_bf16_every5"] = [*SETTINGS["grpo_s0_shaped_bf16"], "train.optimizer_every=5"]
+# one step off the policy with the hf backend's refilled batches (rollout.hf_refill_below: a batch of
+# 64 prompts x 8 rows goes on with new rows when a quarter of its rows are still decoding), and with
+# the newer policy taken between decode steps (rollout.take_newer): Laminar's issue measures them on
+# config/examples/long_tail.yaml (--configfile), against grpo_s1
+SETTINGS["grpo_s1_refill"] = [*SETTINGS["grpo_s1"], "rollout.hf_refill_below=128"]
+SETTINGS["grpo_s1_newer"] = [*SETTINGS["grpo_s1"], "rollout.take_newer=step"]
+SETTINGS["grpo_s1_newer_refill"] = [*SETTINGS["grpo_s1_refill"], "rollout.take_newer=step"]
 SETTINGS |= {f"{name}_workers": overrides for name, overrides in SETTINGS.items()}
 WORKERS = {name for name in SETTINGS if name.endswith("_workers")}  # warm workers serve the stages
-PIPELINED = {"grpo_s1", "otb_s1", "grpo_s1_workers", "otb_s1_workers"}  # the rollout is off the policy chain
+# the rollout is off the policy chain
+PIPELINED = {name for name, overrides in SETTINGS.items() if "rollout.staleness=1" in overrides}
 STAGES = ("rollout", "features", "advantages", "train")
 FINISHED = re.compile(r"^(\S+ \S+) otbflow INFO (\S+) finished in ([\d.]+) s$", re.M)
 # the final line of a stage's Progress (otbflow.progress): items done over the rate is its timer
@@ -321,7 +329,22 @@ def run_setting(work: Path, name: str, policy: Path, iterations: int, cores: int
         "startup_s_per_iteration": sum(stages[s]["startup_s"] * stages[s]["jobs"] for s in STAGES) / iterations,
         "learning": learning(folder / "results", iterations, policy),
         "crash": crash,
+        **trained_tokens(folder / "results", iterations, periods),
     }
+
+
+def trained_tokens(results: Path, iterations: int, periods: list[float]) -> dict:
+    """The response tokens each iteration trains on (its rollouts' response_length, every shard),
+    and over iterations 1 on, those tokens per second of the periods that end them (the issue's
+    throughput: trained tokens per second)."""
+    import polars as pl
+
+    tokens = [
+        int(sum(pl.read_parquet(p, columns=["response_length"])["response_length"].sum() for p in files))
+        for files in (sorted(results.glob(f"iter_{k}/rollout/shard_*.parquet")) for k in range(iterations))
+    ]
+    per_s = sum(tokens[1:]) / sum(periods) if periods else None
+    return {"trained_tokens_per_iteration": tokens, "trained_tokens_per_s": per_s}
 
 
 def chain_timers(js: list[dict], on_path, k: int) -> float:
