@@ -113,11 +113,11 @@ SETTINGS["grpo_s0_shaped_bf16"] = [
 # the same with the AdamW state written every 5th iteration (train.optimizer_every; otbflow.runtime.adamw):
 # the next train job reads the second-newest checkpoint, so that no update waits for a write
 SETTINGS["grpo_s0_shaped_bf16_every5"] = [*SETTINGS["grpo_s0_shaped_bf16"], "train.optimizer_every=5"]
-# one step off the policy with the hf backend's refilled batches (rollout.hf_refill_below: a batch of
-# 64 prompts x 8 rows goes on with new rows when a quarter of its rows are still decoding), and with
+# one step off the policy with the hf backend's refilled batches (rollout.hf_refill_below: a batch
+# goes on with new rows when a quarter of its rows are still decoding), and with
 # the newer policy taken between decode steps (rollout.take_newer): Laminar's issue measures them on
 # config/examples/long_tail.yaml (--configfile), against grpo_s1
-SETTINGS["grpo_s1_refill"] = [*SETTINGS["grpo_s1"], "rollout.hf_refill_below=128"]
+SETTINGS["grpo_s1_refill"] = [*SETTINGS["grpo_s1"], "rollout.hf_refill_below=0.25"]
 SETTINGS["grpo_s1_newer"] = [*SETTINGS["grpo_s1"], "rollout.take_newer=step"]
 SETTINGS["grpo_s1_newer_refill"] = [*SETTINGS["grpo_s1_refill"], "rollout.take_newer=step"]
 SETTINGS |= {f"{name}_workers": overrides for name, overrides in SETTINGS.items()}

@@ -70,7 +70,7 @@ def main() -> None:
             engine = build_engine(str(policy), tc, 1)
             one_step(engine)
             folder = Path(tmp) / name
-            save_optimizer_state(engine, str(folder), {"layout": name}, 0, 1)
+            save_optimizer_state(engine, str(folder), {"layout": name}, 0, 1, module=False)  # as train's --optimizer
             size = folder_bytes(folder)
             out["layouts"][name] = {"bytes": size, "over_fp32_weights": round(size / (4 * n), 3)}
             del engine

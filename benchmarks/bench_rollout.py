@@ -173,11 +173,11 @@ def worker_hf(policy: str, a: argparse.Namespace) -> dict:
         )
 
     def refilled(seed, below):
-        backend.refill_below = below
+        backend.refill_share = below
         return backend.generate(ids, Sampling(a.group_size, 1.0, 1.0, a.max_new_tokens, greedy=False, seed=seed))
 
     run(1)  # warm-up
-    steady, refills = [], {int(b): [] for b in a.hf_refill_below.split(",") if b and int(b)}
+    steady, refills = [], {float(b): [] for b in a.hf_refill_below.split(",") if b and float(b)}
     for r in range(a.repeats):  # the settings in turn within each repeat: drifts hit them alike
         seconds, samples = timed(lambda r=r: run(2 + r))
         steady.append({"seconds": seconds, **counts(samples)})
@@ -301,7 +301,7 @@ def main() -> None:
     ap.add_argument(
         "--hf-refill-below",
         default="",
-        help="hf backend: comma-separated rollout.hf_refill_below values also timed, each on the steady calls' seeds",
+        help="hf backend: comma-separated rollout.hf_refill_below shares also timed, each on the steady calls' seeds",
     )
     ap.add_argument(
         "--overrides",

@@ -147,7 +147,7 @@ def test_the_backend_refilled_samples_what_it_samples_in_plain_batches(tiny_poli
 
     sampling = Sampling(N, TEMPERATURE, TOP_P, BUDGET, greedy=greedy, seed=SEED)
     runs = []
-    for below in (0, 2):
+    for below in (0, 0.5):
         backend = open_backend(
             tiny_config("rollout.batch_size=2", f"rollout.hf_refill_below={below}"), str(tiny_policy)
         )

@@ -170,7 +170,8 @@ def test_staleness_plans_rollouts_from_older_policies(tmp_path, staleness):
 def test_the_tiny_workflow_runs_one_iteration_stale(run_dir, tmp_path):
     """rollout.staleness 1 on a copy of the tiny run: iteration 0's rollouts are kept (they are the
     same at any staleness), iteration 1 samples from the initial policy, features and train use
-    the policy iteration 0 trained, and the report shows the lag and the truncation."""
+    the policy iteration 0 trained, and the report shows the lag and the truncation. Then
+    rollout.take_newer 'step' (below)."""
     work = copy_run(run_dir, tmp_path / "run")
     res = snakemake(work, "--config", "rollout={staleness: 1}", "train={rollout_is: token}")
     assert "rule rollout" in res.stdout + res.stderr
@@ -189,26 +190,25 @@ def test_the_tiny_workflow_runs_one_iteration_stale(run_dir, tmp_path):
     assert mismatch["k3_mean"][1] > 1e3 * mismatch["k3_mean"][0]
     assert mismatch["truncated_fraction"].is_finite().all()
 
-
-def test_the_tiny_workflow_takes_the_newer_policy(run_dir, tmp_path):
-    """rollout.take_newer 'step' at s = 1 on a copy of the tiny run: iteration 1's rollout is
-    handed the policy of iteration 1 (iteration 0's training, already published here) besides
-    policy 0, takes it before its first decode step, and records so per token; features,
-    advantages and train accept the table, and the report measures the engine mismatch, not a
-    lag (tests/test_stream.py takes a policy published mid-way)."""
-    work = copy_run(run_dir, tmp_path / "run")
+    # rollout.take_newer 'step' then reruns iteration 1's rollouts (and their chain) alone: handed the
+    # policy of iteration 1 besides policy 0, already published here, they take it before their first
+    # decode step and record so per token; features, advantages and train accept the table, and the
+    # report measures the engine mismatch, not a lag (tests/test_stream.py takes one published mid-way)
     res = snakemake(work, "--config", "rollout={staleness: 1, take_newer: step}", "train={rollout_is: token}")
-    r = work / "results"
-    path = r / "iter_1/rollout/shard_0.parquet"
-    rows = read_table(path, schemas.ROLLOUTS)
-    assert rows["behaviour_iteration"].unique().to_list() == [0], res.stderr[-3000:]
-    assert rows["token_versions"].explode().drop_nulls().unique().to_list() == [1]
-    meta = read_metadata(path)
-    assert set(meta["policies"]) == {"0", "1"} and meta["stream"]["switches"] == 1
-    assert meta["stream"]["switch_prefill_tokens"] == 0
+    ran = {line.split()[-1] for line in (res.stdout + res.stderr).splitlines() if "output:" in line}
+    assert not any("iter_0/" in o for o in ran), ran
+    for s in (0, 1):
+        path = r / f"iter_1/rollout/shard_{s}.parquet"
+        rows = read_table(path, schemas.ROLLOUTS)
+        assert rows["behaviour_iteration"].unique().to_list() == [0]
+        assert rows["token_versions"].explode().drop_nulls().unique().to_list() == [1]
+        stream = meta(path)["stream"]
+        assert set(meta(path)["policies"]) == {"0", "1"} and stream["switches"] == 1
+        assert stream["switch_prefill_tokens"] == 0
     assert read_table(r / "iter_1/train/metrics.parquet", schemas.TRAIN_METRICS)["grad_norm"].is_finite().all()
     mismatch = read_table(r / "report/mismatch.parquet", schemas.MISMATCH)
     assert mismatch["lag"].to_list() == [0, 0] and mismatch["measures"].to_list() == ["engine", "engine"]
+    assert mismatch["k3_mean"][1] < 1e-9
 
 
 def copy_run(run_dir: Path, work: Path) -> Path:

@@ -22,7 +22,8 @@ rule rollout:
             iteration="{k}",
             behaviour_iteration=behaviour_iteration,
             newer_policies=newer_policies,
-            trigger=["behaviour_iteration"],
+            take_newer=take_newer,
+            trigger=["behaviour_iteration", "take_newer"],
         ),
     shell:
         STAGE_SHELL

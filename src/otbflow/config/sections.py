@@ -266,13 +266,14 @@ class RolloutConfig:
     compiled once, used by every later job) and 'static' in a one-job process. A row's sample is
     the same function of its seed in every mode; they differ in the logits' rounding only
     (docs/training.md, "The decode loop")."""
-    hf_refill_below: int = opt(0, ge=0, le=100_000_000)
+    hf_refill_below: float = opt(0.0, ge=0, lt=1)
     """hf backend: continuous batching. When the rows still decoding in a batch fall to this
-    many, generation pauses, the finished rows give their places to the next prompts' rows and
-    all continue (the rows in flight prefilled again: the job's log counts those tokens). Pays
-    where response lengths are long-tailed, so that a batch would wait on its longest rows. The
-    samples are the same as without (each row's noise is its own: up to the logits' rounding).
-    0: off, each batch decodes until its longest row ends (docs/training.md, "The decode loop")."""
+    share of its rows (batch_size prompts x their samples), generation pauses, the finished rows
+    give their places to the next prompts' rows and all continue (the rows in flight prefilled
+    again: the job's log counts those tokens). Pays where response lengths are long-tailed, so
+    that a batch would wait on its longest rows. The samples are the same as without (each row's
+    noise is its own: up to the logits' rounding). 0: off, each batch decodes until its longest
+    row ends (docs/training.md, "Refilled batches")."""
     tensor_parallel_size: int = opt(1, ge=1, le=100_000)
     """vllm backend: GPUs per engine (tensor parallelism); match the rule's GPU count."""
     gpu_memory_utilization: float = opt(0.85, gt=0, le=1)

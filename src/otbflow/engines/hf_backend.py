@@ -84,7 +84,7 @@ class HFBackend:
         self.model, self.tok = load_policy(policy, cfg.model.dtype)
         self.stops = stop_token_ids(self.tok, policy)
         self.batch_size = cfg.rollout.batch_size
-        self.refill_below = cfg.rollout.hf_refill_below
+        self.refill_share = cfg.rollout.hf_refill_below
         self.decode = decode_mode(cfg.rollout.hf_decode, self.model.device)
         self.weights: Weights | None = None
         """A rollout's newer policies (``PublishedPolicies``), set by its sampler; None: the one policy."""
@@ -94,7 +94,7 @@ class HFBackend:
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> list[Sample]:
         s = sampling
         label = "greedy generation" if s.greedy else f"generation ({s.n} per prompt)"
-        if self.refill_below or self.weights is not None:
+        if self.refill_share or self.weights is not None:
             return self.refilled(prompt_ids, s, Progress(log, label, len(prompt_ids), "prompts"))
         return hf_generate(
             self.model,
@@ -115,7 +115,7 @@ class HFBackend:
 
     def refilled(self, prompt_ids: list[list[int]], s: Sampling, progress: Progress) -> list[Sample]:
         """``hf_generate``'s samples from a ``StreamDecoder`` of ``batch_size`` prompts' rows that
-        refills its batch when ``refill_below`` rows are still decoding and takes newer weights
+        refills its batch when ``refill_share`` of its rows are still decoding and takes newer weights
         from ``weights`` (each sample then records its tokens' versions)."""
         n = 1 if s.greedy else s.n
         keys = row_keys(s.seed, range(len(prompt_ids)), n, "cpu").tolist()
@@ -133,7 +133,7 @@ class HFBackend:
             s.top_p,
             s.min_p,
             batch_size=self.batch_size * n,
-            refill_below=self.refill_below,
+            refill_below=int(self.refill_share * self.batch_size * n),
             keep_version=getattr(self.weights, "keep_version", False),
             decode=self.decode,
             greedy=s.greedy,
@@ -189,5 +189,5 @@ class HFBackend:
             "seeds": "per row: derive_seed(seed, 'row', i, j, bits=63), Gumbel-max with Philox4x32-10 noise"
             " (otbflow.engines.hf.RowSampler)",
             "decode": self.decode,
-            "refill_below": self.refill_below,
+            "refill_below": self.refill_share,
         }

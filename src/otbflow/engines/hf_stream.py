@@ -96,7 +96,6 @@ class _SegmentEnd:
         self.width, self.remaining, self.interrupt, self.refill_below = width, remaining, interrupt, refill_below
         self.stops = torch.tensor(stops, device=remaining.device)
         self.done = torch.zeros_like(remaining, dtype=torch.bool)
-        self.ended_early = False
         self.busy = 0
 
     def __call__(self, input_ids: torch.Tensor, scores, **_) -> torch.Tensor:
@@ -105,7 +104,6 @@ class _SegmentEnd:
         self.done |= torch.isin(input_ids[:, -1], self.stops) | (steps >= self.remaining)
         running = int((~self.done).sum())
         if running and (running <= self.refill_below or self.interrupt()):
-            self.ended_early = True
             return torch.ones_like(self.done)
         return self.done.clone()
 
@@ -132,6 +130,8 @@ class StreamDecoder:
     ):
         self.model, self.tok, self.weights, self.stops = model, tok, weights, list(stops)
         self.temperature, self.top_p, self.min_p = temperature, top_p, min_p
+        if not 0 <= refill_below < batch_size:
+            raise ValueError(f"refill_below {refill_below}: must be in [0, batch_size {batch_size})")
         self.batch_size, self.refill_below, self.keep_version = batch_size, refill_below, keep_version
         self.greedy = greedy
         self.mode = decode_mode(decode, model.device)

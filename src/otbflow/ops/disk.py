@@ -57,13 +57,15 @@ def count_parameters(model_config) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def bytes_per_token() -> tuple[int, int]:
-    """(bytes per response token, bytes per prompt token per response) of the three data tables."""
+def bytes_per_token(cfg: DictConfig) -> tuple[int, int]:
+    """(bytes per response token, bytes per prompt token per response) of the three data tables,
+    their optional columns counted (token_versions only where ``cfg`` writes it: rollout.take_newer)."""
+    unwritten = {"token_versions"} if cfg.rollout.take_newer == "none" else set()
     response = prompt = 0
     for table in DATA_TABLES:
         for name, dtype in table.columns.items():
             inner = getattr(dtype, "inner", None)
-            if inner is None:
+            if inner is None or name in unwritten:
                 continue
             width = _WIDTH[str(inner)]
             if name == "prompt_ids":
@@ -86,7 +88,7 @@ def estimate(cfg: DictConfig, n_params: int, response_tokens: float | None = Non
     n, s = cfg.iterations, cfg.rollout.staleness
     policy = (2 if publishes_bf16(cfg) else 4) * n_params
     optimizer = 0 if cfg.train.reset_optimizer else optimizer_bytes_per_parameter(cfg.train) * n_params
-    per_token, per_prompt_token = bytes_per_token()
+    per_token, per_prompt_token = bytes_per_token(cfg)
     responses = cfg.rollout.prompts_per_iteration * cfg.rollout.group_size
     tokens = responses * (cfg.rollout.max_new_tokens if response_tokens is None else response_tokens)
     data = tokens * per_token + responses * prompt_tokens * per_prompt_token

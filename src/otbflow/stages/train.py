@@ -321,7 +321,7 @@ def run(cfg: DictConfig, args: Args) -> None:
             out = os.path.abspath(args.optimizer)
             background = functools.partial(_write_optimizer_state, engine, out, meta, writer, rank, world_size, snap)
         elif args.optimizer:
-            save_optimizer_state(engine, args.optimizer, meta, rank, world_size)  # collective
+            save_optimizer_state(engine, args.optimizer, meta, rank, world_size, module=False)  # collective
         # a warm worker keeps the engine (written or not: train.optimizer_every): the next job, whose
         # inputs are these outputs, goes on with it
         adamw_dir = os.path.abspath(args.adamw_dir) if args.adamw_dir else ""  # the worker leaves the job's folder
@@ -382,7 +382,8 @@ def _write_optimizer_state(
         torch.cuda.set_device(engine.device)  # a thread starts on device 0: this rank's device
     fault_point("train:writing-optimizer")  # the job returned, the state not yet written
     resident.wrote()
-    save_optimizer_state(engine, out, meta, rank, world_size, writer=writer, snapshot_done=snapshot)
+    # the job's --optimizer output holds no module weights: they are its policy's (save_optimizer_state)
+    save_optimizer_state(engine, out, meta, rank, world_size, writer, snapshot, module=writer is None)
     if writer is None and rank == 0:  # a state outside the outputs: only the newest is kept
         for older in Path(out).parent.glob("iter_*"):
             if older.name != Path(out).name:

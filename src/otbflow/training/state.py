@@ -310,10 +310,12 @@ def load_optimizer_state(engine, folder: str) -> None:
 
 
 def _policy_weights_stay(src, dst) -> None:
-    """DeepSpeed's module loader for an AdamW state: the module keeps the weights of the policy
-    it was built from (``check_optimizer_state`` has matched them to the state's digest). The
-    state holds none since they are that policy's (``save_optimizer_state``); one written before
-    that holds the same ones."""
+    """DeepSpeed's module loader for an AdamW state: a state that holds none (a train job's
+    output, ``save_optimizer_state``) leaves the module the weights of the policy it was built
+    from, which ``check_optimizer_state`` has matched to the state's digest; a state that holds
+    them (written outside the outputs, or before) sets them, as DeepSpeed's own loader does."""
+    if src is not None:
+        dst.load_state_dict(src, strict=True)
 
 
 def _barrier(world_size: int) -> None:
@@ -323,7 +325,14 @@ def _barrier(world_size: int) -> None:
 
 
 def save_optimizer_state(
-    engine, out: str, meta: dict, rank: int, world_size: int, writer: dict | None = None, snapshot_done=None
+    engine,
+    out: str,
+    meta: dict,
+    rank: int,
+    world_size: int,
+    writer: dict | None = None,
+    snapshot_done=None,
+    module: bool = True,
 ) -> None:
     """Write the engine's state as a DeepSpeed checkpoint (every rank its ZeRO shard) to a
     temporary sibling folder, then rank 0 adds ``meta.json`` and renames it to ``out``: a killed
@@ -333,9 +342,11 @@ def save_optimizer_state(
     after the job returned), a failure leaves its error there instead (``record_failed_write``).
     ``snapshot_done`` (a ``threading.Event``): the state is first copied to host memory
     (``snapshot``), the event set, and only then written: the engine may change meanwhile.
-    The module's weights are left out of the model-states file: they are the policy's that
-    ``meta`` binds by its digest, and ``load_optimizer_state`` keeps the module built from that
-    policy (at the 0.5B shape in bf16, 1 GB of the 7 GB written)."""
+    ``module`` false (a train job's ``--optimizer`` output): the module's weights are left out of
+    the model-states file. They are the policy's that ``meta`` binds by its digest, the job's own
+    output, from which a job that loads the state builds its engine (at the 0.5B shape in bf16,
+    1 GB of the 7 GB). A state written outside the outputs keeps them: a job replaying from it
+    builds its engine from its own --policy, and the state's policy may be pruned by then."""
     out_path = Path(out)
     tmp = optimizer_partial(out_path)  # the same name on every rank
 
@@ -344,7 +355,7 @@ def save_optimizer_state(
         claim_optimizer_write(out_path, writer)
     _barrier(world_size)
     io = engine.checkpoint_engine
-    io._otbflow_without_module = True
+    io._otbflow_without_module = not module
     try:
         with write_errors_named(tmp):
             if snapshot_done is None:
