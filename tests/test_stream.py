@@ -236,3 +236,28 @@ def test_a_rollout_takes_the_newer_policy_between_decode_steps(
     check_versions(df, 1, str(out))
     with pytest.raises(ValueError, match="1 iterations before it"):
         check_versions(df.with_columns(pl.lit(1).alias("behaviour_iteration")), 0, str(out))
+
+
+def test_a_newer_folder_older_than_the_held_policy_is_not_taken(tiny_policy, states, tmp_path):
+    """PublishedPolicies takes a newer policy only if its manifest was written after the held
+    policy was published: a folder left by an earlier run (older) is not taken until it is
+    written again."""
+    import os
+    import shutil
+
+    from otbflow.engines.hf_backend import PublishedPolicies
+    from otbflow.runtime import manifest
+
+    model, _ = load_policy(tiny_policy)
+    start, newer = tmp_path / "start", tmp_path / "newer"
+    shutil.copytree(tiny_policy, start)
+    publish_policy(tiny_policy, model, states[1], newer)
+    want = {k: v.clone() for k, v in model.state_dict().items()}  # what the folder holds (heads tied)
+    model.load_state_dict(states[0])
+    held = (start / "config.json").stat().st_mtime_ns
+    os.utime(newer / manifest.MANIFEST, ns=(held - 10**9, held - 10**9))  # written a second before
+    weights = PublishedPolicies([str(newer)], 0, str(start), "float32")
+    assert not weights.newer()
+    os.utime(newer / manifest.MANIFEST, ns=(held + 10**9, held + 10**9))  # trained again: after it
+    assert weights.newer() and weights.take(model) == 1
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in want.items())

@@ -190,13 +190,17 @@ def test_the_tiny_workflow_runs_one_iteration_stale(run_dir, tmp_path):
     assert mismatch["k3_mean"][1] > 1e3 * mismatch["k3_mean"][0]
     assert mismatch["truncated_fraction"].is_finite().all()
 
-    # rollout.take_newer 'step' then reruns iteration 1's rollouts (and their chain) alone: handed the
-    # policy of iteration 1 besides policy 0, already published here, they take it before their first
-    # decode step and record so per token; features, advantages and train accept the table, and the
-    # report measures the engine mismatch, not a lag (tests/test_stream.py takes one published mid-way)
-    res = snakemake(work, "--config", "rollout={staleness: 1, take_newer: step}", "train={rollout_is: token}")
+    # rollout.take_newer 'step': iteration 1's rollouts, handed the policy of iteration 1 besides
+    # policy 0, already published here, take it before their first decode step and record so per
+    # token; features, advantages and train accept the table, and the report measures the engine
+    # mismatch, not a lag (tests/test_stream.py takes one published mid-way)
+    newer = ["--config", "rollout={staleness: 1, take_newer: step}", "train={rollout_is: token}"]
+    # the key reruns every rollout: iteration 0's chain first, so that iteration 1's rollout finds its
+    # newer policy trained by this run (a rerun beside it would leave the old folder to a race)
+    snakemake(work, *newer, "--", "results/iter_0/train/policy")
+    res = snakemake(work, *newer)
     ran = {line.split()[-1] for line in (res.stdout + res.stderr).splitlines() if "output:" in line}
-    assert not any("iter_0/" in o for o in ran), ran
+    assert not any(f"iter_0/{stage}" in o for o in ran for stage in ("rollout", "features", "train/policy")), ran
     for s in (0, 1):
         path = r / f"iter_1/rollout/shard_{s}.parquet"
         rows = read_table(path, schemas.ROLLOUTS)

@@ -183,6 +183,7 @@ def _shard(cfg: DictConfig) -> list[str]:
 def _rollout(cfg: DictConfig) -> list[str]:
     r = ["group_size", "prompts_per_iteration", "temperature", "top_p", "min_p", "max_new_tokens", "filter_groups"]
     r += ["max_gen_batches"] if cfg.rollout.filter_groups else []
+    r += ["take_newer"]
     return ["seed", *(f"rollout.{k}" for k in r), "shard.n_shards", *sampling_engine(cfg), *RENDERING, *scoring(cfg)]
 
 
@@ -291,8 +292,7 @@ _STAGES = [
         "rollout",
         "sample G responses per prompt and score them",
         _rollout,
-        # each job's policy and the newer ones it may take: per-job triggers (rollout.smk)
-        dag=("iterations", "shard.n_shards", "model.path", "rollout.staleness", "rollout.take_newer"),
+        dag=("iterations", "shard.n_shards", "model.path", "rollout.staleness"),
         engine=True,
         resources={**GPU_JOB, "threads": 1, "runtime": 120},
     ),

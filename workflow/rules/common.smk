@@ -321,12 +321,6 @@ def newer_policies(wildcards):
     return [start_policy(v) for v in range(behaviour_iteration(wildcards) + 1, int(wildcards.k) + 1)]
 
 
-def take_newer(wildcards):
-    """rollout.take_newer where iteration k's rollout has newer policies to take, else 'none': a
-    trigger of its own, so that switching it reruns only those rollouts (not iteration 0's)."""
-    return CFG.rollout.take_newer if newer_policies(wildcards) else "none"
-
-
 def previous_schedule_state(wildcards):
     """The LR schedule continues from the previous iteration's train stage (none at k = 0)."""
     k = int(wildcards.k)

@@ -22,8 +22,7 @@ rule rollout:
             iteration="{k}",
             behaviour_iteration=behaviour_iteration,
             newer_policies=newer_policies,
-            take_newer=take_newer,
-            trigger=["behaviour_iteration", "take_newer"],
+            trigger=["behaviour_iteration"],
         ),
     shell:
         STAGE_SHELL

@@ -38,22 +38,30 @@ class FixedWeights:
 
 class PublishedPolicies:
     """``hf_stream.Weights`` over the policies a rollout may take after the one it starts from
-    (version ``first``): those of iterations first + 1, first + 2, ... (``paths``, in order), each
-    once its train job has published it (the folder is renamed into place whole, its manifest
-    in it). ``take`` loads the newest published one into the model in place: in a warm worker
-    through the resident module (only what changed is read, checked against the manifest),
-    otherwise every tensor, each checked against the manifest as it is read. ``digests``: the
-    weights identity of each version taken (its manifest's), by version."""
+    (version ``first``, the folder ``start``): those of iterations first + 1, first + 2, ...
+    (``paths``, in order), each once its train job has published it: the folder is renamed into
+    place whole, its manifest in it, after the policy before it was published. A folder whose
+    manifest is not newer than the held policy's is left from an earlier run and about to be
+    trained again (a rerun after a change upstream): it is not taken. ``take`` loads the newest
+    published one into the model in place: in a warm worker through the resident module (only
+    what changed is read, checked against the manifest), otherwise every tensor, each checked
+    against the manifest as it is read. ``digests``: the weights identity of each version taken
+    (its manifest's), by version."""
 
     def __init__(self, paths: list[str], first: int, start: str, dtype: str, keep_version: bool = False):
         self.paths, self.first, self.version, self.dtype = [Path(p) for p in paths], first, first, dtype
         self.keep_version = keep_version  # rollout.take_newer 'trajectory' (hf_stream.StreamDecoder's)
         self.digests = {first: (manifest.read(start) or {}).get("weights")}
+        self.stamps = {first: _mtime(Path(start) / manifest.MANIFEST) or _mtime(Path(start) / "config.json") or 0}
 
     def _published(self) -> int:
-        """The newest version published, counting on from the one held."""
+        """The newest version published, counting on from the one held, each after the one before."""
         v = self.version
-        while v - self.first < len(self.paths) and (self.paths[v - self.first] / manifest.MANIFEST).is_file():
+        while v - self.first < len(self.paths):
+            at = _mtime(self.paths[v - self.first] / manifest.MANIFEST)
+            if at is None or at <= self.stamps[v]:
+                break
+            self.stamps[v + 1] = at
             v += 1
         return v
 
@@ -73,6 +81,14 @@ class PublishedPolicies:
         self.version, self.digests[v] = v, (listed or {}).get("weights")
         log.info("took the policy of iteration %d (%s) between two decode steps", v, path)
         return v
+
+
+def _mtime(path: Path) -> int | None:
+    """``path``'s modification time in ns; None where it does not exist (yet)."""
+    try:
+        return path.stat().st_mtime_ns
+    except FileNotFoundError:
+        return None
 
 
 class HFBackend:
