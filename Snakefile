@@ -47,6 +47,7 @@ rule all:
         lambda wildcards: rules.variance.output,
         lambda wildcards: expand(rules.prune.output, k=PRUNED_ITERATIONS),
         published_optimizer_states,
+        stream_carries,
         # a run that publishes bf16 policies: its last one in fp32 too
         lambda wildcards: rules.export.output if EXPORTED else [],
 

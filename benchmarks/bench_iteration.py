@@ -120,10 +120,16 @@ SETTINGS["grpo_s0_shaped_bf16_every5"] = [*SETTINGS["grpo_s0_shaped_bf16"], "tra
 SETTINGS["grpo_s1_refill"] = [*SETTINGS["grpo_s1"], "rollout.hf_refill_below=0.25"]
 SETTINGS["grpo_s1_newer"] = [*SETTINGS["grpo_s1"], "rollout.take_newer=step"]
 SETTINGS["grpo_s1_newer_refill"] = [*SETTINGS["grpo_s1_refill"], "rollout.take_newer=step"]
+# Laminar's streaming rollouts (rollout.stream): each rollout continues its shard's stream and takes the
+# first complete groups, its batch refilled, the newer policy taken between decode steps; at s = 1, and at
+# s = 2, where a response carried on may land up to two iterations after its first token's policy
+SETTINGS["grpo_stream_s1"] = [*SETTINGS["grpo_s1_newer_refill"], "rollout.stream=true"]
+SETTINGS["grpo_stream_s2"] = [o for o in SETTINGS["grpo_stream_s1"] if o != "rollout.staleness=1"]
+SETTINGS["grpo_stream_s2"].append("rollout.staleness=2")
 SETTINGS |= {f"{name}_workers": overrides for name, overrides in SETTINGS.items()}
 WORKERS = {name for name in SETTINGS if name.endswith("_workers")}  # warm workers serve the stages
 # the rollout is off the policy chain
-PIPELINED = {name for name, overrides in SETTINGS.items() if "rollout.staleness=1" in overrides}
+PIPELINED = {name for name, o in SETTINGS.items() if any(re.fullmatch(r"rollout\.staleness=[1-9]\d*", x) for x in o)}
 STAGES = ("rollout", "features", "advantages", "train")
 FINISHED = re.compile(r"^(\S+ \S+) otbflow INFO (\S+) finished in ([\d.]+) s$", re.M)
 # the final line of a stage's Progress (otbflow.progress): items done over the rate is its timer

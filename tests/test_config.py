@@ -283,6 +283,7 @@ CONTEXT = {
     "rollout.staleness=1000000": ["train.rollout_is=token"],
     "rollout.take_newer=step": ["rollout.staleness=1", "train.rollout_is=token"],
     "rollout.take_newer=trajectory": ["rollout.staleness=1", "train.rollout_is=token"],
+    "rollout.stream=true": ["rollout.staleness=1", "train.rollout_is=token", "rollout.take_newer=step"],
 }
 # Values inside the declared choices that a rule between keys always refuses
 REFUSED = {"advantages.estimator=otb_tir", "advantages.compare=[otb_tir]", "variance.estimators=[otb_tir]"}

@@ -127,12 +127,22 @@ def test_each_stage_declares_the_config_keys_that_shape_its_jobs(tmp_path):
         "retention.policy_every": 2,
         "retention.optimizer": "all",
     }
+    # the keys a change needs beside it, on the base and the changed config alike
+    context = {"rollout.stream": {"rollout": {"staleness": 1, "take_newer": "step"}}}
+    changes["rollout.stream"] = True
     assert {key for stage in STAGES.values() for key in stage.dag} <= set(changes)
-    found = dags(bases + [merge(base, nested(key, value)) for key, value in changes.items() for base in bases])
-    before, after = found[: len(bases)], iter(found[len(bases) :])
+    contexted = [merge(base, extra) for extra in context.values() for base in bases]
+    changed = [
+        merge(merge(base, context.get(key, {})), nested(key, value)) for key, value in changes.items() for base in bases
+    ]
+    found = dags(bases + contexted + changed)
+    before = {key: found[: len(bases)] for key in changes}
+    for i, key in enumerate(context):
+        before[key] = found[len(bases) * (i + 1) : len(bases) * (i + 2)]
+    after = iter(found[len(bases) + len(contexted) :])
     shaped = {key: set() for key in changes}
     for key in changes:
-        for old in before:
+        for old in before[key]:
             new = next(after)
             shaped[key] |= {rule for rule in old.keys() | new.keys() if old.get(rule) != new.get(rule)} - {"all"}
     declared = {key: {name for name, stage in STAGES.items() if stage.rule and key in stage.dag} for key in changes}

@@ -171,7 +171,7 @@ def test_the_tiny_workflow_runs_one_iteration_stale(run_dir, tmp_path):
     """rollout.staleness 1 on a copy of the tiny run: iteration 0's rollouts are kept (they are the
     same at any staleness), iteration 1 samples from the initial policy, features and train use
     the policy iteration 0 trained, and the report shows the lag and the truncation. Then
-    rollout.take_newer 'step' (below)."""
+    rollout.stream (below)."""
     work = copy_run(run_dir, tmp_path / "run")
     res = snakemake(work, "--config", "rollout={staleness: 1}", "train={rollout_is: token}")
     assert "rule rollout" in res.stdout + res.stderr
@@ -190,29 +190,27 @@ def test_the_tiny_workflow_runs_one_iteration_stale(run_dir, tmp_path):
     assert mismatch["k3_mean"][1] > 1e3 * mismatch["k3_mean"][0]
     assert mismatch["truncated_fraction"].is_finite().all()
 
-    # rollout.take_newer 'step': iteration 1's rollouts, handed the policy of iteration 1 besides
-    # policy 0, already published here, take it before their first decode step and record so per
-    # token; features, advantages and train accept the table, and the report measures the engine
-    # mismatch, not a lag (tests/test_stream.py takes one published mid-way)
-    newer = ["--config", "rollout={staleness: 1, take_newer: step}", "train={rollout_is: token}"]
-    # the key reruns every rollout: iteration 0's chain first, so that iteration 1's rollout finds its
-    # newer policy trained by this run (a rerun beside it would leave the old folder to a race)
-    snakemake(work, *newer, "--", "results/iter_0/train/policy")
-    res = snakemake(work, *newer)
-    ran = {line.split()[-1] for line in (res.stdout + res.stderr).splitlines() if "output:" in line}
-    assert not any(f"iter_0/{stage}" in o for o in ran for stage in ("rollout", "features", "train/policy")), ran
-    for s in (0, 1):
-        path = r / f"iter_1/rollout/shard_{s}.parquet"
-        rows = read_table(path, schemas.ROLLOUTS)
-        assert rows["behaviour_iteration"].unique().to_list() == [0]
-        assert rows["token_versions"].explode().drop_nulls().unique().to_list() == [1]
-        stream = meta(path)["stream"]
-        assert set(meta(path)["policies"]) == {"0", "1"} and stream["switches"] == 1
-        assert stream["switch_prefill_tokens"] == 0
+    # rollout.stream (take_newer 'step'): the rollouts rerun, iteration 1's continuing the stream
+    # that iteration 0's left (its carry, an input), taking policy 1 if published while it decodes;
+    # every table is within the bound, train accepts it, and the report counts the carried groups
+    # and the tokens by lag (tests/test_laminar.py: what a stream samples)
+    stream = ["--config", "rollout={staleness: 1, take_newer: step, stream: true}", "train={rollout_is: token}"]
+    res = snakemake(work, *stream)
+    ran = planned_outputs(res.stdout + res.stderr)
+    assert {f"results/iter_{k}/rollout/stream_{s}.parquet" for k in (0, 1) for s in (0, 1)} <= ran, ran
+    for k in (0, 1):
+        for s in (0, 1):
+            path = r / f"iter_{k}/rollout/shard_{s}.parquet"
+            rows = read_table(path, schemas.ROLLOUTS)
+            assert rows["group_id"].n_unique() == 4 and rows["token_versions"].explode().max() <= k
+            carried = meta(path)["stream"]["carry_in"]
+            assert (carried or "").endswith(f"iter_0/rollout/stream_{s}.parquet") == (k == 1), carried
+            assert set(meta(path)["policies"]) <= {"0", "1"}
+            read_table(r / f"iter_{k}/rollout/stream_{s}.parquet", schemas.STREAM)
     assert read_table(r / "iter_1/train/metrics.parquet", schemas.TRAIN_METRICS)["grad_norm"].is_finite().all()
-    mismatch = read_table(r / "report/mismatch.parquet", schemas.MISMATCH)
-    assert mismatch["lag"].to_list() == [0, 0] and mismatch["measures"].to_list() == ["engine", "engine"]
-    assert mismatch["k3_mean"][1] < 1e-9
+    summary = pl.read_parquet(r / "report/rollouts.parquet")
+    assert summary["groups_carried"][0] == 0
+    assert [sum(h) for h in summary["tokens_by_lag"].to_list()] == summary["tokens"].to_list()
 
 
 def copy_run(run_dir: Path, work: Path) -> Path:

@@ -183,7 +183,7 @@ def _shard(cfg: DictConfig) -> list[str]:
 def _rollout(cfg: DictConfig) -> list[str]:
     r = ["group_size", "prompts_per_iteration", "temperature", "top_p", "min_p", "max_new_tokens", "filter_groups"]
     r += ["max_gen_batches"] if cfg.rollout.filter_groups else []
-    r += ["take_newer"]
+    r += ["take_newer", "stream"] + (["stale_groups"] if cfg.rollout.stream else [])
     return ["seed", *(f"rollout.{k}" for k in r), "shard.n_shards", *sampling_engine(cfg), *RENDERING, *scoring(cfg)]
 
 
@@ -292,7 +292,8 @@ _STAGES = [
         "rollout",
         "sample G responses per prompt and score them",
         _rollout,
-        dag=("iterations", "shard.n_shards", "model.path", "rollout.staleness"),
+        # rollout.stream: each rollout continues the stream the one before it left
+        dag=("iterations", "shard.n_shards", "model.path", "rollout.staleness", "rollout.stream"),
         engine=True,
         resources={**GPU_JOB, "threads": 1, "runtime": 120},
     ),

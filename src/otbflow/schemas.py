@@ -165,6 +165,38 @@ ROLLOUTS = _table(
     },
 )
 
+STREAM = _table(
+    "stream",
+    "results/iter_{k}/rollout/stream_{s}.parquet",
+    "rollout.stream: what the rollout of iteration k left of its shard's stream for the rollout of k+1 "
+    "(otbflow.engines.laminar): the trajectories still decoding, with their tokens so far, and the finished "
+    "responses of groups it did not take. The metadata's next_slot is the stream's next prompt.",
+    [
+        ("slot", pl.Int64, "the group's place in the shard's stream of prompts: window * prompts per window + index"),
+        ("window", pl.Int64, "the iteration whose window of the shard (select_prompts) the prompt comes from"),
+        ("prompt_id", pl.Int64, "prompt id (see prompts)"),
+        ("sample_idx", pl.Int64, "index of the response within its group, 0..G-1"),
+        ("key", pl.Int64, "the row's 63-bit noise key (derive_seed(window's rollout seed, 'row', index, sample_idx))"),
+        ("prompt_ids", I64L, "token ids of the rendered prompt"),
+        ("response_ids", I64L, "the response's tokens so far"),
+        ("rollout_logprobs", F32L, "each token's log-prob under the policy that sampled it"),
+        ("token_versions", I64L, "the iteration whose starting policy sampled each token"),
+        ("response_length", pl.Int64, "number of response tokens so far"),
+        ("finish_reason", pl.String, "'stop' or 'length' once finished; '' while decoding"),
+        (
+            "completed",
+            pl.Int64,
+            "the order in which its group finished in the stream (the first complete groups are taken first); "
+            "-1 while a response of the group is decoding",
+        ),
+    ],
+    ragged={
+        "rollout_logprobs": "response_length",
+        "token_versions": "response_length",
+        "response_ids": "response_length",
+    },
+)
+
 FEATURES = ROLLOUTS.extend(
     "features",
     "results/iter_{k}/features/shard_{s}.parquet",
@@ -452,7 +484,8 @@ ROLLOUT_SUMMARY = _table(
     "rollout summary",
     "results/report/rollouts.parquet",
     "Per iteration, what its rollout jobs generated and kept (from the rollouts tables and their "
-    "metadata): rewards, lengths, tokens, and rollout.filter_groups' rounds and dropped groups.",
+    "metadata): rewards, lengths, tokens, rollout.filter_groups' rounds and dropped groups, rollout.stream's "
+    "stale and carried groups, and each token's lag.",
     [
         ("iteration", pl.Int64, "RL iteration"),
         ("mean_reward", pl.Float64, "mean training reward of the kept responses (the rollouts' reward)"),
@@ -468,6 +501,24 @@ ROLLOUT_SUMMARY = _table(
             "groups_dropped",
             pl.Int64,
             "groups dropped by rollout.filter_groups for all-equal verifiable rewards (0 without it)",
+        ),
+        (
+            "groups_stale",
+            pl.Int64,
+            "rollout.stream: carried groups older than rollout.staleness, dropped or regenerated "
+            "(rollout.stale_groups) by the iteration's rollouts (0 without it); responses and tokens count the "
+            "dropped ones' and their tokens",
+        ),
+        (
+            "groups_carried",
+            pl.Int64,
+            "rollout.stream: kept groups that a rollout of an earlier iteration had started (0 without it)",
+        ),
+        (
+            "tokens_by_lag",
+            I64L,
+            "the kept tokens by lag: entry j counts those sampled by the policy of iteration k - j (token_versions, "
+            "else behaviour_iteration)",
         ),
         ("rounds", pl.Int64, "most sampling rounds of one shard's job (1 without rollout.filter_groups)"),
         (
@@ -717,6 +768,7 @@ EXPERIMENT_PAIRS = _table(
 ALL_TABLES = [
     PROMPTS,
     ROLLOUTS,
+    STREAM,
     FEATURES,
     ADVANTAGES,
     COMPARISON,

@@ -321,6 +321,24 @@ def newer_policies(wildcards):
     return [start_policy(v) for v in range(behaviour_iteration(wildcards) + 1, int(wildcards.k) + 1)]
 
 
+def stream_output():
+    """rollout.stream: what each rollout leaves of its shard's stream for the next (schemas.STREAM)."""
+    return {"carry": f"{R}/iter_{{k}}/rollout/stream_{{s}}.parquet"} if CFG.rollout.stream else {}
+
+
+def stream_carries(wildcards):
+    """rollout.stream: every rollout's carry, targets of the run: a run switched to streaming
+    finds them missing and reruns its rollouts (Snakemake cannot compare the params of a job
+    with an output it has no record of)."""
+    return expand(stream_output()["carry"], k=ITERATIONS, s=SHARDS) if CFG.rollout.stream else []
+
+
+def previous_stream(wildcards):
+    """rollout.stream: the rollout of iteration k continues the stream that k - 1's left (none at k = 0)."""
+    k = int(wildcards.k)
+    return [f"{R}/iter_{k - 1}/rollout/stream_{wildcards.s}.parquet"] if CFG.rollout.stream and k else []
+
+
 def previous_schedule_state(wildcards):
     """The LR schedule continues from the previous iteration's train stage (none at k = 0)."""
     k = int(wildcards.k)

@@ -2,7 +2,9 @@ rule rollout:
     input:
         prompts=f"{R}/data/train/shard_{{s}}.parquet",
         policy=policy_for_rollout,
+        carry_in=previous_stream,
     output:
+        **stream_output(),
         out=f"{R}/iter_{{k}}/rollout/shard_{{s}}.parquet",
     log:
         stage_log("rollout", "iter_{k}_shard_{s}"),

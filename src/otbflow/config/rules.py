@@ -65,6 +65,27 @@ def check_staleness(cfg: DictConfig, explicit: frozenset[str] | None) -> None:
             "'none' with the vllm backend (its engine takes no weights while it decodes yet)",
             cfg.rollout.take_newer,
         )
+    if cfg.rollout.stream:
+        require(
+            s >= 1,
+            "rollout.stream",
+            "false when rollout.staleness is 0 (a streamed group may lag by up to rollout.staleness iterations)",
+            True,
+        )
+        require(
+            cfg.rollout.take_newer == "step",
+            "rollout.take_newer",
+            "'step' with rollout.stream (a carried response continues under the newest policy: each token's "
+            "version is recorded; 'trajectory' would need the policy it started on)",
+            cfg.rollout.take_newer,
+        )
+        require(
+            not cfg.rollout.filter_groups,
+            "rollout.filter_groups",
+            "false with rollout.stream (a streamed rollout takes the first complete groups; dynamic sampling's "
+            "rounds are not built for it yet)",
+            True,
+        )
     if s == 0:
         return
     levels = weighting_levels()

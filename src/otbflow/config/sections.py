@@ -245,6 +245,21 @@ class RolloutConfig:
     which the decoupled objective's behaviour weight uses per token. A rollout then depends on
     when the policies appeared: a forced rerun is a new sample. 'none': the policy of k - s alone.
     docs/training.md, 'Pipelined iterations'."""
+    stream: bool = False
+    """Laminar's streaming rollouts (arXiv 2510.12633, seed 004): each shard's prompts are one
+    stream, which the rollout of iteration k continues where the rollout of k-1 left it (the
+    responses still decoding and the groups not yet taken: iter_k/rollout/stream_{s}.parquet).
+    It stops as soon as it holds its share of complete groups, the first to complete, so that
+    a long response lands in a later iteration instead of holding its own back; it refills its
+    batch as rows finish and takes each newer policy between decode steps. Needs rollout.staleness
+    >= 1 (the most iterations a taken group's oldest token may lag: older carried groups are
+    handled by stale_groups), take_newer 'step' and the hf backend; not with filter_groups. A
+    streamed rollout depends on when the policies were published: a forced rerun is a new sample.
+    docs/training.md, 'Streaming rollouts (Laminar)'."""
+    stale_groups: str = opt("drop", choices=("drop", "regenerate"))
+    """stream: a carried group whose oldest token lags more than rollout.staleness iterations
+    behind the rollout that would take it is dropped, or sampled again from its first token under
+    the newest policy ('regenerate'); both are counted in the rollouts' metadata and the report."""
     filter_groups: bool = False
     """DAPO's dynamic sampling (algorithms.md §6.1): drop the groups whose verifiable rewards are all
     equal (verl's metric 'acc'; shaped or learned rewards never decide it) and sample further

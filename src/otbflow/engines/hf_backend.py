@@ -140,7 +140,21 @@ class HFBackend:
             for i, ids in enumerate(prompt_ids)
             for j in range(n)
         )
-        decoder = StreamDecoder(
+        decoder = self.decoder(s)
+        out, left = [], [n] * len(prompt_ids)
+        for t in decoder.run(rows):
+            out.append(self.sample(t))
+            left[t.prompt_index] -= 1
+            if not left[t.prompt_index]:
+                progress.update(1)
+        self.add_stats(decoder.stats)
+        return sorted(out, key=lambda x: (x.prompt_index, x.sample_idx))
+
+    def decoder(self, s: Sampling) -> StreamDecoder:
+        """A ``StreamDecoder`` of ``batch_size`` prompts' rows with ``s``'s sampling options, taking
+        newer weights from ``weights`` (none: the one policy)."""
+        n = 1 if s.greedy else s.n
+        return StreamDecoder(
             self.model,
             self.tok,
             self.weights or FixedWeights(),
@@ -154,26 +168,18 @@ class HFBackend:
             decode=self.decode,
             greedy=s.greedy,
         )
-        out, left = [], [n] * len(prompt_ids)
-        for t in decoder.run(rows):
-            text = self.tok.decode(t.response_ids, skip_special_tokens=True)
-            versions = t.versions if self.weights is not None else None
-            out.append(
-                Sample(
-                    t.prompt_index,
-                    t.sample_idx,
-                    t.prompt_ids,
-                    t.response_ids,
-                    t.logprobs,
-                    t.finish_reason,
-                    text,
-                    versions,
-                )
-            )
-            left[t.prompt_index] -= 1
-            if not left[t.prompt_index]:
-                progress.update(1)
-        st = decoder.stats
+
+    def sample(self, t: Trajectory) -> Sample:
+        """A finished trajectory as a ``Sample``: its text, and its tokens' versions where newer
+        policies could be taken."""
+        text = self.tok.decode(t.response_ids, skip_special_tokens=True)
+        versions = t.versions if self.weights is not None else None
+        return Sample(
+            t.prompt_index, t.sample_idx, t.prompt_ids, t.response_ids, t.logprobs, t.finish_reason, text, versions
+        )
+
+    def add_stats(self, st: StreamStats) -> None:
+        """Add one decoder's ``st`` to ``stats`` and log them."""
         for name, value in vars(st).items():
             setattr(self.stats, name, getattr(self.stats, name) + value)
         log.info(
@@ -185,7 +191,6 @@ class HFBackend:
             st.refill_prefill_tokens,
             100 * st.busy_row_steps / max(st.row_steps, 1),
         )
-        return sorted(out, key=lambda x: (x.prompt_index, x.sample_idx))
 
     def metadata(self, sampling: Sampling) -> dict[str, Any]:
         import transformers

@@ -4,8 +4,9 @@ asynchrony (arXiv 2510.12633, seed 004; algorithms.md §10-11; issue "Laminar").
 A ``StreamDecoder`` keeps up to ``batch_size`` trajectories in flight and decodes them in
 *segments* of transformers' ``generate``. A segment ends when every row has finished, when a
 newer policy is published (``Weights.newer``, asked between two decode steps), when the rows
-still running fall to ``refill_below`` while more trajectories wait, or when a row has spent its
-budget. Between segments:
+still running fall to ``refill_below`` while more trajectories wait, when a row has spent its
+budget, or when the consumer holds enough (``run``'s ``enough``: a streamed rollout's share of
+complete groups, ``otbflow.engines.laminar``). Between segments:
 
 - finished trajectories leave (``run`` yields them) and waiting ones take their rows;
 - the newest policy's weights are loaded into the model in place (``Weights.take``), unless
@@ -89,23 +90,34 @@ class StreamStats:
 
 class _SegmentEnd:
     """generate's stopping criterion for one segment: per row, its budget; for every row, a newer
-    policy (``interrupt``) or the running rows falling to ``refill_below``. A row's stop token is
-    generate's own criterion; this one tracks it too, to count the rows still running."""
+    policy (``interrupt``), the running rows falling to ``refill_below``, or the consumer holding
+    enough (``enough``, given the rows finished so far, asked when one more finishes). A row's stop
+    token is generate's own criterion; this one tracks it too, to count the rows still running."""
 
-    def __init__(self, width: int, remaining: torch.Tensor, stops: list[int], interrupt, refill_below: int):
+    def __init__(self, width, remaining: torch.Tensor, stops: list[int], interrupt, refill_below: int, enough=None):
         self.width, self.remaining, self.interrupt, self.refill_below = width, remaining, interrupt, refill_below
+        self.enough = enough
         self.stops = torch.tensor(stops, device=remaining.device)
         self.done = torch.zeros_like(remaining, dtype=torch.bool)
         self.busy = 0
+        self.stopped = False
+        """Ended by ``enough``: the consumer's, not the rows' or the weights'."""
 
     def __call__(self, input_ids: torch.Tensor, scores, **_) -> torch.Tensor:
         steps = input_ids.shape[1] - self.width
         self.busy += int((~self.done).sum())
+        before = int(self.done.sum())
         self.done |= torch.isin(input_ids[:, -1], self.stops) | (steps >= self.remaining)
         running = int((~self.done).sum())
+        if running and self.enough is not None and int(self.done.sum()) > before and self.enough(self.done.tolist()):
+            self.stopped = True
+            return torch.ones_like(self.done)
         if running and (running <= self.refill_below or self.interrupt()):
             return torch.ones_like(self.done)
         return self.done.clone()
+
+
+_END = object()  # the iterable of trajectories is spent
 
 
 class StreamDecoder:
@@ -138,26 +150,36 @@ class StreamDecoder:
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else self.stops[0]
         self.stats = StreamStats()
 
-    def run(self, trajectories: Iterable[Trajectory]) -> Iterator[Trajectory]:
-        """Decode ``trajectories`` (taken lazily, as rows free up) and yield each as it finishes."""
+    def run(self, trajectories: Iterable[Trajectory | None], enough=None) -> Iterator[Trajectory]:
+        """Decode ``trajectories`` (taken lazily, as rows free up) and yield each as it finishes.
+        The iterable may yield None: no trajectory to start now (asked again after the next
+        segment; with nothing in flight the run ends). ``enough(finished)``: asked as rows finish,
+        with the trajectories finished in the segment so far, and after each segment with none;
+        once it answers True the segment ends, the finished ones are yielded and ``run`` returns,
+        the others left as they are (their tokens so far recorded)."""
         waiting = iter(trajectories)
-        nxt = next(waiting, None)
+        nxt = next(waiting, _END)
         active: list[Trajectory] = []
         while True:
             if not active and self.weights.newer():  # nothing in flight: new trajectories start on the newest
                 self._switch([])
             draining = self.keep_version and self.weights.newer()
-            while nxt is not None and len(active) < self.batch_size and not draining:
+            while nxt is not _END and nxt is not None and len(active) < self.batch_size and not draining:
                 active.append(nxt)
-                nxt = next(waiting, None)
+                nxt = next(waiting, _END)
             if not active:
-                if nxt is None:
+                if nxt is _END or nxt is None:
                     return
                 self._switch([])  # keep_version, drained: the newer weights, then new trajectories
                 continue
-            self._segment(active, more_waiting=nxt is not None and not draining)
+            more = nxt is not _END and nxt is not None and not draining
+            stopped = self._segment(active, more_waiting=more, enough=enough)
             yield from (t for t in active if t.finish_reason)
             active = [t for t in active if not t.finish_reason]
+            if stopped or (enough is not None and enough([])):
+                return
+            if nxt is None:  # none to start before: ask again
+                nxt = next(waiting, _END)
             switch = self.weights.newer() and not (self.keep_version and active)
             if switch:
                 self._switch(active)
@@ -172,7 +194,8 @@ class StreamDecoder:
         self.stats.switch_prefill_tokens += sum(len(t.prompt_ids) + len(t.response_ids) for t in active)
 
     @torch.no_grad()
-    def _segment(self, rows: list[Trajectory], more_waiting: bool) -> None:
+    def _segment(self, rows: list[Trajectory], more_waiting: bool, enough=None) -> bool:
+        """Decode one segment of ``rows``; True where ``enough`` ended it."""
         from transformers import LogitsProcessorList, StoppingCriteriaList
 
         model, device = self.model, self.model.device
@@ -188,6 +211,7 @@ class StreamDecoder:
             self.stops,
             interrupt=(lambda: False) if self.keep_version else self.weights.newer,
             refill_below=self.refill_below if more_waiting else 0,
+            enough=None if enough is None else lambda done: enough([t for t, d in zip(rows, done) if d]),
         )
         sampler = RowSampler(
             torch.tensor([t.key for t in rows], dtype=torch.int64, device=device),
@@ -226,3 +250,4 @@ class StreamDecoder:
             t.versions += [version] * length
             if reason == "stop" or len(t.response_ids) >= t.budget:
                 t.finish_reason = reason if reason == "stop" else "length"
+        return end.stopped

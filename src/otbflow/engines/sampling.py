@@ -109,33 +109,49 @@ class GroupSampler:
         section's sampling options and ``seed``, scored: the rollouts table. The metadata of the
         first call is kept in ``meta``, with ``reward_timeouts``: the reward calls of every call so
         far that ran past their deadline (each scored 0)."""
-        r = self.cfg.rollout
-        # a prompt that cannot be rendered, or is too long for the policy, fails before the engine starts
+        ids, chat = self.render(batch)
+        sampling = self.sampling(group_size, seed)
+        samples = self.engine().generate(ids, sampling)
+        check_logprobs(samples, batch["prompt_id"].to_list(), self.policy)
+        if not self.meta:
+            self.meta = self.describe(sampling, chat, iteration, seed)
+        table = rollout_table(samples, batch, iteration, shard, seed, self.behaviour, self.scorer)
+        self.meta["reward_timeouts"] = self.scorer.timeouts
+        return table
+
+    def render(self, batch: pl.DataFrame) -> tuple[list[list[int]], bool]:
+        """``batch``'s prompts rendered (``render_table``), each checked to fit the policy's positions
+        with rollout.max_new_tokens: a prompt that cannot be rendered, or is too long, fails before
+        the engine starts."""
         ids, chat = render_table(self.cfg, self.tok, batch, self.policy)
-        check_prompt_lengths(ids, batch["prompt_id"].to_list(), r.max_new_tokens, "rollout.max_new_tokens", self.policy)
+        mnt = self.cfg.rollout.max_new_tokens
+        check_prompt_lengths(ids, batch["prompt_id"].to_list(), mnt, "rollout.max_new_tokens", self.policy)
+        return ids, chat
+
+    def sampling(self, group_size: int, seed: int) -> Sampling:
+        r = self.cfg.rollout
+        return Sampling(group_size, r.temperature, r.top_p, r.max_new_tokens, greedy=False, seed=seed, min_p=r.min_p)
+
+    def engine(self):
+        """The backend, opened at the first call (with ``weights``, where newer policies may be taken)."""
         if self.backend is None:
             self.backend = open_backend(self.cfg, self.policy)
             if self.weights is not None:
                 self.backend.weights = self.weights
-        sampling = Sampling(
-            group_size, r.temperature, r.top_p, r.max_new_tokens, greedy=False, seed=seed, min_p=r.min_p
-        )
-        samples = self.backend.generate(ids, sampling)
-        check_logprobs(samples, batch["prompt_id"].to_list(), self.policy)
-        if not self.meta:
-            self.meta = {
-                "backend": r.backend,
-                "policy": str(Path(self.policy)),
-                "iteration": iteration,
-                "behaviour_iteration": self.behaviour,
-                "seed": seed,
-                "torch_version": torch.__version__,
-                **self.backend.metadata(sampling),
-                **prompt_metadata(self.cfg, self.tok, chat, self.backend.stops),
-            }
-        table = rollout_table(samples, batch, iteration, shard, seed, self.behaviour, self.scorer)
-        self.meta["reward_timeouts"] = self.scorer.timeouts
-        return table
+        return self.backend
+
+    def describe(self, sampling: Sampling, chat: bool, iteration: int, seed: int) -> dict[str, Any]:
+        """The rollouts' metadata: the backend, the policy, the sampling arguments and the prompts' rendering."""
+        return {
+            "backend": self.cfg.rollout.backend,
+            "policy": str(Path(self.policy)),
+            "iteration": iteration,
+            "behaviour_iteration": self.behaviour,
+            "seed": seed,
+            "torch_version": torch.__version__,
+            **self.backend.metadata(sampling),
+            **prompt_metadata(self.cfg, self.tok, chat, self.backend.stops),
+        }
 
 
 def sample_groups(

@@ -54,23 +54,30 @@ def rollout_table(rollouts: list[str]) -> pl.DataFrame:
     job generated beyond the rows it kept is in its Parquet metadata (dynamic_sampling, with
     rollout.filter_groups; reward_timeouts, over every round); a shard it left empty still counts."""
     cols = ["iteration", "group_id", "response_length", "reward", "verifiable_reward", "rm_score"]
-    rows, shards = [], []
+    rows, lags, shards = [], [], []
     for path in rollouts:
         table, meta = read_table(path, schemas.ROLLOUTS), read_metadata(path)
         if "rm_score" not in table.columns:  # no reward model
             table = table.with_columns(rm_score=pl.lit(None, pl.Float64))
         rows.append(table.select(cols))
+        lags.append(token_lags(table))
         # the sampling job's record of its iteration (an empty shard has no rows to tell it)
         iteration = meta.get("iteration", table["iteration"][0] if table.height else None)
         if iteration is None:
             continue
         gen = meta.get("dynamic_sampling") or {}
+        stream = meta.get("stream") or {}  # rollout.stream's counts (take_newer alone has none of these)
+        stale = stream.get("groups_dropped_stale", 0) + stream.get("groups_regenerated", 0)
         shards.append(
             {
                 "iteration": iteration,
-                "responses": gen["responses_generated"] if gen else table.height,
-                "tokens": gen["tokens_generated"] if gen else int(table["response_length"].sum()),
+                "responses": (gen["responses_generated"] if gen else table.height)
+                + stream.get("groups_dropped_stale", 0) * meta.get("sampling", {}).get("n", 0),
+                "tokens": (gen["tokens_generated"] if gen else int(table["response_length"].sum()))
+                + stream.get("stale_tokens", 0),
                 "groups_dropped": gen.get("groups_dropped", 0),
+                "groups_stale": stale,
+                "groups_carried": stream.get("groups_from_carry", 0),
                 "rounds": gen.get("rounds", 1),
                 "shards_short": int(not gen.get("reached", True)),
                 "reward_timeouts": meta.get("reward_timeouts", 0),  # absent: written before it was counted
@@ -80,7 +87,15 @@ def rollout_table(rollouts: list[str]) -> pl.DataFrame:
         pl.DataFrame(shards, schema_overrides=dict.fromkeys(shards[0], pl.Int64))
         .group_by("iteration")
         .agg(
-            pl.col("responses", "tokens", "groups_dropped", "shards_short", "reward_timeouts").sum(),
+            pl.col(
+                "responses",
+                "tokens",
+                "groups_dropped",
+                "groups_stale",
+                "groups_carried",
+                "shards_short",
+                "reward_timeouts",
+            ).sum(),
             pl.col("rounds").max(),
         )
     )
@@ -97,13 +112,38 @@ def rollout_table(rollouts: list[str]) -> pl.DataFrame:
     )
     return (
         per_row.join(per_shard, on="iteration")
+        .join(lag_histogram(pl.concat(lags)), on="iteration", how="left")
         .sort("iteration")
         .with_columns(
             pl.col("tokens").cum_sum().alias("tokens_generated"),
             pl.col("responses").cum_sum().alias("responses_generated"),
+            pl.col("tokens_by_lag").fill_null([]),
         )
         .select(list(schemas.ROLLOUT_SUMMARY.columns))
     )
+
+
+def token_lags(table: pl.DataFrame) -> pl.DataFrame:
+    """Each kept token's lag: its iteration minus the iteration whose policy sampled it (its
+    token_versions entry where the table has them, else its row's behaviour_iteration)."""
+    if "token_versions" in table.columns:
+        versions = table.select("iteration", pl.col("token_versions").alias("v")).explode("v")
+    else:
+        versions = table.select("iteration", pl.col("behaviour_iteration").repeat_by("response_length").alias("v"))
+        versions = versions.explode("v")
+    return versions.drop_nulls().select("iteration", (pl.col("iteration") - pl.col("v")).alias("lag"))
+
+
+def lag_histogram(lags: pl.DataFrame) -> pl.DataFrame:
+    """Per iteration, ``tokens_by_lag``: entry j counts the kept tokens sampled j iterations behind."""
+    counts = lags.group_by("iteration", "lag").len()
+    out = []
+    for (k,), g in counts.group_by("iteration"):
+        hist = [0] * (int(g["lag"].max()) + 1)
+        for lag, n in g.select("lag", "len").iter_rows():
+            hist[lag] = n
+        out.append({"iteration": k, "tokens_by_lag": hist})
+    return pl.DataFrame(out, schema={"iteration": pl.Int64, "tokens_by_lag": pl.List(pl.Int64)})
 
 
 def progress_table(summaries: list[str], per_iteration: pl.DataFrame) -> pl.DataFrame:

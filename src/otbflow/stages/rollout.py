@@ -1,5 +1,7 @@
 """Rollout: ``rollout.group_size`` responses to each of the iteration's prompts of one shard,
 sampled by the current policy and scored (``otbflow.engines.sampling``; backends in ``otbflow.engines``).
+With ``rollout.stream`` the job continues the shard's stream that the rollout of the iteration
+before left and takes the first complete groups (``otbflow.engines.laminar``).
 With ``rollout.filter_groups`` (DAPO's dynamic sampling) the job samples further rounds of prompts
 until it holds its share of informative groups (``otbflow.engines.sampling.sample_informative_groups``).
 The metadata's ``reward_timeouts`` counts the reward calls (of every round) that ran past their
@@ -16,6 +18,7 @@ from omegaconf import DictConfig
 
 from otbflow import schemas
 from otbflow.engines.hf_backend import PublishedPolicies
+from otbflow.engines.laminar import stream_rollout
 from otbflow.engines.sampling import GroupSampler, sample_informative_groups, select_prompts
 from otbflow.io import read_table, write_parquet
 from otbflow.models.policy import set_threads
@@ -41,6 +44,10 @@ class Args:
     newer_policies: list[str] = field(default_factory=list)
     """rollout.take_newer: the policies of iterations --behaviour-iteration + 1 .. --iteration, in
     order, taken while the job decodes as each is published (none need exist when it starts)."""
+    carry_in: Optional[str] = None
+    """rollout.stream: the stream the rollout of iteration k - 1 left (its --carry); none at the stream's start."""
+    carry: Optional[str] = None
+    """rollout.stream: where this rollout writes what it leaves of the stream (schemas.STREAM)."""
 
 
 def run(cfg: DictConfig, args: Args) -> None:
@@ -60,12 +67,34 @@ def run(cfg: DictConfig, args: Args) -> None:
             f"--newer-policies: at most the {args.iteration - behaviour} policies of iterations "
             f"{behaviour + 1} .. {args.iteration}, and only with rollout.take_newer (is {cfg.rollout.take_newer!r})"
         )
+    if cfg.rollout.stream != (args.carry is not None) or (args.carry_in and not cfg.rollout.stream):
+        raise ValueError(
+            f"--carry (and --carry-in after the first iteration) go with rollout.stream (is {cfg.rollout.stream})"
+        )
     resident.LAST_LOAD.clear()
     trajectory = cfg.rollout.take_newer == "trajectory"
     newer = (args.newer_policies, behaviour, args.policy, cfg.model.dtype, trajectory)
-    weights = PublishedPolicies(*newer) if args.newer_policies else None
+    weights = PublishedPolicies(*newer) if args.newer_policies or cfg.rollout.stream else None
     sampler = GroupSampler(cfg, args.policy, behaviour, weights)
-    if cfg.rollout.filter_groups:
+    if cfg.rollout.stream:
+        df, carry, carry_meta, meta = stream_rollout(sampler, prompts, shard, args.iteration, args.carry_in)
+        st = meta["stream"]
+        log.info(
+            "stream, iteration %d shard %d: %d groups taken (%d started in an earlier rollout), %d carried groups "
+            "dropped and %d regenerated (older than rollout.staleness %d), %d responses carried to the next "
+            "(%d decoding)",
+            args.iteration,
+            shard,
+            st["groups_taken"],
+            st["groups_from_carry"],
+            st["groups_dropped_stale"],
+            st["groups_regenerated"],
+            cfg.rollout.staleness,
+            st["carried_responses"],
+            st["carried_in_flight"],
+        )
+        write_parquet(carry, args.carry, metadata=carry_meta)
+    elif cfg.rollout.filter_groups:
         df, stats = sample_informative_groups(sampler, prompts, batch, per_shard, args.iteration, shard)
         meta = {**sampler.meta, "dynamic_sampling": stats}
         log.log(
@@ -96,10 +125,10 @@ def run(cfg: DictConfig, args: Args) -> None:
         meta = {**meta, "policy_load": dict(resident.LAST_LOAD)}
     if weights is not None:  # which policies sampled it, and what taking them cost
         meta = {
+            "stream": vars(sampler.backend.stats) if sampler.backend is not None else {},
             **meta,
             "take_newer": cfg.rollout.take_newer,
             "policies": {str(v): d for v, d in weights.digests.items()},
-            "stream": vars(sampler.backend.stats) if sampler.backend is not None else {},
         }
     write_parquet(df, args.out, metadata=meta)
     log.info(
