@@ -120,6 +120,9 @@ ADDED = {
     ),
     # reward calls past the reward's deadline (issue 35; 0 in the fixtures)
     "reward_timeouts": ("report/rollouts.parquet",),
+    # rollout.stream's counts and the kept tokens by lag (issue 57):
+    # tests/test_workflow.py::test_the_tiny_workflow_runs_one_iteration_stale
+    **dict.fromkeys(("groups_stale", "groups_carried", "tokens_by_lag"), ("report/rollouts.parquet",)),
     # the train step's throughput (issue 36): tests/test_train_logprobs.py::test_packed_steps_equal_padded_steps;
     # tokens_per_s is a wall-time figure, mfu NaN on CPU
     **dict.fromkeys(

@@ -200,6 +200,8 @@ def test_example_configs_are_valid(example):
     elif example.name == "long_tail.yaml":  # issue 57's setting: min(2 + Geometric(0.35), 24) operands
         assert (cfg.task.min_terms, cfg.task.max_terms, cfg.task.terms_tail) == (2, 24, 0.35)
         assert cfg.rollout.max_new_tokens >= 23 * 8 and cfg.model.n_positions >= 50 + cfg.rollout.max_new_tokens
+    elif example.name == "stream.yaml":  # Laminar's streaming rollouts, within two iterations of lag
+        assert cfg.rollout.stream and cfg.rollout.staleness == 2 and cfg.rollout.take_newer == "step"
     else:
         assert example.name == "vllm_cpu.yaml" and cfg.rollout.backend == "vllm" and cfg.rollout.enforce_eager
 

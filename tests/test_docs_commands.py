@@ -102,6 +102,7 @@ HOW: dict[str, str] = {
     # Training
     "snakemake --cores 2 --config 'train={loss_type: reinforce, rollout_is: sequence, lr_schedule: cosine}'": DRY,
     "snakemake --cores 2 --config 'rollout={staleness: 1}' 'train={rollout_is: token}'": DRY,
+    "snakemake --cores 2 --configfile config/examples/long_tail.yaml config/examples/stream.yaml": DRY,
     "snakemake --configfile my.yaml config/examples/zero2_bf16.yaml": "snakemake -n --cores 2 --configfile config/tiny.yaml config/examples/zero2_bf16.yaml",
     "otbflow train --advantages results/iter_0/advantages/advantages.parquet --policy results/bootstrap/policy "
     "--out /tmp/next --metrics /tmp/metrics.parquet train.loss_type=reinforce train.rollout_is=sequence": "otbflow train --advantages results/iter_0/advantages/advantages.parquet --policy results/bootstrap/policy "

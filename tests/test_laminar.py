@@ -131,3 +131,89 @@ def test_a_carry_of_another_configuration_is_refused(policy, shard, tmp_path):
 def test_stream_settings_it_cannot_honour_are_refused(overrides, key):
     with pytest.raises(ConfigError, match=f"'{key}'"):
         tiny_config("train.rollout_is=token", *overrides)
+
+
+def test_each_streamed_token_s_log_prob_is_its_version_s(policy, shard, tmp_path, monkeypatch):
+    """The rollout of iteration 1 (s = 1) continues iteration 0's stream on policy 0, and the
+    policy of iteration 1, published while it decodes, is taken between two decode steps: each
+    token's recorded log-prob equals, within 1e-5, the teacher-forced log-prob under the version
+    it records (the carried tokens' under policy 0), and no token is older than 1 - s."""
+    from test_stream import logprob_under, perturbed, publish_policy
+
+    from otbflow.engines.hf_backend import PublishedPolicies
+    from otbflow.engines.hf_stream import Trajectory
+    from otbflow.models.policy import load_policy
+
+    cfg = tiny_config("rollout.staleness=1", *STREAM)
+    (tmp_path / "a").mkdir()
+    _, _, carry = streamed(cfg, policy, shard, tmp_path / "a", [0])
+    model, _ = load_policy(policy)
+    states = [{k: v.clone() for k, v in model.state_dict().items()}]
+    states.append(perturbed(states[0], 1))
+    staged, newer = tmp_path / "staged", tmp_path / "iter_0" / "train" / "policy"
+    publish_policy(policy, model, states[1], staged)
+    newer.parent.mkdir(parents=True)
+    asked, published = {"n": 0}, PublishedPolicies.newer
+
+    def newer_after_five_asks(self):  # the train job publishes between the fifth and sixth ask
+        asked["n"] += 1
+        if asked["n"] == 6:
+            staged.rename(newer)
+        return published(self)
+
+    monkeypatch.setattr(PublishedPolicies, "newer", newer_after_five_asks)
+    out, left = tmp_path / "rollouts_1.parquet", tmp_path / "stream_1.parquet"
+    rollout.run(cfg, rollout.Args(str(shard), str(policy), str(out), 1, 0, [str(newer)], str(carry), str(left)))
+    df, meta = read_table(out, schemas.ROLLOUTS), read_metadata(out)
+    assert meta["stream"]["switches"] == 1 and set(meta["policies"]) == {"0", "1"}
+    assert set(df["token_versions"].explode()) == {0, 1} and meta["stream"]["groups_from_carry"] > 0
+    check_versions(df, 1, "streamed")
+    model, _ = load_policy(policy)
+    for v in (0, 1):
+        model.load_state_dict(states[v])
+        for row in df.iter_rows(named=True):
+            t = Trajectory(0, 0, 0, row["prompt_ids"], 0, row["response_ids"])
+            for pos, (lp, tv) in enumerate(zip(row["rollout_logprobs"], row["token_versions"])):
+                if tv == v:
+                    assert lp == pytest.approx(logprob_under(model, t, pos, temperature=1.0, top_p=1.0), abs=1e-5)
+
+
+def test_a_rollout_killed_before_its_carry_leaves_the_stream_to_its_rerun(policy, shard, tmp_path):
+    """``otbflow rollout`` of iteration 1, killed (SIGKILL) after its rollouts and before its carry:
+    no carry exists to continue from, the carry it continued is as it was, and the rollout run
+    again continues it and writes both (Snakemake deletes a failed job's outputs and reruns it)."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    from otbflow.config import to_yaml
+
+    cfg = tiny_config("rollout.staleness=1", *STREAM)
+    (tmp_path / "a").mkdir()
+    _, _, carry = streamed(cfg, policy, shard, tmp_path / "a", [0])
+    before = carry.read_bytes()
+    (tmp_path / "config.yaml").write_text(to_yaml(cfg))
+    out, left = tmp_path / "rollouts_1.parquet", tmp_path / "stream_1.parquet"
+    cmd = [
+        sys.executable,
+        "-m",
+        "otbflow",
+        "rollout",
+        "--config",
+        str(tmp_path / "config.yaml"),
+        "--prompts",
+        str(shard),
+    ]
+    cmd += ["--policy", str(policy), "--out", str(out), "--iteration", "1", "--behaviour-iteration", "0"]
+    cmd += ["--carry-in", str(carry), "--carry", str(left)]
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), OTBFLOW_FAULT="rollout:before-carry")
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    assert res.returncode == -9, res.stderr[-2000:]
+    assert not left.exists() and carry.read_bytes() == before
+    env.pop("OTBFLOW_FAULT")
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert read_metadata(out)["stream"]["carry_in"] == str(carry)
+    read_table(left, schemas.STREAM)

@@ -38,7 +38,7 @@ from otbflow.algorithms.losses import (
     trm_keep,
 )
 from otbflow.config import ConfigError
-from otbflow.io import SchemaError, read_table
+from otbflow.io import SchemaError, read_table, write_parquet
 from otbflow.models.policy import build_char_tokenizer, build_tiny_model
 from otbflow.stages import features
 from otbflow.stages.train import Args, run
@@ -599,3 +599,32 @@ def test_two_ranks_give_the_full_batch_gradient(policy_dir, features_path, tmp_p
                 prev_optimizer=str(tmp_path / "opt"),
             ),
         )
+
+
+def test_a_streamed_table_one_version_behind_trains_what_s1_trains(policy_dir, tmp_path):
+    """rollout.stream with every token exactly one version behind: the table of iteration 1 records
+    token_versions [0, 0, ...] beside behaviour_iteration 0. Through the features stage (the
+    current policy as pi_prox) and the train stage with the same advantages, it trains what the
+    s = 1 table without them trains: the same metrics, the same policy, bit for bit."""
+    import polars as pl
+
+    from otbflow.stages import features
+
+    cfg = make_cfg("rollout.staleness=1", "train.rollout_is=token")
+    write_rollouts(tmp_path / "base.parquet")
+    s1 = read_table(tmp_path / "base.parquet", schemas.ROLLOUTS).with_columns(pl.lit(1).alias("iteration"))
+    streamed = s1.with_columns(token_versions=pl.Series([[0] * n for n in s1["response_length"]], dtype=schemas.I64L))
+    out = {}
+    for name, table in (("s1", s1), ("stream", streamed)):
+        work = tmp_path / name
+        work.mkdir()
+        write_parquet(table, work / "rollouts.parquet")
+        feats = work / "features.parquet"
+        rollouts = str(work / "rollouts.parquet")
+        features.run(cfg, features.Args(rollouts=rollouts, policy=str(policy_dir), out=str(feats)))
+        metrics, args = run_stage(
+            policy_dir, feats, work, "rollout.staleness=1", "train.rollout_is=token", adv=random_advantages(feats)
+        )
+        out[name] = (metrics.drop(WALL), load_model(args.out).state_dict())
+    assert out["s1"][0].equals(out["stream"][0])
+    assert all(torch.equal(v, out["stream"][1][k]) for k, v in out["s1"][1].items())

@@ -75,13 +75,8 @@ class ShardStream:
     """One shard's stream of slots for iteration ``iteration``'s job: ``m`` slots per window."""
 
     def __init__(self, sampler: GroupSampler, prompts: pl.DataFrame, shard: int, iteration: int):
-        self.sampler, self.cfg, self.prompts, self.shard, self.iteration = (
-            sampler,
-            sampler.cfg,
-            prompts,
-            shard,
-            iteration,
-        )
+        self.sampler, self.cfg, self.prompts = sampler, sampler.cfg, prompts
+        self.shard, self.iteration = shard, iteration
         r = self.cfg.rollout
         self.per_shard = math.ceil(r.prompts_per_iteration / self.cfg.shard.n_shards)
         self.m = min(self.per_shard, prompts.height)

@@ -11,7 +11,8 @@ Sizes per iteration, by what the stages write:
   (``optimizer_bytes_per_parameter``);
 - data: rollouts, features and advantages, per response token the widths of their per-token
   columns (otbflow.schemas; Parquet's compression makes the files smaller: an upper bound), the
-  prompt's token ids once per response and table.
+  prompt's token ids once per response and table; with ``rollout.stream`` each rollout's carry
+  besides (at most ``rollout.staleness`` groups left open per group taken).
 Peak: while iteration k trains, the policies still read (k - staleness - 1 .. k) and the
 optimizer states from the one it reads on (``otbflow.runtime.adamw``: k-1's with
 ``train.optimizer_every`` 1, else the second-newest checkpoint) to its own exist beside everything
@@ -60,9 +61,13 @@ def count_parameters(model_config) -> int:
 def bytes_per_token(cfg: DictConfig) -> tuple[int, int]:
     """(bytes per response token, bytes per prompt token per response) of the three data tables,
     their optional columns counted (token_versions only where ``cfg`` writes it: rollout.take_newer)."""
-    unwritten = {"token_versions"} if cfg.rollout.take_newer == "none" else set()
+    return _widths(DATA_TABLES, {"token_versions"} if cfg.rollout.take_newer == "none" else set())
+
+
+def _widths(tables, unwritten: set[str] = frozenset()) -> tuple[int, int]:
+    """(bytes per response token, bytes per prompt token) of ``tables``' list columns but ``unwritten``."""
     response = prompt = 0
-    for table in DATA_TABLES:
+    for table in tables:
         for name, dtype in table.columns.items():
             inner = getattr(dtype, "inner", None)
             if inner is None or name in unwritten:
@@ -92,6 +97,9 @@ def estimate(cfg: DictConfig, n_params: int, response_tokens: float | None = Non
     responses = cfg.rollout.prompts_per_iteration * cfg.rollout.group_size
     tokens = responses * (cfg.rollout.max_new_tokens if response_tokens is None else response_tokens)
     data = tokens * per_token + responses * prompt_tokens * per_prompt_token
+    if cfg.rollout.stream:  # each rollout's carry: at most s groups per taken one left open (otbflow.engines.laminar)
+        carry_token, carry_prompt = _widths([schemas.STREAM])
+        data += s * (tokens * carry_token + responses * prompt_tokens * carry_prompt)
     kept = [decision(cfg, k) for k in range(n)]
     written = adamw.written(cfg)
     peak = 0.0

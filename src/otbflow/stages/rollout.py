@@ -20,7 +20,7 @@ from otbflow import schemas
 from otbflow.engines.hf_backend import PublishedPolicies
 from otbflow.engines.laminar import stream_rollout
 from otbflow.engines.sampling import GroupSampler, sample_informative_groups, select_prompts
-from otbflow.io import read_table, write_parquet
+from otbflow.io import fault_point, read_table, write_parquet
 from otbflow.models.policy import set_threads
 from otbflow.runtime import resident
 from otbflow.seeds import derive_seed
@@ -93,7 +93,6 @@ def run(cfg: DictConfig, args: Args) -> None:
             st["carried_responses"],
             st["carried_in_flight"],
         )
-        write_parquet(carry, args.carry, metadata=carry_meta)
     elif cfg.rollout.filter_groups:
         df, stats = sample_informative_groups(sampler, prompts, batch, per_shard, args.iteration, shard)
         meta = {**sampler.meta, "dynamic_sampling": stats}
@@ -131,6 +130,9 @@ def run(cfg: DictConfig, args: Args) -> None:
             "policies": {str(v): d for v, d in weights.digests.items()},
         }
     write_parquet(df, args.out, metadata=meta)
+    if args.carry is not None:  # last: a stream continues only from a rollout that was written whole
+        fault_point("rollout:before-carry")
+        write_parquet(carry, args.carry, metadata=carry_meta)
     log.info(
         "iteration %d shard %d (policy of iteration %d): %d responses, mean reward %.3f, mean length %.1f",
         args.iteration,
