@@ -82,7 +82,8 @@ def test_each_stage_declares_the_config_keys_that_shape_its_jobs(tmp_path):
             that the score rule exists; keeping every policy or every optimizer state, so that each
             retention key alone decides prune jobs; a dataset task, whose files the shard reads; Slurm
         workers, whose train worker decides where the AdamW state is written; a run that publishes
-    bf16 policies, whose last one the export rule writes in fp32). Every
+    bf16 policies, whose last one the export rule writes in fp32; a key that needs others beside
+    it, rollout.stream, on the default base with them). Every
             key of any stage's ``dag`` has a change here."""
     policy = tmp_path / "policy"  # what the config check reads of a folder: config.json and file names
     policy.mkdir()
@@ -127,19 +128,18 @@ def test_each_stage_declares_the_config_keys_that_shape_its_jobs(tmp_path):
         "retention.policy_every": 2,
         "retention.optimizer": "all",
     }
-    # the keys a change needs beside it, on the base and the changed config alike
+    # a key whose change needs others beside it: changed on the default base with them, against that
+    # base with them (the other bases' features do not meet it)
     context = {"rollout.stream": {"rollout": {"staleness": 1, "take_newer": "step"}}}
     changes["rollout.stream"] = True
     assert {key for stage in STAGES.values() for key in stage.dag} <= set(changes)
-    contexted = [merge(base, extra) for extra in context.values() for base in bases]
-    changed = [
-        merge(merge(base, context.get(key, {})), nested(key, value)) for key, value in changes.items() for base in bases
-    ]
-    found = dags(bases + contexted + changed)
+    key_bases = {key: [merge(bases[0], context[key])] if key in context else bases for key in changes}
+    changed = [merge(base, nested(key, value)) for key, value in changes.items() for base in key_bases[key]]
+    found = dags(bases + [key_bases[key][0] for key in context] + changed)
     before = {key: found[: len(bases)] for key in changes}
     for i, key in enumerate(context):
-        before[key] = found[len(bases) * (i + 1) : len(bases) * (i + 2)]
-    after = iter(found[len(bases) + len(contexted) :])
+        before[key] = [found[len(bases) + i]]
+    after = iter(found[len(bases) + len(context) :])
     shaped = {key: set() for key in changes}
     for key in changes:
         for old in before[key]:
