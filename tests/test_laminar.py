@@ -138,10 +138,8 @@ def test_each_streamed_token_s_log_prob_is_its_version_s(policy, shard, tmp_path
     policy of iteration 1, published while it decodes, is taken between two decode steps: each
     token's recorded log-prob equals, within 1e-5, the teacher-forced log-prob under the version
     it records (the carried tokens' under policy 0), and no token is older than 1 - s."""
-    from test_stream import logprob_under, perturbed, publish_policy
+    from test_stream import assert_logprobs_of_their_versions, perturbed, publish_after, publish_policy
 
-    from otbflow.engines.hf_backend import PublishedPolicies
-    from otbflow.engines.hf_stream import Trajectory
     from otbflow.models.policy import load_policy
 
     cfg = tiny_config("rollout.staleness=1", *STREAM)
@@ -153,29 +151,14 @@ def test_each_streamed_token_s_log_prob_is_its_version_s(policy, shard, tmp_path
     staged, newer = tmp_path / "staged", tmp_path / "iter_0" / "train" / "policy"
     publish_policy(policy, model, states[1], staged)
     newer.parent.mkdir(parents=True)
-    asked, published = {"n": 0}, PublishedPolicies.newer
-
-    def newer_after_five_asks(self):  # the train job publishes between the fifth and sixth ask
-        asked["n"] += 1
-        if asked["n"] == 6:
-            staged.rename(newer)
-        return published(self)
-
-    monkeypatch.setattr(PublishedPolicies, "newer", newer_after_five_asks)
+    publish_after(monkeypatch, staged, newer, 5)  # between the fifth and sixth ask
     out, left = tmp_path / "rollouts_1.parquet", tmp_path / "stream_1.parquet"
     rollout.run(cfg, rollout.Args(str(shard), str(policy), str(out), 1, 0, [str(newer)], str(carry), str(left)))
     df, meta = read_table(out, schemas.ROLLOUTS), read_metadata(out)
     assert meta["stream"]["switches"] == 1 and set(meta["policies"]) == {"0", "1"}
     assert set(df["token_versions"].explode()) == {0, 1} and meta["stream"]["groups_from_carry"] > 0
     check_versions(df, 1, "streamed")
-    model, _ = load_policy(policy)
-    for v in (0, 1):
-        model.load_state_dict(states[v])
-        for row in df.iter_rows(named=True):
-            t = Trajectory(0, 0, 0, row["prompt_ids"], 0, row["response_ids"])
-            for pos, (lp, tv) in enumerate(zip(row["rollout_logprobs"], row["token_versions"])):
-                if tv == v:
-                    assert lp == pytest.approx(logprob_under(model, t, pos, temperature=1.0, top_p=1.0), abs=1e-5)
+    assert_logprobs_of_their_versions(policy, states, df)
 
 
 def test_a_rollout_killed_before_its_carry_leaves_the_stream_to_its_rerun(policy, shard, tmp_path):

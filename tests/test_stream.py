@@ -173,6 +173,35 @@ def publish_policy(policy, model, state: dict, out) -> None:
     manifest.publish(out, out, {}, None)
 
 
+def publish_after(monkeypatch, staged, newer, asks: int) -> None:
+    """The train job publishes: ``staged`` is renamed to ``newer`` once PublishedPolicies.newer
+    has been asked ``asks`` times (between two decode steps)."""
+    from otbflow.engines.hf_backend import PublishedPolicies
+
+    asked, published = {"n": 0}, PublishedPolicies.newer
+
+    def newer_after(self):
+        asked["n"] += 1
+        if asked["n"] == asks + 1:
+            staged.rename(newer)
+        return published(self)
+
+    monkeypatch.setattr(PublishedPolicies, "newer", newer_after)
+
+
+def assert_logprobs_of_their_versions(policy, states: list[dict], df) -> None:
+    """Each token's recorded log-prob (a rollouts table's, temperature 1) equals, within 1e-5, the
+    teacher-forced log-prob under ``states[v]`` for the version v it records."""
+    model, _ = load_policy(policy)
+    for v, state in enumerate(states):
+        model.load_state_dict(state)
+        for row in df.iter_rows(named=True):
+            t = Trajectory(0, 0, 0, row["prompt_ids"], BUDGET, row["response_ids"])
+            for pos, (lp, tv) in enumerate(zip(row["rollout_logprobs"], row["token_versions"])):
+                if tv == v:
+                    assert lp == pytest.approx(logprob_under(model, t, pos, temperature=1.0, top_p=1.0), abs=1e-5)
+
+
 @pytest.mark.parametrize("warm", [False, True], ids=["own process", "warm worker"])
 def test_a_rollout_takes_the_newer_policy_between_decode_steps(
     tiny_policy, states, data_dir, tmp_path, monkeypatch, warm
@@ -193,7 +222,6 @@ def test_a_rollout_takes_the_newer_policy_between_decode_steps(
     from conftest import tiny_config
 
     from otbflow import schemas
-    from otbflow.engines.hf_backend import PublishedPolicies
     from otbflow.io import read_metadata, read_table
     from otbflow.runtime import manifest
     from otbflow.stages import rollout
@@ -203,16 +231,7 @@ def test_a_rollout_takes_the_newer_policy_between_decode_steps(
     staged, newer = tmp_path / "staged", tmp_path / "iter_0" / "train" / "policy"
     publish_policy(tiny_policy, model, states[1], staged)
     newer.parent.mkdir(parents=True)
-    asked = {"n": 0}
-    published = PublishedPolicies.newer
-
-    def newer_after_three_steps(self):  # the train job publishes between the third and fourth ask
-        asked["n"] += 1
-        if asked["n"] == 4:
-            staged.rename(newer)
-        return published(self)
-
-    monkeypatch.setattr(PublishedPolicies, "newer", newer_after_three_steps)
+    publish_after(monkeypatch, staged, newer, 3)  # between the third and fourth ask
     cfg = tiny_config("rollout.staleness=1", "train.rollout_is=token", "rollout.take_newer=step")
     out = tmp_path / "rollouts.parquet"
     shard = sorted(data_dir.glob("train/shard_*.parquet"))[0]
@@ -225,14 +244,7 @@ def test_a_rollout_takes_the_newer_policy_between_decode_steps(
     meta = read_metadata(out)
     assert meta["policies"] == {"0": None, "1": manifest.read(newer)["weights"]}
     assert meta["stream"]["switches"] == 1 and meta["stream"]["switch_prefill_tokens"] > 0
-    model, _ = load_policy(tiny_policy)
-    for v in (0, 1):
-        model.load_state_dict(states[v])
-        for row in df.iter_rows(named=True):
-            t = Trajectory(0, 0, 0, row["prompt_ids"], BUDGET, row["response_ids"])
-            for pos, (lp, tv) in enumerate(zip(row["rollout_logprobs"], row["token_versions"])):
-                if tv == v:
-                    assert lp == pytest.approx(logprob_under(model, t, pos, temperature=1.0, top_p=1.0), abs=1e-5)
+    assert_logprobs_of_their_versions(tiny_policy, states[:2], df)
     check_versions(df, 1, str(out))
     with pytest.raises(ValueError, match="1 iterations before it"):
         check_versions(df.with_columns(pl.lit(1).alias("behaviour_iteration")), 0, str(out))

@@ -31,13 +31,12 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import polars as pl
 
 from otbflow import schemas
-from otbflow.engines import Sample
 from otbflow.engines.hf import row_keys
 from otbflow.engines.hf_stream import Trajectory
 from otbflow.engines.prompts import use_chat
@@ -92,18 +91,16 @@ class ShardStream:
         self.next_slot = 0
         self.stats = CarryStats()
         self.chat = use_chat(self.cfg, sampler.tok)
-        self._window: tuple[int, pl.DataFrame, list[list[int]]] | None = None
+        self._window: tuple[int, list[list[int]]] | None = None
         self._ids: dict[int, int] = {}
 
     # -- slots ---------------------------------------------------------------------------------
 
-    def window(self, j: int) -> tuple[pl.DataFrame, list[list[int]]]:
-        """Window ``j``'s prompts and their rendered ids (the last window rendered is kept)."""
+    def window(self, j: int) -> list[list[int]]:
+        """Window ``j``'s prompts rendered (the last window rendered is kept)."""
         if self._window is None or self._window[0] != j:
-            batch = select_prompts(self.prompts, j, self.per_shard)
-            ids, _ = self.sampler.render(batch)
-            self._window = (j, batch, ids)
-        return self._window[1], self._window[2]
+            self._window = (j, self.sampler.render(select_prompts(self.prompts, j, self.per_shard))[0])
+        return self._window[1]
 
     def seed(self, window: int) -> int:
         return derive_seed(self.cfg.seed, "rollout", window, self.shard)
@@ -121,7 +118,7 @@ class ShardStream:
     def start(self, slot: int) -> list[Trajectory]:
         """The group of a new slot: its G responses, none decoded."""
         window, index = divmod(slot, self.m)
-        _, ids = self.window(window)
+        ids = self.window(window)
         keys = row_keys(self.seed(window), [index], self.group_size, "cpu").tolist()
         budget = self.cfg.rollout.max_new_tokens
         return [Trajectory(slot, j, keys[j], ids[index], budget) for j in range(self.group_size)]
@@ -289,7 +286,7 @@ def stream_rollout(
         stream.resume(carry)
     taken, groups = stream.run()
     batch = pl.DataFrame([stream.prompt_row(slot) for slot in taken], schema=prompts.schema)
-    samples = [_sample(sampler, i, t) for i, slot in enumerate(taken) for t in groups[slot]]
+    samples = [replace(sampler.backend.sample(t), prompt_index=i) for i, slot in enumerate(taken) for t in groups[slot]]
     check_logprobs(samples, batch["prompt_id"].to_list(), sampler.policy)
     df = rollout_table(samples, batch, iteration, shard, 0, 0, sampler.scorer).with_columns(
         seed=pl.Series(
@@ -307,9 +304,3 @@ def stream_rollout(
         "version_lag_tokens": {str(lag): n for lag, n in sorted(lags.items())},
     }
     return df, carry_df, carry_meta, meta
-
-
-def _sample(sampler: GroupSampler, index: int, t: Trajectory) -> Sample:
-    """A taken response as a ``Sample`` of the rollouts' ``index``-th prompt."""
-    text = sampler.tok.decode(t.response_ids, skip_special_tokens=True)
-    return Sample(index, t.sample_idx, t.prompt_ids, t.response_ids, t.logprobs, t.finish_reason, text, t.versions)
