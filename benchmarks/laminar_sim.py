@@ -519,11 +519,15 @@ class Sim:
     def idle(self, e: Engine) -> float:
         return e.idle + (self.now - e.idle_since if e.idle_since is not None else 0.0)
 
+    def occupied(self, e: Engine) -> float:
+        """Rows x seconds so far, the segment in flight's included."""
+        return e.row_seconds + (e.segment_rows * (self.now - e.segment_from) if e.running else 0.0)
+
     def end_train(self) -> None:
         self.training = False
         self.train_ends.append(self.now)
         if len(self.train_ends) == self.s.warmup:
-            self.window = [(self.idle(e), e.row_seconds) for e in self.engines]
+            self.window = [(self.idle(e), self.occupied(e)) for e in self.engines]
         self.iteration += 1
         self.published += 1
         self.resync()
@@ -569,7 +573,7 @@ class Sim:
         t0, t1 = self.train_ends[s.warmup - 1], self.train_ends[-1]
         span = t1 - t0
         idle = [(self.idle(e) - i0) / span for e, (i0, _) in zip(self.engines, self.window)]
-        rows = [(e.row_seconds - r0) / span / s.rows for e, (_, r0) in zip(self.engines, self.window)]
+        rows = [(self.occupied(e) - r0) / span / s.rows for e, (_, r0) in zip(self.engines, self.window)]
         return {
             "mode": s.mode,
             "engines": s.engines,

@@ -68,6 +68,9 @@ def test_with_a_tail_streaming_beats_lockstep():
     stream = sim.simulate(setup("stream"))
     assert stream["tokens_per_s"] > 1.1 * lock["tokens_per_s"]
     assert stream["occupancy_mean"] > lock["occupancy_mean"]
+    for out in (lock, stream):
+        assert 0 <= out["occupancy_mean"] <= 1
+        assert all(0 <= x <= 1 for x in out["idle_share"])
 
 
 def test_one_engine_decoding_one_trajectory_at_a_time_streams_as_lockstep():
