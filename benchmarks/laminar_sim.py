@@ -42,8 +42,11 @@ load or prefill, over the same window), the version-lag histogram of the trained
 Prints JSON (and writes it to ``--out``); ``--plot`` draws throughput against GPUs beside seed
 004's 5.48x; every parameter is in ``benchmarks/laminar_sim.yaml``, each cost cited by its record::
 
-    python benchmarks/laminar_sim.py                                  # the table, the sensitivity, the CPU check
-    python benchmarks/laminar_sim.py --plot docs/laminar_sim.svg --out benchmarks/out/laminar_sim.json
+    python benchmarks/laminar_sim.py --plot docs/laminar_sim.svg     # about 11 minutes on 2 cores
+    python benchmarks/laminar_sim.py --gpus 8 --no-sensitivity          # seconds
+
+The figures, the plot and what the model leaves out: docs/training.md, "Laminar at cluster scale, by
+simulation" (record laminar_sim_cluster).
 """
 
 from __future__ import annotations
@@ -748,15 +751,18 @@ def plot(out: dict, path: Path) -> None:
     matplotlib.rcParams["svg.hashsalt"] = "laminar_sim"
     gpus = [int(g) for g in out["scales"]]
     fig, ax = plt.subplots(figsize=(6, 3.6))
-    for m in MODES:
-        ax.plot(gpus, [out["scales"][str(g)]["over_lockstep"][m] for g in gpus], marker="o", label=m)
-    ax.axhline(SEED_CLAIM, color="grey", linestyle="--", label=f"seed 004: up to {SEED_CLAIM}x (1,024 GPUs)")
+    for m, style in zip(MODES, ("o-", "o-", "o-", "x--")):
+        ax.plot(gpus, [out["scales"][str(g)]["over_lockstep"][m] for g in gpus], style, label=m)
+    ax.axhline(SEED_CLAIM, color="grey", linestyle=":", label=f"seed 004: up to {SEED_CLAIM}x (1,024 GPUs)")
     ax.set_xscale("log", base=2)
+    ax.set_xticks(gpus, [str(g) for g in gpus])
+    ax.set_ylim(0, SEED_CLAIM + 0.5)
     ax.set_xlabel("GPUs")
     ax.set_ylabel("trained tokens/s over lockstep")
     ax.set_title("Simulated throughput (benchmarks/laminar_sim.yaml)")
     ax.legend(fontsize=7)
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, metadata={"Date": None})
     plt.close(fig)
 

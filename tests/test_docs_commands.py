@@ -191,6 +191,9 @@ HOW: dict[str, str] = {
     # the GPU check's tiny form runs it (its chain step: one iteration per setting, no TRL)
     "python benchmarks/bench_iteration.py": GPU_CHECK,
     "benchmarks/bench_advantages.py": "python benchmarks/bench_advantages.py --tokens 20000 --repeats 1",
+    # docs/training.md: the Laminar simulation at its smallest scale, without the sensitivity table
+    "python benchmarks/laminar_sim.py --plot docs/laminar_sim.svg": "python benchmarks/laminar_sim.py --gpus 8 "
+    "--iterations 4 --no-sensitivity --plot results/scratch/laminar_sim.svg",
     # docs/workers.md: the tiny run's first job (the shard) in each mode, once
     "python benchmarks/bench_preload.py": "python benchmarks/bench_preload.py --target results/data/eval.parquet "
     "--repeats 1",
