@@ -14,7 +14,8 @@ The model
   next version. An engine that takes a new version pays ``handover`` seconds (the weight load).
 - **Lengths.** A response's length is a lognormal's draw, rounded, at least 1 and at most the
   budget (a response that reaches it is cut, as ``max_new_tokens`` cuts one); ``mu`` and ``sigma``
-  are fitted to a stored histogram of response lengths, the budget's hits counted as censored.
+  are fitted to a record's histogram of response lengths (``lengths`` in the config), or with
+  ``--rollouts GLOB`` to any run's rollouts.parquet files, the budget's hits counted as censored.
 - **Modes.**
   - ``lockstep`` (s = 0): iteration k's trajectories, split evenly over the engines up front (a
     shard each), start when version k is published; the trainer waits for the last one.
@@ -605,11 +606,23 @@ def load_config(path: Path) -> dict:
 
 
 def lengths_from(spec: dict, records: dict) -> tuple[Lengths, dict]:
-    """The lognormal fitted to a record's histogram of response lengths, and what it was fitted to."""
-    rec = record(spec["record"], records)
-    hist = {int(k): v for k, v in walk(rec, spec["histogram_path"]).items()}
-    prompts = {int(k): v for k, v in walk(rec, spec["prompt_histogram_path"]).items()}
+    """The lognormal fitted to the response lengths of a record's histogram (``record``,
+    ``histogram_path``, ``prompt_histogram_path``) or of stored rollouts (``rollouts``: a glob of
+    rollouts.parquet files; a response cut by ``max_new_tokens`` counts as reaching ``budget``),
+    and what it was fitted to."""
     budget = int(spec["budget"])
+    if "rollouts" in spec:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from bench_engine_costs import lengths as stored_lengths  # the histograms, one place
+
+        stored = stored_lengths(spec["rollouts"])
+        hist = Counter({int(k): v for k, v in stored["response_length"].items() if int(k) < budget})
+        hist[budget] += stored["responses"] - sum(hist.values())  # the cut ones, and any longer
+        prompts = {int(k): v for k, v in stored["prompt_length"].items()}
+    else:
+        rec = record(spec["record"], records)
+        hist = {int(k): v for k, v in walk(rec, spec["histogram_path"]).items()}
+        prompts = {int(k): v for k, v in walk(rec, spec["prompt_histogram_path"]).items()}
     prompt = round(sum(k * v for k, v in prompts.items()) / sum(prompts.values()))
     n = sum(hist.values())
     stored = {
@@ -662,7 +675,8 @@ def study(cfg: dict, sensitivity_too: bool = True) -> dict:
         }
     if sensitivity_too:
         out["sensitivity"] = sensitivity(cfg, costs, lengths, records)
-    out["cpu_check"] = cpu_check(cfg, lengths, records)
+    cpu_lengths = lengths_from(cfg["cpu_check"]["lengths"], records)[0] if "lengths" in cfg["cpu_check"] else lengths
+    out["cpu_check"] = cpu_check(cfg, cpu_lengths, records)
     out["cited"] = {
         n: {"title": r["title"], "machine": r["machine"], "date": r["date"]} for n, r in sorted(records.items())
     }
@@ -775,8 +789,13 @@ def main() -> int:
     ap.add_argument("--gpus", help="comma-separated: these scales instead of the config's")
     ap.add_argument("--iterations", type=int, help="instead of the config's (cluster and sensitivity)")
     ap.add_argument("--no-sensitivity", action="store_true", help="skip the sensitivity table")
+    ap.add_argument("--rollouts", help="fit the lengths to these rollouts.parquet files (a glob) instead")
+    ap.add_argument("--budget", type=int, help="with --rollouts: their max_new_tokens (default: the config's)")
     args = ap.parse_args()
     cfg = load_config(args.config)
+    if args.rollouts:  # the cluster's lengths; the CPU check keeps its run's
+        cfg["cpu_check"].setdefault("lengths", cfg["lengths"])
+        cfg["lengths"] = {"rollouts": args.rollouts, "budget": args.budget or cfg["lengths"]["budget"]}
     if args.gpus:
         cfg["cluster"]["gpus"] = [int(g) for g in args.gpus.split(",")]
     if args.iterations:

@@ -124,6 +124,27 @@ def test_the_length_fit_recovers_a_censored_lognormal():
     assert np.log(x).std() < 0.78  # what ignoring the censoring gives
 
 
+def test_lengths_fit_to_stored_rollouts_count_the_cut_ones_as_censored(tmp_path):
+    """`--rollouts`: a run's rollouts.parquet files, the responses cut at max_new_tokens censored."""
+    import polars as pl
+
+    rng = np.random.default_rng(1)
+    x = np.rint(np.exp(math.log(30) + 0.6 * rng.standard_normal(40_000))).clip(1).astype(int)
+    cut = x >= 64
+    for i, part in enumerate(np.array_split(np.arange(len(x)), 2)):
+        pl.DataFrame(
+            {
+                "prompt_ids": [[1, 2, 3]] * len(part),
+                "response_length": np.minimum(x[part], 64),
+                "finish_reason": np.where(cut[part], "length", "stop"),
+            }
+        ).write_parquet(tmp_path / f"rollouts_{i}.parquet")
+    fit, stored = sim.lengths_from({"rollouts": str(tmp_path / "rollouts_*.parquet"), "budget": 64}, {})
+    assert stored["responses"] == 40_000
+    assert stored["at_budget_share"] == pytest.approx(cut.mean())
+    assert (fit.mu, fit.sigma, fit.prompt) == (pytest.approx(math.log(30), abs=0.01), pytest.approx(0.6, abs=0.01), 3)
+
+
 def test_shared_cores_slow_everything_that_runs_at_once():
     """Two engines and a one-core trainer on two cores: less than with a device each."""
     own = sim.simulate(setup("one_step_off", engines=2))
