@@ -32,13 +32,15 @@ The model
     (prefilled again there, counted as moves), and the emptied engine takes the newest version
     with nothing to prefill.
 - **Shared cores** (``shared``: the CPU check): engines and the trainer run on ``cores`` cores; an
-  active engine asks for one, the training trainer for ``trainer_cores``, and each runs at
+  active engine asks for one, the trainer while it trains for ``trainer_cores``, and each runs at
   ``min(1, cores / asked)`` of its speed (processor sharing). Without it each has its own devices.
 
-Per mode: ``tokens_per_s`` (trained response tokens over the time from the end of the first
-measured iteration's training to the last's), each engine's ``idle_share`` (no row running and no
-load or prefill, over the same window), the version-lag histogram of the trained tokens
-(``lag_tokens``: iteration minus the token's version), the dropped groups and the moves.
+Per mode, over a window from the end of the ``warmup`` iterations' training to the end of the
+last's: ``tokens_per_s`` (the response tokens trained in the window over its seconds), each
+engine's ``idle_share`` (no row in flight, no load or prefill), ``occupancy_mean`` (rows in flight
+over the budget, time-weighted, the engines' mean), the version-lag histogram of the trained
+tokens (``lag_tokens``: iteration minus the token's version, every iteration), the groups dropped
+as too old and the rows moved.
 
 Prints JSON (and writes it to ``--out``); ``--plot`` draws throughput against GPUs beside seed
 004's 5.48x; every parameter is in ``benchmarks/laminar_sim.yaml``, each cost cited by its record::
