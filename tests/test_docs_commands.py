@@ -117,6 +117,7 @@ HOW: dict[str, str] = {
     ".venv/bin/snakemake -s workflow/experiment.smk --configfile config/experiments/otb_vs_grpo.yaml --cores 2": DRY,
     ".venv/bin/snakemake -s workflow/experiment.smk --configfile config/experiments/stability.yaml --cores 2": DRY,
     ".venv/bin/snakemake -s workflow/experiment.smk --configfile config/experiments/staleness.yaml --cores 2": DRY,
+    ".venv/bin/snakemake -s workflow/experiment.smk --configfile config/experiments/laminar.yaml --cores 2": DRY,
     ".venv/bin/snakemake -s workflow/experiment.smk --configfile config/experiments/otb_vs_grpo.yaml "
     "--report results/otb_vs_grpo/report.html": EXPERIMENT,
     "snakemake -s Snakefile --directory results/otb_vs_grpo/otb_n4/seed_0 --configfile "
