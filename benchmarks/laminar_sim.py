@@ -22,15 +22,16 @@ The model
   - ``one_step_off`` (s = 1): the same, sampled with version k - 1, so an engine starts iteration
     k's share once version k - 1 is out and its share of k - 1 is done, while the trainer trains.
   - ``stream``: one queue of groups; a free slot takes the next trajectory; at most
-    ``(staleness + 1) * m`` groups are open (released, not yet trained) at a time. An engine takes
+    ``(staleness + 1) * m`` groups are open at a time (released, and not yet trained into a
+    published version: a group admitted under version v is trained by iteration v + staleness). An engine takes
     the newest version at its first step boundary after it is published, prefilling its rows in
     flight again (AReaL's interrupt and resubmit). Iteration k trains the first ``m`` complete
     groups whose oldest token is at most ``staleness`` versions behind; an older group, complete or
     not, is dropped and a new one released in its place.
   - ``stream_repack``: ``stream``, and when an engine's rows fall below ``repack_below`` of its
     budget with no trajectory waiting, they move to the engine with the most rows that has room
-    (prefilled again there, counted as moves), and the emptied engine takes the newest version
-    with nothing to prefill.
+    (prefilled again there, counted as moves), and the emptied engine's next rows start under the
+    newest version with nothing in flight to prefill again.
 - **Shared cores** (``shared``: the CPU check): engines and the trainer run on ``cores`` cores; an
   active engine asks for one, the trainer while it trains for ``trainer_cores``, and each runs at
   ``min(1, cores / asked)`` of its speed (processor sharing). Without it each has its own devices.
@@ -250,6 +251,8 @@ class Sim:
     def __init__(self, s: Setup):
         if s.mode not in MODES:
             raise ValueError(f"mode {s.mode!r}: one of {', '.join(MODES)}")
+        if not 1 <= s.warmup < s.iterations:
+            raise ValueError(f"warmup {s.warmup}: at least 1 and fewer than the {s.iterations} iterations")
         self.s = s
         self.stream = s.mode.startswith("stream")
         self.rng = np.random.default_rng(s.seed)
@@ -358,12 +361,9 @@ class Sim:
     def start_segment(self, e: Engine) -> None:
         """At a step boundary: take new weights, start new rows, and run to the next row's end."""
         lead = 0.0
-        for r in e.moved_in:
-            if not r.dead:
-                lead += self.s.costs.prefill_token * (r.prompt + r.done)
-                self.add(e, r)
+        moved = [r for r in e.moved_in if not r.dead]
         e.moved_in = []
-        free = self.s.rows - e.live
+        free = self.s.rows - e.live - len(moved)
         new = []
         if self.stream:
             while free > 0 and self.waiting:
@@ -371,7 +371,7 @@ class Sim:
                 if not r.dead:
                     new.append(r)
                     free -= 1
-            if (e.live or new) and e.version < self.published:
+            if (e.live or moved or new) and e.version < self.published:
                 tokens = e.context + e.live * e.clock  # the rows in flight, prefilled again
                 lead += self.s.costs.handover + self.s.costs.prefill_token * tokens
                 self.reprefilled += tokens
@@ -380,15 +380,20 @@ class Sim:
                 g = self.groups[r.group]
                 g["oldest"] = e.version if g["oldest"] is None else min(g["oldest"], e.version)
         else:
+            running = e.heap[0][2].iteration if e.live else None  # the iteration whose share runs here
             while free > 0 and e.queue:
                 (k, v), r = e.queue[0]
-                if v > self.published or (e.version != v and e.live):
-                    break  # its version is not out, or a batch of another version is running
+                if v > self.published or running not in (None, k):
+                    break  # its version is not out, or the engine's share of an earlier iteration runs
                 if e.version != v:
                     lead += self.s.costs.handover
                     self.take_version(e, v)
                 new.append(e.queue.popleft()[1])
+                running = k
                 free -= 1
+        for r in moved:  # a repacked row: its prompt and its tokens so far
+            lead += self.s.costs.prefill_token * (r.prompt + r.done)
+            self.add(e, r)
         for r in new:
             lead += self.s.costs.prefill_token * r.prompt
             self.add(e, r)
@@ -480,15 +485,16 @@ class Sim:
         if self.stream:
             if self.scanned < k:  # once an iteration: drop the groups begun too long ago
                 self.scanned = k
-                for g in [
-                    g for g, v in self.groups.items() if v["oldest"] is not None and v["oldest"] < k - s.staleness
-                ]:
+                stale = [g for g, v in self.groups.items() if v["oldest"] is not None and v["oldest"] < k - s.staleness]
+                for g in stale:
                     self.drop(g)
+                if stale:  # as many new groups, offered to the engines at once
+                    self.refill_stream()
+                    self.offer()
             if len(self.complete) < s.groups:
                 return
             take, self.complete = self.complete[: s.groups], self.complete[s.groups :]
             rows = [r for g in take for r in self.groups.pop(g)["rows"]]
-            self.open_groups -= len(take)
         else:
             rows = self.done_rows.get(k, [])
             if len(rows) < s.groups * s.group_size:
@@ -507,9 +513,6 @@ class Sim:
         self.resync()
         self.train_token += 1
         self.push(self.now + self.train_left / self.speed, "train", 0, self.train_token)
-        if self.stream:
-            self.refill_stream()
-            self.wake()
 
     def drop(self, g: int) -> None:
         self.dropped += 1
@@ -520,7 +523,6 @@ class Sim:
             if r.engine is not None:
                 self.remove(r.engine, r)
             r.dead = True
-        self.refill_stream()
 
     def idle(self, e: Engine) -> float:
         return e.idle + (self.now - e.idle_since if e.idle_since is not None else 0.0)
@@ -537,7 +539,9 @@ class Sim:
         self.iteration += 1
         self.published += 1
         self.resync()
-        if self.stream:
+        if self.stream:  # the trained groups close: as many new ones open, under the new version
+            self.open_groups -= self.s.groups
+            self.refill_stream()
             for e in self.engines:
                 self.cut(e)
         self.wake()
@@ -547,6 +551,15 @@ class Sim:
         for e in self.engines:
             if not e.running:
                 self.start_segment(e)
+
+    def offer(self) -> None:
+        """New rows wait: idle engines start, running ones with free slots take them at their next
+        step boundary."""
+        for e in self.engines:
+            if not e.running:
+                self.start_segment(e)
+            elif e.live < self.s.rows:
+                self.cut(e)
 
     # -- the run
     def run(self) -> dict:

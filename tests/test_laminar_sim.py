@@ -106,6 +106,26 @@ def test_every_trained_token_is_counted_once_under_its_version(mode):
     assert len(out["trained_tokens"]) == 6
 
 
+def test_a_stream_at_staleness_0_trains_only_current_tokens():
+    """The bound at 0 (each group admitted under the version that trains it): the run does not
+    stall, and every trained token is the iteration's own version."""
+    slow = sim.Costs(
+        decode_fixed=0.01, decode_row=1e-4, prefill_token=1e-5, train_fixed=50, train_token=1e-4, handover=0.3
+    )
+    out = sim.simulate(setup("stream", staleness=0, costs=slow, engines=2, groups=4))
+    assert out["lag_tokens"].keys() == {"0"}
+
+
+def test_one_step_off_starts_an_iteration_once_the_engines_share_of_the_last_is_done():
+    """Iterations 0 and 1 both sample version 0, yet iteration 1's rows wait for 0's on their
+    engine: with one engine of room for both, iteration 1 ends one batch after iteration 0."""
+    equal = sim.Lengths(mu=math.log(50), sigma=0.0, budget=192, prompt=20)
+    free = sim.Costs(decode_fixed=0.01, decode_row=0.0, prefill_token=0, train_fixed=0, train_token=0, handover=0)
+    s = sim.Sim(setup("one_step_off", engines=1, rows=64, groups=2, lengths=equal, costs=free))
+    s.run()
+    assert s.train_ends[:2] == [pytest.approx(0.5), pytest.approx(1.0)]  # 50 steps of 0.01 s a batch
+
+
 def test_repack_moves_thinned_engines_rows():
     out = sim.simulate(setup("stream_repack", staleness=1, groups=12))
     assert out["moved_rows"] > 0
