@@ -46,7 +46,7 @@ as too old and the rows moved.
 Prints JSON (and writes it to ``--out``); ``--plot`` draws throughput against GPUs beside seed
 004's 5.48x; every parameter is in ``benchmarks/laminar_sim.yaml``, each cost cited by its record::
 
-    python benchmarks/laminar_sim.py --plot docs/laminar_sim.svg     # about 11 minutes on 2 cores
+    python benchmarks/laminar_sim.py --plot docs/laminar_sim.svg     # 23 minutes on a 2-core VM
     python benchmarks/laminar_sim.py --gpus 8 --no-sensitivity          # seconds
 
 The figures, the plot and what the model leaves out: docs/training.md, "Laminar at cluster scale, by
