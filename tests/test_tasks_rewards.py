@@ -316,7 +316,7 @@ def test_math_reward_has_a_hard_deadline_in_any_thread(monkeypatch):
         start = time.monotonic()
         assert pool.submit(math_reward, PATHOLOGICAL, "1").result() == 0.0
         took = time.monotonic() - start
-    assert 1.0 <= took < 3.0
+    assert 1.0 <= took < 10.0  # the deadline, plus the kill on a loaded machine; unbounded it does not end
     assert rewards.reward_timeouts() == timeouts + 1  # counted (issue 35: no silent zero)
     assert rewards._WORKER.proc is None  # killed; the next call starts another
     assert math_reward("\\boxed{\\frac{1}{2}}", "0.5") == 1.0

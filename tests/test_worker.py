@@ -404,9 +404,11 @@ def test_forged_and_dead_registrations(features_worker, tmp_path):
     folder.mkdir(parents=True)
     (folder / "worker.json").write_text(json.dumps({**process.me(), "kind": "features"}))
     (folder / "alive").touch()
-    start = time.time()
     res = subprocess.run([*client_command(forged_run, "x"), "features", "--help"], capture_output=True, text=True)
-    assert res.returncode == 0 and "teacher-forced" in res.stdout and time.time() - start < 20
+    assert res.returncode == 0 and "teacher-forced" in res.stdout
+    # A client that posted its request and waited out CLAIM_S says so ("... running the job here");
+    # one that saw no live worker runs the job without a word and posts nothing.
+    assert "otbflow dispatch" not in res.stdout + res.stderr
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     gone = dispatch.root(results) / "features" / "gone"
@@ -696,7 +698,7 @@ def test_a_client_that_must_wait_for_a_worker_fails_clearly_when_none_comes(tmp_
     res = subprocess.run(cmd, capture_output=True, text=True)
     assert res.returncode == 1 and "teacher-forced" not in res.stdout, res.stdout + res.stderr
     assert "waiting for a features worker" in res.stdout and "no features worker started in" in res.stdout
-    assert 1.2 <= time.time() - start < 30
+    assert 1.2 <= time.time() - start < 120  # it waited --wait-min, then ended (no hang)
 
 
 def test_slurm_workers_are_refused_off_slurm(tmp_path):
