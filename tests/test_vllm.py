@@ -319,6 +319,59 @@ p1_first, same1 = reload(p1, prompts[:2])  # the perturbed weights, 2 prompts
 p0_back, same0 = reload(p0, prompts)       # P0 again: the 2 prompts served under P1, and 2 more
 p1_again, same2 = reload(p1, prompts[:2])  # and P1 again
 out["reload"] = {"p1": p1_first, "p0": p0_back, "p1_again": p1_again, "one_engine": same1 and same0 and same2}
+# a stream on the same engine (rollout.take_newer: step), starting on P0 (reloaded: P1 is in it) with 4
+# rows in flight; P1 is published after the 6th look between steps; and the same rows on P0 alone
+from otbflow.engines.hf import row_keys
+from otbflow.engines.hf_stream import Trajectory
+class Publish:  # hf_backend.PublishedPolicies' interface: P1 appears after `after` looks
+    def __init__(self, after):
+        self.version, self.looks, self.after, self.keep_version = 0, 0, after, False
+    def newer(self):
+        self.looks += 1
+        return self.version == 0 and self.looks > self.after
+    def newest(self):
+        return 1, p1
+    def held(self, v, path):
+        self.version = v
+        return v
+def stream(after):
+    backend = VLLMBackend(cfg.copy(), p0)
+    backend.weights = Publish(after)
+    sampling = Sampling(2, 1.0, 1.0, 16, False, 13)
+    keys = row_keys(13, range(4), 2, "cpu").tolist()
+    rows = [Trajectory(i, j, keys[2 * i + j], prompts[i], 16) for i in range(4) for j in range(2)]
+    decoder = backend.decoder(sampling, 128)
+    decoder.batch_size = 4
+    done = [[t.prompt_index, t.sample_idx, t.response_ids, t.logprobs, t.versions, t.finish_reason]
+            for t in decoder.run(rows)]
+    return {"rows": sorted(done), "stats": vars(decoder.stats), "one_engine": backend.llm is out_engine}
+out_engine = backend.llm
+out["stream"] = {"switched": stream(6), "p0": stream(10**9), "p1": p1}
+# Laminar's streamed rollout on it (otbflow.engines.laminar, as the rollout stage runs it): iteration 1
+# from the stream's start on P0, P1 published after the 5th look; iteration 2 continues its carry on P1
+from otbflow.engines.laminar import stream_rollout
+from otbflow.engines.sampling import GroupSampler
+from otbflow.io import read_table, write_parquet
+from otbflow import schemas
+shard, folder = read_table(sys.argv[4], schemas.PROMPTS), sys.argv[5]
+stream_cfg = load_config(None, [
+    "rollout.backend=vllm", "rollout.enforce_eager=true", "rollout.kv_cache_gib=1", "rollout.stream=true",
+    "rollout.staleness=2", "rollout.take_newer=step", "train.rollout_is=token", "rollout.group_size=2",
+    "rollout.prompts_per_iteration=4", "shard.n_shards=1", "rollout.max_new_tokens=16", "rollout.batch_size=2",
+])
+def streamed(policy, version, after, iteration, carry_in):
+    weights = Publish(after)
+    weights.version = version
+    sampler = GroupSampler(stream_cfg, policy, version, weights)
+    df, carry, carry_meta, meta = stream_rollout(sampler, shard, 0, iteration, carry_in)
+    path = f"{folder}/stream_{iteration}.parquet"
+    write_parquet(carry, path, metadata=carry_meta)
+    cols = ["group_id", "prompt_ids", "response_ids", "rollout_logprobs", "token_versions"]
+    return {"rows": df.select(cols).to_dicts(), "stream": meta["stream"], "carry": carry.select(cols[1:]).to_dicts(),
+            "one_engine": sampler.backend.llm is out_engine}, path
+first, carry = streamed(p0, 0, 5, 1, None)
+second, _ = streamed(p1, 1, 10**9, 2, carry)
+out["laminar"] = [first, second]
 print("CALLS=" + json.dumps(out))
 """
 PARITY = ((1.0, 1.0), (1.0, 0.9), (0.7, 0.9))
@@ -354,7 +407,8 @@ def vllm_calls(qwen2_bpe_policy, data_dir, tmp_path_factory):
         if (qwen2_bpe_policy / name).is_file():
             shutil.copyfile(qwen2_bpe_policy / name, p1 / name)
     script = f"PARITY = {PARITY!r}\nMIN_P, MIN_P_TEMPERATURE = {MIN_P!r}, {MIN_P_TEMPERATURE!r}\n" + CALLS
-    return run_in_vllm(python, script, "CALLS", qwen2_bpe_policy, p1, json.dumps(ids)), ids
+    shard, folder = data_dir / "train" / "shard_0.parquet", tmp_path_factory.mktemp("stream")
+    return run_in_vllm(python, script, "CALLS", qwen2_bpe_policy, p1, json.dumps(ids), shard, folder), ids
 
 
 @pytest.mark.vllm
@@ -490,3 +544,86 @@ def test_a_reloaded_engine_samples_what_a_new_engine_of_the_weights_samples(vllm
     flat = lambda rows: [x for _, _, lp in rows for x in lp]  # noqa: E731
     assert flat(out["p0"]) == pytest.approx(flat(new_engine), abs=1e-6)
     assert out["p1_again"] == out["p1"] and out["p1"][:8] != out["p0"][:8]
+
+
+@pytest.mark.vllm
+@pytest.mark.xdist_group("vllm")
+def test_a_vllm_stream_takes_the_newer_policy_between_engine_steps(vllm_calls, qwen2_bpe_policy):
+    """rollout.take_newer 'step' on the vllm backend (otbflow.engines.vllm_stream), on the real vLLM
+    (CPU) and the vllm_calls fixture's engine: 8 rows, 4 in flight, P1 published after the decoder's
+    6th look between engine steps. It switched once, the rows in flight aborted and submitted again
+    with their tokens (counted as prefilled again), so that rows span both versions; each row's
+    tokens before the switch are those the same rows sample on P0 alone; each token's log-prob is its
+    own version's (transformers, fp32, teacher-forced: mean |delta| <= 1e-3, every token 1e-4);
+    along a row the versions only grow. The second stream started on P0 again: the engine, whose
+    warm worker's record followed the switch, reloaded P0. One engine throughout."""
+    import torch
+
+    from otbflow.models.policy import load_policy
+
+    calls, ids = vllm_calls
+    switched, alone = calls["stream"]["switched"], calls["stream"]["p0"]
+    assert switched["one_engine"] and alone["one_engine"]
+    assert switched["stats"]["switches"] == 1 and alone["stats"]["switches"] == 0
+    assert switched["stats"]["switch_prefill_tokens"] > 0
+    models = {0: load_policy(qwen2_bpe_policy)[0], 1: load_policy(calls["stream"]["p1"])[0]}
+    deltas, spans = [], []
+    assert len(switched["rows"]) == len(alone["rows"]) == 8
+    for (pi, j, resp, lps, versions, _), (pi0, j0, resp0, _, versions0, _) in zip(switched["rows"], alone["rows"]):
+        assert (pi, j) == (pi0, j0) and set(versions0) == {0}
+        assert versions == sorted(versions) and len(versions) == len(resp) == len(lps)
+        before = versions.count(0)
+        assert resp[:before] == resp0[:before]
+        spans.append(set(versions))
+        seq = torch.tensor([ids[pi] + resp])
+        for v, model in models.items():
+            with torch.no_grad():
+                logits = model(input_ids=seq).logits[0, len(ids[pi]) - 1 : -1]
+            lp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(resp)[:, None]).squeeze(-1)
+            deltas += [abs(float(lp[i]) - lps[i]) for i in range(len(resp)) if versions[i] == v]
+    assert {0, 1} in spans and {1} in spans  # rows resumed under P1, and rows started on it
+    mean = sum(deltas) / len(deltas)
+    print(f"vLLM stream: {len(deltas)} tokens, mean |delta| against their versions {mean:.2e}, max {max(deltas):.2e}")
+    assert len(deltas) == sum(len(r[2]) for r in switched["rows"]) and mean <= 1e-3 and max(deltas) <= 1e-4
+
+
+@pytest.mark.vllm
+@pytest.mark.xdist_group("vllm")
+def test_laminar_streams_on_vllm(vllm_calls, qwen2_bpe_policy):
+    """rollout.stream on the vllm backend (otbflow.engines.laminar over vllm_stream), on the real
+    vLLM (CPU) and the vllm_calls fixture's engine, at staleness 2 with 4 groups of 2 an iteration
+    and 4 rows in flight: iteration 1 starts the stream on P0 and takes P1 when it is published
+    (after the 5th look between engine steps); it takes its 4 groups, the first complete, and
+    leaves the rest to its carry, rows in flight among them, their tokens so far with a log-prob and
+    a version each. Iteration 2 continues that carry on P1: it resumes those rows and takes groups
+    that iteration 1 started. Every taken token's log-prob is its version's (transformers, fp32,
+    teacher-forced: mean |delta| <= 1e-3, every token 1e-4)."""
+    import torch
+
+    from otbflow.models.policy import load_policy
+
+    calls, _ = vllm_calls
+    first, second = calls["laminar"]
+    assert first["one_engine"] and second["one_engine"]
+    for it in (first, second):
+        assert len(it["rows"]) == 8 and len({r["group_id"] for r in it["rows"]}) == 4
+    assert first["stream"]["switches"] == 1 and {v for r in first["rows"] for v in r["token_versions"]} == {0, 1}
+    in_flight = [r for r in first["carry"] if len(r["response_ids"]) < 16]
+    assert in_flight and any(r["response_ids"] for r in in_flight)
+    for r in first["carry"]:
+        assert len(r["response_ids"]) == len(r["rollout_logprobs"]) == len(r["token_versions"])
+    st = second["stream"]
+    assert st["groups_from_carry"] > 0 and st["resumed_responses"] > 0 and st["switches"] == 0
+    models = {0: load_policy(qwen2_bpe_policy)[0], 1: load_policy(calls["stream"]["p1"])[0]}
+    deltas = []
+    for r in first["rows"] + second["rows"]:
+        prompt, resp, versions = r["prompt_ids"], r["response_ids"], r["token_versions"]
+        assert versions == sorted(versions) and len(versions) == len(resp)
+        for v, model in models.items():
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([prompt + resp])).logits[0, len(prompt) - 1 : -1]
+            lp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(resp)[:, None]).squeeze(-1)
+            deltas += [abs(float(lp[i]) - r["rollout_logprobs"][i]) for i in range(len(resp)) if versions[i] == v]
+    mean = sum(deltas) / len(deltas)
+    print(f"Laminar on vLLM: {len(deltas)} tokens, mean |delta| to their versions {mean:.2e}, max {max(deltas):.2e}")
+    assert mean <= 1e-3 and max(deltas) <= 1e-4

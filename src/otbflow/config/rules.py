@@ -59,12 +59,6 @@ def check_staleness(cfg: DictConfig, explicit: frozenset[str] | None) -> None:
             "'none' when rollout.staleness is 0 (an on-policy rollout's policy is the newest there is)",
             cfg.rollout.take_newer,
         )
-        require(
-            cfg.rollout.backend == "hf",
-            "rollout.take_newer",
-            "'none' with the vllm backend (its engine takes no weights while it decodes yet)",
-            cfg.rollout.take_newer,
-        )
     if cfg.rollout.stream:
         require(
             s >= 1,

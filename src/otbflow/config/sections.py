@@ -236,10 +236,12 @@ class RolloutConfig:
     (ppo_clip) or min(pi_theta / pi_behav, C) (reinforce's bypass). docs/training.md, 'Pipelined
     iterations'."""
     take_newer: str = opt("none", choices=("none", "step", "trajectory"))
-    """s >= 1, hf backend: the rollout of iteration k starts from the policy of iteration k - s
+    """s >= 1: the rollout of iteration k starts from the policy of iteration k - s
     and takes each newer one, up to iteration k's own, as soon as its train job publishes it
     (Laminar's trajectory-level asynchrony, arXiv 2510.12633): 'step' between two decode steps,
-    every row in flight prefilled again under it (AReaL's interrupt and resubmit); 'trajectory'
+    every row in flight prefilled again under it (AReaL's interrupt and resubmit; on vLLM its
+    requests aborted and submitted again with their tokens, the new weights loaded into the
+    running engine); 'trajectory'
     for the responses that start after it (each response on one policy). Each token records the
     policy that sampled it (the rollouts' token_versions) with its log-prob under that policy,
     which the decoupled objective's behaviour weight uses per token. A rollout then depends on
@@ -253,7 +255,7 @@ class RolloutConfig:
     a long response lands in a later iteration instead of holding its own back; it refills its
     batch as rows finish and takes each newer policy between decode steps. Needs rollout.staleness
     >= 1 (the most iterations a taken group's oldest token may lag: older carried groups are
-    handled by stale_groups), take_newer 'step' and the hf backend; not with filter_groups. A
+    handled by stale_groups) and take_newer 'step'; not with filter_groups. Both backends stream. A
     streamed rollout depends on when the policies were published: a forced rerun is a new sample.
     docs/training.md, 'Streaming rollouts (Laminar)'."""
     stale_groups: str = opt("drop", choices=("drop", "regenerate"))
@@ -270,7 +272,8 @@ class RolloutConfig:
     """filter_groups: most sampling rounds per rollout job (verl's max_num_gen_batches, 10). 0: no
     limit but the shard's prompts (each round draws prompts the earlier ones did not use)."""
     batch_size: int = opt(64, ge=1, le=100_000_000)
-    """hf backend: prompts per generate call."""
+    """hf backend: prompts per generate call; vllm backend, with take_newer or stream: the prompts
+    whose rows are in flight at once (vLLM batches them continuously)."""
     hf_decode: str = opt("auto", choices=HF_DECODE_MODES)
     """hf backend: the decode loop. 'eager': transformers' generate with a dynamic KV cache (the
     bitwise-reproducible path) | 'static': a static KV cache, allocated once per generate call |

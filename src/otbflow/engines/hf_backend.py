@@ -15,8 +15,8 @@ from typing import Any
 from omegaconf import DictConfig
 
 from otbflow.engines import Sample, Sampling, stop_token_ids
-from otbflow.engines.hf import decode_mode, hf_generate, row_keys
-from otbflow.engines.hf_stream import StreamDecoder, StreamStats, Trajectory, Weights
+from otbflow.engines.hf import decode_mode, hf_generate
+from otbflow.engines.hf_stream import StreamDecoder, StreamingBackend, StreamStats, Weights
 from otbflow.models.policy import load_policy
 from otbflow.progress import Progress
 from otbflow.runtime import manifest, resident
@@ -69,8 +69,7 @@ class PublishedPolicies:
         return self._published() > self.version
 
     def take(self, model) -> int:
-        v = self._published()
-        path = self.paths[v - self.first - 1]
+        v, path = self.newest()
         listed = manifest.read(path)
         if resident.ENABLED:
             held, _ = load_policy(path, self.dtype)
@@ -78,7 +77,17 @@ class PublishedPolicies:
                 raise RuntimeError(f"{path}: not a policy of the resident module's architecture and tokenizer")
         else:
             resident.load_weights_in_place(model, path, want=listed["tensors"] if listed else None)
-        self.version, self.digests[v] = v, (listed or {}).get("weights")
+        return self.held(v, path)
+
+    def newest(self) -> tuple[int, Path]:
+        """The newest version published and its folder (an engine that loads weights its own way,
+        vLLM's, loads them from there and then calls ``held``)."""
+        v = self._published()
+        return v, self.paths[v - self.first - 1]
+
+    def held(self, v: int, path: Path) -> int:
+        """Version ``v`` (the folder ``path``) is now the engine's."""
+        self.version, self.digests[v] = v, (manifest.read(path) or {}).get("weights")
         log.info("took the policy of iteration %d (%s) between two decode steps", v, path)
         return v
 
@@ -91,7 +100,7 @@ def _mtime(path: Path) -> int | None:
         return None
 
 
-class HFBackend:
+class HFBackend(StreamingBackend):
     """transformers ``generate`` on the policy loaded once (``model.dtype``, default device)."""
 
     name = "hf"
@@ -129,30 +138,10 @@ class HFBackend:
             self.decode,
         )
 
-    def refilled(self, prompt_ids: list[list[int]], s: Sampling, progress: Progress) -> list[Sample]:
-        """``hf_generate``'s samples from a ``StreamDecoder`` of ``batch_size`` prompts' rows that
-        refills its batch when ``refill_share`` of its rows are still decoding and takes newer weights
-        from ``weights`` (each sample then records its tokens' versions)."""
-        n = 1 if s.greedy else s.n
-        keys = row_keys(s.seed, range(len(prompt_ids)), n, "cpu").tolist()
-        rows = (
-            Trajectory(i, j, keys[i * n + j], ids, s.max_new_tokens)
-            for i, ids in enumerate(prompt_ids)
-            for j in range(n)
-        )
-        decoder = self.decoder(s)
-        out, left = [], [n] * len(prompt_ids)
-        for t in decoder.run(rows):
-            out.append(self.sample(t))
-            left[t.prompt_index] -= 1
-            if not left[t.prompt_index]:
-                progress.update(1)
-        self.add_stats(decoder.stats)
-        return sorted(out, key=lambda x: (x.prompt_index, x.sample_idx))
-
-    def decoder(self, s: Sampling) -> StreamDecoder:
+    def decoder(self, s: Sampling, length: int | None = None) -> StreamDecoder:
         """A ``StreamDecoder`` of ``batch_size`` prompts' rows with ``s``'s sampling options, taking
-        newer weights from ``weights`` (none: the one policy)."""
+        newer weights from ``weights`` (none: the one policy). (``length``, the most tokens of a
+        row, sizes vLLM's cache; this backend's cache grows with its rows.)"""
         n = 1 if s.greedy else s.n
         return StreamDecoder(
             self.model,
@@ -167,29 +156,6 @@ class HFBackend:
             keep_version=getattr(self.weights, "keep_version", False),
             decode=self.decode,
             greedy=s.greedy,
-        )
-
-    def sample(self, t: Trajectory) -> Sample:
-        """A finished trajectory as a ``Sample``: its text, and its tokens' versions where newer
-        policies could be taken."""
-        text = self.tok.decode(t.response_ids, skip_special_tokens=True)
-        versions = t.versions if self.weights is not None else None
-        return Sample(
-            t.prompt_index, t.sample_idx, t.prompt_ids, t.response_ids, t.logprobs, t.finish_reason, text, versions
-        )
-
-    def add_stats(self, st: StreamStats) -> None:
-        """Add one decoder's ``st`` to ``stats`` and log them."""
-        for name, value in vars(st).items():
-            setattr(self.stats, name, getattr(self.stats, name) + value)
-        log.info(
-            "stream decode: %d segments, %d weight switches, %d tokens prefilled again for them and %d to refill, "
-            "rows busy %.0f%% of the decode steps",
-            st.segments,
-            st.switches,
-            st.switch_prefill_tokens,
-            st.refill_prefill_tokens,
-            100 * st.busy_row_steps / max(st.row_steps, 1),
         )
 
     def metadata(self, sampling: Sampling) -> dict[str, Any]:

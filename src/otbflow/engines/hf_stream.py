@@ -30,6 +30,7 @@ Each token records the version that sampled it (``Trajectory.versions``)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -37,8 +38,11 @@ from typing import Protocol
 import torch
 
 from otbflow.algorithms.tensors import padded
-from otbflow.engines import truncate_at_stop
-from otbflow.engines.hf import WIDTH_BUCKET, RowSampler, decode_mode, fused_sampler, generation_config
+from otbflow.engines import Sample, Sampling, truncate_at_stop
+from otbflow.engines.hf import WIDTH_BUCKET, RowSampler, decode_mode, fused_sampler, generation_config, row_keys
+from otbflow.progress import Progress
+
+log = logging.getLogger("otbflow.generate")
 
 
 @dataclass
@@ -86,6 +90,62 @@ class StreamStats:
     row_steps: int = 0
     """Decode steps summed over rows, running or idle: ``busy_row_steps / row_steps`` is the batch's use."""
     busy_row_steps: int = 0
+
+
+class StreamingBackend:
+    """What the backends that decode through a stream decoder share (``hf_backend.HFBackend``'s
+    ``StreamDecoder``, ``vllm.VLLMBackend``'s ``vllm_stream.VLLMStreamDecoder``): a batch sampled
+    through one (``refilled``), a finished trajectory as a ``Sample`` and the decoders' statistics.
+    A subclass has ``tok``, ``weights`` (None: the one policy), ``stats`` (a ``StreamStats``) and
+    ``decoder(sampling, length)`` (``length``: the most tokens of a row, prompt and response)."""
+
+    tok: object
+    weights: Weights | None
+    stats: StreamStats
+
+    def refilled(self, prompt_ids: list[list[int]], s: Sampling, progress: Progress) -> list[Sample]:
+        """The samples of ``prompt_ids`` from one stream decoder, which starts a row as soon as
+        another finishes and takes newer weights from ``weights`` (each sample then records its
+        tokens' versions). Each row's noise is keyed by ``hf.row_keys`` of ``s.seed``."""
+        n = 1 if s.greedy else s.n
+        keys = row_keys(s.seed, range(len(prompt_ids)), n, "cpu").tolist()
+        rows = (
+            Trajectory(i, j, keys[i * n + j], ids, s.max_new_tokens)
+            for i, ids in enumerate(prompt_ids)
+            for j in range(n)
+        )
+        decoder = self.decoder(s, max(map(len, prompt_ids), default=0) + s.max_new_tokens)
+        out, left = [], [n] * len(prompt_ids)
+        for t in decoder.run(rows):
+            out.append(self.sample(t))
+            left[t.prompt_index] -= 1
+            if not left[t.prompt_index]:
+                progress.update(1)
+        self.add_stats(decoder.stats)
+        return sorted(out, key=lambda x: (x.prompt_index, x.sample_idx))
+
+    def sample(self, t: Trajectory) -> Sample:
+        """A finished trajectory as a ``Sample``: its text, and its tokens' versions where newer
+        policies could be taken."""
+        text = self.tok.decode(t.response_ids, skip_special_tokens=True)
+        versions = t.versions if self.weights is not None else None
+        return Sample(
+            t.prompt_index, t.sample_idx, t.prompt_ids, t.response_ids, t.logprobs, t.finish_reason, text, versions
+        )
+
+    def add_stats(self, st: StreamStats) -> None:
+        """Add one decoder's ``st`` to ``stats`` and log them."""
+        for name, value in vars(st).items():
+            setattr(self.stats, name, getattr(self.stats, name) + value)
+        log.info(
+            "stream decode: %d segments, %d weight switches, %d tokens prefilled again for them and %d to refill, "
+            "rows busy %.0f%% of the decode steps",
+            st.segments,
+            st.switches,
+            st.switch_prefill_tokens,
+            st.refill_prefill_tokens,
+            100 * st.busy_row_steps / max(st.row_steps, 1),
+        )
 
 
 class _SegmentEnd:

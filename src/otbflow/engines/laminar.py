@@ -264,7 +264,11 @@ class ShardStream:
         """Decode until the share is held; the slots taken and their groups."""
         backend = self.sampler.engine()
         if not self.enough([]):
-            decoder = backend.decoder(self.sampler.sampling(self.group_size, self.seed(self.iteration)))
+            longest = max(len(t.prompt_ids) for t in self.start(self.next_slot))  # the coming window's
+            for group in self.groups.values():
+                longest = max([longest, *(len(t.prompt_ids) for t in group)])
+            sampling = self.sampler.sampling(self.group_size, self.seed(self.iteration))
+            decoder = backend.decoder(sampling, longest + self.cfg.rollout.max_new_tokens)
             for t in decoder.run(self.queue(), enough=self.enough):
                 self.finish(t)
             backend.add_stats(decoder.stats)

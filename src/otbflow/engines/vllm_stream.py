@@ -1,0 +1,152 @@
+"""Streaming decode on the vllm backend: ``hf_stream.StreamDecoder``'s contract on vLLM's own
+scheduler (issue "Laminar"; arXiv 2510.12633, seed 004; algorithms.md §10-11).
+
+A ``VLLMStreamDecoder`` keeps up to ``batch_size`` trajectories in flight as requests of one
+``vllm.LLM`` engine and steps the engine itself (``LLMEngine.step``): vLLM batches them
+continuously (a finished request's KV blocks go to the next one at once, each request costing its
+own length), and a trajectory that finishes is replaced by the next waiting one after that step.
+Between two steps it asks ``weights`` whether a newer policy is published. If so, it does what
+AReaL does on a weight update:
+
+- every request in flight is aborted, its tokens so far kept (the requests stream their new
+  tokens and log-probs step by step, ``RequestOutputKind.DELTA``);
+- the newest policy's weights are loaded into the running engine (``vllm.reload_policy``: vLLM's
+  ``reload_weights``, and its prefix cache reset, so that no KV block of the old weights is
+  reused);
+- each aborted trajectory is submitted again as its prompt plus its tokens so far, with the
+  budget it has left: vLLM prefills it under the new weights and continues. The tokens prefilled
+  again are counted (``StreamStats.switch_prefill_tokens``).
+
+``keep_version`` (rollout.take_newer 'trajectory') instead starts no new trajectory while a newer
+policy waits and switches once those in flight have finished.
+
+Each request is seeded from its trajectory's noise key and its position in the response
+(``request_seed``): a trajectory submitted at the same position under the same weights samples
+the same tokens, whatever else the engine holds (tests/test_vllm.py checks the per-request seeds'
+independence). Unlike the hf backend's keyed sampler, vLLM's per-request generator restarts at a
+resubmission, so a resumed trajectory does not continue the noise it would have drawn
+uninterrupted: it draws a new stream from its new position. Each token records the version that
+sampled it, and its log-prob is the engine's processed log-prob under that version."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+from otbflow.engines.hf_stream import StreamStats, Trajectory, Weights
+from otbflow.seeds import derive_seed
+
+_END = object()  # the iterable of trajectories is spent
+
+
+def request_seed(key: int, position: int) -> int:
+    """The vLLM seed of a trajectory's request that starts at response ``position``."""
+    return derive_seed(key, "position", position, bits=63)
+
+
+class VLLMStreamDecoder:
+    """Decode trajectories on ``engine()`` (a ``vllm.LLM``, built at the first call), taking newer
+    weights from ``weights`` between engine steps (module docstring). ``params(seed, max_tokens)``:
+    the ``vllm.SamplingParams`` of one request (n = 1, the sampled token's log-prob);
+    ``reload(llm, path)``: loads a policy folder's weights into the running engine."""
+
+    def __init__(
+        self,
+        engine: Callable[[], object],
+        weights: Weights,
+        params: Callable[[int, int], object],
+        reload: Callable[[object, str], None],
+        batch_size: int,
+        keep_version: bool = False,
+    ):
+        self.engine, self.weights, self.params, self.reload = engine, weights, params, reload
+        self.batch_size, self.keep_version = batch_size, keep_version
+        self.stats = StreamStats()
+        self._ids = 0
+
+    def run(self, trajectories: Iterable[Trajectory | None], enough=None) -> Iterator[Trajectory]:
+        """Decode ``trajectories`` (taken lazily, as requests finish) and yield each as it finishes;
+        ``enough``: as ``StreamDecoder.run``'s (asked after each step that finished some, with
+        none: those were yielded first). However it ends, no request of it is left in the engine."""
+        llm = self.engine()
+        core = llm.llm_engine
+        waiting = iter(trajectories)
+        nxt = next(waiting, _END)
+        live: dict[str, Trajectory] = {}
+        self.stats.segments += 1
+        try:
+            while True:
+                if not live and self.weights.newer():  # nothing in flight: new trajectories start on the newest
+                    self._switch(llm, [])
+                draining = self.keep_version and self.weights.newer()
+                while nxt is not _END and nxt is not None and len(live) < self.batch_size and not draining:
+                    self._submit(core, nxt, live)
+                    nxt = next(waiting, _END)
+                if not live:
+                    if nxt is _END or nxt is None:
+                        return
+                    self._switch(llm, [])  # keep_version, drained: the newer weights, then new trajectories
+                    continue
+                finished = self._step(core, live)
+                yield from finished
+                if enough is not None and finished and enough([]):
+                    return
+                if nxt is None:  # none to start before: ask again
+                    nxt = next(waiting, _END)
+                if live and self.weights.newer() and not self.keep_version:
+                    held = list(live.values())
+                    core.abort_request(list(live))
+                    live.clear()
+                    self._switch(llm, held)
+                    for t in held:
+                        t.prefills += 1
+                        self._submit(core, t, live)
+        finally:
+            if live:
+                core.abort_request(list(live))
+
+    def _submit(self, core, t: Trajectory, live: dict[str, Trajectory]) -> None:
+        self._ids += 1
+        request = f"t{self._ids}"
+        prompt = {"prompt_token_ids": t.prompt_ids + t.response_ids}
+        seed, left = request_seed(t.key, len(t.response_ids)), t.budget - len(t.response_ids)
+        core.add_request(request, prompt, self.params(seed, left))
+        live[request] = t
+
+    def _step(self, core, live: dict[str, Trajectory]) -> list[Trajectory]:
+        """One engine step: each request's new tokens appended to its trajectory; those finished."""
+        version = self.weights.version
+        rows = len(live)
+        finished = []
+        for out in core.step():
+            t = live.get(out.request_id)
+            if t is None:
+                continue
+            (c,) = out.outputs
+            tokens = list(c.token_ids)
+            if tokens and (c.logprobs is None or len(c.logprobs) != len(tokens)):
+                raise ValueError("vLLM returned no per-token log-probs (SamplingParams.logprobs must be 0)")
+            t.response_ids += tokens
+            t.logprobs += [token_logprob(entry, token) for entry, token in zip(c.logprobs or [], tokens)]
+            t.versions += [version] * len(tokens)
+            self.stats.busy_row_steps += len(tokens)
+            if out.finished:
+                t.finish_reason = "stop" if c.finish_reason == "stop" else "length"
+                finished.append(t)
+                del live[out.request_id]
+        self.stats.decode_steps += 1
+        self.stats.row_steps += self.batch_size if rows else 0
+        return finished
+
+    def _switch(self, llm, held: list[Trajectory]) -> None:
+        v, path = self.weights.newest()
+        self.reload(llm, str(path))
+        self.weights.held(v, path)
+        self.stats.switches += 1
+        self.stats.switch_prefill_tokens += sum(len(t.prompt_ids) + len(t.response_ids) for t in held)
+
+
+def token_logprob(entry, token: int) -> float:
+    """The sampled token's log-prob from one position of ``CompletionOutput.logprobs``: a dict
+    {token_id: Logprob(logprob=...)} (or a plain float)."""
+    value = entry[token] if isinstance(entry, dict) else entry
+    return float(getattr(value, "logprob", value))
