@@ -225,15 +225,30 @@ def jobs(results: Path) -> list[dict]:
 
 def start_workers(results: Path, n_shards: int) -> tuple[list[subprocess.Popen], float]:
     """One generation and one features worker per shard and one train worker for the run in
-    ``results`` (``otbflow worker``), and the seconds until all had registered (their imports)."""
+    ``results`` (``otbflow worker``; the generation workers with the run's rollout.python, where its
+    resolved config ``results/config.yaml`` sets one: vLLM's environment), and the seconds until
+    all had registered (their imports)."""
     sys.path.insert(0, str(REPO / "src"))
+    import yaml
+
     from otbflow.ops.dispatch import live_workers
 
+    engine = yaml.safe_load((results / "config.yaml").read_text())["rollout"].get("python") or sys.executable
     kinds = ["generate"] * n_shards + ["features"] * n_shards + ["train"]
     start = time.perf_counter()
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "otbflow", "worker", kind, "--results", str(results)],
+            [
+                engine if kind == "generate" else sys.executable,
+                "-m",
+                "otbflow",
+                "worker",
+                kind,
+                "--results",
+                str(results),
+            ],
+            env=env,
             stdout=open(results / f"worker_{kind}_{i}.log", "w"),
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
