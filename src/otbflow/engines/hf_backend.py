@@ -16,24 +16,12 @@ from omegaconf import DictConfig
 
 from otbflow.engines import Sample, Sampling, stop_token_ids
 from otbflow.engines.hf import decode_mode, hf_generate
-from otbflow.engines.hf_stream import StreamDecoder, StreamingBackend, StreamStats, Weights
+from otbflow.engines.hf_stream import FixedWeights, StreamDecoder, StreamingBackend, StreamStats, Weights
 from otbflow.models.policy import load_policy
 from otbflow.progress import Progress
 from otbflow.runtime import manifest, resident
 
 log = logging.getLogger("otbflow.generate")
-
-
-class FixedWeights:
-    """The one policy of a job: version 0, never a newer one (``hf_stream.Weights``)."""
-
-    version = 0
-
-    def newer(self) -> bool:
-        return False
-
-    def take(self, model) -> int:
-        raise AssertionError("a fixed policy has no newer version")
 
 
 class PublishedPolicies:

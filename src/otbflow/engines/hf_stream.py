@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -68,13 +69,36 @@ class Trajectory:
 class Weights(Protocol):
     """Where the decoder's policy comes from: the version it holds and whether a newer one is
     published (asked between decode steps: cheap), and ``take``, which loads the newest into
-    ``model`` in place and returns its version."""
+    ``model`` in place and returns its version; for an engine that loads weights its own way
+    (vLLM's), ``newest`` (the newest version and its folder) and then ``held`` (now loaded)."""
 
     version: int
 
     def newer(self) -> bool: ...
 
     def take(self, model) -> int: ...
+
+    def newest(self) -> tuple[int, Path]: ...
+
+    def held(self, v: int, path: Path) -> int: ...
+
+
+class FixedWeights:
+    """The one policy of a job: version 0, never a newer one (``Weights``)."""
+
+    version = 0
+
+    def newer(self) -> bool:
+        return False
+
+    def take(self, model) -> int:
+        raise AssertionError("a fixed policy has no newer version")
+
+    def newest(self) -> tuple[int, Path]:
+        raise AssertionError("a fixed policy has no newer version")
+
+    def held(self, v: int, path: Path) -> int:
+        raise AssertionError("a fixed policy has no newer version")
 
 
 @dataclass

@@ -12,8 +12,8 @@ from typing import Any, Iterable
 from omegaconf import DictConfig
 
 from otbflow.engines import Sample, Sampling, stop_token_ids
-from otbflow.engines.hf_stream import StreamingBackend, StreamStats, Weights
-from otbflow.engines.vllm_stream import VLLMStreamDecoder, token_logprob
+from otbflow.engines.hf_stream import FixedWeights, StreamingBackend, StreamStats, Weights
+from otbflow.engines.vllm_stream import VLLMStreamDecoder, finish_reason, token_logprob
 from otbflow.io import check_safetensors
 from otbflow.models.policy import load_tokenizer
 from otbflow.progress import Progress
@@ -181,7 +181,7 @@ def samples_from_outputs(outputs: Iterable[Any], prompt_ids: list[list[int]], n:
             raise ValueError(
                 f"prompt {pi} sample {j}: vLLM returned no per-token log-probs (SamplingParams.logprobs must be 0)"
             )
-        reason = "stop" if completion.finish_reason == "stop" else "length"
+        reason = finish_reason(completion.finish_reason)
         logprobs = [token_logprob(entry, tok) for entry, tok in zip(completion.logprobs, tokens)]
         samples.append(Sample(pi, j, prompt_ids[pi], tokens, logprobs, reason, completion.text))
     return samples
@@ -232,10 +232,14 @@ def reload_policy(llm, path: str | Path) -> None:
     of the old weights is reused; a warm worker's record of its engine's weights follows."""
     from otbflow.runtime import resident
 
-    llm.collective_rpc("reload_policy", args=(str(path),))
-    llm.reset_prefix_cache()
     held = resident.take("vllm")
-    if held is not None and held["llm"] is llm:
+    held = held if held is not None and held["llm"] is llm else None
+    if held is not None:
+        held["weights"] = None  # until the new ones are in
+    llm.collective_rpc("reload_policy", args=(str(path),))
+    if llm.reset_prefix_cache() is False:
+        raise RuntimeError(f"vLLM did not reset its prefix cache after loading {path}: requests still hold its blocks")
+    if held is not None:
         held["weights"] = weights_digest(Path(path), resident.KEY)
     log.info("vLLM engine: the weights of %s reloaded into it, its prefix cache reset", path)
 
@@ -367,7 +371,7 @@ class VLLMBackend(StreamingBackend):
 
         return VLLMStreamDecoder(
             lambda: self._engine(s, rows, length),
-            self.weights,
+            self.weights or FixedWeights(),
             params,
             reload_policy,
             batch_size=rows,
@@ -385,5 +389,8 @@ class VLLMBackend(StreamingBackend):
                 s.n, s.temperature, s.top_p, s.max_new_tokens, s.greedy, s.seed, self.stops, s.min_p
             ),
             # the seed above is the call's; row (i, j) is its own n = 1 request (request_seeds)
-            "seeds": "per row: otbflow.seeds.derive_seed(seed, 'request', i, 'sample', j, bits=63)",
+            "seeds": "per row: otbflow.seeds.derive_seed(seed, 'request', i, 'sample', j, bits=63)"
+            if self.weights is None
+            else "per request: otbflow.engines.vllm_stream.request_seed(row key, response position), the row key "
+            "otbflow.engines.hf.row_keys'",
         }

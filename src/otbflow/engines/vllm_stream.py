@@ -26,7 +26,11 @@ the same tokens, whatever else the engine holds (tests/test_vllm.py checks the p
 independence). Unlike the hf backend's keyed sampler, vLLM's per-request generator restarts at a
 resubmission, so a resumed trajectory does not continue the noise it would have drawn
 uninterrupted: it draws a new stream from its new position. Each token records the version that
-sampled it, and its log-prob is the engine's processed log-prob under that version."""
+sampled it, and its log-prob is the engine's processed log-prob under that version.
+
+Its ``StreamStats``: ``segments`` counts its runs (vLLM has no segments), ``decode_steps`` the
+engine's steps, ``row_steps`` those steps times the rows it may hold in flight and
+``busy_row_steps`` the tokens they produced, so that their ratio is the share of its slots used."""
 
 from __future__ import annotations
 
@@ -130,7 +134,7 @@ class VLLMStreamDecoder:
             t.versions += [version] * len(tokens)
             self.stats.busy_row_steps += len(tokens)
             if out.finished:
-                t.finish_reason = "stop" if c.finish_reason == "stop" else "length"
+                t.finish_reason = finish_reason(c.finish_reason)
                 finished.append(t)
                 del live[out.request_id]
         self.stats.decode_steps += 1
@@ -143,6 +147,14 @@ class VLLMStreamDecoder:
         self.weights.held(v, path)
         self.stats.switches += 1
         self.stats.switch_prefill_tokens += sum(len(t.prompt_ids) + len(t.response_ids) for t in held)
+
+
+def finish_reason(reason: str | None) -> str:
+    """A completion's finish reason as a sample's ('stop': a stop token, kept as the last token;
+    'length': the budget); any other (an abort, an error) is no finished response."""
+    if reason not in ("stop", "length"):
+        raise RuntimeError(f"vLLM ended a request with finish reason {reason!r}, not 'stop' or 'length'")
+    return reason
 
 
 def token_logprob(entry, token: int) -> float:
