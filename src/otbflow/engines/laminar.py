@@ -264,8 +264,8 @@ class ShardStream:
         """Decode until the share is held; the slots taken and their groups."""
         backend = self.sampler.engine()
         if not self.enough([]):
-            longest = max(len(t.prompt_ids) for t in self.start(self.next_slot))  # the coming window's
-            for group in self.groups.values():
+            longest = max(map(len, self.window(self.next_slot // self.m)))  # the coming window's prompts
+            for group in self.groups.values():  # and those it holds
                 longest = max([longest, *(len(t.prompt_ids) for t in group)])
             sampling = self.sampler.sampling(self.group_size, self.seed(self.iteration))
             decoder = backend.decoder(sampling, longest + self.cfg.rollout.max_new_tokens)
