@@ -90,6 +90,10 @@ class Sampling:
     min_p: float = 0.0
     """rho of min-p sampling after the temperature (rollout.min_p; otbflow.algorithms.vocab_pruning). 0: none."""
 
+    def label(self) -> str:
+        """What a generation with these options is called in its progress lines."""
+        return "greedy generation" if self.greedy else f"generation ({self.n} per prompt)"
+
 
 class Backend(Protocol):
     name: str

@@ -106,9 +106,8 @@ class HFBackend(StreamingBackend):
 
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> list[Sample]:
         s = sampling
-        label = "greedy generation" if s.greedy else f"generation ({s.n} per prompt)"
         if self.refill_share or self.weights is not None:
-            return self.refilled(prompt_ids, s, Progress(log, label, len(prompt_ids), "prompts"))
+            return self.refilled(prompt_ids, s)
         return hf_generate(
             self.model,
             self.tok,
@@ -121,7 +120,7 @@ class HFBackend(StreamingBackend):
             self.batch_size,
             s.seed,
             self.stops,
-            Progress(log, label, len(prompt_ids), "prompts"),
+            Progress(log, s.label(), len(prompt_ids), "prompts"),
             s.min_p,
             self.decode,
         )

@@ -26,12 +26,15 @@ Each row keeps its own noise stream: the sampler is keyed by the row's 63-bit ke
 position in its response (``otbflow.engines.hf.RowSampler``), so a trajectory resumed in another
 segment, batch or decoder samples what it would have sampled uninterrupted, given the same
 weights, up to the logits' rounding (a prefill and an incremental step round differently).
-Each token records the version that sampled it (``Trajectory.versions``)."""
+Each token records the version that sampled it (``Trajectory.versions``).
+
+The loop around a segment (admitting, draining, switching) is ``StreamLoop``, which the vllm
+backend's ``vllm_stream.VLLMStreamDecoder`` shares with one engine step as its unit."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -127,7 +130,7 @@ class StreamingBackend:
     weights: Weights | None
     stats: StreamStats
 
-    def refilled(self, prompt_ids: list[list[int]], s: Sampling, progress: Progress) -> list[Sample]:
+    def refilled(self, prompt_ids: list[list[int]], s: Sampling) -> list[Sample]:
         """The samples of ``prompt_ids`` from one stream decoder, which starts a row as soon as
         another finishes and takes newer weights from ``weights`` (each sample then records its
         tokens' versions). Each row's noise is keyed by ``hf.row_keys`` of ``s.seed``."""
@@ -139,6 +142,7 @@ class StreamingBackend:
             for j in range(n)
         )
         decoder = self.decoder(s, max(map(len, prompt_ids), default=0) + s.max_new_tokens)
+        progress = Progress(log, s.label(), len(prompt_ids), "prompts")
         out, left = [], [n] * len(prompt_ids)
         for t in decoder.run(rows):
             out.append(self.sample(t))
@@ -204,7 +208,88 @@ class _SegmentEnd:
 _END = object()  # the iterable of trajectories is spent
 
 
-class StreamDecoder:
+class StreamLoop:
+    """What both stream decoders do around their unit of decoding (this module's
+    ``StreamDecoder``: one ``generate`` segment; ``vllm_stream.VLLMStreamDecoder``: one engine
+    step): admit waiting trajectories while fewer than ``batch_size`` are in flight, take the newest
+    weights between two units, drain first for ``keep_version``, and end when nothing is left to
+    decode or the consumer holds enough. A subclass has ``weights``, ``batch_size``,
+    ``keep_version`` and ``stats`` and defines ``_in_flight``, ``_admit``, ``_advance``,
+    ``_load_newest`` and ``_continue`` (and ``_close``: what a run leaves, however it ends)."""
+
+    weights: Weights
+    batch_size: int
+    keep_version: bool
+    stats: StreamStats
+
+    def run(self, trajectories: Iterable[Trajectory | None], enough=None) -> Iterator[Trajectory]:
+        """Decode ``trajectories`` (taken lazily, as rows free up) and yield each as it finishes.
+        The iterable may yield None: no trajectory to start now (asked again after the next unit;
+        with nothing in flight the run ends). ``enough(finished)``: asked as rows finish, with the
+        trajectories finished in the unit so far (where the unit can stop early), and after a unit
+        that finished some, with none (they were yielded first); once it answers True the run
+        returns, the others left as they are (their tokens so far recorded)."""
+        waiting = iter(trajectories)
+        nxt = next(waiting, _END)
+        try:
+            while True:
+                if not self._in_flight() and self.weights.newer():  # nothing in flight: new ones start on the newest
+                    self._switch([])
+                draining = self.keep_version and self.weights.newer()
+                while nxt is not _END and nxt is not None and len(self._in_flight()) < self.batch_size and not draining:
+                    self._admit(nxt)
+                    nxt = next(waiting, _END)
+                if not self._in_flight():
+                    if nxt is _END or nxt is None:
+                        return
+                    self._switch([])  # keep_version, drained: the newer weights, then new trajectories
+                    continue
+                more = nxt is not _END and nxt is not None and not draining
+                finished, stopped = self._advance(more, enough)
+                yield from finished
+                if stopped or (enough is not None and finished and enough([])):
+                    return
+                if nxt is None:  # none to start before: ask again
+                    nxt = next(waiting, _END)
+                active = list(self._in_flight())
+                switch = bool(active) and self.weights.newer() and not self.keep_version
+                if switch:
+                    self._switch(active)
+                self._continue(active, switch)
+        finally:
+            self._close()
+
+    def _switch(self, held: list[Trajectory]) -> None:
+        """Load the newest weights; ``held``: the trajectories in flight that continue under them,
+        each prefilled again (counted)."""
+        self._load_newest()
+        self.stats.switches += 1
+        self.stats.switch_prefill_tokens += sum(len(t.prompt_ids) + len(t.response_ids) for t in held)
+
+    def _in_flight(self) -> Collection[Trajectory]:
+        """The trajectories in flight (a view: read before a switch changes it)."""
+        raise NotImplementedError
+
+    def _admit(self, t: Trajectory) -> None:
+        raise NotImplementedError
+
+    def _advance(self, more_waiting: bool, enough) -> tuple[list[Trajectory], bool]:
+        """One unit of decoding: the trajectories it finished (no longer in flight), and whether
+        ``enough`` ended it."""
+        raise NotImplementedError
+
+    def _load_newest(self) -> None:
+        raise NotImplementedError
+
+    def _continue(self, active: list[Trajectory], switched: bool) -> None:
+        """After a unit: ``active`` are still in flight (under the newest weights if ``switched``)."""
+        raise NotImplementedError
+
+    def _close(self) -> None:
+        pass
+
+
+class StreamDecoder(StreamLoop):
     """Decode trajectories with ``model`` (and its tokenizer ``tok``), taking newer weights from
     ``weights`` between decode steps (module docstring). ``sampling``: temperature, top_p and
     min_p as ``hf_generate`` takes them (``greedy``: the argmax instead); ``stops``: the stop token ids."""
@@ -233,49 +318,31 @@ class StreamDecoder:
         self.mode = decode_mode(decode, model.device)
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else self.stops[0]
         self.stats = StreamStats()
+        self.active: list[Trajectory] = []
 
-    def run(self, trajectories: Iterable[Trajectory | None], enough=None) -> Iterator[Trajectory]:
-        """Decode ``trajectories`` (taken lazily, as rows free up) and yield each as it finishes.
-        The iterable may yield None: no trajectory to start now (asked again after the next
-        segment; with nothing in flight the run ends). ``enough(finished)``: asked as rows finish,
-        with the trajectories finished in the segment so far, and after each segment with none;
-        once it answers True the segment ends, the finished ones are yielded and ``run`` returns,
-        the others left as they are (their tokens so far recorded)."""
-        waiting = iter(trajectories)
-        nxt = next(waiting, _END)
-        active: list[Trajectory] = []
-        while True:
-            if not active and self.weights.newer():  # nothing in flight: new trajectories start on the newest
-                self._switch([])
-            draining = self.keep_version and self.weights.newer()
-            while nxt is not _END and nxt is not None and len(active) < self.batch_size and not draining:
-                active.append(nxt)
-                nxt = next(waiting, _END)
-            if not active:
-                if nxt is _END or nxt is None:
-                    return
-                self._switch([])  # keep_version, drained: the newer weights, then new trajectories
-                continue
-            more = nxt is not _END and nxt is not None and not draining
-            stopped = self._segment(active, more_waiting=more, enough=enough)
-            yield from (t for t in active if t.finish_reason)
-            active = [t for t in active if not t.finish_reason]
-            if stopped or (enough is not None and enough([])):
-                return
-            if nxt is None:  # none to start before: ask again
-                nxt = next(waiting, _END)
-            switch = self.weights.newer() and not (self.keep_version and active)
-            if switch:
-                self._switch(active)
-            for t in active:  # prefilled again at the next segment: under the newer weights after a switch
-                t.prefills += 1
-                if not switch:
-                    self.stats.refill_prefill_tokens += len(t.prompt_ids) + len(t.response_ids)
+    def _in_flight(self) -> list[Trajectory]:
+        return self.active
 
-    def _switch(self, active: list[Trajectory]) -> None:
+    def _admit(self, t: Trajectory) -> None:
+        self.active.append(t)
+
+    def _advance(self, more_waiting: bool, enough) -> tuple[list[Trajectory], bool]:
+        stopped = self._segment(self.active, more_waiting=more_waiting, enough=enough)
+        finished = [t for t in self.active if t.finish_reason]
+        self.active = [t for t in self.active if not t.finish_reason]
+        return finished, stopped
+
+    def _load_newest(self) -> None:
         self.weights.take(self.model)
-        self.stats.switches += 1
-        self.stats.switch_prefill_tokens += sum(len(t.prompt_ids) + len(t.response_ids) for t in active)
+
+    def _continue(self, active: list[Trajectory], switched: bool) -> None:
+        for t in active:  # prefilled again at the next segment: under the newer weights after a switch
+            t.prefills += 1
+            if not switched:
+                self.stats.refill_prefill_tokens += len(t.prompt_ids) + len(t.response_ids)
+
+    def _close(self) -> None:
+        self.active = []
 
     @torch.no_grad()
     def _segment(self, rows: list[Trajectory], more_waiting: bool, enough=None) -> bool:

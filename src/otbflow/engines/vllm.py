@@ -16,7 +16,6 @@ from otbflow.engines.hf_stream import FixedWeights, StreamingBackend, StreamStat
 from otbflow.engines.vllm_stream import VLLMStreamDecoder, finish_reason, token_logprob
 from otbflow.io import check_safetensors
 from otbflow.models.policy import load_tokenizer
-from otbflow.progress import Progress
 from otbflow.runtime.manifest import weights_digest
 from otbflow.runtime.policy_folder import architecture, model_config, model_positions, tokenizer_digest
 from otbflow.seeds import derive_seed
@@ -279,6 +278,9 @@ class VLLMBackend(StreamingBackend):
         check_safetensors(policy)  # vLLM's loader would not name a malformed file
         self.tok = load_tokenizer(policy)
         self.stops = stop_token_ids(self.tok, policy)
+        self.config = model_config(policy)
+        self.positions = (model_positions(self.config) or (None,))[0]
+        """The model's positions (None: its config names none)."""
         self.llm, self.engine = None, None
         self.weights: Weights | None = None
         """A rollout's newer policies (``hf_backend.PublishedPolicies``), set by its sampler; None: the one policy."""
@@ -305,13 +307,11 @@ class VLLMBackend(StreamingBackend):
                 # token it discards rewinds the request's generator, and a CPU generator has no
                 # offset: "CPU Generator does not use offset"); a stream's resubmitted rows exceeded
                 # the 4,096 tokens of its step. Unsplit, a step takes whole prompts.
-                positions = (model_positions(model_config(self.policy)) or (0,))[0]
                 self.engine["enable_chunked_prefill"] = False
-                self.engine["max_num_batched_tokens"] = max(CPU_BATCHED_TOKENS, positions)
+                self.engine["max_num_batched_tokens"] = max(CPU_BATCHED_TOKENS, self.positions or 0)
             sized = not r.kv_cache_gib and current_platform.is_cpu()
             if sized:
-                config = model_config(self.policy)
-                kv = cpu_kv_cache_bytes(config, rows, length, self.cfg.model.dtype, r.tensor_parallel_size)
+                kv = cpu_kv_cache_bytes(self.config, rows, length, self.cfg.model.dtype, r.tensor_parallel_size)
                 self.engine["kv_cache_memory_bytes"] = kv
             self.llm = resident_engine(self.engine)
             if self.llm is None:
@@ -340,8 +340,7 @@ class VLLMBackend(StreamingBackend):
         s = sampling
         n = 1 if s.greedy else s.n
         if self.weights is not None:
-            label = "greedy generation" if s.greedy else f"generation ({n} per prompt)"
-            return self.refilled(prompt_ids, s, Progress(log, label, len(prompt_ids), "prompts"))
+            return self.refilled(prompt_ids, s)
         llm = self._engine(s, len(prompt_ids) * n, max(map(len, prompt_ids), default=0) + s.max_new_tokens)
         params = [
             vllm.SamplingParams(
@@ -363,7 +362,7 @@ class VLLMBackend(StreamingBackend):
         n = 1 if s.greedy else s.n
         rows = self.cfg.rollout.batch_size * n
         if length is None:
-            length = (model_positions(model_config(self.policy)) or (s.max_new_tokens,))[0]
+            length = self.positions or s.max_new_tokens
 
         def params(seed: int, max_tokens: int):
             kwargs = sampling_kwargs(1, s.temperature, s.top_p, max_tokens, s.greedy, seed, self.stops, s.min_p)

@@ -34,12 +34,10 @@ engine's steps, ``row_steps`` those steps times the rows it may hold in flight a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection
 
-from otbflow.engines.hf_stream import StreamStats, Trajectory, Weights
+from otbflow.engines.hf_stream import StreamLoop, StreamStats, Trajectory, Weights
 from otbflow.seeds import derive_seed
-
-_END = object()  # the iterable of trajectories is spent
 
 
 def request_seed(key: int, position: int) -> int:
@@ -47,11 +45,12 @@ def request_seed(key: int, position: int) -> int:
     return derive_seed(key, "position", position, bits=63)
 
 
-class VLLMStreamDecoder:
-    """Decode trajectories on ``engine()`` (a ``vllm.LLM``, built at the first call), taking newer
-    weights from ``weights`` between engine steps (module docstring). ``params(seed, max_tokens)``:
-    the ``vllm.SamplingParams`` of one request (n = 1, the sampled token's log-prob);
-    ``reload(llm, path)``: loads a policy folder's weights into the running engine."""
+class VLLMStreamDecoder(StreamLoop):
+    """Decode trajectories on ``engine()`` (a ``vllm.LLM``, built at a run's start), taking newer
+    weights from ``weights`` between engine steps (module docstring; its loop is
+    ``hf_stream.StreamLoop``'s). ``params(seed, max_tokens)``: the ``vllm.SamplingParams`` of one
+    request (n = 1, the sampled token's log-prob); ``reload(llm, path)``: loads a policy folder's
+    weights into the running engine. However a run ends, no request of it is left in the engine."""
 
     def __init__(
         self,
@@ -65,64 +64,34 @@ class VLLMStreamDecoder:
         self.engine, self.weights, self.params, self.reload = engine, weights, params, reload
         self.batch_size, self.keep_version = batch_size, keep_version
         self.stats = StreamStats()
+        self.live: dict[str, Trajectory] = {}
+        """The requests in flight, by request id."""
         self._ids = 0
+        self._llm = None
 
-    def run(self, trajectories: Iterable[Trajectory | None], enough=None) -> Iterator[Trajectory]:
-        """Decode ``trajectories`` (taken lazily, as requests finish) and yield each as it finishes;
-        ``enough``: as ``StreamDecoder.run``'s (asked after each step that finished some, with
-        none: those were yielded first). However it ends, no request of it is left in the engine."""
-        llm = self.engine()
-        core = llm.llm_engine
-        waiting = iter(trajectories)
-        nxt = next(waiting, _END)
-        live: dict[str, Trajectory] = {}
+    def run(self, trajectories, enough=None):
+        self._llm = self.engine()
         self.stats.segments += 1
-        try:
-            while True:
-                if not live and self.weights.newer():  # nothing in flight: new trajectories start on the newest
-                    self._switch(llm, [])
-                draining = self.keep_version and self.weights.newer()
-                while nxt is not _END and nxt is not None and len(live) < self.batch_size and not draining:
-                    self._submit(core, nxt, live)
-                    nxt = next(waiting, _END)
-                if not live:
-                    if nxt is _END or nxt is None:
-                        return
-                    self._switch(llm, [])  # keep_version, drained: the newer weights, then new trajectories
-                    continue
-                finished = self._step(core, live)
-                yield from finished
-                if enough is not None and finished and enough([]):
-                    return
-                if nxt is None:  # none to start before: ask again
-                    nxt = next(waiting, _END)
-                if live and self.weights.newer() and not self.keep_version:
-                    held = list(live.values())
-                    core.abort_request(list(live))
-                    live.clear()
-                    self._switch(llm, held)
-                    for t in held:
-                        t.prefills += 1
-                        self._submit(core, t, live)
-        finally:
-            if live:
-                core.abort_request(list(live))
+        yield from super().run(trajectories, enough)
 
-    def _submit(self, core, t: Trajectory, live: dict[str, Trajectory]) -> None:
+    def _in_flight(self) -> Collection[Trajectory]:
+        return self.live.values()
+
+    def _admit(self, t: Trajectory) -> None:
         self._ids += 1
         request = f"t{self._ids}"
         prompt = {"prompt_token_ids": t.prompt_ids + t.response_ids}
         seed, left = request_seed(t.key, len(t.response_ids)), t.budget - len(t.response_ids)
-        core.add_request(request, prompt, self.params(seed, left))
-        live[request] = t
+        self._llm.llm_engine.add_request(request, prompt, self.params(seed, left))
+        self.live[request] = t
 
-    def _step(self, core, live: dict[str, Trajectory]) -> list[Trajectory]:
+    def _advance(self, more_waiting: bool, enough) -> tuple[list[Trajectory], bool]:
         """One engine step: each request's new tokens appended to its trajectory; those finished."""
         version = self.weights.version
-        rows = len(live)
+        rows = len(self.live)
         finished = []
-        for out in core.step():
-            t = live.get(out.request_id)
+        for out in self._llm.llm_engine.step():
+            t = self.live.get(out.request_id)
             if t is None:
                 continue
             (c,) = out.outputs
@@ -136,17 +105,29 @@ class VLLMStreamDecoder:
             if out.finished:
                 t.finish_reason = finish_reason(c.finish_reason)
                 finished.append(t)
-                del live[out.request_id]
+                del self.live[out.request_id]
         self.stats.decode_steps += 1
         self.stats.row_steps += self.batch_size if rows else 0
-        return finished
+        return finished, False
 
-    def _switch(self, llm, held: list[Trajectory]) -> None:
+    def _load_newest(self) -> None:
+        """Abort the requests in flight (their trajectories keep their tokens so far), then load
+        the newest weights into the engine; ``_continue`` submits them again."""
+        self._close()
         v, path = self.weights.newest()
-        self.reload(llm, str(path))
+        self.reload(self._llm, str(path))
         self.weights.held(v, path)
-        self.stats.switches += 1
-        self.stats.switch_prefill_tokens += sum(len(t.prompt_ids) + len(t.response_ids) for t in held)
+
+    def _continue(self, active: list[Trajectory], switched: bool) -> None:
+        if switched:  # aborted by the switch: each again as its prompt and tokens so far
+            for t in active:
+                t.prefills += 1
+                self._admit(t)
+
+    def _close(self) -> None:
+        if self.live:
+            self._llm.llm_engine.abort_request(list(self.live))
+            self.live.clear()
 
 
 def finish_reason(reason: str | None) -> str:
