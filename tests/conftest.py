@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -412,3 +413,23 @@ def save_reward_model(path: Path, arch: str, tok, n_positions: int, num_labels: 
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def local_slurm():
+    """The local test cluster, started if it is not up. It stays up after the tests (stop it with
+    slurm/local/slurm-down.sh): with Slurm's client installed and no controller, every Snakemake
+    start waits about 9 s on `scontrol show config` (the Slurm executor plugin asks for MinJobAge
+    when it is loaded, even for a local run), which the workflow tests after this one would pay."""
+    res = subprocess.run(
+        ["bash", str(REPO / "slurm/local/slurm-up.sh")],
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=900,
+    )
+    if res.returncode == 77 or (res.returncode != 0 and not shutil.which("slurmctld")):
+        reason = f"cannot start a local Slurm here: {(res.stdout + res.stderr).strip()[-500:]}"
+        print(reason)
+        pytest.skip(reason)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

@@ -38,7 +38,6 @@ from otbflow.ops import slurm
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.xdist_group("slurm")]
 HEADS = pytest.mark.xdist_group("slurm_heads")
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
-LOCAL = REPO / "slurm" / "local"
 # A test cluster: no accounts, first status check after 2 s instead of the profile's 20 s, one
 # CPU per job so that two jobs share the 2-core machine.
 TEST_ARGS = [
@@ -54,22 +53,6 @@ TEST_ARGS = [
 ]
 # One iteration, trained by 2 DeepSpeed ranks of 1 CPU each.
 TEST_CONFIG = "iterations: 1\nresources:\n  train: {tasks: 2, cpus_per_task: 1}\n"
-
-
-@pytest.fixture(scope="module")
-def local_slurm():
-    """The local test cluster, started if it is not up. It stays up after the tests (stop it with
-    slurm/local/slurm-down.sh): with Slurm's client installed and no controller, every Snakemake
-    start waits about 9 s on `scontrol show config` (the Slurm executor plugin asks for MinJobAge
-    when it is loaded, even for a local run), which the workflow tests after this one would pay."""
-    res = subprocess.run(
-        ["bash", str(LOCAL / "slurm-up.sh")], capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=900
-    )
-    if res.returncode == 77 or (res.returncode != 0 and not shutil.which("slurmctld")):
-        reason = f"cannot start a local Slurm here: {(res.stdout + res.stderr).strip()[-500:]}"
-        print(reason)
-        pytest.skip(reason)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")

@@ -41,7 +41,7 @@ from otbflow.engines.hf import row_keys
 from otbflow.engines.hf_stream import Trajectory
 from otbflow.engines.prompts import use_chat
 from otbflow.engines.sampling import GroupSampler, check_logprobs, rollout_table, select_prompts
-from otbflow.io import read_metadata, read_table
+from otbflow.io import fault_point, read_metadata, read_table
 from otbflow.seeds import derive_seed
 
 
@@ -271,6 +271,7 @@ class ShardStream:
             decoder = backend.decoder(sampling, longest + self.cfg.rollout.max_new_tokens)
             for t in decoder.run(self.queue(), enough=self.enough):
                 self.finish(t)
+                fault_point("rollout:mid-stream")  # a response finished, others in flight
             backend.add_stats(decoder.stats)
         taken = self.take()
         first = self.next_slot - self.stats.slots_started  # the first slot this job started
