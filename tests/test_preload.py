@@ -85,6 +85,19 @@ def test_exit_status_errors_and_signals_are_the_jobs(env, tmp_path):
     job.send_signal(signal.SIGTERM)
     assert job.wait(timeout=60) == -signal.SIGTERM
     assert not list((tmp_path / "q").rglob("*.parquet"))
+    # the served process killed (SIGKILL: the kernel's OOM killer, kill -9): its client ends so too
+    with open(log, "w") as f:
+        job = subprocess.Popen(
+            [sys.executable, "-m", "otbflow", "shard", "--out-dir", str(tmp_path / "r"), "task.n_train=100000"],
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
+    _wait("the job to start", lambda: "shard started" in log.read_text())
+    (pid,) = [int(line.split(" as ")[1].split()[0]) for line in served(env) if f" for {job.pid}" in line]
+    os.kill(pid, signal.SIGKILL)
+    assert job.wait(timeout=60) == -signal.SIGKILL, log.read_text()[-2000:]
+    assert not list((tmp_path / "r").rglob("*.parquet"))
 
 
 def test_a_changed_source_retires_the_server(env, tmp_path):

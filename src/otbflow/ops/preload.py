@@ -233,8 +233,9 @@ def run(argv: list[str]) -> int | None:
             last = {}
     if "exit" in last:
         return int(last["exit"])
-    if "signal" in last:
-        signal.signal(last["signal"], signal.SIG_DFL)
+    if "signal" in last:  # the job's end by a signal is this process's (SIGKILL has no handler to reset)
+        if last["signal"] not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(last["signal"], signal.SIG_DFL)
         os.kill(os.getpid(), last["signal"])
         return 128 + last["signal"]
     print(f"otbflow: the preload server ended before the job did (its log: {base / key}.log)", file=sys.stderr)
