@@ -97,9 +97,10 @@ def wait_for(condition, timeout: float, what: str):
 def client(results: Path, argv: list[str], log: Path, *options: str) -> subprocess.Popen:
     """The rule-side client of a rollout job (``python -m otbflow.ops.dispatch``)."""
     cmd = [sys.executable, "-m", "otbflow.ops.dispatch", "--results", str(results), "--code", code_version("rollout")]
-    return subprocess.Popen(
-        [*cmd, *options, *argv], stdout=open(log, "w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env()
-    )
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            [*cmd, *options, *argv], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env()
+        )
 
 
 def test_a_generate_worker_killed_mid_stream_on_this_machine(stream, tmp_path):
@@ -107,20 +108,25 @@ def test_a_generate_worker_killed_mid_stream_on_this_machine(stream, tmp_path):
     client finds it gone and runs the job itself, with the uninterrupted rollout's outputs."""
     results, folder = tmp_path / "results", tmp_path / "out"
     before = stream.carry.read_bytes()
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "otbflow", "worker", "generate", "--results", str(results)],
-        stdout=open(tmp_path / "worker.log", "w"),
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        env=env(OTBFLOW_FAULT=FAULT),
-    )
+    with open(tmp_path / "worker.log", "w") as log:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "otbflow", "worker", "generate", "--results", str(results)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env(OTBFLOW_FAULT=FAULT),
+        )
+    proc = None
     try:
-        wait_for(lambda: dispatch.live_workers(results, "generate"), 120, "the worker to register")
+        wait_for(lambda: dispatch.live_workers(results, "generate"), 300, "the worker to register")
         proc = client(results, stream.command(folder), tmp_path / "client.log")
         assert proc.wait(timeout=600) == 0, (tmp_path / "client.log").read_text()[-3000:]
+        died = worker.wait(timeout=60)  # it killed itself at the fault point
     finally:
-        worker.kill()
-    assert worker.wait() == -9
+        for p in (worker, proc):
+            if p is not None and p.poll() is None:
+                p.kill()
+    assert died == -9
     out = (tmp_path / "client.log").read_text()
     assert "runs rollout" in out and "is gone: running the job here" in out, out[-3000:]
     assert_as_uninterrupted(stream, folder, before)
@@ -138,26 +144,27 @@ def test_a_generate_worker_job_killed_mid_stream_on_slurm(local_slurm, stream, t
     res = SimpleNamespace(gpu=0, tasks=1, nodes=1, cpus_per_task=1, mem_mb=2000)
     script = workerjobs.script(sys.executable, str(REPO / "src"), "generate", results, 300, 0)
     first = tmp_path / "first-job-started"
-    script = script.replace(
-        "exec ", f"if mkdir {first} 2>/dev/null; then export OTBFLOW_FAULT={FAULT}:sleep; fi\nexec ", 1
-    )
+    hold = f"export OTBFLOW_FAULT={FAULT}:sleep OTBFLOW_FAULT_SLEEP_S=900"  # until it is killed
+    script = script.replace("exec ", f"if mkdir {first} 2>/dev/null; then {hold}; fi\nexec ", 1)
     sbatch = workerjobs.sbatch_options(results, "generate", res, {}, 30, logs)
     said: list[str] = []
     supervisor = workerjobs.Supervisor(
         results, [workerjobs.WorkerJob("generate", 1, sbatch, script, logs)], said.append, 1
     )
     supervisor.start()
+    proc = None
     try:
-        (victim,) = supervisor.known
-        proc = client(
-            results, stream.command(folder), tmp_path / "client.log", "--wait-min", "10", "--threads", THREADS
-        )
+        (victim,) = [line.split()[-1] for line in said if "submitted the generate worker job" in line]
+        options = ("--wait-min", "10", "--threads", THREADS)
+        proc = client(results, stream.command(folder), tmp_path / "client.log", *options)
         held = lambda: "held here" in (tmp_path / "client.log").read_text()  # noqa: E731
         wait_for(held, 600, "the first worker job to reach the fault point")
         subprocess.run(["scancel", "--full", "--signal=KILL", victim], check=True)
         assert proc.wait(timeout=900) == 0, (tmp_path / "client.log").read_text()[-3000:]
     finally:
         supervisor.stop()
+        if proc is not None and proc.poll() is None:
+            proc.kill()
     assert slurm.slurm_state(victim) not in slurm.RUNNING
     out = (tmp_path / "client.log").read_text()
     assert "is gone: the job goes to the next worker" in out and out.count("runs rollout") == 2, out[-3000:]

@@ -387,9 +387,9 @@ def fault_point(name: str) -> None:
     """A place where tests stop a process (the environment's ``OTBFLOW_FAULT``, once per process):
     ``name`` kills it (SIGKILL, as ``kill -9`` or a lost node would), ``name:later`` kills it 5 s
     later (a background thread's fault, after the job that started it returned), ``name:sleep``
-    holds it up to 60 s in short sleeps (a worker can abandon the job meanwhile), ``name:pause``
-    holds it 5 s (``OTBFLOW_FAULT_PAUSE_S``) and goes on (a slow moment); ``OTBFLOW_FAULT_SKIP=n``
-    lets the n first passes go by. Nothing otherwise."""
+    holds it up to 60 s (``OTBFLOW_FAULT_SLEEP_S``) in short sleeps (a worker can abandon the job
+    meanwhile), ``name:pause`` holds it 5 s (``OTBFLOW_FAULT_PAUSE_S``) and goes on (a slow
+    moment); ``OTBFLOW_FAULT_SKIP=n`` lets the n first passes go by. Nothing otherwise."""
     fault = os.environ.get("OTBFLOW_FAULT", "")
     point = fault.rsplit(":", 1)[0] if fault.endswith((":sleep", ":later", ":pause")) else fault
     if point != name or name in _FAULTS_HIT:
@@ -404,7 +404,7 @@ def fault_point(name: str) -> None:
         import logging
 
         logging.getLogger("otbflow.io").warning("OTBFLOW_FAULT=%s: held here", fault)
-        for _ in range(600):
+        for _ in range(int(10 * float(os.environ.get("OTBFLOW_FAULT_SLEEP_S", "60")))):
             time.sleep(0.1)
         return
     if fault.endswith(":later"):

@@ -228,7 +228,10 @@ class StreamLoop:
         with nothing in flight the run ends). ``enough(finished)``: asked as rows finish, with the
         trajectories finished in the unit so far (where the unit can stop early), and after a unit
         that finished some, with none (they were yielded first); once it answers True the run
-        returns, the others left as they are (their tokens so far recorded)."""
+        returns, the others left as they are (their tokens so far recorded). One stream at a time:
+        the rows in flight are the decoder's."""
+        if self._in_flight():
+            raise RuntimeError("this stream decoder is running another stream: one at a time")
         waiting = iter(trajectories)
         nxt = next(waiting, _END)
         try:

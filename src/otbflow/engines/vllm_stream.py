@@ -34,7 +34,7 @@ engine's steps, ``row_steps`` those steps times the rows it may hold in flight a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable, Iterator
 
 from otbflow.engines.hf_stream import StreamLoop, StreamStats, Trajectory, Weights
 from otbflow.seeds import derive_seed
@@ -69,7 +69,8 @@ class VLLMStreamDecoder(StreamLoop):
         self._ids = 0
         self._llm = None
 
-    def run(self, trajectories, enough=None):
+    def run(self, trajectories: Iterable[Trajectory | None], enough=None) -> Iterator[Trajectory]:
+        """``StreamLoop.run`` on the engine, built (or found warm) when the run starts."""
         self._llm = self.engine()
         self.stats.segments += 1
         yield from super().run(trajectories, enough)
@@ -113,7 +114,7 @@ class VLLMStreamDecoder(StreamLoop):
     def _load_newest(self) -> None:
         """Abort the requests in flight (their trajectories keep their tokens so far), then load
         the newest weights into the engine; ``_continue`` submits them again."""
-        self._close()
+        self._abort_in_flight()
         v, path = self.weights.newest()
         self.reload(self._llm, str(path))
         self.weights.held(v, path)
@@ -125,6 +126,9 @@ class VLLMStreamDecoder(StreamLoop):
                 self._admit(t)
 
     def _close(self) -> None:
+        self._abort_in_flight()
+
+    def _abort_in_flight(self) -> None:
         if self.live:
             self._llm.llm_engine.abort_request(list(self.live))
             self.live.clear()
