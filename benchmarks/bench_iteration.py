@@ -44,7 +44,9 @@ then what scheduling and shared cores add. ``job_seconds_per_iteration``: the jo
 ``resources``, one thread per job); ``periods_s``: each time between consecutive train jobs'
 ends (``periods_with_a_write_s``: those during which an AdamW state is written, the iteration's
 before, ``adamw_written``: ``train.optimizer_every``; ``crash``: the last train job run again
-without the workers, which replays from a checkpoint); ``core_floor`` and ``chain_floor`` in the
+without the workers, which replays from a checkpoint); ``rollout_engines_idle_share``: over those
+periods, the share of the time each generation engine ran no rollout job (a warm worker, by its
+name; else a shard's own jobs); ``core_floor`` and ``chain_floor`` in the
 s1-over-s0 ratios bound what overlap can reach (``ratios``). Threads per job: the config's
 ``resources`` (printed); GPUs per job too, but Snakemake runs here without ``--resources``, so
 jobs that ask for a GPU share the machine's GPU.
@@ -132,6 +134,8 @@ WORKERS = {name for name in SETTINGS if name.endswith("_workers")}  # warm worke
 PIPELINED = {name for name, o in SETTINGS.items() if any(re.fullmatch(r"rollout\.staleness=[1-9]\d*", x) for x in o)}
 STAGES = ("rollout", "features", "advantages", "train")
 FINISHED = re.compile(r"^(\S+ \S+) otbflow INFO (\S+) finished in ([\d.]+) s$", re.M)
+STARTED = re.compile(r"^(\S+ \S+) otbflow INFO (\S+) started ([\d.]+) s ago$", re.M)
+RUNS_ON = re.compile(r"INFO worker (\S+) runs rollout \(job ")  # a warm generation worker's job
 # the final line of a stage's Progress (otbflow.progress): items done over the rate is its timer
 DONE = {
     "rollout": re.compile(r"INFO generation \(\d+ per prompt\): (\d+)/\d+ \S+ \(100%\), ([\d.e+]+) \S+, done$", re.M),
@@ -199,9 +203,14 @@ def timer(results: Path, stage: str, k: int, text: str) -> float | None:
     return None
 
 
+def stamp(text: str) -> float:
+    return datetime.strptime(text, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
 def jobs(results: Path) -> list[dict]:
-    """Every stage job of the run: stage, iteration, its end (epoch seconds), job, work and timer
-    seconds."""
+    """Every stage job of the run: stage, iteration, its start and end (epoch seconds: its process's
+    start, or its start on a warm worker), job, work and timer seconds, and its ``engine``: the warm
+    generation worker a rollout ran on, else its shard's (a rollout job of its own)."""
     out = []
     for stage in STAGES:
         for log in sorted((results / "logs" / stage).glob("*.log")):
@@ -211,13 +220,17 @@ def jobs(results: Path) -> list[dict]:
             if not m or not bench.is_file():
                 continue
             job_s = float(bench.read_text().splitlines()[1].split("\t")[0])
-            end = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            end = stamp(m.group(1))
+            started = STARTED.search(text)
             k = int(re.match(r"iter_(\d+)", log.stem).group(1))
+            worker = RUNS_ON.search(text)
             out.append(
                 {
                     "stage": stage,
                     "iteration": k,
+                    "start": stamp(started.group(1)) - float(started.group(3)) if started else end - float(m.group(3)),
                     "end": end,
+                    "engine": worker.group(1) if worker else log.stem.split("_", 2)[-1],
                     "job_s": job_s,
                     "work_s": float(m.group(3)),
                     "timer_s": timer(results, stage, k, text),
@@ -339,6 +352,8 @@ def run_setting(work: Path, name: str, policy: Path, iterations: int, cores: int
         "period_s": period,
         "period_max_s": max(periods) if periods else None,
         "periods_s": periods,
+        # each generation engine's idle share over those periods (engines_idle; none with one period)
+        "rollout_engines_idle_share": engines_idle(js, (ends[0], ends[-1])) if len(ends) > 1 else {},
         "adamw_written": written,
         "periods_with_a_write_s": {i + 1: p for i, p in enumerate(periods) if i in written},
         "chain_s": chain,
@@ -355,6 +370,24 @@ def run_setting(work: Path, name: str, policy: Path, iterations: int, cores: int
         "crash": crash,
         **trained_tokens(folder / "results", iterations, periods),
     }
+
+
+def engines_idle(js: list[dict], window: tuple[float, float]) -> dict[str, float]:
+    """Each generation engine's idle share of ``window`` (the measured periods: the first train
+    job's end to the last's): one minus the share that its rollout jobs cover (their union)."""
+    lo, hi = window
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for j in js:
+        if j["stage"] == "rollout" and j["end"] > lo and j["start"] < hi:
+            spans.setdefault(j["engine"], []).append((max(j["start"], lo), min(j["end"], hi)))
+    idle = {}
+    for engine, mine in sorted(spans.items()):
+        busy, reach = 0.0, lo
+        for a, b in sorted(mine):
+            busy += max(0.0, b - max(a, reach))
+            reach = max(reach, b)
+        idle[engine] = 1 - busy / (hi - lo)
+    return idle
 
 
 def trained_tokens(results: Path, iterations: int, periods: list[float]) -> dict:
