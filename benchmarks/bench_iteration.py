@@ -374,12 +374,13 @@ def run_setting(work: Path, name: str, policy: Path, iterations: int, cores: int
 
 def engines_idle(js: list[dict], window: tuple[float, float]) -> dict[str, float]:
     """Each generation engine's idle share of ``window`` (the measured periods: the first train
-    job's end to the last's): one minus the share that its rollout jobs cover (their union)."""
+    job's end to the last's): one minus the share that its rollout jobs cover (their union); an
+    engine that ran rollouts only outside it, 1."""
     lo, hi = window
-    spans: dict[str, list[tuple[float, float]]] = {}
+    spans: dict[str, list[tuple[float, float]]] = {j["engine"]: [] for j in js if j["stage"] == "rollout"}
     for j in js:
         if j["stage"] == "rollout" and j["end"] > lo and j["start"] < hi:
-            spans.setdefault(j["engine"], []).append((max(j["start"], lo), min(j["end"], hi)))
+            spans[j["engine"]].append((max(j["start"], lo), min(j["end"], hi)))
     idle = {}
     for engine, mine in sorted(spans.items()):
         busy, reach = 0.0, lo

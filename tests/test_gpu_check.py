@@ -146,6 +146,26 @@ def test_list_settings_names_what_check_sh_runs():
     assert listed == list(SETTINGS) and {"grpo_s0", "grpo_s1"} <= set(listed)
 
 
+def test_each_engines_idle_share_is_the_window_its_rollouts_leave():
+    """bench_iteration's ``rollout_engines_idle_share``: per engine, the share of the window that the
+    union of its rollout jobs leaves uncovered, each job clipped to the window (an engine whose
+    rollouts all fall outside it: idle throughout); other stages do not count."""
+    from bench_iteration import engines_idle
+
+    def job(engine, start, end, stage="rollout"):
+        return {"stage": stage, "engine": engine, "start": start, "end": end}
+
+    js = [
+        job("w1", 10, 30),
+        job("w1", 20, 40),  # overlaps the one before: 10..40 busy
+        job("w1", 90, 120),  # 90..100 inside the window
+        job("shard_1", -20, 5),  # 0..5
+        job("w2", 100, 110),  # after the window
+        job("w1", 40, 90, stage="train"),
+    ]
+    assert engines_idle(js, (0.0, 100.0)) == {"shard_1": 0.95, "w1": 0.6, "w2": 1.0}
+
+
 def test_peaks_by_device_name():
     from otbflow.training.hardware import peak_for
 
