@@ -66,7 +66,8 @@ def test_a_served_job_writes_what_its_own_process_writes(env, tiny_policy, data_
 
 def test_exit_status_errors_and_signals_are_the_jobs(env, tmp_path):
     """A refused config ends with the CLI's status 2 and message, served or not; a job that gets
-    SIGTERM (its client relays it to the job's process group) ends by SIGTERM."""
+    SIGTERM (its client relays it to the job's process group) ends by SIGTERM, and one whose served
+    process is killed (SIGKILL) ends by SIGKILL."""
     preload_server(env)
     bad = ["shard", "--out-dir", str(tmp_path / "p"), "task.n_train=-1"]
     forked, own = stage(env, *bad, check=False), stage({**env, "OTBFLOW_PRELOAD": "0"}, *bad, check=False)
@@ -74,26 +75,25 @@ def test_exit_status_errors_and_signals_are_the_jobs(env, tmp_path):
     assert forked.stderr.splitlines()[-1] == own.stderr.splitlines()[-1]
     assert len(served(env)) == 2  # preload_server's second job, then the refused config
     log = tmp_path / "long.log"
-    with open(log, "w") as f:
-        job = subprocess.Popen(
-            [sys.executable, "-m", "otbflow", "shard", "--out-dir", str(tmp_path / "q"), "task.n_train=100000"],
-            env=env,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-        )
-    _wait("the job to start", lambda: "shard started" in log.read_text())
+
+    def started(out: str) -> subprocess.Popen:
+        """A served shard job of many prompts, once it has started."""
+        with open(log, "w") as f:
+            job = subprocess.Popen(
+                [sys.executable, "-m", "otbflow", "shard", "--out-dir", str(tmp_path / out), "task.n_train=100000"],
+                env=env,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+            )
+        _wait("the job to start", lambda: "shard started" in log.read_text())
+        return job
+
+    job = started("q")
     job.send_signal(signal.SIGTERM)
     assert job.wait(timeout=60) == -signal.SIGTERM
     assert not list((tmp_path / "q").rglob("*.parquet"))
     # the served process killed (SIGKILL: the kernel's OOM killer, kill -9): its client ends so too
-    with open(log, "w") as f:
-        job = subprocess.Popen(
-            [sys.executable, "-m", "otbflow", "shard", "--out-dir", str(tmp_path / "r"), "task.n_train=100000"],
-            env=env,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-        )
-    _wait("the job to start", lambda: "shard started" in log.read_text())
+    job = started("r")
     (pid,) = [int(line.split(" as ")[1].split()[0]) for line in served(env) if f" for {job.pid}" in line]
     os.kill(pid, signal.SIGKILL)
     assert job.wait(timeout=60) == -signal.SIGKILL, log.read_text()[-2000:]
