@@ -13,13 +13,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from conftest import REPO, tiny_config
 from test_laminar import STREAM
+from test_slurm_integration import wait_for
+from test_worker import client_command
 
 from otbflow import schemas
 from otbflow.config import to_yaml
@@ -55,7 +56,7 @@ def stream(tiny_run, tmp_path_factory):
     want = tables(tmp / "reference")
     meta = read_metadata(tmp / "reference/rollouts.parquet")["stream"]
     assert meta["resumed_responses"] > 0 and meta["slots_started"] > 0  # both kinds of response are at stake
-    yield SimpleNamespace(carry=carry, command=lambda folder: command(1, folder, carry), want=want, tmp=tmp)
+    yield SimpleNamespace(carry=carry, command=lambda folder: command(1, folder, carry), want=want)
 
 
 def env(**extra: str) -> dict[str, str]:
@@ -86,20 +87,15 @@ def assert_as_uninterrupted(stream, folder: Path, before: bytes) -> None:
     assert sorted(p.name for p in folder.iterdir()) == ["rollouts.parquet", "stream.parquet"]
 
 
-def wait_for(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not (out := condition()):
-        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
-        time.sleep(0.2)
-    return out
-
-
 def client(results: Path, argv: list[str], log: Path, *options: str) -> subprocess.Popen:
     """The rule-side client of a rollout job (``python -m otbflow.ops.dispatch``)."""
-    cmd = [sys.executable, "-m", "otbflow.ops.dispatch", "--results", str(results), "--code", code_version("rollout")]
     with open(log, "w") as out:
         return subprocess.Popen(
-            [*cmd, *options, *argv], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env()
+            [*client_command(results, code_version("rollout")), *options, *argv],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env(),
         )
 
 
@@ -118,7 +114,7 @@ def test_a_generate_worker_killed_mid_stream_on_this_machine(stream, tmp_path):
         )
     proc = None
     try:
-        wait_for(lambda: dispatch.live_workers(results, "generate"), 300, "the worker to register")
+        wait_for(lambda: dispatch.live_workers(results, "generate"), 300, "the worker to register", every=0.2)
         proc = client(results, stream.command(folder), tmp_path / "client.log")
         assert proc.wait(timeout=600) == 0, (tmp_path / "client.log").read_text()[-3000:]
         died = worker.wait(timeout=60)  # it killed itself at the fault point
@@ -158,7 +154,7 @@ def test_a_generate_worker_job_killed_mid_stream_on_slurm(local_slurm, stream, t
         options = ("--wait-min", "10", "--threads", THREADS)
         proc = client(results, stream.command(folder), tmp_path / "client.log", *options)
         held = lambda: "held here" in (tmp_path / "client.log").read_text()  # noqa: E731
-        wait_for(held, 600, "the first worker job to reach the fault point")
+        wait_for(held, 600, "the first worker job to reach the fault point", every=0.2)
         subprocess.run(["scancel", "--full", "--signal=KILL", victim], check=True)
         assert proc.wait(timeout=900) == 0, (tmp_path / "client.log").read_text()[-3000:]
     finally:
