@@ -11,6 +11,7 @@ consumed: it published nothing, and the job's folder holds only the finished out
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -141,7 +142,7 @@ def test_a_generate_worker_job_killed_mid_stream_on_slurm(local_slurm, stream, t
     script = workerjobs.script(sys.executable, str(REPO / "src"), "generate", results, 300, 0)
     first = tmp_path / "first-job-started"
     hold = f"export OTBFLOW_FAULT={FAULT}:sleep OTBFLOW_FAULT_SLEEP_S=900"  # until it is killed
-    script = script.replace("exec ", f"if mkdir {first} 2>/dev/null; then {hold}; fi\nexec ", 1)
+    script = script.replace("exec ", f"if mkdir {shlex.quote(str(first))} 2>/dev/null; then {hold}; fi\nexec ", 1)
     sbatch = workerjobs.sbatch_options(results, "generate", res, {}, 30, logs)
     said: list[str] = []
     supervisor = workerjobs.Supervisor(
