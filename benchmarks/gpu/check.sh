@@ -23,7 +23,8 @@
 #   bash benchmarks/gpu/check.sh --bundle .gpu-bundle --out results/gpu_check
 #   bash benchmarks/gpu/check.sh --device cpu --tiny --out results/gpu_check   # every step, tiny, on CPU
 #                   (the chain at s = 0 as stage jobs and at s = 1 on workers only)
-# Options: --settings LIST (above; tiny: grpo_s0,grpo_s1_workers), --iterations N (a setting's without
+# Options: --settings LIST (above; tiny: grpo_s0,grpo_s1_workers), --configfile FILE (layered over the
+# setting's configs, for example benchmarks/gpu/learning.yaml), --iterations N (a setting's without
 # :N; 2, tiny: 1), --warm-steps N (3; tiny: 2), --steps LIST (the steps to run, of policy, decode,
 # gpu_tests, chain, mfu; default all: the others are recorded as skipped), --budget S, --work DIR
 # (the policy and the runs, kept; default: a new folder under $TMPDIR or /tmp, never under --out,
@@ -31,7 +32,7 @@
 set -u
 cd "$(dirname "$0")/../.."
 out=results/gpu_check bundle="" install_only=0 device=cuda tiny=0 iterations="" warm="" budget=480
-work="" settings="" steps=policy,decode,gpu_tests,chain,mfu
+work="" settings="" steps=policy,decode,gpu_tests,chain,mfu extra=()
 command="bash benchmarks/gpu/check.sh $*"
 while [[ $# -gt 0 ]]; do
   case $1 in
@@ -44,6 +45,7 @@ while [[ $# -gt 0 ]]; do
     --warm-steps) warm=$2 && shift 2 ;;
     --budget) budget=$2 && shift 2 ;;
     --settings) settings=$2 && shift 2 ;;
+    --configfile) extra+=("$2") && shift 2 ;;
     --steps) steps=$2 && shift 2 ;;
     --work) work=$2 && shift 2 ;;
     *) echo "check.sh: unknown argument '$1' (see the comment at the top of $0)" >&2 && exit 2 ;;
@@ -113,7 +115,7 @@ step decode 240 "$PY" benchmarks/bench_decode.py --policy "$policy" --device "$d
 step gpu_tests 60 "$PY" -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_gpu.py
 left=$((budget - (SECONDS - start) - 45)) # the MFU after it, from the chain's train jobs at least
 step chain "$left" "$PY" benchmarks/bench_iteration.py --settings "$settings" --iterations "$iterations" --no-trl \
-  --configfile "${configs[@]}" --policy "$policy" --work "$work/iteration" --cores "$(nproc)" --drop-weights \
+  --configfile "${configs[@]}" "${extra[@]}" --policy "$policy" --work "$work/iteration" --cores "$(nproc)" --drop-weights \
   --out "$out/iteration.json"
 runs=()
 for s in ${settings//,/ }; do runs+=("$work/iteration/${s%%:*}"); done
