@@ -112,7 +112,7 @@ policy=$work/policy
 step policy 150 "$PY" benchmarks/make_policy.py --shape qwen2.5-0.5b --out "$policy" "${shape[@]}"
 step decode 240 "$PY" benchmarks/bench_decode.py --policy "$policy" --device "$device" "${decode[@]}" \
   --out "$out/decode.json"
-step gpu_tests 60 "$PY" -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_gpu.py
+step gpu_tests 180 "$PY" -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_gpu.py
 left=$((budget - (SECONDS - start) - 45)) # the MFU after it, from the chain's train jobs at least
 step chain "$left" "$PY" benchmarks/bench_iteration.py --settings "$settings" --iterations "$iterations" --no-trl \
   --configfile "${configs[@]}" "${extra[@]}" --policy "$policy" --work "$work/iteration" --cores "$(nproc)" --drop-weights \
