@@ -16,7 +16,8 @@
 #                   pytest -m gpu), the GPU, the versions, the date
 #   check.log       everything the steps printed
 # The policy: benchmarks/make_policy.py --shape qwen2.5-0.5b (random, bf16); the setting:
-# config/examples/gpu_qwen2.5-0.5b.yaml. Run from the checkout's root with the python3 on PATH
+# config/examples/gpu_qwen2.5-0.5b.yaml with benchmarks/gpu/learning.yaml (a reward the random
+# policy learns from: the weights change every iteration). Run from the checkout's root with the python3 on PATH
 # (PYTHON=... for another); no `make setup`: src/ goes on PYTHONPATH. On an offline machine whose
 # Python has torch and transformers, --bundle DIR first installs DIR/part*/*.whl (written by
 # benchmarks/gpu/bundle.sh) into that Python; --install-only stops there (docs/environments.md, "The GPU check").
@@ -24,7 +25,7 @@
 #   bash benchmarks/gpu/check.sh --device cpu --tiny --out results/gpu_check   # every step, tiny, on CPU
 #                   (the chain at s = 0 as stage jobs and at s = 1 on workers only)
 # Options: --settings LIST (above; tiny: grpo_s0,grpo_s1_workers), --configfile FILE (layered over the
-# setting's configs, for example benchmarks/gpu/learning.yaml), --iterations N (a setting's without
+# setting's configs), --iterations N (a setting's without
 # :N; 2, tiny: 1), --warm-steps N (3; tiny: 2), --steps LIST (the steps to run, of policy, decode,
 # gpu_tests, chain, mfu; default all: the others are recorded as skipped), --budget S, --work DIR
 # (the policy and the runs, kept; default: a new folder under $TMPDIR or /tmp, never under --out,
@@ -69,11 +70,11 @@ fi
 if ((tiny)); then
   shape=(--layers 2 --vocab 4096 --hidden 64)
   decode=(--dtype float32 --prompts 4 --group-size 2 --max-new-tokens 8 --repeats 1 --profile-steps 2)
-  configs=(config/examples/gpu_qwen2.5-0.5b.yaml benchmarks/gpu/tiny.yaml)
+  configs=(config/examples/gpu_qwen2.5-0.5b.yaml benchmarks/gpu/learning.yaml benchmarks/gpu/tiny.yaml)
   iterations=${iterations:-1} warm=${warm:-2} settings=${settings:-grpo_s0,grpo_s1_workers}
   export OTBFLOW_THREADS=${OTBFLOW_THREADS:-1}
 else
-  shape=() decode=() configs=(config/examples/gpu_qwen2.5-0.5b.yaml) iterations=${iterations:-2} warm=${warm:-3}
+  shape=() decode=() configs=(config/examples/gpu_qwen2.5-0.5b.yaml benchmarks/gpu/learning.yaml) iterations=${iterations:-2} warm=${warm:-3}
   settings=${settings:-grpo_s0_workers:4,grpo_s0:2,grpo_s1_workers:4,grpo_s1:2}
 fi
 [[ -n $work ]] || work=$(mktemp -d "${TMPDIR:-/tmp}/otbflow-gpu-check.XXXXXX")
